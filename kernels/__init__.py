@@ -1,0 +1,1 @@
+"""Triton fused kernels, each with an autograd.Function and a plain-torch reference."""
