@@ -1,0 +1,117 @@
+"""One transformer block, TP/SP-aware: norm -> attention -> residual, norm -> MLP -> residual.
+
+llama: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
+gpt2:  LayerNorm with bias, learned positions (in the embedding), GeLU(tanh) MLP, biases.
+
+Under TP the attention is split by heads (each rank: num_heads/tp query heads and num_kv_heads/tp
+kv heads) and the MLP column-then-row (Megatron-LM section 3), so each block needs one collective
+forward at each of its two exits and one backward at each entry. Under SP (tp>1) the norms,
+residuals and dropout run on a 1/tp slice of the sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from megalite.model.ops import Ops
+from megalite.parallel.random import RNGStreams
+from megalite.parallel.state import ParallelState
+
+
+class Norm(nn.Module):
+    """RMSNorm (llama) or LayerNorm with bias (gpt2); weights replicated across TP ranks."""
+
+    def __init__(self, hidden: int, arch: str, eps: float, state: ParallelState, ops: Ops) -> None:
+        super().__init__()
+        self.eps, self.ops, self.arch = eps, ops, arch
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden)) if arch == "gpt2" else None
+        for p in self.parameters():
+            p.tp_layout = None  # type: ignore[attr-defined]
+            p.sp_partial = state.sp  # each rank sees 1/tp of the sequence: grads are partial sums
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return self.ops.rms_norm(x, self.weight.to(x.dtype), self.eps)
+        return self.ops.layer_norm(x, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+        super().__init__()
+        h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+        if nh % state.tp or nkv % state.tp:
+            raise ValueError(f"num_heads={nh} and num_kv_heads={nkv} must both be divisible by tp={state.tp}")
+        self.head_dim = h // nh
+        self.local_heads, self.local_kv = nh // state.tp, nkv // state.tp
+        self.state, self.ops, self.rope = state, ops, cfg.arch == "llama"
+        self.selective = cfg.recompute == "selective"
+        bias = cfg.arch == "gpt2"
+        self.qkv = ColumnParallelLinear(h, [nh * self.head_dim, nkv * self.head_dim, nkv * self.head_dim],
+                                        state, name=f"{name}.qkv", seed=seed, std=cfg.init_std,
+                                        bias=bias, input_ready=True)
+        # Scaled init of residual-branch outputs (GPT-2 / Megatron): std / sqrt(2 * num_layers).
+        self.out = RowParallelLinear(nh * self.head_dim, h, state, name=f"{name}.out", seed=seed,
+                                     std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.state)
+        b, s, _ = x.shape
+        q, k, v = self.qkv.split_parts(self.qkv(x))
+        q = q.view(b, s, self.local_heads, self.head_dim)
+        k = k.view(b, s, self.local_kv, self.head_dim)
+        v = v.view(b, s, self.local_kv, self.head_dim)
+        if self.rope:
+            q, k = self.ops.apply_rope(q, k, cos[:s], sin[:s])
+        if self.selective and torch.is_grad_enabled():
+            # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
+            o = checkpoint(self.ops.attention, q, k, v, use_reentrant=False)
+        else:
+            o = self.ops.attention(q, k, v)
+        return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.state, self.ops, self.gated = state, ops, cfg.arch == "llama"
+        bias = cfg.arch == "gpt2"
+        parts = [f, f] if self.gated else [f]  # SwiGLU: gate and up fused in one column linear
+        self.up = ColumnParallelLinear(h, parts, state, name=f"{name}.up", seed=seed, std=cfg.init_std,
+                                       bias=bias, input_ready=True)
+        self.down = RowParallelLinear(f, h, state, name=f"{name}.down", seed=seed,
+                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up(enter_tp_region(x, self.state))
+        if self.gated:
+            gate, up = self.up.split_parts(y)
+            y = self.ops.swiglu(gate, up)
+        else:
+            y = self.ops.gelu_tanh(y)
+        return self.down(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int) -> None:
+        super().__init__()
+        name = f"layers.{index}"
+        self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
+        self.attn = Attention(cfg, state, ops, f"{name}.attn", seed)
+        self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
+        self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
+        self.dropout, self.rng, self.sp = cfg.dropout, rng, state.sp
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # On SP slices each TP rank holds different tokens: draw from the tp-local stream.
+        return self.rng.dropout(x, self.dropout, self.training, tp_local=self.sp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.norm1(x), cos, sin))
+        return x + self._drop(self.mlp(self.norm2(x)))

@@ -1,0 +1,106 @@
+"""The GPT: embedding -> blocks -> final norm -> vocab-parallel head and loss.
+
+Built for a slice of layers so a pipeline stage holds only its own: `layers` are global layer
+indices, the embedding lives on the stage with `pre_process`, the final norm, head and loss on the
+stage with `post_process`. Parameter names (and so init and checkpoints) use global layer indices
+and do not depend on tp/pp: see `megalite.layers.init`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
+from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
+from megalite.layers.init import full_normal
+from megalite.layers.linear import ColumnParallelLinear
+from megalite.model.block import Block, Norm
+from megalite.model.ops import get_ops, resolve_kernels
+from megalite.parallel import comm
+from megalite.parallel.random import RNGStreams
+from megalite.parallel.state import ParallelState
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq_len, head_dim/2] in fp32 for rotate-half RoPE."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+class GPT(nn.Module):
+    """A GPT stage. `forward(ids, labels)` returns the per-token loss [B, S] on the last stage (fp32),
+    else the hidden states to send to the next stage."""
+
+    def __init__(self, cfg, state: ParallelState, seed: int, rng: RNGStreams | None = None,
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
+        self.cfg, self.state = cfg, state
+        self.ops = get_ops(resolve_kernels(cfg.kernels, state.device))
+        self.rng = rng or RNGStreams(seed, state)
+        self.layer_ids = layers if layers is not None else range(cfg.num_layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, state.tp, cfg.make_vocab_divisible_by)
+        h = cfg.hidden_size
+        self.embedding: VocabParallelEmbedding | None = None
+        self.position: nn.Parameter | None = None
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab, h, state,
+                                                    name="embedding", seed=seed, std=cfg.init_std)
+            if cfg.arch == "gpt2":
+                self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
+                self.position.tp_layout = None  # type: ignore[attr-defined]
+                self.position.sp_partial = state.sp  # type: ignore[attr-defined]
+        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed) for i in self.layer_ids})
+        self.final_norm: Norm | None = None
+        self.head: ColumnParallelLinear | None = None
+        if post_process:
+            self.final_norm = Norm(h, cfg.arch, cfg.norm_eps, state, self.ops)
+            self.head = ColumnParallelLinear(h, [self.padded_vocab], state, name="head", seed=seed,
+                                             std=cfg.init_std)
+            if cfg.tie_embeddings and self.embedding is not None:
+                self.head.weight = self.embedding.weight  # same [V/tp, h] shard: one parameter
+        cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.embedding is not None
+        x = self.embedding(ids)  # [B, S/tp, H] under SP (reduce-scattered), else [B, S, H]
+        if self.position is not None:
+            pos = self.position[: ids.shape[1]].to(x.dtype)
+            x = x + (comm.split(pos, self.state, "tp", dim=0) if self.state.sp else pos)
+        return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
+
+    def forward(self, ids: torch.Tensor | None, labels: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        x = self.embed(ids).to(dtype) if self.pre_process else hidden
+        assert x is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
+        for block in self.layers.values():
+            if self.cfg.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.cos, self.sin, use_reentrant=False)
+            else:
+                x = block(x, self.cos, self.sin)
+        if not self.post_process:
+            return x
+        assert self.final_norm is not None and self.head is not None
+        logits = self.head(self.final_norm(x))  # [B, S, V/tp]: never gathered
+        if labels is None:
+            return logits
+        b, s = labels.shape
+        loss = vocab_parallel_cross_entropy(logits.reshape(b * s, -1), labels.reshape(-1), self.state,
+                                            self.cfg.vocab_size)
+        return loss.view(b, s)
+
+
+def count_parameters(model: nn.Module, state: ParallelState) -> int:
+    """Parameters of the *whole* model on this stage (TP shards counted at full size, padding excluded
+    from neither: the padded vocab rows are real memory). Each shared parameter counted once."""
+    total = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        total += p.numel() * (state.tp if getattr(p, "tp_layout", None) is not None else 1)
+    return total

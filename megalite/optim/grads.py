@@ -1,0 +1,72 @@
+"""Gradient reduction, the global gradient norm and clipping.
+
+Order matters (the seed's pitfall): reduce first, then measure the norm over all ranks, then clip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
+
+
+def unique_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters with gradients, each once (a tied embedding/head is one parameter)."""
+    return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+
+
+def reduce_gradients(model: nn.Module, state: ParallelState) -> None:
+    """Sum SP-partial grads over TP, then average all grads over DP in one flat bucket.
+
+    Under SP each TP rank saw 1/tp of the sequence, so replicated params (norms, row biases,
+    positions) hold partial grads; Megatron all-reduces them over TP. The DP all-reduce of every
+    gradient is DDP's 2 (N-1)/N Psi (one flat buffer; bucketing/overlap come with the ZeRO optimizer).
+    """
+    params = unique_params(model)
+    partial = [p for p in params if getattr(p, "sp_partial", False) and p.grad is not None]
+    if state.tp > 1 and partial:
+        flat = torch.cat([p.grad.reshape(-1) for p in partial])
+        comm.all_reduce(flat, state, "tp")
+        _unflatten_into(flat, [p.grad for p in partial])
+    if state.dp > 1:
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, state, "dp")
+        flat /= state.dp
+        _unflatten_into(flat, grads)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
+    """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
+    (layout None) only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
+    sq = torch.zeros(1, dtype=torch.float64, device=state.device)
+    for p in unique_params(model):
+        if p.grad is None:
+            continue
+        if getattr(p, "tp_layout", None) is None and state.tp_rank != 0:
+            continue
+        sq += p.grad.detach().double().pow(2).sum()
+    comm.all_reduce(sq, state, "mp")
+    return math.sqrt(sq.item())
+
+
+def clip_gradients(model: nn.Module, max_norm: float, norm: float) -> None:
+    """Scale every gradient by max_norm / norm when the (already global) norm exceeds max_norm."""
+    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
+        return
+    scale = max_norm / (norm + 1e-6)
+    for p in unique_params(model):
+        if p.grad is not None:
+            p.grad.mul_(scale)

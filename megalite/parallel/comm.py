@@ -1,0 +1,203 @@
+"""Counted collectives and Megatron's conjugate autograd operators.
+
+Every collective megalite issues goes through `all_reduce` / `all_gather` / `reduce_scatter` /
+`send` / `recv` below, which record wire bytes in `state.counter` under the group's name.
+
+Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3) needs two conjugate operators:
+
+    f = CopyToTP:      forward identity,   backward all-reduce   (before a column-parallel linear)
+    g = ReduceFromTP:  forward all-reduce, backward identity     (after a row-parallel linear)
+
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) replaces them by
+
+    g-bar = GatherFromSequence:        forward all-gather(seq),     backward reduce-scatter(seq)
+    g-bar* = ReduceScatterToSequence:  forward reduce-scatter(seq), backward all-gather(seq)
+
+which move the same bytes as one all-reduce but keep norms/dropout/residuals on 1/tp of the
+sequence. Activations are [batch, seq, hidden]: the sequence dim is 1, the hidden/vocab dim is -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.state import ParallelState
+
+SEQ_DIM = 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, state: ParallelState, group: str,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, count_as: str | None = None) -> torch.Tensor:
+    """In-place all-reduce of `t` over `group`; returns `t`. `count_as` files the bytes under another
+    name (e.g. 'metrics' for the loss average, so 'dp' holds exactly the gradient traffic)."""
+    n = state.size(group)
+    if n == 1:
+        return t
+    state.counter.record(count_as or group, "all_reduce", _nbytes(t), n)
+    dist.all_reduce(t, op=op, group=state.group(group))
+    return t
+
+
+def all_gather(t: torch.Tensor, state: ParallelState, group: str, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (rank order)."""
+    n = state.size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    state.counter.record(group, "all_gather", _nbytes(t) * n, n)
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t, group=state.group(group))
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(t: torch.Tensor, state: ParallelState, group: str, dim: int) -> torch.Tensor:
+    """Sum `t` over the group and keep this rank's 1/n chunk along `dim`."""
+    n = state.size(group)
+    if n == 1:
+        return t
+    if t.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {n}")
+    state.counter.record(group, "reduce_scatter", _nbytes(t), n)
+    chunks = [c.contiguous() for c in t.chunk(n, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=state.group(group))
+    return out
+
+
+def split(t: torch.Tensor, state: ParallelState, group: str, dim: int) -> torch.Tensor:
+    """This rank's 1/n chunk of `t` along `dim` (no communication)."""
+    n = state.size(group)
+    if n == 1:
+        return t
+    rank = {"tp": state.tp_rank, "dp": state.dp_rank, "pp": state.pp_rank}[group]
+    if t.shape[dim] % n:
+        raise ValueError(f"split: dim {dim} of size {t.shape[dim]} not divisible by {n}")
+    return t.chunk(n, dim=dim)[rank].contiguous()
+
+
+# ---------------------------------------------------------------- Megatron f / g (tensor parallel)
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        ctx.state = state
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_reduce(grad.contiguous(), ctx.state, "tp"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        return all_reduce(x.clone(), state, "tp")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        ctx.state = state
+        return all_gather(x, state, "tp", dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return split(grad, ctx.state, "tp", dim=-1), None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        ctx.state = state
+        return split(x, state, "tp", dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather(grad, ctx.state, "tp", dim=-1), None
+
+
+# ---------------------------------------------------------------- sequence parallel
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        ctx.state = state
+        return all_gather(x, state, "tp", dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return reduce_scatter(grad, ctx.state, "tp", dim=SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        ctx.state = state
+        return reduce_scatter(x, state, "tp", dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather(grad, ctx.state, "tp", dim=SEQ_DIM), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
+        ctx.state = state
+        return split(x, state, "tp", dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather(grad, ctx.state, "tp", dim=SEQ_DIM), None
+
+
+def copy_to_tp(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+    return x if state.tp == 1 else _CopyToTP.apply(x, state)
+
+
+def reduce_from_tp(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Megatron's g: all-reduce forward, identity backward."""
+    return x if state.tp == 1 else _ReduceFromTP.apply(x, state)
+
+
+def gather_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    return x if state.tp == 1 else _GatherLastDim.apply(x, state)
+
+
+def scatter_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    return x if state.tp == 1 else _ScatterLastDim.apply(x, state)
+
+
+def gather_from_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """SP entry to a TP region: all-gather the sequence forward, reduce-scatter backward."""
+    return x if state.tp == 1 else _GatherFromSequence.apply(x, state)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """SP exit from a TP region: reduce-scatter the sequence forward, all-gather backward."""
+    return x if state.tp == 1 else _ReduceScatterToSequence.apply(x, state)
+
+
+def scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Keep this rank's sequence slice of a replicated tensor (backward all-gathers)."""
+    return x if state.tp == 1 else _ScatterToSequence.apply(x, state)
+
+
+def send(t: torch.Tensor, state: ParallelState, dst: int) -> None:
+    """Point-to-point send to global rank `dst`, counted under 'pp'."""
+    state.counter.record("pp", "send", _nbytes(t), 2)
+    dist.send(t.contiguous(), dst)
+
+
+def recv(t: torch.Tensor, state: ParallelState, src: int) -> torch.Tensor:
+    """Receive into `t` from global rank `src` (the sender counts the bytes)."""
+    dist.recv(t, src)
+    return t

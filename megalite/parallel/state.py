@@ -1,0 +1,185 @@
+"""ParallelState: the rank grid and the process groups of a (tp, pp, dp) layout.
+
+Rank order (Megatron's): tensor-parallel fastest, then data-parallel, then pipeline:
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so the tp ranks of a group are consecutive global ranks and sit inside one node (TP moves the most
+bytes, twice per layer per micro-batch, and needs NVLink), dp groups stride by tp, and pipeline
+stages are the outermost, cheapest-to-separate dimension (one p2p per micro-batch boundary).
+
+The arithmetic is in pure functions (`rank_coords`, `group_ranks`) tested without any process group.
+`ParallelState` is built once in `pretrain.py` and passed to every layer: nothing reads a global.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megalite.errors import ConfigError, LaunchError
+from megalite.parallel.counter import CommCounter
+
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+
+
+def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank."""
+    if not 0 <= rank < tp * pp * dp:
+        raise ValueError(f"rank {rank} outside world of size {tp * pp * dp}")
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def coords_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """Inverse of `rank_coords`."""
+    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+
+def group_ranks(kind: str, tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every group of one kind, as sorted lists of global ranks (each rank in exactly one group).
+
+    tp: ranks that differ only in tp_rank; dp: only in dp_rank; pp: only in pp_rank;
+    mp (model parallel, tp x pp): same dp_rank; embedding: first and last pipeline stage of each
+    (tp, dp) column — the ranks holding the two copies of a tied embedding.
+    """
+    world = tp * pp * dp
+    key_of = {
+        "tp": lambda r: (rank_coords(r, tp, pp, dp)[1], rank_coords(r, tp, pp, dp)[2]),
+        "dp": lambda r: (rank_coords(r, tp, pp, dp)[0], rank_coords(r, tp, pp, dp)[2]),
+        "pp": lambda r: rank_coords(r, tp, pp, dp)[:2],
+        "mp": lambda r: rank_coords(r, tp, pp, dp)[1],
+        "embedding": lambda r: rank_coords(r, tp, pp, dp)[:2],
+    }
+    if kind not in key_of:
+        raise ValueError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
+    groups: dict[object, list[int]] = {}
+    for r in range(world):
+        groups.setdefault(key_of[kind](r), []).append(r)
+    result = [sorted(g) for g in groups.values()]
+    if kind == "embedding":
+        result = [sorted({g[0], g[-1]}) for g in result]
+    return sorted(result)
+
+
+@dataclass
+class ParallelState:
+    """Who this rank is in the (tp, pp, dp) grid and the process groups it talks over.
+
+    With world size 1 no process group exists and every collective in `megalite.parallel.comm`
+    short-circuits, so single-process code pays nothing for being parallel-ready.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    rank: int = 0
+    sp: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    groups: dict[str, object] = field(default_factory=dict)
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return rank_coords(self.rank, self.tp, self.pp, self.dp)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return rank_coords(self.rank, self.tp, self.pp, self.dp)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return rank_coords(self.rank, self.tp, self.pp, self.dp)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (None on the first)."""
+        if self.is_first_stage:
+            return None
+        return coords_rank(self.tp_rank, self.dp_rank, self.pp_rank - 1, self.tp, self.dp)
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage (None on the last)."""
+        if self.is_last_stage:
+            return None
+        return coords_rank(self.tp_rank, self.dp_rank, self.pp_rank + 1, self.tp, self.dp)
+
+    def size(self, kind: str) -> int:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "mp": self.tp * self.pp,
+                "embedding": 1 if self.pp == 1 else 2}[kind]
+
+    def group(self, kind: str) -> object | None:
+        """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
+        return self.groups.get(kind)
+
+
+def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str = "auto",
+                     device: str = "auto", timeout_s: float = 600.0) -> ParallelState:
+    """Join the job launched by torchrun/srun (or run alone) and build every process group once.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun) or SLURM_PROCID / SLURM_NTASKS; a partial
+    launcher environment is a LaunchError, not a hang.
+    """
+    rank, world, local_rank = launcher_env()
+    if world != tp * pp * dp:
+        raise ConfigError(f"world size {world} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp, device=dev)
+    if world == 1:
+        return state
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    create_groups(state)
+    return state
+
+
+def create_groups(state: ParallelState) -> None:
+    """Create every process group of the layout (the default group must exist already).
+
+    Every rank must call `new_group` for every group, in the same order, even for groups it is not
+    in: that is torch.distributed's contract, and breaking it hangs the job.
+    """
+    for kind in GROUP_KINDS:
+        for ranks in group_ranks(kind, state.tp, state.pp, state.dp):
+            pg = dist.new_group(ranks)
+            if state.rank in ranks:
+                state.groups[kind] = pg
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) when alone."""
+    env = os.environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise LaunchError(f"launcher environment incomplete: {', '.join(missing)} not set "
+                              "(launch with torchrun, or unset RANK/WORLD_SIZE to run one process)")
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise LaunchError("running under srun with several tasks but MASTER_ADDR/MASTER_PORT are not "
+                              "set: use launch/slurm.sbatch, which exports them")
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
+    return 0, 1, 0

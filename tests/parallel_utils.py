@@ -1,0 +1,43 @@
+"""Helpers for functions that run inside `DistWorld` ranks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from megalite.parallel.counter import CommCounter
+from megalite.parallel.state import ParallelState, create_groups
+
+_GROUPS: dict[tuple[int, int, int], ParallelState] = {}  # per worker process: groups are expensive
+
+
+def layout(tp: int, pp: int = 1, dp: int | None = None, sp: bool = False) -> ParallelState:
+    """A ParallelState for this rank (groups created once per layout per worker, then reused)."""
+    world = dist.get_world_size()
+    dp = dp if dp is not None else world // (tp * pp)
+    key = (tp, pp, dp)
+    if key not in _GROUPS:
+        state = ParallelState(tp=tp, pp=pp, dp=dp, rank=dist.get_rank())
+        create_groups(state)
+        _GROUPS[key] = state
+    return replace(_GROUPS[key], sp=sp, counter=CommCounter())
+
+
+def tiny_model_cfg(arch: str = "llama", **overrides: object):
+    """A small model config (attribute access only, like megalite.config.ModelConfig)."""
+    from types import SimpleNamespace
+
+    base = dict(arch=arch, num_layers=2, hidden_size=32, num_heads=8 if arch == "llama" else 4,
+                num_kv_heads=4,
+                ffn_hidden_size=64, seq_len=8, vocab_size=61, make_vocab_divisible_by=4, norm_eps=1e-5,
+                rope_theta=10000.0, dropout=0.0, tie_embeddings=arch == "gpt2", init_std=0.02,
+                kernels="torch", recompute="none")
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def tiny_train_cfg(steps: int = 3, lr: float = 1e-2):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lr=lr, min_lr=lr, warmup_steps=0, steps=steps, clip_grad=1.0)
