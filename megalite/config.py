@@ -1,0 +1,480 @@
+"""Typed run configuration: nested dataclasses, presets, TOML + `--section.field` CLI, validation.
+
+One `Config` object describes a run. It is built by `parse_args` (or `config_from_dict`) with the
+precedence
+
+    dataclass defaults < model.preset < TOML file (--config) < command line
+
+then `resolve(cfg, world_size)` fills the values that default to "derive me" (0 / None), and
+`validate(cfg, world_size, device_type)` checks every rule at once, before any GPU time is spent,
+and raises one `ConfigError` listing each problem with its fix. The rules are Megatron-core's
+(world = tp*pp*dp, layers split evenly over stages, heads divisible by tp, global batch divisible
+by micro-batch x dp) plus the seed lecture's "most common configuration error": fewer
+micro-batches than pipeline stages, where the pipeline spends most of its time idle
+(bubble (P-1)/(M+P-1), Narayanan et al. 2021).
+
+Each field's one-line doc lives in its `metadata["doc"]`, which `--help` prints.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import tomli_w
+
+from megalite import config_cli as cli
+from megalite.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with its one-line `--help` doc."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def _lf(doc: str) -> Any:
+    """A list field (empty by default) with its `--help` doc."""
+    return field(default_factory=list, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _f("tiny", "named model size whose values replace these defaults (see PRESETS)")
+    arch: str = _f("llama", "llama (RMSNorm, RoPE, SwiGLU) | gpt2 (LayerNorm, learned positions, GELU)")
+    num_layers: int = _f(4, "transformer blocks")
+    hidden_size: int = _f(128, "model width h")
+    num_heads: int = _f(4, "attention (query) heads")
+    num_kv_heads: int = _f(0, "key/value heads; 0 = num_heads (multi-head), fewer = grouped-query attention")
+    ffn_hidden_size: int = _f(0, "MLP width; 0 = llama: round_up(int(8h/3), 64), gpt2: 4h")
+    seq_len: int = _f(128, "tokens per training sequence")
+    vocab_size: int = _f(0, "vocabulary size; 0 = the tokenizer's (filled in by pretrain.py)")
+    make_vocab_divisible_by: int = _f(64, "embedding rows are padded to a multiple of this x tp")
+    norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    dropout: float = _f(0.0, "dropout probability on attention and residual branches")
+    tie_embeddings: bool | None = _f(None, "share input/output embedding; unset = arch default (llama no, gpt2 yes)")
+    init_std: float = _f(0.02, "std of the normal weight init")
+    kernels: str = _f("auto", "auto | torch | triton (auto = triton on CUDA, torch elsewhere)")
+    recompute: str = _f("none", "activation recompute: none | selective (attention core) | full (whole block)")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel size (Megatron column/row-parallel linears)")
+    pp: int = _f(1, "pipeline-parallel stages")
+    dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*pp)")
+    sp: bool = _f(False, "sequence parallelism: shard norm/dropout activations over the tp ranks")
+    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedule)")
+    schedule: str = _f("1f1b", "pipeline schedule: 1f1b | gpipe | interleaved")
+    zero: int = _f(0, "ZeRO stage 0..3: shard optimizer state (1), + grads (2), + params (3) over dp")
+    pp_layers: list[int] = _lf("layers per (virtual) stage in model order; empty = even split")
+    timeout_s: float = _f(600.0, "collective timeout in seconds before a hung rank is reported")
+    backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps to train")
+    micro_batch_size: int = _f(8, "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int = _f(0, "sequences per optimizer step; 0 = micro_batch_size * dp")
+    seed: int = _f(1234, "random seed (init, dropout, data order)")
+    dtype: str = _f("auto", "auto | fp32 | bf16 | fp16 (auto = bf16 on CUDA, fp32 on CPU)")
+    device: str = _f("auto", "auto | cpu | cuda")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
+    beta1: float = _f(0.9, "Adam beta1")
+    beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = no clipping")
+    eval_interval: int = _f(100, "steps between validation runs; 0 = never")
+    eval_steps: int = _f(4, "validation batches per evaluation")
+    max_skipped_steps: int = _f(10, "abort after this many consecutive skipped (inf/nan) steps")
+
+
+@dataclass
+class DataConfig:
+    path: list[str] = _lf(".bin/.idx prefixes; empty = the embedded demo corpus")
+    weights: list[float] = _lf("blend weights, one per path; empty = proportional to size")
+    tokenizer: str = _f("", "SentencePiece .model file; empty = the demo tokenizer")
+    valid_fraction: float = _f(0.02, "share of documents held out for validation")
+    cache_dir: str = _f("", "empty = $MEGALITE_CACHE or ~/.cache/megalite")
+    demo_max_bytes: int = _f(3_000_000, "bytes of the embedded demo corpus to use")
+    demo_vocab_size: int = _f(2048, "vocabulary size of the demo tokenizer")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _f("", "directory for checkpoints; empty = no checkpoints")
+    interval: int = _f(0, "steps between saves; 0 = only at the end (when dir is set)")
+    load: str = _f("", '"" | "latest" (newest in dir) | a checkpoint directory to resume from')
+    keep: int = _f(3, "most recent checkpoints kept in dir (older ones are deleted)")
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = _f("runs/latest", "directory for metrics.jsonl and config.toml")
+    interval: int = _f(10, "steps between log lines")
+    wandb_project: str = _f("", "wandb project; empty = no wandb")
+    wandb_entity: str = _f("", "wandb entity (team or user)")
+    wandb_run_name: str = _f("", "wandb run name; empty = wandb's default")
+
+
+def _section(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _section(ModelConfig, "model shape and kernels")
+    parallel: ParallelConfig = _section(ParallelConfig, "3D parallel layout and ZeRO")
+    train: TrainConfig = _section(TrainConfig, "optimization and precision")
+    data: DataConfig = _section(DataConfig, "datasets and tokenizer")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
+    logging: LoggingConfig = _section(LoggingConfig, "metrics, JSONL and wandb")
+
+
+def _sections() -> dict[str, type]:
+    return cli.sections_of(Config)
+
+
+def _frozen(d: dict[str, dict[str, object]]) -> Mapping[str, Mapping[str, object]]:
+    return types.MappingProxyType({k: types.MappingProxyType(v) for k, v in d.items()})
+
+
+# Model-section values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
+# Pythia-160m-like llama, Llama 3.2 1B (GQA 32/8, tied embeddings), Llama 2 7B.
+PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
+    "tiny": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128),
+    "gpt2-tiny": dict(arch="gpt2", num_layers=4, hidden_size=128, num_heads=4, seq_len=128),
+    "gpt2-small": dict(arch="gpt2", num_layers=12, hidden_size=768, num_heads=12, seq_len=1024,
+                       vocab_size=50257),
+    "gpt2-medium": dict(arch="gpt2", num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024,
+                        vocab_size=50257),
+    "llama-160m": dict(arch="llama", num_layers=12, hidden_size=768, num_heads=12, ffn_hidden_size=2048,
+                       seq_len=2048),
+    "llama-1b": dict(arch="llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+                     ffn_hidden_size=8192, seq_len=2048, vocab_size=128256, rope_theta=500000.0,
+                     tie_embeddings=True),
+    "llama-7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
+                     seq_len=4096, vocab_size=32000),
+})
+
+
+# ----------------------------------------------------------------------------- building a Config
+
+
+def config_from_dict(d: dict[str, Any]) -> Config:
+    """A Config from a nested dict as read from TOML: defaults < d's preset < d's values."""
+    errors: list[str] = []
+    entries = cli.flatten(d, _sections(), "the config", errors)
+    cfg = cli.build(Config, PRESETS, entries, errors)
+    cli.raise_if(errors, "bad config")
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """A Config from a TOML file (e.g. a run's saved `config.toml`)."""
+    return config_from_dict(cli.read_toml(path))
+
+
+def help_text() -> str:
+    """The `--help` text: every field by section with its type, default and doc."""
+    docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(Config)}
+    return cli.format_help(_sections(), docs, PRESETS)
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Build a Config from `--config FILE.toml` and `--section.field VALUE` overrides.
+
+    Precedence: defaults < preset (model.preset from the CLI, else the file, else "tiny") < file
+    < CLI. Every unknown key and bad value is reported in one ConfigError. `--help` prints
+    `help_text()` and exits 0.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    sections = _sections()
+    bool_keys = {f"{s}.{n}" for s, c in sections.items() for n, t in cli.field_types(c).items()
+                 if "bool" in cli.type_name(t)}
+    parsed = cli.split_argv(args, bool_keys)
+    if parsed.want_help:
+        print(help_text(), end="")
+        raise SystemExit(0)
+    errors: list[str] = []
+    entries: list[cli.Entry] = []
+    if parsed.config_file is not None:
+        entries += cli.flatten(cli.read_toml(parsed.config_file), sections, parsed.config_file, errors)
+    entries += [(k, v, True) for k, v in parsed.overrides]
+    cfg = cli.build(Config, PRESETS, entries, errors)
+    cli.raise_if(errors, "bad config")
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Nested plain dict of `cfg`, None values dropped (TOML has no null; None means 'default')."""
+    return {s: {k: v for k, v in sec.items() if v is not None} for s, sec in dataclasses.asdict(cfg).items()}
+
+
+def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
+    """Write `cfg` as TOML, creating parent directories; atomic so a crash never leaves half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(tomli_w.dumps(config_to_dict(cfg)), encoding="utf-8")
+    os.replace(tmp, p)
+
+
+# ----------------------------------------------------------------------------- derived values
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def resolve(cfg: Config, world_size: int) -> Config:
+    """A copy of `cfg` with the derived values filled in (idempotent; vocab_size stays as is).
+
+    dp = world_size // (tp*pp) (at least 1, so a bad layout is reported by `validate` with its
+    numbers rather than as dp=0); num_kv_heads = num_heads; ffn_hidden_size = llama's SwiGLU
+    width round_up(int(8h/3), 64) (LLaMA, Touvron et al. 2023) or gpt2's 4h; tie_embeddings = the
+    arch default; global_batch_size = micro_batch_size * dp.
+    """
+    out = copy.deepcopy(cfg)
+    m, par, tr = out.model, out.parallel, out.train
+    if par.dp == 0 and par.tp > 0 and par.pp > 0:
+        par.dp = max(1, world_size // (par.tp * par.pp))
+    if m.num_kv_heads == 0:
+        m.num_kv_heads = m.num_heads
+    if m.ffn_hidden_size == 0:
+        if m.arch == "llama":
+            m.ffn_hidden_size = _round_up(int(8 * m.hidden_size / 3), 64)
+        elif m.arch == "gpt2":
+            m.ffn_hidden_size = 4 * m.hidden_size
+    if m.tie_embeddings is None and m.arch in ("llama", "gpt2"):
+        m.tie_embeddings = m.arch == "gpt2"
+    if tr.global_batch_size == 0 and par.dp > 0:
+        tr.global_batch_size = tr.micro_batch_size * par.dp
+    return out
+
+
+def micro_batches_per_step(cfg: Config) -> int:
+    """M = global_batch_size // (micro_batch_size * dp): micro-batches each rank runs per step."""
+    if cfg.parallel.dp <= 0 or cfg.train.global_batch_size <= 0 or cfg.train.micro_batch_size <= 0:
+        raise ConfigError("micro_batches_per_step needs a resolved config: call resolve(cfg, world_size) first")
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.parallel.dp)
+
+
+def resolved_device(cfg: Config) -> str:
+    """'cuda' or 'cpu': auto picks CUDA when torch sees a GPU; explicit cuda without one is an error."""
+    import torch
+
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA device: use train.device=cpu or auto")
+    if cfg.train.device not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device: {cfg.train.device!r} is not one of auto, cpu, cuda")
+    return cfg.train.device
+
+
+def resolved_dtype(cfg: Config, device: str) -> torch.dtype:
+    """The compute dtype: auto = bf16 on CUDA (no loss scaling needed), fp32 on CPU."""
+    import torch
+
+    name = cfg.train.dtype
+    if name == "auto":
+        name = "bf16" if device == "cuda" else "fp32"
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in table:
+        raise ConfigError(f"train.dtype: {cfg.train.dtype!r} is not one of auto, fp32, bf16, fp16")
+    return table[name]
+
+
+# ----------------------------------------------------------------------------- validation
+
+_CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "model.arch": ("llama", "gpt2"),
+    "model.kernels": ("auto", "torch", "triton"),
+    "model.recompute": ("none", "selective", "full"),
+    "parallel.schedule": ("1f1b", "gpipe", "interleaved"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "train.dtype": ("auto", "fp32", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+})
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _value_problems(cfg: Config) -> list[str]:
+    """Choices and ranges of single values."""
+    out = [f"{k}: {_get(cfg, k)!r} is not one of {', '.join(c)}"
+           for k, c in _CHOICES.items() if _get(cfg, k) not in c]
+    if cfg.model.preset not in PRESETS:
+        out.append(f"model.preset: unknown preset {cfg.model.preset!r}: choose one of {', '.join(PRESETS)}")
+    at_least_1 = ["model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
+                  "model.ffn_hidden_size", "model.make_vocab_divisible_by", "parallel.tp", "parallel.pp",
+                  "parallel.dp", "parallel.vpp", "train.steps", "train.micro_batch_size",
+                  "train.global_batch_size", "checkpoint.keep", "logging.interval",
+                  "data.demo_max_bytes", "data.demo_vocab_size"]
+    out += [f"{k} must be >= 1, got {_get(cfg, k)}" for k in at_least_1 if _get(cfg, k) < 1]
+    at_least_0 = ["model.vocab_size", "train.warmup_steps", "train.eval_interval", "train.eval_steps",
+                  "train.max_skipped_steps", "checkpoint.interval", "train.weight_decay", "train.clip_grad",
+                  "train.min_lr"]
+    out += [f"{k} must be >= 0, got {_get(cfg, k)}" for k in at_least_0 if _get(cfg, k) < 0]
+    positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "train.adam_eps", "parallel.timeout_s"]
+    out += [f"{k} must be > 0, got {_get(cfg, k)}" for k in positive if not _get(cfg, k) > 0]
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        out.append(f"parallel.zero must be 0, 1, 2 or 3 (ZeRO stage), got {cfg.parallel.zero}")
+    if cfg.model.seq_len < 2:
+        out.append(f"model.seq_len must be >= 2 (inputs and shifted targets), got {cfg.model.seq_len}")
+    if not 0 <= cfg.model.dropout < 1:
+        out.append(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not 0 <= cfg.data.valid_fraction < 1:
+        out.append(f"data.valid_fraction must be in [0, 1), got {cfg.data.valid_fraction}")
+    for k in ("train.beta1", "train.beta2"):
+        if not 0 <= _get(cfg, k) < 1:
+            out.append(f"{k} must be in [0, 1), got {_get(cfg, k)}")
+    if not cfg.train.lr > 0:
+        out.append(f"train.lr must be > 0, got {cfg.train.lr}")
+    elif cfg.train.min_lr > cfg.train.lr:
+        out.append(f"train.min_lr {cfg.train.min_lr} is above train.lr {cfg.train.lr}: set min_lr <= lr")
+    if cfg.train.eval_interval > 0 and cfg.train.eval_steps < 1:
+        out.append("train.eval_steps must be >= 1 when eval_interval > 0: raise it or set eval_interval=0")
+    return out
+
+
+def _layout_problems(cfg: Config, world_size: int) -> list[str]:
+    """Shapes against the parallel layout (Megatron-core's rules) and the batch arithmetic."""
+    m, p = cfg.model, cfg.parallel
+    out: list[str] = []
+    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}: "
+                   f"make hidden_size a multiple of num_heads")
+    if m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
+        out.append(f"model.num_heads {m.num_heads} is not divisible by model.num_kv_heads {m.num_kv_heads}: "
+                   f"each kv head must serve a whole group of query heads")
+    if min(p.tp, p.pp, p.dp, p.vpp) < 1:
+        return out  # reported by _value_problems; the arithmetic below would divide by zero
+    if world_size != p.tp * p.pp * p.dp:
+        fix = (f"set parallel.dp={world_size // (p.tp * p.pp)} (or 0 to derive it)"
+               if world_size % (p.tp * p.pp) == 0 else f"launch a multiple of tp*pp = {p.tp * p.pp} processes")
+        out.append(f"world_size {world_size} != tp {p.tp} x pp {p.pp} x dp {p.dp} = {p.tp * p.pp * p.dp}: "
+                   f"{fix} or change tp/pp")
+    stages = p.pp * p.vpp
+    if not p.pp_layers:
+        if m.num_layers % stages:
+            out.append(f"model.num_layers {m.num_layers} is not divisible by pp x vpp = {p.pp} x {p.vpp} = "
+                       f"{stages}: change num_layers or give parallel.pp_layers (layers per stage)")
+    else:
+        if len(p.pp_layers) != stages:
+            out.append(f"parallel.pp_layers has {len(p.pp_layers)} entries but pp x vpp = {stages} "
+                       f"stages need one each")
+        if any(n < 1 for n in p.pp_layers):
+            out.append(f"parallel.pp_layers {p.pp_layers}: every stage needs at least 1 layer")
+        if sum(p.pp_layers) != m.num_layers:
+            out.append(f"parallel.pp_layers {p.pp_layers} sums to {sum(p.pp_layers)} but model.num_layers "
+                       f"is {m.num_layers}")
+    for key in ("model.num_heads", "model.num_kv_heads", "model.ffn_hidden_size"):
+        if _get(cfg, key) % p.tp:
+            out.append(f"{key} {_get(cfg, key)} is not divisible by parallel.tp {p.tp}: "
+                       f"each tensor-parallel rank needs an equal share")
+    if p.sp and p.tp == 1:
+        out.append("parallel.sp needs parallel.tp > 1 (it shards activations over the tp ranks): "
+                   "set tp >= 2 or sp=false")
+    elif p.sp and m.seq_len % p.tp:
+        out.append(f"model.seq_len {m.seq_len} is not divisible by parallel.tp {p.tp}, which "
+                   f"sequence parallelism needs: change seq_len or tp")
+    out += _batch_problems(cfg)
+    return out
+
+
+def _batch_problems(cfg: Config) -> list[str]:
+    """Global batch vs micro-batch x dp, and micro-batches vs pipeline stages (the bubble)."""
+    p, t = cfg.parallel, cfg.train
+    out: list[str] = []
+    if min(t.micro_batch_size, t.global_batch_size) < 1:
+        return out
+    per_step = t.micro_batch_size * p.dp
+    m_count = t.global_batch_size // per_step
+    if t.global_batch_size % per_step:
+        out.append(f"train.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+                   f"{t.micro_batch_size} x dp {p.dp} = {per_step}: use a multiple of {per_step}, e.g. "
+                   f"{max(1, m_count) * per_step}")
+    if p.pp > 1 and m_count < p.pp:
+        out.append(f"only M={m_count} micro-batches per step for pp={p.pp} pipeline stages "
+                   f"(M = global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
+                   f"x dp {p.dp})): the pipeline would idle most of the time; set train.global_batch_size "
+                   f">= {per_step * p.pp} (or lower micro_batch_size)")
+    if p.vpp > 1 and p.schedule != "interleaved":
+        out.append(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+    if p.schedule == "interleaved":
+        if p.vpp == 1:
+            out.append("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual chunks per rank)")
+        if p.pp == 1:
+            out.append("parallel.schedule=interleaved needs parallel.pp > 1")
+        elif m_count % p.pp:
+            out.append(f"parallel.schedule=interleaved needs M={m_count} micro-batches per step to be a "
+                       f"multiple of pp={p.pp}: set train.global_batch_size to a multiple of "
+                       f"{per_step * p.pp}")
+    return out
+
+
+def _environment_problems(cfg: Config, device_type: str) -> list[str]:
+    """Kernels, backend and device against where the run executes; files and blending."""
+    out: list[str] = []
+    if cfg.model.kernels == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        out.append("model.kernels=triton on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                   "or use model.kernels=torch")
+    if cfg.parallel.backend == "nccl" and device_type != "cuda":
+        out.append(f"parallel.backend=nccl needs CUDA but the run is on {device_type}: use backend=gloo or auto")
+    if cfg.train.device == "cuda" and device_type != "cuda":
+        out.append(f"train.device=cuda but the run is on {device_type}: use train.device=cpu or auto")
+    if cfg.checkpoint.interval > 0 and not cfg.checkpoint.dir:
+        out.append(f"checkpoint.interval={cfg.checkpoint.interval} needs checkpoint.dir: set a directory "
+                   f"or interval=0")
+    if cfg.checkpoint.load == "latest" and not cfg.checkpoint.dir:
+        out.append("checkpoint.load=latest needs checkpoint.dir to search: set it or give a checkpoint directory")
+    d = cfg.data
+    if d.weights and len(d.weights) != len(d.path):
+        out.append(f"data.weights has {len(d.weights)} entries but data.path has {len(d.path)}: "
+                   f"give one weight per path or none")
+    if d.weights and (min(d.weights) < 0 or sum(d.weights) <= 0):
+        out.append(f"data.weights {d.weights} must be >= 0 with a positive sum")
+    return out
+
+
+def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
+    """Check every rule and raise one ConfigError listing all problems, one line each.
+
+    `cfg` should come from `resolve`; it is resolved again here (idempotent) so an unresolved
+    config is reported by its real problems, not as "dp must be >= 1". `device_type` is where the
+    run executes ("cpu" or "cuda"), i.e. `resolved_device(cfg)`.
+    """
+    cfg = resolve(cfg, world_size)
+    problems: list[str] = []
+    if world_size < 1:
+        problems.append(f"world_size must be >= 1, got {world_size}: check WORLD_SIZE from the launcher")
+    problems += _value_problems(cfg)
+    problems += _layout_problems(cfg, world_size)
+    problems += _environment_problems(cfg, device_type)
+    cli.raise_if(problems, "invalid config")
+
+
+__all__ = [
+    "PRESETS", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ModelConfig",
+    "ParallelConfig", "TrainConfig", "config_from_dict", "config_to_dict", "help_text", "load_config",
+    "micro_batches_per_step", "parse_args", "resolve", "resolved_device", "resolved_dtype",
+    "save_config", "validate",
+]

@@ -1,0 +1,304 @@
+"""Generic helpers behind `megalite.config`: value coercion, argv splitting, TOML reading, `--help`.
+
+Nothing here knows megalite's sections: every function takes the dataclasses (or their field
+types) as arguments, so `config.py` can import this module without an import cycle and stay a
+readable list of fields, presets and validation rules.
+
+The CLI grammar follows torchtitan's generated CLI: `--section.field VALUE` or
+`--section.field=VALUE`, bools spelled true/false/1/0/yes/no (a bare `--parallel.sp` means true),
+lists comma-separated. Values from TOML are already typed and are checked strictly (a string where
+an int belongs is an error, not a silent conversion), while CLI values are strings and parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from megalite.errors import ConfigError
+
+try:  # Python >= 3.11 ships tomllib; pyproject pulls tomli for 3.10.
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+_TRUE = frozenset({"true", "1", "yes", "y", "on"})
+_FALSE = frozenset({"false", "0", "no", "n", "off"})
+_NONE = frozenset({"none", "null", "auto", ""})
+
+
+# ----------------------------------------------------------------------------- field types
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a dataclass's fields (annotations are strings under __future__)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def type_name(tp: Any) -> str:
+    """Short human name of a field type for `--help` and error messages: int, list[str], bool | None."""
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "").replace("NoneType", "None")
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, whether None is allowed) for `X | None` / Optional[X]; other types pass through."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _scalar(key: str, value: Any, tp: type, from_cli: bool) -> Any:
+    """Convert one scalar to `tp`, or raise ConfigError('key: expected T, got V')."""
+    bad = ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    if from_cli:
+        text = str(value).strip()
+        if tp is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ConfigError(f"{key}: expected bool (true/false/1/0/yes/no), got {value!r}")
+        if tp is str:
+            return str(value)
+        try:
+            return tp(text)
+        except ValueError:
+            raise bad from None
+    # Typed sources (TOML, dicts): bool is a subclass of int in Python, so reject it explicitly;
+    # an int is accepted where a float belongs (TOML writes `lr = 1` for 1.0).
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if isinstance(value, bool):
+        raise bad
+    if tp is float and isinstance(value, int):
+        return float(value)
+    if isinstance(value, tp):
+        return value
+    raise bad
+
+
+def coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert `value` (a CLI string when `from_cli`, else a TOML/dict value) to field type `tp`.
+
+    Supported types are the ones megalite's config uses: int, float, str, bool, `bool | None`
+    and `list[X]` of those scalars. CLI lists are comma-separated ("" is the empty list); a single
+    TOML scalar where a list belongs is taken as a one-element list.
+    """
+    inner, optional = _split_optional(tp)
+    if optional:
+        if value is None or (from_cli and str(value).strip().lower() in _NONE):
+            return None
+        return coerce(key, value, inner, from_cli)
+    if typing.get_origin(inner) is list:
+        (elem,) = typing.get_args(inner)
+        if from_cli:
+            items: list[Any] = [p.strip() for p in str(value).split(",") if p.strip()]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            items = [value]
+        return [_scalar(f"{key}[{i}]", v, elem, from_cli) for i, v in enumerate(items)]
+    return _scalar(key, value, inner, from_cli)
+
+
+# ----------------------------------------------------------------------------- suggestions
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest choice by difflib ratio, or '' when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def unknown_key_message(key: str, sections: dict[str, type]) -> str:
+    """Explain an unknown `section.field` key with the closest known key or section."""
+    all_keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
+    section, dot, name = key.partition(".")
+    if not dot:
+        # A bare field name ("lr"): suggest the section-qualified key(s) that end with it.
+        owners = [k for k in all_keys if k.split(".", 1)[1] == key]
+        hint = f" (did you mean '{owners[0]}'?)" if owners else did_you_mean(key, all_keys)
+        return f"unknown config key '{key}'{hint}: keys are written section.field"
+    if section not in sections:
+        hint = did_you_mean(section, sections)
+        return (f"unknown config section '{section}' in '{key}'{hint}; "
+                f"sections are: {', '.join(sections)}")
+    return f"unknown config key '{key}'{did_you_mean(key, all_keys)}"
+
+
+# ----------------------------------------------------------------------------- argv and TOML
+
+
+@dataclasses.dataclass
+class ParsedArgv:
+    """argv split into its parts; `overrides` keeps CLI order so that a repeated key's last value wins."""
+
+    config_file: str | None = None
+    want_help: bool = False
+    overrides: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+def split_argv(argv: Sequence[str], bool_keys: set[str]) -> ParsedArgv:
+    """Split argv into --config, --help and (key, raw value) overrides; raise ConfigError on junk.
+
+    `bool_keys` lists the keys that may appear as bare flags (`--parallel.sp` = true). Dashes in
+    field names are accepted as underscores (`--train.micro-batch-size`).
+    """
+    out = ParsedArgv()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            out.want_help = True
+            continue
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.field VALUE")
+        name, eq, value = arg[2:].partition("=")
+        if "." in name:
+            section, _, fname = name.partition(".")
+            name = f"{section}.{fname.replace('-', '_')}"
+        if not eq:
+            next_is_value = i < len(argv) and not argv[i].startswith("--")
+            if next_is_value:
+                value = argv[i]
+                i += 1
+            elif name in bool_keys:
+                value = "true"
+            else:
+                raise ConfigError(f"--{name} needs a value: write --{name} VALUE or --{name}=VALUE")
+        if name == "config":
+            if out.config_file is not None:
+                raise ConfigError("--config given twice: pass one TOML file and override keys with --section.field")
+            out.config_file = value
+        else:
+            out.overrides.append((name, value))
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Load a TOML file, turning a missing file or bad syntax into a ConfigError."""
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{p}' not found: check the path given to --config") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{p}' is not valid TOML ({exc}): fix its syntax") from None
+
+
+# ----------------------------------------------------------------------------- building a config
+
+Entry = tuple[str, Any, bool]
+"""One value to apply: ("section.field", value, from_cli). Later entries override earlier ones."""
+
+
+def sections_of(config_cls: type) -> dict[str, type]:
+    """section name -> section dataclass, in the top-level dataclass's field order."""
+    return {f.name: f.default_factory for f in dataclasses.fields(config_cls)}  # type: ignore[misc]
+
+
+def flatten(d: Mapping[str, Any], sections: dict[str, type], source: str, errors: list[str]) -> list[Entry]:
+    """A nested {section: {field: value}} dict (a TOML file) as ordered entries; bad layout goes to `errors`."""
+    entries: list[Entry] = []
+    for section, table in d.items():
+        if section not in sections:
+            first = next(iter(table), None) if isinstance(table, Mapping) else None
+            errors.append(unknown_key_message(f"{section}.{first}" if first else section, sections))
+        elif not isinstance(table, Mapping):
+            errors.append(f"'{section}' in {source} must be a table ([{section}]), got {table!r}")
+        else:
+            entries += [(f"{section}.{k}", v, False) for k, v in table.items()]
+    return entries
+
+
+def check_preset(name: Any, presets: Mapping[str, Any]) -> str:
+    """`name` if it is a preset, else a ConfigError that lists them all."""
+    if not isinstance(name, str) or name not in presets:
+        raise ConfigError(f"unknown preset {name!r}{did_you_mean(str(name), presets)}: "
+                          f"model.preset must be one of {', '.join(presets)}")
+    return name
+
+
+def build(config_cls: type, presets: Mapping[str, Mapping[str, Any]], entries: list[Entry],
+          errors: list[str]) -> Any:
+    """defaults < preset < entries, in order; every unknown key or bad value is appended to `errors`.
+
+    The preset is the last `model.preset` among the entries (the CLI's come after the file's), so
+    `--model.preset llama-1b` replaces the model defaults *under* the file's explicit model values.
+    """
+    cfg = config_cls()
+    chosen: Any = cfg.model.preset
+    for key, value, _ in entries:
+        if key == "model.preset":
+            chosen = value
+    try:
+        for k, v in presets[check_preset(chosen, presets)].items():
+            setattr(cfg.model, k, v)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    sections = sections_of(config_cls)
+    types_ = {s: field_types(c) for s, c in sections.items()}
+    for key, value, from_cli in entries:
+        section, _, name = key.partition(".")
+        if section not in types_ or name not in types_[section]:
+            errors.append(unknown_key_message(key, sections))
+            continue
+        if key == "model.preset" and not (isinstance(value, str) and value in presets):
+            continue  # reported above if it was the chosen one; else a later valid preset overrides it
+        try:
+            setattr(getattr(cfg, section), name, coerce(key, value, types_[section][name], from_cli))
+        except ConfigError as exc:
+            errors.append(str(exc))
+    return cfg
+
+
+def raise_if(errors: list[str], what: str) -> None:
+    """Raise one ConfigError listing every problem (one line each), if there are any."""
+    if len(errors) == 1:
+        raise ConfigError(f"{what}: {errors[0]}")
+    if errors:
+        raise ConfigError(f"{what} ({len(errors)} problems):\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+# ----------------------------------------------------------------------------- --help
+
+
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        return '""' if f.default == "" else repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return repr(f.default_factory())  # type: ignore[misc]
+    return "(required)"
+
+
+def format_help(sections: dict[str, type], section_docs: dict[str, str], presets: Iterable[str]) -> str:
+    """Every field grouped by section: `--section.field  TYPE  (default D)  doc`."""
+    lines = [
+        "usage: pretrain.py [--config FILE.toml] [--section.field VALUE ...]",
+        "",
+        "Precedence: defaults < model.preset < --config file < command line.",
+        "Bools: true/false/1/0/yes/no (a bare flag means true). Lists: comma-separated.",
+        f"Presets (model.preset): {', '.join(presets)}",
+    ]
+    for section, cls in sections.items():
+        lines += ["", f"[{section}]  {section_docs.get(section, '')}".rstrip()]
+        types_ = field_types(cls)
+        for f in dataclasses.fields(cls):
+            flag = f"--{section}.{f.name}"
+            lines.append(f"  {flag:<32} {type_name(types_[f.name]):<12} "
+                         f"(default {_default_text(f)})  {f.metadata.get('doc', '')}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,176 @@
+"""The training driver behind `pretrain.py`: config -> ParallelState -> data/model/optimizer -> loop.
+
+Order is deliberate (DESIGN principle 5): the config is parsed, resolved and validated before any
+process group, dataset or model exists, so a bad flag costs seconds, not a GPU allocation.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megalite import config as config_mod
+from megalite.checkpoint import local as ckpt
+from megalite.data import DataSampler, build_data, make_batch
+from megalite.errors import DataError, MegaliteError
+from megalite.flops import mfu, model_flops_per_token, peak_flops
+from megalite.metrics import MetricsLogger, peak_memory_bytes
+from megalite.model.gpt import GPT, count_parameters
+from megalite.optim.adamw import LossScaler, build_optimizer
+from megalite.parallel import comm
+from megalite.parallel.random import RNGStreams
+from megalite.parallel.state import ParallelState, init_distributed, launcher_env
+from megalite.tracking import Tracker
+from megalite.train_step import evaluate, train_step
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGUSR1 (what Slurm sends before a preemption): finish the step, save, exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self, state: ParallelState) -> bool:
+        """Stop only when every rank stops at the same step: all-reduce the flag (MAX)."""
+        if state.world_size == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=state.device)
+        comm.all_reduce(flag, state, "mp", op=dist.ReduceOp.MAX, count_as="metrics")
+        flag_all = torch.tensor([flag.item()], device=state.device)
+        comm.all_reduce(flag_all, state, "dp", op=dist.ReduceOp.MAX, count_as="metrics")
+        return bool(flag_all.item())
+
+
+def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
+    cfg = config_mod.parse_args(argv)
+    _, world, _ = launcher_env()
+    cfg = config_mod.resolve(cfg, world)
+    config_mod.validate(cfg, world, config_mod.resolved_device(cfg))
+    return cfg, world
+
+
+def run(cfg: config_mod.Config) -> dict[str, float]:
+    """Train per `cfg` (resolved and validated); returns the last step's loss and valid loss."""
+    par, tr = cfg.parallel, cfg.train
+    device = config_mod.resolved_device(cfg)
+    dtype = config_mod.resolved_dtype(cfg, device)
+    if par.pp > 1:
+        raise MegaliteError("parallel.pp > 1 needs the pipeline schedules, which are not implemented yet")
+    state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
+                             timeout_s=par.timeout_s)
+    torch.manual_seed(tr.seed)
+    is_logger = state.rank == 0
+    data = build_data(cfg)
+    tok_vocab = data.tokenizer.vocab_size
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tok_vocab
+    elif cfg.model.vocab_size < tok_vocab:
+        raise DataError(f"the tokenizer has {tok_vocab} tokens but model.vocab_size={cfg.model.vocab_size}: "
+                        f"set model.vocab_size >= {tok_vocab} (or 0 to take the tokenizer's)")
+    if is_logger:
+        config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
+    rng = RNGStreams(tr.seed, state)
+    model = GPT(cfg.model, state, seed=tr.seed, rng=rng).to(state.device)
+    optimizer = build_optimizer(model, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps)
+    scaler = LossScaler(enabled=dtype == torch.float16)
+    sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
+                          tr.seed)
+    layout = {"tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp, "vpp": par.vpp, "zero": par.zero}
+    model_key = {k: getattr(cfg.model, k) for k in ("arch", "num_layers", "hidden_size", "num_heads",
+                                                     "num_kv_heads", "ffn_hidden_size", "vocab_size")}
+    start_step = 0
+    resume_from = ckpt.find(cfg.checkpoint.load, cfg.checkpoint.dir)
+    if resume_from is not None:
+        payload, meta = ckpt.load(resume_from, state.rank, {"layout": layout, "model": model_key})
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        sampler.load_state_dict(payload["sampler"])
+        scaler.load_state_dict(payload["scaler"])
+        rng.load_state_dict(payload["rng"])
+        start_step = int(meta["step"])
+    barrier = (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
+
+    def save_checkpoint(step: int) -> None:
+        payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                   "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "rng": rng.state_dict()}
+        path = ckpt.save(cfg.checkpoint.dir, step, state.rank, state.world_size, payload,
+                         {"layout": layout, "model": model_key}, barrier, cfg.checkpoint.keep)
+        logger.note(f"saved checkpoint {path}")
+
+    n_params = count_parameters(model, state)
+    flops_per_token = model_flops_per_token(n_params, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_len)
+    device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
+    peak = peak_flops(device_name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+    tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
+                      config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=is_logger)
+    logger = MetricsLogger(cfg.logging.dir, is_logger, tracker, tr.steps)
+    tokens_per_step = tr.global_batch_size * cfg.model.seq_len
+    logger.note(f"megalite: {n_params / 1e6:.2f}M params | layout tp={par.tp} pp={par.pp} dp={par.dp} sp={par.sp} | "
+                f"{device} {str(dtype).removeprefix('torch.')} | vocab {cfg.model.vocab_size} | "
+                f"{tokens_per_step} tokens/step | {len(data.train)} train samples"
+                + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+    stop = StopFlag()
+    valid_sampler_seed = tr.seed + 1
+    last: dict[str, float] = {}
+    step_times: list[float] = []
+    for step in range(start_step, tr.steps):
+        state.counter.reset()
+        t0 = time.perf_counter()
+        batches = [make_batch(data.train, idx) for idx in sampler.next_step()]
+        result = train_step(model, optimizer, batches, state, tr, step, dtype, scaler)
+        if state.device.type == "cuda":
+            torch.cuda.synchronize(state.device)
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        valid_loss = None
+        done = step + 1
+        if data.valid is not None and tr.eval_interval > 0 and (done % tr.eval_interval == 0 or done == tr.steps):
+            vs = DataSampler(len(data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
+                             valid_sampler_seed)
+            vb = [make_batch(data.valid, idx) for _ in range(tr.eval_steps) for idx in vs.next_step()]
+            valid_loss = evaluate(model, vb, state, dtype)
+        last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
+        if done % cfg.logging.interval == 0 or done == tr.steps or done == start_step + 1 or valid_loss is not None:
+            tps = tokens_per_step / dt
+            flops = flops_per_token * tps / state.world_size
+            recent = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
+            logger.log({"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                        "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, peak),
+                        "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": state.counter.bytes(),
+                        "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
+                        "loss_scale": scaler.scale},
+                       seconds_left=recent * (tr.steps - done))
+        should_save = bool(cfg.checkpoint.dir) and (
+            (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
+        stopping = stop.agreed(state)
+        if should_save or (stopping and cfg.checkpoint.dir):
+            save_checkpoint(done)
+        if stopping:
+            logger.note(f"stop requested by signal: exiting cleanly after step {done}")
+            break
+    tracker.finish()
+    if state.world_size > 1:
+        dist.destroy_process_group()
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: a user-fixable problem prints one line and exits with its code, no traceback."""
+    try:
+        cfg, _ = setup_config(argv)
+        run(cfg)
+    except MegaliteError as e:
+        print(f"megalite: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
