@@ -21,3 +21,14 @@ def dist_world() -> Iterator[Callable[[int], DistWorld]]:
     yield get
     for w in worlds.values():
         w.close()
+
+
+@pytest.fixture(scope="session")
+def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A session-wide cache for the small demo corpus the end-to-end tests train on."""
+    return str(tmp_path_factory.mktemp("megalite-cache"))
+
+
+SMALL_RUN = ["--data.demo_max_bytes", "300000", "--data.demo_vocab_size", "512", "--model.seq_len", "32",
+             "--model.num_layers", "2", "--model.hidden_size", "64", "--train.micro_batch_size", "4",
+             "--train.warmup_steps", "2", "--logging.interval", "1", "--train.eval_interval", "0"]

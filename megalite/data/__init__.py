@@ -1,1 +1,79 @@
+"""Data: tokenizer, `.bin`/`.idx` datasets, GPT samples, blending, the DP sampler and the demo corpus.
 
+`build_data(cfg)` is what pretrain.py calls: it returns the train/valid datasets and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Union
+
+from megalite.data.demo import default_cache_dir, prepare_demo_data
+from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, split_documents
+from megalite.data.indexed import IndexedDataset, IndexedDatasetWriter
+from megalite.data.preprocess import preprocess
+from megalite.data.sampler import DataSampler, make_batch
+from megalite.data.tokenizer import Tokenizer, train_tokenizer
+from megalite.errors import ConfigError
+
+Dataset = Union[GPTDataset, BlendedDataset]
+
+__all__ = [
+    "BlendedDataset", "DataBundle", "DataSampler", "Dataset", "GPTDataset", "IndexedDataset",
+    "IndexedDatasetWriter", "Tokenizer", "build_data", "default_cache_dir", "make_batch", "prepare_demo_data",
+    "preprocess", "split_documents", "train_tokenizer",
+]
+
+
+@dataclass
+class DataBundle:
+    """What training needs from the data side. `valid` is None when data.valid_fraction == 0."""
+
+    train: Dataset
+    valid: Dataset | None
+    tokenizer: Tokenizer
+
+
+def _blend(parts: list[GPTDataset], weights: list[float]) -> Dataset:
+    return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights)
+
+
+def build_data(cfg: Any) -> DataBundle:
+    """Datasets and tokenizer for `cfg` (reads cfg.data.*, cfg.model.seq_len, cfg.train.seed only).
+
+    Empty `data.path` -> the embedded demo corpus (built once, cached). Several paths -> a blend with
+    `data.weights` (default: proportional to each dataset's token count). Each dataset is split into
+    train/valid by document with `data.valid_fraction`.
+    """
+    data, seq_len, seed = cfg.data, int(cfg.model.seq_len), int(cfg.train.seed)
+    paths = list(data.path)
+    tokenizer_path = data.tokenizer
+    if not paths:
+        prefix, demo_tokenizer = prepare_demo_data(data.cache_dir, data.demo_max_bytes, data.demo_vocab_size)
+        paths = [prefix]
+        tokenizer_path = tokenizer_path or demo_tokenizer
+    elif not tokenizer_path:
+        raise ConfigError("data.path is set but data.tokenizer is empty: pass the SentencePiece .model that "
+                          "was used to preprocess the data")
+    tokenizer = Tokenizer.load(tokenizer_path)
+    # vocab_size= makes IndexedDataset reject data holding ids the tokenizer does not have.
+    indexed = [IndexedDataset(p, vocab_size=tokenizer.vocab_size) for p in paths]
+    for ix in indexed:
+        if ix.vocab_size and ix.vocab_size != tokenizer.vocab_size:
+            warnings.warn(f"{ix.prefix!r} was preprocessed with a tokenizer of {ix.vocab_size} ids, but "
+                          f"data.tokenizer has {tokenizer.vocab_size}: check that it is the same tokenizer",
+                          stacklevel=2)
+    weights = list(data.weights) or [float(ix.num_tokens) for ix in indexed]
+    if len(weights) != len(indexed):
+        raise ConfigError(f"data.weights has {len(weights)} entries for {len(indexed)} paths in data.path: give "
+                          "one weight per path, or none for size-proportional blending")
+    train_parts: list[GPTDataset] = []
+    valid_parts: list[GPTDataset] = []
+    for ix in indexed:
+        train_docs, valid_docs = split_documents(len(ix), float(data.valid_fraction), seed)
+        train_parts.append(GPTDataset(ix, train_docs, seq_len, seed, name="train"))
+        if len(valid_docs):
+            valid_parts.append(GPTDataset(ix, valid_docs, seq_len, seed, name="validation"))
+    valid = _blend(valid_parts, weights) if valid_parts else None
+    return DataBundle(train=_blend(train_parts, weights), valid=valid, tokenizer=tokenizer)

@@ -1,0 +1,83 @@
+"""Reading raw documents from text and JSON-lines files, shared by the tokenizer trainer and preprocessing.
+
+Three input layouts:
+  * plain text, one document per file (the default);
+  * plain text, one document per blank-line-separated paragraph (`split_paragraphs=True`);
+  * JSON lines (`json_key="text"`): one JSON object per line, the document is `obj[json_key]`.
+Text is read as UTF-8 with Python's universal newlines, so `\\r\\n` becomes `\\n`. Documents that are empty
+(or only whitespace, for paragraphs) are skipped: they would add nothing but an end-of-document token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+
+from megalite.errors import DataError
+
+# A blank line: a newline, then any number of lines holding only spaces/tabs, then a newline.
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
+
+
+def check_inputs(paths: Sequence[str], json_key: str | None = None) -> None:
+    """Fail before any work starts if an input is missing or in the wrong layout."""
+    if not paths:
+        raise DataError("no input files given: pass at least one --input FILE")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DataError(f"input file not found: {path!r} (check the path; directories are not expanded)")
+        if json_key is None and path.endswith((".jsonl", ".json")):
+            raise DataError(f"{path!r} looks like JSON lines: pass --json-key KEY (e.g. --json-key text)")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path!r} is not UTF-8 text (byte {e.start}): convert it, e.g. `iconv -t utf-8`") from e
+
+
+def _iter_jsonl(path: str, json_key: str) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); --json-key expects one JSON "
+                                    "object per line") from e
+                if not isinstance(obj, dict) or json_key not in obj:
+                    raise DataError(f"{path}:{lineno}: no key {json_key!r} in this JSON line: pass the right "
+                                    "--json-key")
+                text = obj[json_key]
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
+                if text:
+                    yield text
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path!r} is not UTF-8 text (byte {e.start}): convert it, e.g. `iconv -t utf-8`") from e
+
+
+def split_into_paragraphs(text: str) -> list[str]:
+    """Blank-line-separated paragraphs, without the separating blank lines; whitespace-only ones dropped."""
+    return [p.strip("\n") for p in _PARAGRAPH_BREAK.split(text) if p.strip()]
+
+
+def iter_documents(paths: Sequence[str], json_key: str | None = None,
+                   split_paragraphs: bool = False) -> Iterator[str]:
+    """Yield the documents of `paths`, in order (files in the given order, then position in the file)."""
+    check_inputs(paths, json_key)
+    for path in paths:
+        if json_key is not None:
+            yield from _iter_jsonl(path, json_key)
+            continue
+        text = _read_text(path)
+        if split_paragraphs:
+            yield from split_into_paragraphs(text)
+        elif text:
+            yield text

@@ -1,0 +1,220 @@
+"""The `.bin` + `.idx` token dataset format (in the spirit of Megatron-LM's MMapIndexedDataset).
+
+`PREFIX.bin` holds the token ids of all documents back to back, nothing else: little-endian `uint16`
+when the vocabulary has fewer than 65500 ids (half the disk and page cache of int32), else `int32`.
+
+`PREFIX.idx` is a 48-byte header followed by `num_docs + 1` little-endian int64 document offsets, in
+tokens (document i is `bin[offsets[i]:offsets[i+1]]`, `offsets[0] == 0`, `offsets[-1] == num_tokens`):
+
+    offset size  field
+    0      8     magic          b"MGLTIDX\\0"
+    8      4     version        uint32, currently 1
+    12     4     dtype code     uint32: 1 = uint16, 2 = int32
+    16     8     num_docs       uint64
+    24     8     num_tokens     uint64 (so a .bin/.idx pair from different runs is caught by size)
+    32     8     vocab_size     uint64, of the tokenizer that wrote it (0 = unknown)
+    40     8     max_token_id   int64, the largest id in the .bin (checked against a tokenizer in O(1))
+    48     8*(num_docs+1)       offsets
+
+Both files are read with `np.memmap`, so opening a terabyte dataset costs nothing and reads are served
+by the page cache. The writer writes both files under temporary names and renames them at the end, so a
+crash never leaves a half-written pair under the final names.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from megalite.errors import DataError
+
+MAGIC = b"MGLTIDX\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQq")
+HEADER_SIZE = _HEADER.size  # 48: a multiple of 8, so the int64 offsets are aligned for np.memmap
+_DTYPES: dict[int, type[np.integer[Any]]] = {1: np.uint16, 2: np.int32}
+_FIX = "re-run tools/preprocess_data.py to rebuild it"
+
+
+def dtype_for_vocab(vocab_size: int) -> type[np.integer[Any]]:
+    """uint16 while every id fits with room to spare, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def _dtype_code(dtype: type[np.integer[Any]]) -> int:
+    return next(code for code, dt in _DTYPES.items() if dt is dtype)
+
+
+def strip_suffix(prefix: str) -> str:
+    """Accept `data.bin` / `data.idx` where a prefix `data` is meant."""
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix):
+            return prefix[: -len(suffix)]
+    return prefix
+
+
+class IndexedDatasetWriter:
+    """Append documents of token ids; `finalize()` publishes `prefix.bin` and `prefix.idx` atomically."""
+
+    def __init__(self, prefix: str, vocab_size: int) -> None:
+        self.prefix = strip_suffix(prefix)
+        self.vocab_size = int(vocab_size)
+        self.dtype = dtype_for_vocab(self.vocab_size)
+        self._disk_dtype = np.dtype(self.dtype).newbyteorder("<")
+        parent = os.path.dirname(os.path.abspath(self.prefix))
+        os.makedirs(parent, exist_ok=True)
+        self._tmp_bin = f"{self.prefix}.bin.tmp-{os.getpid()}"
+        self._tmp_idx = f"{self.prefix}.idx.tmp-{os.getpid()}"
+        self._bin = open(self._tmp_bin, "wb")
+        self._lengths: list[int] = []
+        self._max_id = -1
+        self._done = False
+
+    def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Append one document (its ids, EOD included if wanted: the writer adds nothing)."""
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.ndim != 1:
+            raise ValueError(f"a document is a 1-D sequence of ids, got shape {arr.shape}")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise DataError(f"document {len(self._lengths)} has token id {bad} outside [0, {self.vocab_size}):"
+                                " the ids do not come from a tokenizer with this vocab_size")
+            self._max_id = max(self._max_id, hi)
+        self._bin.write(arr.astype(self._disk_dtype).tobytes())
+        self._lengths.append(int(arr.size))
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._lengths)
+
+    def finalize(self) -> str:
+        """Write the index and rename both files into place; returns the prefix."""
+        self._bin.close()
+        if not self._lengths:
+            self.abort()
+            raise DataError(f"no documents to write to {self.prefix!r}: the inputs held no text")
+        offsets = np.zeros(len(self._lengths) + 1, dtype="<i8")
+        np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
+        header = _HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(self._lengths), int(offsets[-1]),
+                              self.vocab_size, self._max_id)
+        with open(self._tmp_idx, "wb") as f:
+            f.write(header)
+            f.write(offsets.tobytes())
+        # .bin first: a reader that finds the new .idx also finds the .bin it describes.
+        os.replace(self._tmp_bin, self.prefix + ".bin")
+        os.replace(self._tmp_idx, self.prefix + ".idx")
+        self._done = True
+        return self.prefix
+
+    def abort(self) -> None:
+        """Drop the temporary files (called on an exception inside a `with` block)."""
+        self._bin.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(path):
+                os.remove(path)
+        self._done = True
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None and not self._done:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of a `.bin`/`.idx` pair; item i is document i's token ids.
+
+    `vocab_size`: when given, a dataset holding an id >= vocab_size is rejected (wrong tokenizer).
+    """
+
+    def __init__(self, prefix: str, vocab_size: int | None = None) -> None:
+        self.prefix = strip_suffix(prefix)
+        self._check_vocab = vocab_size
+        self._open()
+
+    def _open(self) -> None:
+        idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise DataError(f"dataset file not found: {path!r}; build the .bin/.idx pair with "
+                                f"`python tools/preprocess_data.py --input ... --output-prefix {self.prefix}`")
+        idx_size = os.path.getsize(idx_path)
+        if idx_size < HEADER_SIZE:
+            raise DataError(f"{idx_path!r} is truncated ({idx_size} bytes, the header alone is {HEADER_SIZE}): "
+                            + _FIX)
+        with open(idx_path, "rb") as f:
+            magic, version, code, num_docs, num_tokens, vocab, max_id = _HEADER.unpack(f.read(HEADER_SIZE))
+        if magic != MAGIC:
+            raise DataError(f"{idx_path!r} is not a megalite index (bad magic {magic!r}): {_FIX}")
+        if version != VERSION:
+            raise DataError(f"{idx_path!r} has format version {version}, this megalite reads {VERSION}: {_FIX}")
+        if code not in _DTYPES:
+            raise DataError(f"{idx_path!r} has unknown dtype code {code}: {_FIX}")
+        expected = HEADER_SIZE + 8 * (num_docs + 1)
+        if idx_size != expected:
+            what = "truncated" if idx_size < expected else "too long"
+            raise DataError(f"{idx_path!r} is {what}: {idx_size} bytes, but its header promises {num_docs} "
+                            f"documents ({expected} bytes): {_FIX}")
+        if num_docs == 0 or num_tokens == 0:
+            raise DataError(f"dataset {self.prefix!r} is empty ({num_docs} documents, {num_tokens} tokens): "
+                            "preprocess some text into it")
+        self.dtype = _DTYPES[code]
+        itemsize = np.dtype(self.dtype).itemsize
+        bin_size = os.path.getsize(bin_path)
+        if bin_size != num_tokens * itemsize:
+            raise DataError(f"{bin_path!r} holds {bin_size // itemsize} tokens but {idx_path!r} says {num_tokens}: "
+                            f"the pair is mismatched (from different runs) or truncated: {_FIX}")
+        offsets = np.memmap(idx_path, dtype="<i8", mode="r", offset=HEADER_SIZE, shape=(num_docs + 1,))
+        if offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) < 0):
+            raise DataError(f"{idx_path!r} has inconsistent document offsets (corrupt file): {_FIX}")
+        self.offsets: np.ndarray = offsets
+        self.tokens: np.ndarray = np.memmap(bin_path, dtype=np.dtype(self.dtype).newbyteorder("<"), mode="r",
+                                            shape=(num_tokens,))
+        self.vocab_size: int = int(vocab)
+        self.max_token_id: int = int(max_id)
+        self.num_tokens: int = int(num_tokens)
+        self.doc_lengths: np.ndarray = np.diff(offsets).astype(np.int64)
+        if self._check_vocab is not None and self.max_token_id >= self._check_vocab:
+            raise DataError(f"dataset {self.prefix!r} holds token id {self.max_token_id} but the tokenizer has only "
+                            f"{self._check_vocab} ids: it was made with another tokenizer; pass the one used "
+                            "for preprocessing (data.tokenizer) or re-run preprocessing")
+
+    def __len__(self) -> int:
+        return len(self.doc_lengths)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens `offset : offset+length` of document i (to its end when length is None); a memmap view."""
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"document {i} out of range for {n} documents")
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        if not 0 <= offset <= end - start:
+            raise IndexError(f"offset {offset} out of range for document {i} of {end - start} tokens")
+        stop = end if length is None else min(end, start + offset + length)
+        return self.tokens[start + offset: stop]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    # np.memmap pickles as a full in-memory copy: send the prefix and re-open in the other process instead.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "vocab_size": self._check_vocab}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.prefix, self._check_vocab = state["prefix"], state["vocab_size"]
+        self._open()
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
+                f"dtype={self.dtype.__name__})")

@@ -1,0 +1,64 @@
+"""Tokenize raw documents into a `.bin`/`.idx` dataset (the library side of tools/preprocess_data.py).
+
+Every document is tokenized and followed by the tokenizer's end-of-document id, so that documents can be
+concatenated into training sequences and the model still sees where one ends (GPT-2, Radford et al.
+2019, and Megatron-LM do the same). With `workers > 1`, documents are tokenized by a process pool through
+`imap`, which returns results in input order: the output is byte-identical for any number of workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+from collections.abc import Sequence
+
+import numpy as np
+
+from megalite.data.documents import check_inputs, iter_documents
+from megalite.data.indexed import IndexedDatasetWriter
+from megalite.data.tokenizer import Tokenizer
+from megalite.progress import Progress
+
+# Documents handed to a worker at a time: large enough to amortize pickling, small enough to stream.
+_CHUNKSIZE = 16
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(tokenizer_path: str) -> Tokenizer:
+    """One tokenizer per (worker) process: loaded on the first document, not once per document."""
+    return Tokenizer.load(tokenizer_path)
+
+
+def encode_document(tokenizer_path: str, text: str) -> np.ndarray:
+    """Token ids of `text` followed by EOD, as int32 (cheap to send back from a worker)."""
+    tok = _load_cached(tokenizer_path)
+    ids = tok.encode(text)
+    ids.append(tok.eod_id)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, json_key: str | None = None,
+               workers: int = 1, split_paragraphs: bool = False, show_progress: bool = True) -> str:
+    """Tokenize `inputs` into `output_prefix.bin/.idx`; returns the prefix.
+
+    Text files are one document each (or one per blank-line-separated paragraph with
+    `split_paragraphs`); with `json_key`, inputs are JSON lines and each line's `json_key` is a document.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    check_inputs(inputs, json_key)
+    tok = Tokenizer.load(tokenizer_path)  # fail here, in the parent, if the model is missing
+    docs = iter_documents(inputs, json_key, split_paragraphs)
+    encode = functools.partial(encode_document, tokenizer_path)
+    with IndexedDatasetWriter(output_prefix, tok.vocab_size) as writer, \
+            Progress(desc=f"tokenizing into {output_prefix}", unit="docs", enabled=show_progress) as bar:
+        if workers == 1:
+            for text in docs:
+                writer.add_document(encode(text))
+                bar.update()
+        else:
+            with mp.Pool(workers) as pool:
+                for ids in pool.imap(encode, docs, chunksize=_CHUNKSIZE):
+                    writer.add_document(ids)
+                    bar.update()
+        return writer.finalize()

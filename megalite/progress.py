@@ -1,0 +1,82 @@
+"""A tiny, dependency-free progress bar for long CPU jobs (tokenizing, preprocessing).
+
+Prints `desc: done/total unit  rate unit/s  ETA h:mm:ss` to stderr, at most once every
+`min_interval` seconds, so that tokenizing millions of documents does not spend its time printing.
+On a terminal it redraws one line with `\\r`; in a log file (not a TTY) it writes whole lines, less
+often, so that logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import TracebackType
+from typing import TextIO
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Counts work items and prints a throttled status line.
+
+    Use as a context manager (`with Progress(n, "tokenizing", "docs") as bar: bar.update()`), or call
+    `close()` yourself: the final line with the total time is printed on close.
+    """
+
+    def __init__(self, total: int | None = None, desc: str = "", unit: str = "it",
+                 min_interval: float = 0.5, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.total, self.desc, self.unit = total, desc, unit
+        self.stream: TextIO = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        # Without a terminal every print is a new line: print ten times less often.
+        self.min_interval = min_interval if self.is_tty else min_interval * 20
+        self.count = 0
+        self.start = time.monotonic()
+        self._last_print = self.start
+        self._closed = False
+
+    def line(self) -> str:
+        """The current status line (without the carriage return)."""
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = self.count / elapsed
+        done = f"{self.count}/{self.total}" if self.total is not None else f"{self.count}"
+        text = f"{self.desc}: {done} {self.unit}  {rate:,.1f} {self.unit}/s"
+        if self.total is not None and rate > 0 and self.count < self.total:
+            text += f"  ETA {_fmt_duration((self.total - self.count) / rate)}"
+        else:
+            text += f"  elapsed {_fmt_duration(elapsed)}"
+        return text
+
+    def _print(self, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self.is_tty:
+            self.stream.write("\r" + self.line() + ("\n" if final else ""))
+        else:
+            self.stream.write(self.line() + "\n")
+        self.stream.flush()
+
+    def update(self, n: int = 1) -> None:
+        """Add `n` finished items; prints if `min_interval` has passed since the last print."""
+        self.count += n
+        now = time.monotonic()
+        if now - self._last_print >= self.min_interval:
+            self._last_print = now
+            self._print()
+
+    def close(self) -> None:
+        """Print the final line once."""
+        if not self._closed:
+            self._closed = True
+            self._print(final=True)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,50 @@
+"""Train a SentencePiece BPE tokenizer that round-trips any text exactly (see megalite/data/tokenizer.py).
+
+    python tools/train_tokenizer.py --input a.txt b.txt --model-prefix tok --vocab-size 32000
+    python tools/train_tokenizer.py --input corpus.jsonl --json-key text --model-prefix tok --vocab-size 32000
+
+Writes `<model-prefix>.model`. Ids: unk=0, bos=1, eos=2 (end of document), no pad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as `python tools/train_tokenizer.py`: make `megalite` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.data.tokenizer import train_tokenizer  # noqa: E402
+from megalite.errors import MegaliteError  # noqa: E402
+
+__all__ = ["main", "train_tokenizer"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="text files (one document each) or .jsonl files (with --json-key)")
+    p.add_argument("--model-prefix", required=True, metavar="P", help="writes P.model")
+    p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="number of ids (>= 300)")
+    p.add_argument("--json-key", default=None, metavar="K", help="inputs are JSON lines; documents are obj[K]")
+    p.add_argument("--max-bytes", type=int, default=None, metavar="B",
+                   help="train on at most B bytes of text (training memory grows with the corpus)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
+                               max_bytes=args.max_bytes)
+    except MegaliteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
