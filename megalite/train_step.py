@@ -7,6 +7,7 @@ has the same token count in pretraining). The DP average is taken in `reduce_gra
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.adamw import LossScaler
-from megalite.optim.grads import clip_gradients, global_grad_norm, reduce_gradients, unique_params
+from megalite.optim.distributed import DataParallelOptimizer
 from megalite.optim.schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -30,32 +31,29 @@ class StepResult:
     skipped: bool
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], state: ParallelState,
+def train_step(model: nn.Module, optimizer: DataParallelOptimizer, batches: list[Batch], state: ParallelState,
                tcfg, step: int, dtype: torch.dtype, scaler: LossScaler) -> StepResult:
     """Run one step over this rank's micro-batches; every rank returns the same StepResult."""
     model.train()
     lr = lr_at(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=state.device)
     m = len(batches)
-    for ids, labels in batches:
+    for i, (ids, labels) in enumerate(batches):
         ids, labels = ids.to(state.device), labels.to(state.device)
-        loss = model(ids, labels, dtype=dtype).mean()
-        (loss * (scaler.scale / m)).backward()
+        # Only the last micro-batch's backward may communicate (DP reduction once per step).
+        with optimizer.no_sync() if i < m - 1 else contextlib.nullcontext():
+            loss = model(ids, labels, dtype=dtype).mean()
+            (loss * (scaler.scale / m)).backward()
         total += loss.detach().double()
-    reduce_gradients(model, state)
+    optimizer.finish_grad_sync()
     if scaler.enabled:
-        for p in unique_params(model):
-            if p.grad is not None:
-                p.grad.div_(scaler.scale)
-    norm = global_grad_norm(model, state)  # agreed by every rank: summed over tp x pp, equal over dp
+        optimizer.scale_grads(1.0 / scaler.scale)
+    norm = optimizer.grad_norm()  # agreed by every rank: summed over tp x pp, equal over dp
     skipped = not math.isfinite(norm)
     scaler.update(found_inf=skipped)
     if not skipped:
-        clip_gradients(model, tcfg.clip_grad, norm)
-        optimizer.step()
+        optimizer.step(lr, tcfg.clip_grad, norm)
     total /= m
     comm.all_reduce(total, state, "dp", count_as="metrics")
     return StepResult(loss=total.item() / state.dp, grad_norm=norm, lr=lr, skipped=skipped)

@@ -22,7 +22,8 @@ from megalite.errors import DataError, MegaliteError
 from megalite.flops import mfu, model_flops_per_token, peak_flops
 from megalite.metrics import MetricsLogger, peak_memory_bytes
 from megalite.model.gpt import GPT, count_parameters
-from megalite.optim.adamw import LossScaler, build_optimizer
+from megalite.optim.adamw import LossScaler
+from megalite.optim.distributed import DataParallelOptimizer
 from megalite.parallel import comm
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
@@ -82,7 +83,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
     rng = RNGStreams(tr.seed, state)
     model = GPT(cfg.model, state, seed=tr.seed, rng=rng).to(state.device)
-    optimizer = build_optimizer(model, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps)
+    optimizer = DataParallelOptimizer(model, state, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps)
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)
