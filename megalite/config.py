@@ -60,7 +60,7 @@ class ModelConfig:
     make_vocab_divisible_by: int = _f(64, "embedding rows are padded to a multiple of this x tp")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
-    dropout: float = _f(0.0, "dropout probability on attention and residual branches")
+    dropout: float = _f(0.0, "dropout probability on the embedding and the residual branches")
     tie_embeddings: bool | None = _f(None, "share input/output embedding; unset = arch default (llama no, gpt2 yes)")
     init_std: float = _f(0.02, "std of the normal weight init")
     kernels: str = _f("auto", "auto | torch | triton (auto = triton on CUDA, torch elsewhere)")

@@ -125,6 +125,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     valid_sampler_seed = tr.seed + 1
     last: dict[str, float] = {}
     step_times: list[float] = []
+    consecutive_skips = 0
     for step in range(start_step, tr.steps):
         state.counter.reset()
         t0 = time.perf_counter()
@@ -134,6 +135,11 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             torch.cuda.synchronize(state.device)
         dt = time.perf_counter() - t0
         step_times.append(dt)
+        consecutive_skips = consecutive_skips + 1 if result.skipped else 0
+        if consecutive_skips > tr.max_skipped_steps:
+            raise MegaliteError(f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step "
+                                f"{step + 1}): the run is diverging; lower train.lr, use bf16 instead of fp16, or "
+                                f"resume from an earlier checkpoint")
         valid_loss = None
         done = step + 1
         if data.valid is not None and tr.eval_interval > 0 and (done % tr.eval_interval == 0 or done == tr.steps):
