@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Launch megalite's pretrain.py on one machine with torchrun (one process per GPU, or per CPU slot).
+#
+#   launch/torchrun.sh                                     # all local GPUs, demo model
+#   NPROC=8 launch/torchrun.sh --config configs/llama-1b.toml --parallel.tp 2
+#   NPROC=4 NNODES=2 MASTER_ADDR=node0 launch/torchrun.sh ...   # run the same line on each node
+#
+# Every argument is passed through to pretrain.py unchanged.
+#
+# Knobs (environment variables):
+#   NPROC        processes on this machine (default: the number of visible GPUs, else 1).
+#   NNODES       machines taking part (default 1). With >1, torchrun meets the other nodes through a
+#                c10d rendezvous hosted at MASTER_ADDR:MASTER_PORT; node ranks are assigned by it.
+#   MASTER_ADDR  host of the rendezvous (multi-node only; default localhost).
+#   MASTER_PORT  its TCP port (default 29500).
+#   RDZV_ID      a job id shared by all nodes of one run (default megalite).
+#   PYTHON       interpreter to use (default python): torchrun runs as `$PYTHON -m torch.distributed.run`
+#                so the active virtual environment is the one used, whatever is first on PATH.
+#   OMP_NUM_THREADS  CPU threads per process (default: cores / NPROC, at least 1) so processes do
+#                not oversubscribe the cores (torchrun would otherwise set it to 1, with a warning).
+set -euo pipefail
+
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python}"
+
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 1)')"
+fi
+NNODES="${NNODES:-1}"
+MASTER_ADDR="${MASTER_ADDR:-localhost}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+
+CORES="$(nproc 2>/dev/null || echo 1)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
+# A collective that hangs (a rank died or diverged) raises after the timeout instead of hanging forever.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# One CUDA work queue: keeps the TP/SP communication kernels in issue order (as Megatron-LM requires).
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+export PYTHONUNBUFFERED=1
+
+if [[ "$NNODES" -gt 1 ]]; then
+    RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+          --rdzv-id "${RDZV_ID:-megalite}")
+else
+    RDZV=(--standalone --nnodes 1)
+fi
+
+# torchrun forwards SIGTERM/SIGINT to the workers; pretrain.py saves a checkpoint and exits on them.
+exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" \
+    "$REPO_DIR/pretrain.py" "$@"

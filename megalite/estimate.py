@@ -1,0 +1,515 @@
+"""The seed lecture's arithmetic as pure functions: parameters, memory, communication, time.
+
+Everything here is plain Python (no torch) so `tools/estimate.py` and the planner run anywhere.
+Units: bytes and seconds; "GB" means 1e9 bytes, as in the seed and the ZeRO paper.
+
+Communication is counted in megalite's "wire bytes" (see `megalite.parallel.counter`): what one rank
+sends under a ring algorithm. All-reduce of X bytes over N ranks: 2(N-1)/N·X; all-gather or
+reduce-scatter of a full tensor of X bytes: (N-1)/N·X; a point-to-point send: X.
+
+Where the seed is wrong this module follows the papers (DESIGN section 4):
+* ZeRO-3 moves 3Ψ(N-1)/N per micro-batch (two parameter all-gathers, forward and backward, plus
+  one gradient reduce-scatter; Rajbhandari et al. 2020, section 7.2): with one micro-batch per
+  step 1.5x DDP, not the seed's "same as DDP".
+* 1F1B does not shrink the pipeline bubble; see `pipeline_bubble`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from megalite.errors import ConfigError
+from megalite.flops import model_flops_per_token
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """A megalite GPT's shape (names as in the `model` config section)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int
+    arch: str = "llama"
+    num_kv_heads: int | None = None  # None: = num_heads (no GQA)
+    ffn_hidden_size: int | None = None  # None: 4h for gpt2, llama's 8h/3 rounded up to 64
+    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
+    make_vocab_divisible_by: int = 1  # vocab padded to a multiple of this x tp
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "gpt2"):
+            raise ConfigError(f"model.arch={self.arch!r} is unknown; use 'llama' or 'gpt2'")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                              f"{self.num_heads}; pick sizes with hidden_size = num_heads x head_dim")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                              f"{self.kv_heads}; each kv head must serve a whole group of query heads")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return -(-int(8 * self.hidden_size / 3) // 64) * 64  # megalite's rule (config.resolve)
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = tp * self.make_vocab_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+
+# Well-known shapes, named as in `megalite.config.PRESETS` where both have them (the CLI prefers the
+# config's table when it can import it); vocabularies as the models were trained.
+PRESETS: dict[str, ModelDims] = {
+    "tiny": ModelDims(4, 128, 4, 2048, 128, "llama", 2),  # the demo tokenizer's 2048 tokens
+    "gpt2-small": ModelDims(12, 768, 12, 50257, 1024, "gpt2"),
+    "gpt2-medium": ModelDims(24, 1024, 16, 50257, 1024, "gpt2"),
+    "gpt2-xl": ModelDims(48, 1600, 25, 50257, 1024, "gpt2"),
+    "llama-1b": ModelDims(16, 2048, 32, 128256, 2048, "llama", 8, 8192, True),
+    "llama-7b": ModelDims(32, 4096, 32, 32000, 4096, "llama", 32, 11008, False),
+    "llama-13b": ModelDims(40, 5120, 40, 32000, 4096, "llama", 40, 13824, False),
+    "llama2-70b": ModelDims(80, 8192, 64, 32000, 4096, "llama", 8, 28672, False),
+    "gpt3-175b": ModelDims(96, 12288, 96, 50257, 2048, "gpt2"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and batch (names as in the `parallel` and `train` config sections)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    sp: bool = False
+    vpp: int = 1
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (vpp > 1 implies interleaved)
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None: micro_batch_size x dp (one micro-batch)
+    recompute: str = "none"  # none | selective | full
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        gbs = self.global_batch_size or self.micro_batch_size * self.dp
+        per_step = self.micro_batch_size * self.dp
+        if gbs % per_step:
+            raise ConfigError(f"global batch {gbs} is not divisible by micro_batch_size x dp = "
+                              f"{per_step}; change train.global_batch_size or train.micro_batch_size")
+        return gbs // per_step
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element. Default: the ZeRO paper's mixed-precision Adam, 2 param + 2 grad +
+    K=12 (4 fp32 master + 8 moments), 16-bit activations."""
+
+    param: int = 2
+    grad: int = 2
+    master: int = 4
+    optimizer: int = 8
+    activation: int = 2
+    grad_comm: int | None = None  # dtype gradients are reduced in; None: = grad
+
+    @classmethod
+    def for_dtype(cls, dtype: str, param_dtype: str | None = None) -> "Precision":
+        """`dtype` is the compute (activation) dtype; `param_dtype` what weights and grads are
+        stored in (default: the same). fp32 weights with 16-bit compute (autocast-style, no separate
+        master copy: 4 + 4 + 0 + 8 bytes) is how megalite's replicated optimizer trains."""
+        sizes = {"bf16": 2, "fp16": 2, "fp32": 4}
+        if dtype not in sizes or (param_dtype or dtype) not in sizes:
+            raise ConfigError(f"dtype {dtype!r}/{param_dtype!r} is unknown; use bf16, fp16 or fp32")
+        if sizes[param_dtype or dtype] == 4:
+            return cls(param=4, grad=4, master=0, optimizer=8, activation=sizes[dtype])
+        return cls(activation=sizes[dtype])
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.grad if self.grad_comm is None else self.grad_comm
+
+
+# ---------------------------------------------------------------- parameters
+
+def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
+                 ffn: int, vocab: int, seq_len: int, tie: bool) -> int:
+    """Parameters of megalite's GPT (unpadded vocabulary, no parallelism).
+
+    llama, per layer: q and o h x h each, k and v h x (kv·head_dim) each; SwiGLU 3·h·ffn;
+    two RMSNorm weights. Then a final RMSNorm, the V x h embedding and an untied head unless `tie`.
+    gpt2 adds biases (qkv, out, both MLP linears), LayerNorm weight+bias, a 2·h·ffn GeLU MLP
+    and learned positions (s x h); its head is normally tied.
+    """
+    hd = hidden // num_heads
+    q, kv = num_heads * hd, num_kv_heads * hd
+    attn = hidden * (q + 2 * kv) + q * hidden
+    if arch == "llama":
+        layer = attn + 3 * hidden * ffn + 2 * hidden
+        outside = hidden + vocab * hidden
+    else:
+        layer = attn + (q + 2 * kv) + hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
+        outside = 2 * hidden + vocab * hidden + seq_len * hidden
+    return num_layers * layer + outside + (0 if tie else vocab * hidden)
+
+
+def dims_params(dims: ModelDims) -> int:
+    return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
+                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """One (pp stage, tp rank)'s parameter elements, split by how they are synchronised."""
+
+    total: int
+    tp_replicated_partial: int  # norms, row-parallel biases, positions: grads all-reduced over TP under SP
+    embedding_shard: int  # vocab-parallel rows this rank holds (0 off the first/last stage)
+    layers: int
+
+
+def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int) -> StageParams:
+    """Exact parameters on one rank: layers split evenly over pp, weights split over tp,
+    norms (and gpt2's row-parallel biases and positions) replicated, the vocabulary padded to a
+    multiple of tp x make_vocab_divisible_by. With a tied head and pp > 1 the last stage holds
+    its own copy of the embedding shard (synchronised over the 'embedding' group, as Megatron)."""
+    h, t, hd = dims.hidden_size, tp, dims.hidden_size // dims.num_heads
+    q, kv, f = dims.num_heads * hd, dims.kv_heads * hd, dims.ffn
+    if dims.num_heads % t or dims.kv_heads % t or f % t:
+        raise ConfigError(f"tp={t} must divide num_heads ({dims.num_heads}), num_kv_heads "
+                          f"({dims.kv_heads}) and ffn_hidden_size ({f}); pick a smaller parallel.tp")
+    gpt2 = dims.arch == "gpt2"
+    sharded = (h * (q + 2 * kv) + q * h + (3 if not gpt2 else 2) * h * f) // t
+    if gpt2:
+        sharded += (q + 2 * kv + f) // t  # column-parallel biases
+    replicated = 6 * h if gpt2 else 2 * h  # two norms (gpt2: weight+bias each, + out/down biases)
+    per_stage = dims.num_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    emb = dims.padded_vocab(t) // t * h
+    rows = (emb if first else 0) + (emb if last and (not dims.tied or pp > 1) else 0)
+    partial = per_stage * replicated
+    if first and gpt2:
+        partial += dims.seq_len * h  # learned positions
+    if last:
+        partial += 2 * h if gpt2 else h  # final norm
+    return StageParams(total=per_stage * sharded + partial + rows, tp_replicated_partial=partial,
+                       embedding_shard=rows, layers=per_stage * (sharded + replicated))
+
+
+# ---------------------------------------------------------------- memory
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    activations: float = 0.0
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+
+def zero_shard(psi: float, nd: int) -> float:
+    """Elements per rank of a ZeRO-partitioned flat buffer: padded to a multiple of Nd for integer
+    counts (what a flat-buffer implementation holds), exact division otherwise."""
+    if float(psi).is_integer():
+        return float(-(-int(psi) // nd))
+    return psi / nd
+
+
+def zero_memory(psi: float, nd: int, stage: int, prec: Precision = Precision()) -> Memory:
+    """Model-state bytes per device for Ψ parameters on this rank, ZeRO `stage` over Nd ranks
+    (Rajbhandari et al. 2020, figure 1). With K = master + optimizer bytes (12 for mixed Adam):
+    DDP (2+2+K)Ψ; stage 1: 4Ψ + KΨ/Nd; stage 2: 2Ψ + (2+K)Ψ/Nd; stage 3: (2+2+K)Ψ/Nd.
+    The general bytes (`prec`) make fp32 training (4, 4, 0, 8) exact too."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={stage} is invalid; use 0, 1, 2 or 3")
+    shard = zero_shard(psi, nd)
+    full = float(psi)
+    return Memory(
+        params=prec.param * (shard if stage >= 3 else full),
+        grads=prec.grad * (shard if stage >= 2 else full),
+        master=prec.master * (shard if stage >= 1 else full),
+        optimizer=prec.optimizer * (shard if stage >= 1 else full),
+    )
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
+                               recompute: str = "none", act_bytes: int = 2) -> float:
+    """Activation memory of one transformer layer, Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models"), table 2, for 16-bit activations:
+        no parallelism             sbh(34 + 5as/h)
+        TP t                       sbh(10 + 24/t + 5as/(ht))
+        TP t + SP                  sbh(34/t + 5as/(ht))
+        TP t + SP + selective      34·sbh/t          (the 5as²b attention terms are recomputed)
+        full recompute             2·sbh (only the layer input; /t with SP)
+    The paper's layer is GPT-3's (LayerNorm, GeLU 4h MLP, dropout masks): for SwiGLU models it is an
+    estimate. `act_bytes` = 4 scales linearly, which over-counts the 1-byte dropout masks slightly.
+    """
+    sbh = float(s) * b * h
+    scale = act_bytes / 2.0
+    if recompute == "full":
+        return 2.0 * sbh / (tp if sp else 1) * scale
+    attn_core = 5.0 * a * s / (h * tp)
+    if recompute == "selective":
+        attn_core = 0.0
+    if tp == 1:
+        return sbh * (34.0 + attn_core) * scale
+    if sp:
+        return sbh * (34.0 / tp + attn_core) * scale
+    return sbh * (10.0 + 24.0 / tp + attn_core) * scale
+
+
+def microbatches_in_flight(layout: Layout, pp_rank: int, m: int) -> float:
+    """Layers' worth of micro-batch activations a stage holds at peak, in units of its own layers.
+
+    GPipe keeps all m; 1F1B keeps p - r (the warm-up depth), which is the point of 1F1B; interleaved
+    keeps (2(p-r-1) + (v-1)p + 1) chunk-micro-batches of L/(pv) layers, i.e. 1 + (p-1)/(pv) times
+    1F1B's on the first stage (Korthikanti et al. 2022, section 4.2.3)."""
+    p, v = layout.pp, layout.vpp
+    if p == 1:
+        return 1.0  # gradient accumulation runs micro-batches one after another
+    if layout.schedule == "gpipe":
+        return float(m)
+    if v == 1:
+        return float(min(m, p - pp_rank))
+    chunks = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
+    return chunks / v
+
+
+# ---------------------------------------------------------------- communication
+
+def all_reduce_bytes(x: float, n: int) -> float:
+    return 2.0 * (n - 1) / n * x if n > 1 else 0.0
+
+
+def all_gather_bytes(x: float, n: int) -> float:
+    """All-gather producing (or reduce-scatter consuming) a full tensor of x bytes."""
+    return (n - 1) / n * x if n > 1 else 0.0
+
+
+reduce_scatter_bytes = all_gather_bytes
+
+
+def dp_comm_bytes(psi: float, nd: int, zero: int, prec: Precision = Precision(),
+                  microbatches: int = 1) -> float:
+    """Wire bytes per rank per step over the data-parallel group.
+
+    DDP: one all-reduce of the gradients, 2Ψ(N-1)/N·bytes (the seed's formula).
+    ZeRO-1/2: reduce-scatter of gradients + all-gather of updated parameters: the same 2Ψ(N-1)/N.
+    ZeRO-3: parameters all-gathered for the forward and again for the backward, gradients
+    reduce-scattered: 3Ψ(N-1)/N per micro-batch (the full weights are never kept between uses).
+    Flat ZeRO buffers are padded to a multiple of N (`zero_shard`)."""
+    if nd <= 1:
+        return 0.0
+    grad_b, param_b = prec.reduce_bytes, prec.param
+    if zero == 0:
+        return all_reduce_bytes(psi * grad_b, nd)
+    padded = zero_shard(psi, nd) * nd
+    if zero in (1, 2):
+        return all_gather_bytes(padded * (grad_b + param_b), nd)
+    return microbatches * all_gather_bytes(padded * (grad_b + 2 * param_b), nd)
+
+
+def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int, m: int) -> float:
+    """Wire bytes per rank per step over the tensor-parallel group (Shoeybi et al. 2019).
+
+    Per layer and micro-batch, 4 all-reduces of b·s·h (2 forward at the attention and MLP exits,
+    2 backward at their entries); under SP each is an all-gather + reduce-scatter of the same
+    volume (Korthikanti et al. 2022). Full recompute repeats the 2 forward ones. The first stage
+    adds the vocab-parallel embedding's reduction, the last the head's input (one b·s·h each way)
+    and the cross-entropy's 3 fp32 all-reduces of b·s. Under SP the grads of replicated, sequence-
+    partial parameters (norms, gpt2 row biases and positions) are all-reduced once per step."""
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    bs = float(layout.micro_batch_size) * dims.seq_len
+    x = bs * dims.hidden_size * prec.activation
+    per_layer = (6 if layout.recompute == "full" else 4) * all_reduce_bytes(x, t)
+    total = m * dims.num_layers // layout.pp * per_layer
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    total += m * (first + last) * all_reduce_bytes(x, t)
+    total += m * last * all_reduce_bytes(3 * bs * 4, t)
+    if layout.sp:
+        partial = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+        total += all_reduce_bytes(partial * prec.reduce_bytes, t)
+    return total
+
+
+def pp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int, m: int) -> float:
+    """Bytes one rank sends point-to-point per step: per micro-batch, its activations b·s·h forward
+    (unless it holds the last model chunk) and their gradient backward (unless the first). SP
+    sends the sequence-sharded b·s·h/t. Interleaving sends v times, one per model chunk."""
+    p, v = layout.pp, layout.vpp
+    if p == 1:
+        return 0.0
+    x = float(layout.micro_batch_size) * dims.seq_len * dims.hidden_size * prec.activation
+    if layout.sp:
+        x /= layout.tp
+    sends = 2 * m * v - m * (pp_rank == p - 1) - m * (pp_rank == 0)
+    return sends * x
+
+
+def embedding_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int) -> float:
+    """Tied embeddings split over pipeline stages: the first and last stage all-reduce the shared
+    shard's gradient over their 2-rank 'embedding' group once per step."""
+    if not dims.tied or layout.pp == 1 or pp_rank not in (0, layout.pp - 1):
+        return 0.0
+    return all_reduce_bytes(dims.padded_vocab(layout.tp) // layout.tp * dims.hidden_size
+                            * prec.reduce_bytes, 2)
+
+
+# ---------------------------------------------------------------- pipeline and time
+
+def pipeline_bubble(p: int, m: int, v: int = 1) -> float:
+    """Fraction of a step each stage idles: (p-1)/(v·m + p-1) (Narayanan et al. 2021).
+
+    GPipe and 1F1B have the same bubble, (p-1)/(m+p-1): P=8, M=16 -> 30.4%; P=16, M=32 -> 31.9%.
+    1F1B does NOT halve it (the seed says it does); what 1F1B changes is memory: at most p
+    micro-batches' activations in flight instead of m. Interleaving v model chunks per stage
+    divides the bubble *time* by v (`bubble_overhead`), at v times the p2p traffic. m < p leaves
+    stages idle most of the time: the seed's "most common config error"."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) / (v * m + p - 1)
+
+
+def bubble_overhead(p: int, m: int, v: int = 1) -> float:
+    """Bubble time over ideal compute time: (p-1)/(v·m). Exactly 1/v of the non-interleaved one."""
+    return (p - 1) / (v * m) if p > 1 else 0.0
+
+
+@dataclass
+class Estimate:
+    """Everything `tools/estimate.py` reports. Per-device numbers are for the worst pp stage."""
+
+    params: float
+    params_per_device: float
+    memory: Memory
+    comm_bytes: dict[str, float]
+    num_microbatches: int
+    bubble: float
+    model_flops_per_step: float | None = None
+    hardware_flops_per_step: float | None = None
+    comm_seconds: dict[str, float] = field(default_factory=dict)
+    compute_seconds: float | None = None
+    step_seconds: float | None = None
+    step_seconds_overlapped: float | None = None
+    predicted_mfu: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory"]["model_states"] = self.memory.model_states
+        d["memory"]["total"] = self.memory.total
+        return d
+
+
+def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
+                           m: int) -> float:
+    """Peak activation bytes on one stage: per-layer bytes x its layers x micro-batches in flight,
+    plus (full recompute) one layer's full activations while it is recomputed, plus (last stage)
+    one micro-batch's fp32 logits [b, s, V/t] held for the loss."""
+    b, s, h, a = layout.micro_batch_size, dims.seq_len, dims.hidden_size, dims.num_heads
+    per_layer = activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, layout.recompute,
+                                           prec.activation)
+    acts = per_layer * dims.num_layers / layout.pp * microbatches_in_flight(layout, pp_rank, m)
+    if layout.recompute == "full":
+        acts += activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, "none", prec.activation)
+    if pp_rank == layout.pp - 1:
+        acts += float(b) * s * dims.padded_vocab(layout.tp) / layout.tp * 4
+    return acts
+
+
+def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision(),
+             params: float | None = None, peak_flops: float | None = None,
+             inter_bytes_per_s: float | None = None, intra_bytes_per_s: float | None = None,
+             efficiency: float = 1.0) -> Estimate:
+    """Memory, communication, FLOPs, bubble and step time of one layout.
+
+    `params` overrides the count from `dims` (Ψ per device then = params/(tp·pp)); with `dims`
+    None only model-state memory and DP traffic are computed (the seed's example). TP traffic uses
+    `intra_bytes_per_s` (NVLink), PP/DP/embedding traffic `inter_bytes_per_s` (defaults to each other).
+    `compute_seconds` is the hardware FLOPs at `efficiency` x peak, stretched by the bubble;
+    `step_seconds` adds all traffic (no overlap), `step_seconds_overlapped` hides DP traffic
+    behind compute (TP and PP traffic sit on the critical path either way)."""
+    m, p = layout.num_microbatches, layout.pp
+    v = layout.vpp if layout.schedule == "interleaved" or layout.vpp > 1 else 1
+    layout = replace(layout, vpp=v, schedule="interleaved" if v > 1 else layout.schedule)
+    if layout.sp and layout.tp == 1:
+        raise ConfigError("parallel.sp needs parallel.tp > 1; turn sp off or raise tp")
+    if dims is not None and dims.num_layers % (p * v):
+        raise ConfigError(f"num_layers {dims.num_layers} is not divisible by pp x vpp = {p * v}; "
+                          f"change parallel.pp/parallel.vpp or model.num_layers")
+    if params is None and dims is None:
+        raise ConfigError("give model dimensions (a preset or --num-layers ...) or --params")
+    warnings: list[str] = []
+    if p > 1 and m < p:
+        warnings.append(f"{m} micro-batches < pp={p}: stages idle {pipeline_bubble(p, m, v):.0%} of "
+                        f"the step; raise train.global_batch_size to at least {p} micro-batches")
+    if v > 1 and m % p:
+        warnings.append(f"interleaved schedule needs micro-batches ({m}) to be a multiple of pp={p}")
+    total = float(params) if params is not None else float(dims_params(dims))  # type: ignore[arg-type]
+    worst: tuple[Memory, float] | None = None
+    comm: dict[str, float] = {}
+    for r in range(p) if dims is not None else [0]:
+        psi = (total / (layout.tp * p) if params is not None or dims is None
+               else float(stage_params(dims, layout.tp, p, r).total))
+        mem = zero_memory(psi, layout.dp, layout.zero, prec)
+        groups = {"dp": dp_comm_bytes(psi, layout.dp, layout.zero, prec, m)}
+        if dims is not None:
+            mem = replace(mem, activations=stage_activation_bytes(dims, layout, prec, r, m))
+            groups.update(tp=tp_comm_bytes(dims, layout, prec, r, m),
+                          pp=pp_comm_bytes(dims, layout, prec, r, m),
+                          embedding=embedding_comm_bytes(dims, layout, prec, r))
+        for g, nbytes in groups.items():
+            comm[g] = max(comm.get(g, 0.0), nbytes)
+        if worst is None or mem.total > worst[0].total:
+            worst = (mem, psi)
+    assert worst is not None
+    comm = {g: nbytes for g, nbytes in comm.items() if nbytes > 0.0 or g == "dp"}
+    est = Estimate(params=total, params_per_device=worst[1], memory=worst[0], comm_bytes=comm,
+                   num_microbatches=m, bubble=pipeline_bubble(p, m, v), warnings=warnings)
+    inter = inter_bytes_per_s or intra_bytes_per_s
+    intra = intra_bytes_per_s or inter_bytes_per_s
+    if inter:
+        est.comm_seconds = {g: nbytes / (intra if g == "tp" else inter) for g, nbytes in comm.items()}
+    if dims is None:
+        return est
+    tokens = float(m) * layout.micro_batch_size * layout.dp * dims.seq_len
+    est.model_flops_per_step = tokens * model_flops_per_token(
+        int(total), dims.num_layers, dims.hidden_size, dims.seq_len)
+    # Full recompute repeats the forward pass: +1/3 of the model FLOPs (2N + 4Lhs of 6N + 12Lhs).
+    est.hardware_flops_per_step = est.model_flops_per_step * (4 / 3 if layout.recompute == "full" else 1)
+    if not peak_flops:
+        return est
+    ideal = est.hardware_flops_per_step / layout.world / (peak_flops * efficiency)
+    est.compute_seconds = ideal / (1.0 - est.bubble)
+    if est.comm_seconds or not any(comm.values()):
+        other = sum(sec for g, sec in est.comm_seconds.items() if g != "dp")
+        dp_s = est.comm_seconds.get("dp", 0.0)
+        est.step_seconds = est.compute_seconds + other + dp_s
+        est.step_seconds_overlapped = max(est.compute_seconds, dp_s) + other
+        est.predicted_mfu = est.model_flops_per_step / layout.world / est.step_seconds / peak_flops
+    return est

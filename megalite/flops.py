@@ -1,0 +1,137 @@
+"""FLOPs counting, dense peak throughput per device, and MFU.
+
+Two different counts, for two different questions:
+
+* **Model FLOPs** (`model_flops_per_token`): what the model needs, independent of how it is run.
+  This is the numerator of PaLM's *model FLOPs utilization* (MFU, Chowdhery et al. 2022, appendix B),
+  the number megalite logs as `mfu`. Recomputation is deliberately NOT counted: a run that trades
+  compute for memory does not get credit for the extra work.
+* **Hardware FLOPs** (`megatron_flops_per_iteration`): what the GPUs actually execute, including the
+  forward pass repeated by full activation recomputation (Narayanan et al. 2021, eq. 3). Use it to
+  predict step time, or to compare with papers that report "TFLOP/s per GPU" the Megatron way.
+
+Peaks are *dense* (no 2:4 sparsity) vendor numbers: quoting the sparse figure would halve every MFU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from megalite.errors import ConfigError
+
+PEAK_ENV_VAR = "MEGALITE_PEAK_TFLOPS"
+"""Set to a number of TFLOP/s to override the table (new GPUs, clocks capped, or a sanity check)."""
+
+# (regex matched case-insensitively against `torch.cuda.get_device_name()`, {dtype: TFLOP/s}).
+# Order matters: the first match wins, so the more specific variants (H100 PCIe / NVL) come before
+# the generic H100 (the SXM part, whose name is e.g. "NVIDIA H100 80GB HBM3"). Word boundaries keep
+# "A10" from matching "A100"/"A10G" and "L4" from matching "L40S".
+# "fp32" is plain IEEE fp32 on the CUDA cores; "tf32" is the tensor-core TF32 rate (dense).
+# Sources: NVIDIA A100/H100/H200/A10/L4/V100/Ada datasheets, AMD MI300X datasheet.
+_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"\bH100\b.*\bPCIe\b", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    (r"\bH100\b.*\bNVL\b", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    (r"\bGH200\b|\bH200\b|\bH100\b", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    (r"\bA100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    # V100 has no bf16 tensor cores: bf16 is absent on purpose (-> None, MFU unknown).
+    (r"\bV100\b", {"fp16": 125.0, "fp32": 15.7}),
+    # GeForce fp16/bf16 with fp32 accumulation (what PyTorch uses); fp16-accumulate is 2x but unused.
+    (r"\bRTX 4090\b", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    (r"\bMI300X\b", {"bf16": 1307.0, "fp16": 1307.0, "tf32": 653.7, "fp32": 163.4}),
+)
+
+_DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "tf32": "tf32",
+}
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B).
+
+    * 6N: every weight is used in one multiply-add (2 FLOPs) in the forward pass and two in the
+      backward pass (gradient w.r.t. the input and w.r.t. the weight): 2N + 4N.
+    * 12·L·h·s: the attention matmuls that have no weights, QK^T and attention-times-V. Per layer
+      and token each costs 2·s·h FLOPs forward (h = heads x head_dim, s = sequence length),
+      i.e. 4·s·h forward and 8·s·h backward. Causal masking is NOT discounted, as in PaLM (it is
+      what dense attention kernels without block skipping execute, and it keeps MFUs comparable).
+
+    N is used exactly as the caller gives it; megalite's trainer passes the total parameter count
+    (padded vocabulary rows included), PaLM's convention. PaLM shares its input and output
+    embedding, whose use in the head is a real matmul, so the choice hardly matters there. For an
+    *untied* model it does: the input-embedding lookup is a gather, not a matmul, so counting that
+    table inflates 6N by 6·V·h per token (about 2% for Llama-2-7B). Callers that want the
+    strictest count pass N minus the input embedding (and learned position) table.
+    """
+    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
+
+
+def megatron_flops_per_iteration(
+    batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute: bool
+) -> float:
+    """FLOPs executed per iteration for a GPT, Narayanan et al. 2021 ("Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM"), eq. 3.
+
+    With full activation recomputation (the paper's setting, one extra forward pass):
+        F = 96·B·s·l·h² · (1 + s/(6h) + V/(16·l·h))
+    Without recomputation (forward + backward = 3 forward passes instead of 4):
+        F = 72·B·s·l·h² · (1 + s/(6h) + V/(12·l·h))
+    The vocab term is the logits matmul (6·B·s·h·V either way: the output layer is not
+    recomputed). B is the global batch in sequences. The formula assumes a 4h GeLU MLP and
+    full multi-head attention; for SwiGLU/GQA models it is an approximation.
+    """
+    b, s, l, h, v = float(batch), float(seq_len), float(num_layers), float(hidden), float(vocab)
+    if recompute:
+        return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Map `bf16`/`bfloat16`/`torch.bfloat16`/... to the table's key; ConfigError if unknown."""
+    key = _DTYPE_ALIASES.get(str(dtype).strip().lower())
+    if key is None:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, tf32")
+    return key
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of one device for `dtype`, or None when unknown (CPU, unlisted GPU).
+
+    `device_name` is a `torch.cuda.get_device_name()`-style string ("NVIDIA A100-SXM4-80GB",
+    "NVIDIA H100 80GB HBM3", "AMD Instinct MI300X"). The environment variable
+    `MEGALITE_PEAK_TFLOPS` (TFLOP/s) wins over the table, whatever the device or dtype.
+    """
+    override = os.environ.get(PEAK_ENV_VAR, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = -1.0
+        if not value > 0.0:
+            raise ConfigError(
+                f"{PEAK_ENV_VAR}={override!r} is not a positive number; set it to the device's "
+                f"dense peak in TFLOP/s (e.g. 989 for an H100 in bf16) or unset it"
+            )
+        return value * 1e12
+    key = normalize_dtype(dtype)
+    for pattern, table in _PEAK_TFLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            tflops = table.get(key)
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+def mfu(model_flops_per_s_per_device: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization: achieved model FLOP/s per device over its dense peak.
+
+    None when the peak is unknown (CPU, unlisted GPU): a made-up denominator would be worse
+    than no number, and `metrics.jsonl` writes it as null.
+    """
+    if peak is None or peak <= 0.0:
+        return None
+    return model_flops_per_s_per_device / peak

@@ -1,0 +1,241 @@
+"""Predict memory, communication, FLOPs and step time of a megalite run before spending GPU time.
+
+    python tools/estimate.py --preset llama-7b --tp 2 --pp 4 --dp 8 --sp --zero 1 \\
+        --global-batch-size 512 --bandwidth-gbps 200 --intra-bandwidth-gbytes 450 --device H100
+    python tools/estimate.py --params 7e9 --dp 64 --bandwidth-gbytes 3.1      # the seed's example
+    python tools/estimate.py --config configs/x.toml --parallel.tp 2 --dp 64 --json
+
+The arithmetic lives in `megalite.estimate` (pure functions); this file only parses and prints.
+With `--config`, the model/parallel/train sections of a pretrain config (and its `--section.field`
+overrides) are read through `megalite.config.parse_args`; explicit flags here still win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalite.errors import ConfigError, MegaliteError  # noqa: E402
+from megalite.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
+from megalite.flops import normalize_dtype, peak_flops  # noqa: E402
+
+_MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                "vocab_size", "seq_len")
+_LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size", "global_batch_size",
+                 "recompute")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = ap.add_argument_group("model (a preset, explicit dims, or both: flags override the preset)")
+    m.add_argument("--preset", choices=sorted(presets()))
+    m.add_argument("--arch", choices=["llama", "gpt2"])
+    for name in _MODEL_FLAGS[1:]:
+        m.add_argument("--" + name.replace("_", "-"), type=int)
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--params", type=float, help="override the parameter count (e.g. 7e9)")
+    p = ap.add_argument_group("layout")
+    for name in ("tp", "pp", "dp", "zero", "vpp", "micro_batch_size", "global_batch_size"):
+        p.add_argument("--" + name.replace("_", "-"), type=int)
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
+    p.add_argument("--recompute", choices=["none", "selective", "full"])
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="training dtype (default bf16)")
+    p.add_argument("--param-dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype weights and grads are stored in (default: --dtype, with fp32 master "
+                        "weights; fp32 = megalite's replicated optimizer: 4+4+0+8 bytes/param)")
+    p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype gradients are communicated in (default: the training dtype)")
+    h = ap.add_argument_group("hardware")
+    h.add_argument("--bandwidth-gbps", type=float, help="inter-node bandwidth in Gbit/s (DP, PP)")
+    h.add_argument("--bandwidth-gbytes", type=float, help="inter-node bandwidth in GB/s")
+    h.add_argument("--intra-bandwidth-gbytes", type=float,
+                   help="intra-node (NVLink) bandwidth in GB/s for TP (default: the inter-node one)")
+    h.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device")
+    h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
+    h.add_argument("--efficiency", type=float, default=1.0,
+                   help="fraction of peak the matmuls reach (1.0 = ideal lower bound on time)")
+    ap.add_argument("--config", help="a pretrain TOML config (needs megalite.config)")
+    ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    return ap
+
+
+def _split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Send `--config FILE` and dotted `--section.field VALUE` overrides to the config parser."""
+    ours: list[str] = []
+    theirs: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key = arg.split("=", 1)[0]
+        if key == "--config" or (key.startswith("--") and "." in key):
+            theirs.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                theirs.append(argv[i + 1])
+                i += 1
+        else:
+            ours.append(arg)
+        i += 1
+    return ours, theirs
+
+
+def _model_dims_kwargs(model: object, demo_vocab: int) -> dict:
+    """ModelDims keywords from a config `model` section; its "derive me" zeros become None (the
+    same defaults), and an unset vocabulary (taken from the tokenizer at run time) the demo one."""
+    get = (model.get if isinstance(model, dict) else lambda k, d=None: getattr(model, k, d))
+    dims = {k: get(k) or None for k in _MODEL_FLAGS}
+    dims["vocab_size"] = dims["vocab_size"] or demo_vocab
+    dims["tie_embeddings"] = get("tie_embeddings")
+    dims["make_vocab_divisible_by"] = get("make_vocab_divisible_by") or 1
+    return dims
+
+
+def presets() -> dict[str, dict]:
+    """`megalite.estimate.PRESETS`, overridden by `megalite.config.PRESETS` (the sizes pretrain.py
+    knows) when that module is importable."""
+    table = {name: dict(vars(d)) for name, d in PRESETS.items()}
+    try:
+        from dataclasses import asdict
+
+        from megalite.config import PRESETS as CONFIG_PRESETS, DataConfig, ModelConfig
+    except ImportError:
+        return table
+    for name, values in CONFIG_PRESETS.items():
+        table[name] = _model_dims_kwargs({**asdict(ModelConfig()), **values}, DataConfig().demo_vocab_size)
+    return table
+
+
+def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
+    """Model dims, layout fields and dtype from a pretrain config (DESIGN section 3 names).
+    Unresolved values (dp = 0: world size unknown here, global batch 0) fall back to the flags'
+    defaults: pass --dp to size the data-parallel group."""
+    try:
+        from megalite.config import parse_args
+    except ImportError as exc:
+        raise ConfigError(f"--config needs megalite.config ({exc}); pass the model and layout "
+                          f"as explicit flags instead (see --help)") from exc
+    cfg = parse_args(config_argv)
+    model, par, train = cfg.model, cfg.parallel, cfg.train
+    data = getattr(cfg, "data", None)
+    demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
+    dims = _model_dims_kwargs(model, demo_vocab)
+    lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp")}
+    lay["zero"] = getattr(par, "zero", 0)
+    lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
+               global_batch_size=getattr(train, "global_batch_size", None) or None,
+               recompute=getattr(model, "recompute", None))
+    dtype = getattr(train, "dtype", None)
+    return dims, lay, None if dtype == "auto" else dtype  # auto = bf16 on GPUs, what we estimate
+
+
+def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
+    """Turn flags (+ optional config) into the keyword arguments of `megalite.estimate.estimate`."""
+    dims_kw: dict = {}
+    lay_kw: dict = {}
+    dtype = None
+    if config_argv:
+        dims_kw, lay_kw, dtype = _from_config(config_argv)
+    elif args.preset:
+        dims_kw = presets()[args.preset]
+    for k in _MODEL_FLAGS + ("tie_embeddings",):
+        if getattr(args, k) is not None:
+            dims_kw[k] = getattr(args, k)
+    for k in _LAYOUT_FLAGS + ("sp",):
+        if getattr(args, k) is not None:
+            lay_kw[k] = getattr(args, k)
+    dims = None
+    required = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
+    if any(dims_kw.get(k) for k in required):
+        missing = [k for k in required if not dims_kw.get(k)]
+        if missing:
+            raise ConfigError(f"model dims incomplete, missing {', '.join(missing)}; give them as "
+                              f"--{missing[0].replace('_', '-')} N ... or use --preset")
+        dims = ModelDims(**{k: v for k, v in dims_kw.items() if v is not None})
+    layout = Layout(**{k: v for k, v in lay_kw.items() if v is not None})
+    dtype = normalize_dtype(args.dtype or dtype or "bf16")
+    prec = Precision.for_dtype(dtype, args.param_dtype)
+    if args.grad_reduce_dtype:
+        prec = Precision(**{**vars(prec), "grad_comm": 4 if args.grad_reduce_dtype == "fp32" else 2})
+    inter = args.bandwidth_gbytes * GB if args.bandwidth_gbytes else None
+    if args.bandwidth_gbps:
+        inter = args.bandwidth_gbps * 1e9 / 8  # bits -> bytes, exactly: 25 Gb/s = 3.125 GB/s
+    intra = args.intra_bandwidth_gbytes * GB if args.intra_bandwidth_gbytes else None
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    if peak is None and args.device:
+        peak = peak_flops(args.device, dtype)
+        if peak is None:
+            raise ConfigError(f"no {dtype} peak known for device {args.device!r}; pass --peak-tflops")
+    return dict(dims=dims, layout=layout, prec=prec, params=args.params, peak_flops=peak,
+                inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
+                dtype=dtype)
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:10.2f}"
+
+
+def render(est: Estimate, kw: dict) -> str:
+    """The human-readable report."""
+    lay: Layout = kw["layout"]
+    dims: ModelDims | None = kw["dims"]
+    name = "custom model" if dims is None else f"{dims.arch} L={dims.num_layers} h={dims.hidden_size}"
+    out = [f"{name}: {est.params / 1e9:.3f} B parameters, {kw['dtype']}",
+           f"layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero} sp={'on' if lay.sp else 'off'} "
+           f"vpp={lay.vpp} schedule={lay.schedule} recompute={lay.recompute} "
+           f"micro-batch={lay.micro_batch_size} micro-batches/step={est.num_microbatches}",
+           f"pipeline bubble: {est.bubble:.1%}", "",
+           f"memory per device (worst stage), GB   [{est.params_per_device / 1e9:.3f} B params here]"]
+    mem = est.memory
+    for label, value in (("parameters", mem.params), ("gradients", mem.grads),
+                         ("fp32 master weights", mem.master), ("optimizer states", mem.optimizer),
+                         ("model states", mem.model_states), ("activations", mem.activations),
+                         ("total", mem.total)):
+        out.append(f"  {label:<22}{_gb(value)}")
+    header = "communication per step per rank (wire bytes), GB"
+    out += ["", header + ("      seconds" if est.comm_seconds else "")]
+    for group, b in est.comm_bytes.items():
+        secs = est.comm_seconds.get(group)
+        out.append(f"  {group:<22}{_gb(b)}" + (f"   {secs:10.4f}" if secs is not None else ""))
+    if est.model_flops_per_step is not None:
+        out += ["", f"model FLOPs per step (PaLM 6N+12Lhs): {est.model_flops_per_step:.3e}",
+                f"hardware FLOPs per step (counting recompute): {est.hardware_flops_per_step:.3e}"]
+    if est.compute_seconds is not None:
+        out.append(f"compute incl. bubble: {est.compute_seconds:.4g} s")
+    if est.step_seconds is not None:
+        out += [f"step time: {est.step_seconds:.4g} s no overlap, {est.step_seconds_overlapped:.4g} s "
+                f"with DP traffic hidden behind compute",
+                f"predicted MFU (no overlap): {est.predicted_mfu:.1%}"]
+    for w in est.warnings:
+        out.append(f"WARNING: {w}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, config_argv = _split_config_args(argv)
+    args = build_parser().parse_args(ours)
+    try:
+        kw = resolve(args, config_argv)
+        est = estimate(**{k: v for k, v in kw.items() if k != "dtype"})
+    except MegaliteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.json:
+        lay = kw["layout"]
+        inputs = {"layout": vars(lay), "dtype": kw["dtype"],
+                  "model": None if kw["dims"] is None else vars(kw["dims"]),
+                  "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
+                  "peak_flops": kw["peak_flops"]}
+        print(json.dumps({"inputs": inputs, **est.to_dict()}, indent=2))
+    else:
+        print(render(est, kw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
