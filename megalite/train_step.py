@@ -7,7 +7,6 @@ has the same token count in pretraining). The DP average is taken in `reduce_gra
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -16,9 +15,12 @@ import torch.nn as nn
 
 from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim.grads import sync_tied_embeddings
 from megalite.optim.schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
+from megalite.pipeline.engine import PipelineEngine, forward_only_schedule
+from megalite.pipeline.schedules import build_schedule
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,22 +33,25 @@ class StepResult:
     skipped: bool
 
 
-def train_step(model: nn.Module, optimizer: DataParallelOptimizer, batches: list[Batch], state: ParallelState,
-               tcfg, step: int, dtype: torch.dtype, scaler: LossScaler) -> StepResult:
+def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dtype) -> PipelineEngine:
+    """pp = 1: the whole model is one chunk; the schedule is plain gradient accumulation."""
+    return PipelineEngine([model], [0], 1, state, (0, 0, 0), dtype)
+
+
+def train_step(model: nn.Module | PipelineEngine, optimizer: DataParallelOptimizer, batches: list[Batch],
+               state: ParallelState, tcfg, step: int, dtype: torch.dtype, scaler: LossScaler,
+               schedule: str = "1f1b", vpp: int = 1) -> StepResult:
     """Run one step over this rank's micro-batches; every rank returns the same StepResult."""
-    model.train()
+    engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
+    for chunk in engine.chunks:
+        chunk.train()
     lr = lr_at(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
     optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float64, device=state.device)
-    m = len(batches)
-    for i, (ids, labels) in enumerate(batches):
-        ids, labels = ids.to(state.device), labels.to(state.device)
-        # Only the last micro-batch's backward may communicate (DP reduction once per step).
-        with optimizer.no_sync() if i < m - 1 else contextlib.nullcontext():
-            loss = model(ids, labels, dtype=dtype).mean()
-            (loss * (scaler.scale / m)).backward()
-        total += loss.detach().double()
+    actions = build_schedule(schedule, len(batches), state.pp, state.pp_rank, vpp)
+    total = engine.run(actions, batches, scaler.scale, optimizer)
     optimizer.finish_grad_sync()
+    for chunk in engine.chunks:
+        sync_tied_embeddings(chunk, state)
     if scaler.enabled:
         optimizer.scale_grads(1.0 / scaler.scale)
     norm = optimizer.grad_norm()  # agreed by every rank: summed over tp x pp, equal over dp
@@ -54,18 +59,22 @@ def train_step(model: nn.Module, optimizer: DataParallelOptimizer, batches: list
     scaler.update(found_inf=skipped)
     if not skipped:
         optimizer.step(lr, tcfg.clip_grad, norm)
-    total /= m
+    total /= len(batches)
+    # Only the last stage has the loss: sum over pp (others add 0), average over dp.
+    comm.all_reduce(total, state, "pp", count_as="metrics")
     comm.all_reduce(total, state, "dp", count_as="metrics")
     return StepResult(loss=total.item() / state.dp, grad_norm=norm, lr=lr, skipped=skipped)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Batch], state: ParallelState, dtype: torch.dtype) -> float:
-    """Mean token loss over the given micro-batches, averaged over DP ranks."""
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=state.device)
-    for ids, labels in batches:
-        total += model(ids.to(state.device), labels.to(state.device), dtype=dtype).mean().double()
+def evaluate(model: nn.Module | PipelineEngine, batches: list[Batch], state: ParallelState,
+             dtype: torch.dtype) -> float:
+    """Mean token loss over the given micro-batches, averaged over DP ranks (forward only)."""
+    engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
+    for chunk in engine.chunks:
+        chunk.eval()
+    total = engine.run(forward_only_schedule(len(batches), len(engine.chunks)), batches, 1.0, None)
     total /= max(1, len(batches))
+    comm.all_reduce(total, state, "pp", count_as="metrics")
     comm.all_reduce(total, state, "dp", count_as="metrics")
     return total.item() / state.dp

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from megalite import config as config_mod
 from megalite.checkpoint import local as ckpt
@@ -21,7 +22,8 @@ from megalite.data import DataSampler, build_data, make_batch
 from megalite.errors import DataError, MegaliteError
 from megalite.flops import mfu, model_flops_per_token, peak_flops
 from megalite.metrics import MetricsLogger, peak_memory_bytes
-from megalite.model.gpt import GPT, count_parameters
+from megalite.estimate import count_params
+from megalite.pipeline import build_pipeline
 from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
 from megalite.parallel import comm
@@ -66,8 +68,6 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     par, tr = cfg.parallel, cfg.train
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
-    if par.pp > 1:
-        raise MegaliteError("parallel.pp > 1 needs the pipeline schedules, which are not implemented yet")
     state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
                              timeout_s=par.timeout_s)
     torch.manual_seed(tr.seed)
@@ -82,7 +82,9 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     if is_logger:
         config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
     rng = RNGStreams(tr.seed, state)
-    model = GPT(cfg.model, state, seed=tr.seed, rng=rng).to(state.device)
+    engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
+                            pp_layers=par.pp_layers or None, rng=rng)
+    model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     optimizer = DataParallelOptimizer(model, state, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps)
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
@@ -109,7 +111,9 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                          {"layout": layout, "model": model_key}, barrier, cfg.checkpoint.keep)
         logger.note(f"saved checkpoint {path}")
 
-    n_params = count_parameters(model, state)
+    m = cfg.model
+    n_params = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
+                            m.vocab_size, m.seq_len, bool(m.tie_embeddings))
     flops_per_token = model_flops_per_token(n_params, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_len)
     device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
     peak = peak_flops(device_name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
@@ -130,7 +134,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         state.counter.reset()
         t0 = time.perf_counter()
         batches = [make_batch(data.train, idx) for idx in sampler.next_step()]
-        result = train_step(model, optimizer, batches, state, tr, step, dtype, scaler)
+        result = train_step(engine, optimizer, batches, state, tr, step, dtype, scaler, par.schedule, par.vpp)
         if state.device.type == "cuda":
             torch.cuda.synchronize(state.device)
         dt = time.perf_counter() - t0
@@ -146,7 +150,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             vs = DataSampler(len(data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                              valid_sampler_seed)
             vb = [make_batch(data.valid, idx) for _ in range(tr.eval_steps) for idx in vs.next_step()]
-            valid_loss = evaluate(model, vb, state, dtype)
+            valid_loss = evaluate(engine, vb, state, dtype)
         last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
         if done % cfg.logging.interval == 0 or done == tr.steps or done == start_step + 1 or valid_loss is not None:
             tps = tokens_per_step / dt

@@ -64,6 +64,17 @@ class GPT(nn.Module):
                                              std=cfg.init_std)
             if cfg.tie_embeddings and self.embedding is not None:
                 self.head.weight = self.embedding.weight  # same [V/tp, h] shard: one parameter
+            elif cfg.tie_embeddings:
+                # Pipeline: the head is on the last stage, the embedding on the first. The head starts as
+                # an exact copy and their gradients are summed over the embedding group every step.
+                twin = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab, h, state, name="embedding",
+                                              seed=seed, std=cfg.init_std)
+                with torch.no_grad():
+                    self.head.weight.copy_(twin.weight)
+                self.head.weight.shared_embedding = True  # type: ignore[attr-defined]
+                self.head.weight.embedding_copy = True  # type: ignore[attr-defined]  (norm counts it once)
+        if cfg.tie_embeddings and self.embedding is not None and not post_process:
+            self.embedding.weight.shared_embedding = True  # type: ignore[attr-defined]
         cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -57,6 +57,8 @@ def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
             continue
         if getattr(p, "tp_layout", None) is None and state.tp_rank != 0:
             continue
+        if getattr(p, "embedding_copy", False):  # the last stage's copy of a tied embedding
+            continue
         sq += p.grad.detach().double().pow(2).sum()
     comm.all_reduce(sq, state, "mp")
     return math.sqrt(sq.item())
@@ -70,3 +72,13 @@ def clip_gradients(model: nn.Module, max_norm: float, norm: float) -> None:
     for p in unique_params(model):
         if p.grad is not None:
             p.grad.mul_(scale)
+
+
+def sync_tied_embeddings(model: nn.Module, state: ParallelState) -> None:
+    """Sum the gradients of the two copies of a tied embedding (first and last pipeline stage) over
+    the embedding group, so both copies take the same step and stay identical (Megatron-LM)."""
+    if state.pp == 1:
+        return
+    for p in unique_params(model):
+        if getattr(p, "shared_embedding", False) and p.grad is not None:
+            comm.all_reduce(p.grad, state, "embedding")

@@ -1,0 +1,37 @@
+"""Which layers each pipeline stage (and each virtual chunk) holds.
+
+With pp = P stages and vpp = v chunks per rank there are V = P*v *virtual* stages in model order.
+Virtual stage s lives on pipeline rank s % P as its chunk s // P (Narayanan et al. 2021, the
+interleaved schedule): rank r holds chunks r, r+P, r+2P, ... so an activation visits every rank v
+times and each rank's share of the bubble shrinks by v. The embedding is on virtual stage 0, the
+final norm, head and loss on virtual stage V-1.
+"""
+
+from __future__ import annotations
+
+from megalite.errors import ConfigError
+
+
+def virtual_stage_layers(num_layers: int, pp: int, vpp: int, pp_layers: list[int] | None = None) -> list[range]:
+    """Global layer ranges of the V = pp*vpp virtual stages, in model order."""
+    stages = pp * vpp
+    if pp_layers:
+        if len(pp_layers) != stages or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            raise ConfigError(f"parallel.pp_layers={pp_layers} must have pp*vpp={stages} entries, each >= 1, "
+                              f"summing to model.num_layers={num_layers}")
+        counts = list(pp_layers)
+    else:
+        if num_layers % stages:
+            raise ConfigError(f"model.num_layers={num_layers} is not divisible by pp*vpp={stages}; "
+                              "change the layer count or give parallel.pp_layers explicitly")
+        counts = [num_layers // stages] * stages
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def chunk_virtual_stages(pp_rank: int, pp: int, vpp: int) -> list[int]:
+    """The virtual stages rank `pp_rank` holds, as its chunks 0..vpp-1."""
+    return [c * pp + pp_rank for c in range(vpp)]

@@ -1,0 +1,126 @@
+"""Pipeline parallelism against the single-process run, on gloo ranks.
+
+Tolerance: a pipeline stage runs exactly the same ops as the reference (no sum is split across ranks
+when tp=1), so pp-only losses agree to ~1e-7; with tp the TP tolerance argument of
+tests/test_tensor_parallel.py applies (1e-5 on O(1) values, 2e-5 on parameters after 3 Adam steps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megalite.model.gpt import GPT
+from megalite.optim.adamw import LossScaler
+from megalite.optim.distributed import DataParallelOptimizer
+from megalite.parallel.sharding import full_state_dict
+from megalite.parallel.state import ParallelState
+from megalite.pipeline import build_pipeline, build_schedule, max_in_flight
+from megalite.pipeline.partition import virtual_stage_layers
+from megalite.train_step import evaluate, train_step
+from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+
+STEPS, MICRO = 3, 2
+# Parameters after 3 AdamW steps at lr 1e-2: Adam's first steps are ~lr * g/|g|, so a parameter with a
+# near-zero gradient turns the ~1e-7 relative round-off of a differently ordered gradient-norm sum
+# (per stage, then all-reduced) into up to ~1e-4 absolute. A wrong stage wiring or a missing gradient
+# moves parameters by O(lr) = 1e-2, two orders above this.
+PARAM_ATOL = 1e-4
+
+
+def _batches(data: list[torch.Tensor], lo: int, hi: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    return [[(d[i:i + MICRO, :-1], d[i:i + MICRO, 1:]) for i in range(lo, hi, MICRO)] for d in data]
+
+
+def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: str, vpp: int,
+                    micro_batches: int) -> dict[str, float]:
+    st = layout(tp, pp, sp=sp)
+    cfg = tiny_model_cfg(arch, num_layers=8)
+    per_rank = MICRO * micro_batches
+    global_batch = per_rank * st.dp
+    gen = torch.Generator().manual_seed(11)
+    data = [torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen) for _ in range(STEPS)]
+    tcfg = tiny_train_cfg(STEPS)
+    ref_state = ParallelState()
+    ref = GPT(cfg, ref_state, seed=5)
+    ref_opt = DataParallelOptimizer(ref, ref_state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    ref_losses = [train_step(ref, ref_opt, b, ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
+                  for i, b in enumerate(_batches(data, 0, global_batch))]
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp)
+    opt = DataParallelOptimizer(nn.ModuleList(engine.chunks), st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    mine = _batches(data, st.dp_rank * per_rank, (st.dp_rank + 1) * per_rank)
+    st.counter.reset()
+    losses = [train_step(engine, opt, b, st, tcfg, i, torch.float32, LossScaler(False), schedule, vpp).loss
+              for i, b in enumerate(mine)]
+    counted = st.counter.bytes()
+    pp_bytes = st.counter.exact_bytes("pp")
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5, f"step {i}: loss {a} != reference {b}"
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for chunk in engine.chunks:
+        for name, value in full_state_dict(chunk, st).items():
+            expected = ref_params[name].detach()
+            if name.endswith("attn.qkv.bias"):  # see tests/test_tensor_parallel.py: the key bias has no gradient
+                h = cfg.hidden_size
+                value, expected = torch.cat([value[:h], value[-h:]]), torch.cat([expected[:h], expected[-h:]])
+            err = (value - expected).abs().max().item()
+            assert err <= PARAM_ATOL, f"{name}: max abs error {err:.2e} after {STEPS} steps"
+    # Every boundary a chunk has moves one activation forward / one gradient backward per micro-batch.
+    act = MICRO * (cfg.seq_len // tp if sp else cfg.seq_len) * cfg.hidden_size * 4
+    sends = sum((vs != engine.num_stages - 1) + (vs != 0) for vs in engine.chunk_stages)
+    assert pp_bytes == STEPS * micro_batches * act * sends, f"pp bytes {pp_bytes} != formula"
+    valid = evaluate(engine, mine[0], st, torch.float32)
+    assert valid == pytest.approx(evaluate(ref, _batches(data, 0, global_batch)[0], ref_state, torch.float32),
+                                  abs=1e-5)
+    return {"peak_in_flight": engine.peak_in_flight, **counted}
+
+
+CASES = [  # (world, tp, pp, sp, schedule, vpp, micro_batches per dp rank)
+    (2, 1, 2, False, "gpipe", 1, 4), (2, 1, 2, False, "1f1b", 1, 4), (2, 1, 2, False, "interleaved", 2, 4),
+    (4, 1, 4, False, "gpipe", 1, 4), (4, 1, 4, False, "1f1b", 1, 8), (4, 1, 4, False, "interleaved", 2, 4),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("world,tp,pp,sp,schedule,vpp,m", CASES)
+def test_pipeline_matches_single_process(dist_world, world, tp, pp, sp, schedule, vpp, m, arch) -> None:
+    out = dist_world(world).run(_check_pipeline, tp, pp, sp, arch, schedule, vpp, m)
+    first_stage = out[0]
+    if schedule == "gpipe":
+        assert first_stage["peak_in_flight"] == m  # GPipe holds all M micro-batches
+    elif schedule == "1f1b":
+        assert first_stage["peak_in_flight"] == min(pp, m)  # 1F1B caps it at P
+
+
+@pytest.mark.parametrize("world,tp,pp,sp,schedule,vpp", [
+    (4, 2, 2, True, "1f1b", 1),        # tp=2 x pp=2 with SP
+    (4, 1, 2, False, "1f1b", 1),       # dp=2 x pp=2
+    (4, 2, 2, True, "interleaved", 2),
+    (8, 2, 2, True, "1f1b", 1),        # tp=2 x pp=2 x dp=2 with SP
+])
+def test_pipeline_composes_with_tp_sp_dp(dist_world, world, tp, pp, sp, schedule, vpp) -> None:
+    out = dist_world(world).run(_check_pipeline, tp, pp, sp, "gpt2", schedule, vpp, 4)
+    if world // (tp * pp) > 1:
+        assert out[0]["dp"] > 0
+    assert out[0]["embedding"] > 0  # tied gpt2 embedding synced between first and last stage
+
+
+def test_schedule_shapes_and_memory() -> None:
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            for r in range(p):
+                for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+                    acts = build_schedule(name, m, p, r, v)
+                    assert sorted(a for a in acts if a[0] == "F") == sorted(("F", i, c) for i in range(m) for c in range(v))
+                    assert len(acts) == 2 * m * v
+            assert max_in_flight(build_schedule("1f1b", m, p, 0)) == p
+            assert max_in_flight(build_schedule("gpipe", m, p, 0)) == m
+            assert max_in_flight(build_schedule("1f1b", m, p, p - 1)) == 1
+
+
+def test_partition() -> None:
+    assert virtual_stage_layers(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert virtual_stage_layers(5, 2, 1, [2, 3]) == [range(0, 2), range(2, 5)]
+    with pytest.raises(Exception, match="not divisible"):
+        virtual_stage_layers(6, 4, 1)
