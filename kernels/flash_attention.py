@@ -1,0 +1,320 @@
+"""Causal flash attention with grouped-query heads, forward and backward (FlashAttention-2).
+
+Dao 2023, "FlashAttention-2": the S x S score matrix is never stored. Forward walks the keys in
+blocks with an online softmax and saves only the output O and one logsumexp per query row.
+Backward recomputes the probabilities block by block from Q, K and the logsumexp:
+  preprocess  delta_i = sum_d dO_id * O_id                    (one value per query row)
+  dK, dV      one program per (key block, kv head): loops over the query heads of its group and
+              the query blocks, so grouped-query heads are summed without atomics
+  dQ          one program per (query block, query head): loops over the key blocks
+with P = exp(S - lse), dP = dO V^T, dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q,
+dV = P^T dO. Memory is O(sequence): O, lse and delta besides the inputs and gradients.
+Scores are kept in base 2 (scale * log2(e) folded into QK^T) so that exp2 is used throughout;
+the saved lse is therefore in log2 units (internal to this file).
+Layout is [batch, seq, heads, head_dim]; query head h uses kv head h // (Hq // Hk) (Ainslie et al.
+2023, "GQA").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
+from ._triton import interpreting, tl, upcast_dots
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, scale_log2, S, Hq, GROUP, D,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)  # int64 offsets: batch * stride may pass 2^31 elements
+    h = bh % Hq
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < D
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
+                mask=(offs_m[:, None] < S) & d_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, S)  # keys after the block's last query are masked
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < S) & d_mask
+        k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        valid = offs_n[None, :] < S
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(valid, qk, -float("inf"))
+        # Online softmax (Milakov & Gimelshein 2018): rescale what was accumulated so far.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_v = p.to(V.dtype.element_ty)
+        if UPCAST:
+            p_v = p_v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PREC)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    m_mask = offs_m < S
+    tl.store(LSE + bh * S + offs_m, m_i + tl.log2(l_i), mask=m_mask)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdos, sdoh,
+                                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)  # int64 offsets: batch * stride may pass 2^31 elements
+    h = bh % Hq
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < S) & (offs_d[None, :] < D)
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh * S + offs_m, delta, mask=offs_m < S)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, scale, scale_log2, S, Hq, Hk, GROUP, D,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // Hk).to(tl.int64)
+    hk = bhk % Hk
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < D
+    kv_mask = (offs_n[:, None] < S) & d_mask
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier queries cannot see these keys
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        row_base = (b * Hq + h) * S
+        for start_m in range(lo, S, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < S
+            q_mask = m_mask[:, None] & d_mask
+            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=q_mask, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + row_base + offs_m, mask=m_mask, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=m_mask, other=0.0)
+            # Transposed scores [BLOCK_N, BLOCK_M]: rows are this program's keys.
+            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2 - lse[None, :])
+            valid = m_mask[None, :]
+            if CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            p_t = tl.where(valid, p_t, 0.0)
+            p_lo = p_t.to(DO.dtype.element_ty)
+            if UPCAST:
+                p_lo = p_lo.to(tl.float32)
+            dv += tl.dot(p_lo, do, input_precision=PREC)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+            if UPCAST:
+                ds_t = ds_t.to(tl.float32)
+            dk += tl.dot(ds_t, q, input_precision=PREC)
+    out_off = b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
+    tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, scale, scale_log2, S, Hq, GROUP, D,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)  # int64 offsets: batch * stride may pass 2^31 elements
+    h = bh % Hq
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < D
+    m_mask = offs_m < S
+    q_mask = m_mask[:, None] & d_mask
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + bh * S + offs_m, mask=m_mask, other=0.0)
+    delta = tl.load(DELTA + bh * S + offs_m, mask=m_mask, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, S)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < S) & d_mask
+        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])
+        valid = offs_n[None, :] < S
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
+        if UPCAST:
+            ds = ds.to(tl.float32)
+        dq += tl.dot(ds, k, input_precision=PREC)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _config(D: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Block sizes and precision. Under the interpreter: 16-wide blocks, so tiny test sequences
+    still span several blocks and exercise the masked tails."""
+    block_d = max(16, triton.next_power_of_2(D))
+    prec = "ieee" if dtype == torch.float32 else "tf32"
+    if interpreting():
+        return dict(fwd=(16, 16, 1, 1), bwd=(16, 16, 1, 1), BLOCK_D=block_d, PREC=prec, UPCAST=True)
+    # (BLOCK_M, BLOCK_N, warps, stages). Starting points after the Triton FA-2 tutorial's Hopper
+    # settings, not tuned on hardware here: bf16/fp16 with head_dim <= 128 take the large tiles,
+    # fp32 and head_dim > 128 halve them to stay within registers and shared memory.
+    small_d = block_d <= 64
+    if dtype == torch.float32 or block_d > 128:
+        fwd, bwd = (64, 32, 4 if small_d else 8, 2), (32, 32, 4 if small_d else 8, 2)
+    else:
+        fwd, bwd = (128, 64, 4 if small_d else 8, 3), (32, 128 if small_d else 64, 4 if small_d else 8, 3)
+    return dict(fwd=fwd, bwd=bwd, BLOCK_D=block_d, PREC=prec, UPCAST=upcast_dots(dtype))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,  # type: ignore[override]
+                scale: float) -> torch.Tensor:
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        B, S, Hq, D = q.shape
+        Hk = k.shape[2]
+        cfg = _config(D, q.dtype)
+        block_m, block_n, warps, stages = cfg["fwd"]
+        o = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B * Hq, S), dtype=torch.float32, device=q.device)
+        _attn_fwd_kernel[(triton.cdiv(S, block_m), B * Hq)](
+            q, k, v, o, lse, scale * LOG2E, S, Hq, Hq // Hk, D,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            CAUSAL=causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
+        )
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, o, lse = ctx.saved_tensors
+        do = _unit_last(do)
+        B, S, Hq, D = q.shape
+        Hk = k.shape[2]
+        cfg = _config(D, q.dtype)
+        block_m, block_n, warps, stages = cfg["bwd"]
+        common = dict(CAUSAL=ctx.causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"],
+                      num_warps=warps, num_stages=stages)
+        delta = torch.empty_like(lse)
+        _attn_bwd_preprocess_kernel[(triton.cdiv(S, 64), B * Hq)](
+            o, do, delta, S, Hq, D, *_strides(o), *_strides(do), BLOCK_M=64, BLOCK_D=cfg["BLOCK_D"])
+        dq = torch.empty_like(q)
+        dk = torch.empty((B, S, Hk, D), dtype=k.dtype, device=k.device)
+        dv = torch.empty((B, S, Hk, D), dtype=v.dtype, device=v.device)
+        scale = ctx.scale
+        _attn_bwd_dkdv_kernel[(triton.cdiv(S, block_n), B * Hk)](
+            q, k, v, do, lse, delta, dk, dv, scale, scale * LOG2E, S, Hq, Hk, Hq // Hk, D,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+            BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        )
+        # dQ: many query rows per program, few keys at a time (the mirror image of dK/dV).
+        _attn_bwd_dq_kernel[(triton.cdiv(S, block_n), B * Hq)](
+            q, k, v, do, lse, delta, dq, scale, scale * LOG2E, S, Hq, Hq // Hk, D,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+            BLOCK_M=block_n, BLOCK_N=block_m, **common,
+        )
+        return dq, dk, dv, None, None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"flash_attention: need q [B,S,Hq,D], k = v [B,S,Hk,D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"flash_attention: query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    softmax_scale: float | None = None) -> torch.Tensor:
+    """softmax(scale * Q K^T [+ causal mask]) V per head, [B,S,Hq,D] out; grouped-query kv heads."""
+    _check(q, k, v)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _FlashAttention.apply(q, k, v, causal, scale)
+
+
+def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                              softmax_scale: float | None = None) -> torch.Tensor:
+    """Materialised attention in fp32 (S x S scores), output in q.dtype."""
+    _check(q, k, v)
+    group = q.shape[2] // k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    qf = q.float().transpose(1, 2)                                   # [B, Hq, S, D]
+    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        S = q.shape[1]
+        future = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return (scores.softmax(dim=-1) @ vf).transpose(1, 2).to(q.dtype)

@@ -1,0 +1,66 @@
+"""Flash attention (causal / full, grouped-query) vs materialised fp32 attention, in the Triton interpreter."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU via numpy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from kernels.testing import check_against_reference, use_interpreter  # noqa: E402
+
+K = use_interpreter()
+
+# Tolerances, per input dtype (the reference materialises softmax(QK^T)V in fp32 on the same values):
+# - fp32: the kernel accumulates in fp32 too, in blocks of 16 keys with online rescaling, and
+#   recomputes P in backward from the saved logsumexp: reordered sums of <= 40 terms, ~1e-6 on
+#   values of order 1; 2e-5 absolute and relative.
+# - bf16: as on tensor cores, P (forward) and dS (backward) are rounded to bf16 before their
+#   matmuls and every output is rounded to bf16 on store (relative step 2^-8, 2^-7 with the
+#   interpreter's truncation). Sums of up to 40 such terms mostly average out; 4e-2 holds with
+#   margin while a wrong mask, scale or head mapping gives errors of order 1.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+# (B, S, Hq, Hk, D): regular (two full 16-blocks); GQA 4:2 with S=37 (masked tail block);
+# one token; MQA with head_dim 8 (padded to the 16-wide dot).
+SHAPES = [(2, 32, 4, 4, 16), (1, 37, 4, 2, 16), (1, 1, 2, 1, 16), (2, 19, 2, 1, 8)]
+
+
+def _qkv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, S, Hq, Hk, D = shape
+    g = torch.Generator().manual_seed(S * Hq)
+    q = (1.5 * torch.randn(B, S, Hq, D, generator=g)).to(dtype)  # sharp enough softmax to test masking
+    k = (1.5 * torch.randn(B, S, Hk, D, generator=g)).to(dtype)
+    v = torch.randn(B, S, Hk, D, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_flash_attention(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> None:
+    q, k, v = _qkv(shape, dtype)
+    tol = TOL[dtype]
+    check_against_reference(K.flash_attention, K.flash_attention_reference, (q, k, v, causal), [0, 1, 2], tol, tol)
+
+
+def test_custom_softmax_scale() -> None:
+    q, k, v = _qkv((1, 21, 2, 2, 16), torch.float32)
+    check_against_reference(K.flash_attention, K.flash_attention_reference, (q, k, v, True, 0.5), [0, 1, 2],
+                            2e-5, 2e-5)
+
+
+def test_reference_matches_torch_sdpa() -> None:
+    """The reference itself (GQA head mapping h -> h // (Hq/Hk), causal mask) against torch's SDPA."""
+    q, k, v = _qkv((2, 13, 4, 2, 16), torch.float32)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(K.flash_attention_reference(q, k, v, True), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_head_counts() -> None:
+    q, k, v = _qkv((1, 4, 3, 2, 16), torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        K.flash_attention(q, k, v)
