@@ -100,6 +100,9 @@ class TrainConfig:
     eval_interval: int = _f(100, "steps between validation runs; 0 = never")
     eval_steps: int = _f(4, "validation batches per evaluation")
     max_skipped_steps: int = _f(10, "abort after this many consecutive skipped (inf/nan) steps")
+    spike_factor: float = _f(0.0, "log a loss spike when loss > this x the running median loss; 0 = off")
+    watchdog_factor: float = _f(20.0, "a step longer than this x the median step is a hang: report and exit; 0 = off")
+    watchdog_min_s: float = _f(60.0, "never call a step a hang before it has run this many seconds")
 
 
 @dataclass
@@ -117,7 +120,7 @@ class DataConfig:
 class CheckpointConfig:
     dir: str = _f("", "directory for checkpoints; empty = no checkpoints")
     interval: int = _f(0, "steps between saves; 0 = only at the end (when dir is set)")
-    load: str = _f("", '"" | "latest" (newest in dir) | a checkpoint directory to resume from')
+    load: str = _f("", '"" (resume from the newest in dir if any) | "none" | "latest" | a checkpoint directory')
     keep: int = _f(3, "most recent checkpoints kept in dir (older ones are deleted)")
 
 
@@ -331,7 +334,7 @@ def _value_problems(cfg: Config) -> list[str]:
     out += [f"{k} must be >= 1, got {_get(cfg, k)}" for k in at_least_1 if _get(cfg, k) < 1]
     at_least_0 = ["model.vocab_size", "train.warmup_steps", "train.eval_interval", "train.eval_steps",
                   "train.max_skipped_steps", "checkpoint.interval", "train.weight_decay", "train.clip_grad",
-                  "train.min_lr"]
+                  "train.min_lr", "train.spike_factor", "train.watchdog_factor", "train.watchdog_min_s"]
     out += [f"{k} must be >= 0, got {_get(cfg, k)}" for k in at_least_0 if _get(cfg, k) < 0]
     positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "train.adam_eps", "parallel.timeout_s"]
     out += [f"{k} must be > 0, got {_get(cfg, k)}" for k in positive if not _get(cfg, k) > 0]

@@ -40,7 +40,7 @@ def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dty
 
 def train_step(model: nn.Module | PipelineEngine, optimizer: DataParallelOptimizer, batches: list[Batch],
                state: ParallelState, tcfg, step: int, dtype: torch.dtype, scaler: LossScaler,
-               schedule: str = "1f1b", vpp: int = 1) -> StepResult:
+               schedule: str = "1f1b", vpp: int = 1, poison_grads: bool = False) -> StepResult:
     """Run one step over this rank's micro-batches; every rank returns the same StepResult."""
     engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
     for chunk in engine.chunks:
@@ -52,6 +52,8 @@ def train_step(model: nn.Module | PipelineEngine, optimizer: DataParallelOptimiz
     optimizer.finish_grad_sync()
     for chunk in engine.chunks:
         sync_tied_embeddings(chunk, state)
+    if poison_grads:  # fault injection (megalite.faults): exercise the skip path end to end
+        optimizer.scale_grads(float("inf"))
     if scaler.enabled:
         optimizer.scale_grads(1.0 / scaler.scale)
     norm = optimizer.grad_norm()  # agreed by every rank: summed over tp x pp, equal over dp

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import sys
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from megalite.errors import DataError, MegaliteError
 from megalite.flops import mfu, model_flops_per_token, peak_flops
 from megalite.metrics import MetricsLogger, peak_memory_bytes
 from megalite.estimate import count_params
+from megalite.faults import FaultInjector
 from megalite.pipeline import build_pipeline
 from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
@@ -31,6 +33,7 @@ from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
 from megalite.tracking import Tracker
 from megalite.train_step import evaluate, train_step
+from megalite.watchdog import Watchdog
 
 
 class StopFlag:
@@ -125,16 +128,25 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                 f"{device} {str(dtype).removeprefix('torch.')} | vocab {cfg.model.vocab_size} | "
                 f"{tokens_per_step} tokens/step | {len(data.train)} train samples"
                 + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+    if start_step >= tr.steps:
+        logger.note(f"checkpoint {resume_from} is already at step {start_step} >= train.steps={tr.steps}: "
+                    "nothing to do (raise train.steps to train further)")
     stop = StopFlag()
+    faults = FaultInjector(state.rank)
+    watchdog = Watchdog(state.rank, state.counter, tr.watchdog_factor, tr.watchdog_min_s)
+    recent_losses: list[float] = []
     valid_sampler_seed = tr.seed + 1
     last: dict[str, float] = {}
     step_times: list[float] = []
     consecutive_skips = 0
     for step in range(start_step, tr.steps):
+        faults.at_step_start(step + 1)
+        watchdog.begin_step(step + 1)
         state.counter.reset()
         t0 = time.perf_counter()
         batches = [make_batch(data.train, idx) for idx in sampler.next_step()]
-        result = train_step(engine, optimizer, batches, state, tr, step, dtype, scaler, par.schedule, par.vpp)
+        result = train_step(engine, optimizer, batches, state, tr, step, dtype, scaler, par.schedule, par.vpp,
+                            poison_grads=faults.poison_grads(step + 1))
         if state.device.type == "cuda":
             torch.cuda.synchronize(state.device)
         dt = time.perf_counter() - t0
@@ -144,6 +156,16 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             raise MegaliteError(f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step "
                                 f"{step + 1}): the run is diverging; lower train.lr, use bf16 instead of fp16, or "
                                 f"resume from an earlier checkpoint")
+        spike = False
+        if tr.spike_factor > 0 and not result.skipped:
+            if len(recent_losses) >= 10 and result.loss > tr.spike_factor * statistics.median(recent_losses):
+                spike = True
+                logger.note(f"loss spike at step {step + 1}: {result.loss:.4f} > {tr.spike_factor:g} x running "
+                            f"median {statistics.median(recent_losses):.4f}")
+            recent_losses = (recent_losses + [result.loss])[-100:]
+        if result.skipped:
+            logger.note(f"step {step + 1} skipped: non-finite gradient norm ({consecutive_skips} in a row, "
+                        f"limit train.max_skipped_steps={tr.max_skipped_steps})")
         valid_loss = None
         done = step + 1
         if data.valid is not None and tr.eval_interval > 0 and (done % tr.eval_interval == 0 or done == tr.steps):
@@ -160,16 +182,18 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                         "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, peak),
                         "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": state.counter.bytes(),
                         "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
-                        "loss_scale": scaler.scale},
+                        "loss_scale": scaler.scale, "spike": spike},
                        seconds_left=recent * (tr.steps - done))
         should_save = bool(cfg.checkpoint.dir) and (
             (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
+        watchdog.end_step()
         stopping = stop.agreed(state)
         if should_save or (stopping and cfg.checkpoint.dir):
             save_checkpoint(done)
         if stopping:
             logger.note(f"stop requested by signal: exiting cleanly after step {done}")
             break
+    watchdog.close()
     tracker.finish()
     if state.world_size > 1:
         dist.destroy_process_group()

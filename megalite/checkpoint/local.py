@@ -88,10 +88,13 @@ def _prune(base: Path, keep: int) -> None:
 
 
 def find(load: str, root: str) -> Path | None:
-    """Resolve `checkpoint.load`: '' -> None; 'latest' -> the newest complete one under `root` (None if
-    there is none yet); otherwise the given directory, which must exist."""
-    if not load:
+    """Resolve `checkpoint.load`: 'none' -> None; '' or 'latest' -> the newest complete one under `root`
+    (None if there is none yet: a fresh start, and what a restarted job finds); otherwise the given
+    directory, which must hold a complete checkpoint."""
+    if load == "none":
         return None
+    if not load:  # auto: resume from the newest complete checkpoint in `root` when there is one
+        load = LATEST
     if load == LATEST:
         pointer = Path(root) / LATEST if root else None
         if pointer is None or not pointer.exists():

@@ -14,6 +14,7 @@ analytic tests compare against the same convention. The counter does not time an
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from fractions import Fraction
 
@@ -32,11 +33,19 @@ class CommCounter:
         self._bytes: dict[str, Fraction] = defaultdict(Fraction)
         self._calls: dict[str, int] = defaultdict(int)
         self._by_op: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+        # What this rank last entered (read by the hang watchdog): every collective passes here.
+        self.last_op: str = "none yet"
+        self.last_op_time: float = time.monotonic()
+
+    def enter(self, description: str) -> None:
+        """Note the operation this rank is about to block in (also used for uncounted receives)."""
+        self.last_op, self.last_op_time = description, time.monotonic()
 
     def record(self, group: str, op: str, payload_bytes: int, group_size: int) -> None:
         """Count one collective. `payload_bytes` is the full logical tensor (see module doc)."""
         if group_size <= 1:
             return
+        self.enter(f"{op} on group '{group}' ({payload_bytes} bytes)")
         wire = RING_FACTORS[op](group_size) * payload_bytes
         self._bytes[group] += wire
         self._by_op[(group, op)] += wire

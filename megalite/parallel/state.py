@@ -149,10 +149,24 @@ def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str =
     if world == 1:
         return state
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout), rank=rank,
+                                world_size=world, timeout=timeout)
     create_groups(state)
     return state
+
+
+def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The TCP store at MASTER_ADDR:MASTER_PORT, with keys prefixed by the restart attempt.
+
+    Under `torchrun --max-restarts`, the agent's store outlives a failed attempt; without the prefix
+    the restarted ranks read the dead ranks' addresses from the previous attempt and fail to connect.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megalite/attempt_{attempt}", store)
 
 
 def create_groups(state: ParallelState) -> None:

@@ -58,6 +58,7 @@ class PipelineEngine:
 
     def _recv(self, from_stage: int, tag: int) -> torch.Tensor:
         buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.state.device)
+        self.state.counter.enter(f"recv from pipeline stage {from_stage % self.state.pp} (tag {tag})")
         dist.irecv(buf, self._peer(from_stage), tag=tag).wait()
         return buf
 

@@ -1,0 +1,105 @@
+"""At least 25 bad inputs, each answered by one clear line and its exit code — no traceback — and
+nothing already saved is damaged."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from megalite.data import IndexedDatasetWriter, prepare_demo_data
+from megalite.trainer import main
+from tests.conftest import SMALL_RUN
+
+CONFIG, DATA, CKPT, LAUNCH = 2, 3, 4, 5
+
+
+@pytest.fixture(scope="module")
+def env(demo_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Files the cases point at: a good checkpoint, broken data pairs, a tokenizer."""
+    root = tmp_path_factory.mktemp("bad")
+    prefix, tok = prepare_demo_data(demo_cache_dir, 300000, 512)
+    good = root / "good"
+    assert main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(root / "log"),
+                 "--train.steps", "1", "--checkpoint.dir", str(good)]) == 0
+    (root / "trunc.idx").write_bytes(Path(prefix + ".idx").read_bytes())
+    (root / "trunc.bin").write_bytes(Path(prefix + ".bin").read_bytes()[:-6])
+    (root / "magic.idx").write_bytes(b"NOTMEGA!" + Path(prefix + ".idx").read_bytes()[8:])
+    (root / "magic.bin").write_bytes(Path(prefix + ".bin").read_bytes())
+    (root / "onlyidx.idx").write_bytes(Path(prefix + ".idx").read_bytes())
+    writer = IndexedDatasetWriter(str(root / "big"), 70000)  # ids beyond the 512-token tokenizer
+    writer.add_document([60000, 1, 2] * 200)
+    writer.finalize()
+    corrupt = root / "corrupt"
+    assert main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(root / "log2"),
+                 "--train.steps", "1", "--checkpoint.dir", str(corrupt)]) == 0
+    rank0 = next(corrupt.glob("step_*/rank_00000.pt"))
+    rank0.write_bytes(rank0.read_bytes()[:-100] + b"x" * 100)
+    (root / "a_file").write_text("not a directory")
+    (root / "bad.toml").write_text("[train\nsteps = 3\n")
+    (root / "nometa").mkdir()
+    return {"root": str(root), "prefix": prefix, "tok": tok, "good": str(good), "corrupt": str(corrupt)}
+
+
+CASES: dict[str, tuple[list[str], int, str]] = {
+    # config typos and contradictions
+    "unknown preset": (["--model.preset", "llama-3t"], CONFIG, "llama-7b"),
+    "key typo": (["--model.hiden_size", "64"], CONFIG, "did you mean 'model.hidden_size'"),
+    "unknown section": (["--modle.num_layers", "2"], CONFIG, "modle"),
+    "wrong type": (["--train.steps", "many"], CONFIG, "train.steps"),
+    "bad choice": (["--train.dtype", "fp12"], CONFIG, "train.dtype"),
+    "hidden vs heads": (["--model.num_heads", "3"], CONFIG, "num_heads"),
+    "heads vs kv heads": (["--model.num_kv_heads", "3"], CONFIG, "num_kv_heads"),
+    "world vs tp*pp*dp": (["--parallel.tp", "2", "--parallel.dp", "1"], CONFIG, "world"),
+    "layers vs pp": (["--parallel.pp", "3", "--parallel.dp", "1"], CONFIG, "num_layers"),
+    "global batch vs micro x dp": (["--train.global_batch_size", "10"], CONFIG, "global_batch_size"),
+    "micro-batches < pp": (["--parallel.pp", "2", "--train.global_batch_size", "4"], CONFIG, "micro-batches"),
+    "sp without tp": (["--parallel.sp", "true"], CONFIG, "sp"),
+    "vpp without interleaved": (["--parallel.vpp", "2"], CONFIG, "interleaved"),
+    "config file missing": (["--config", "/nonexistent/run.toml"], CONFIG, "/nonexistent/run.toml"),
+    "config file bad TOML": (["--config", "{root}/bad.toml"], CONFIG, "bad.toml"),
+    "load latest without dir": (["--checkpoint.load", "latest"], CONFIG, "checkpoint.dir"),
+    # data and tokenizer
+    "missing data": (["--data.path", "/nonexistent/corpus", "--data.tokenizer", "{tok}"], DATA, "/nonexistent/corpus"),
+    "truncated .bin": (["--data.path", "{root}/trunc", "--data.tokenizer", "{tok}"], DATA, "trunc"),
+    "bad .idx magic": (["--data.path", "{root}/magic", "--data.tokenizer", "{tok}"], DATA, "magic"),
+    ".idx without .bin": (["--data.path", "{root}/onlyidx", "--data.tokenizer", "{tok}"], DATA, ".bin"),
+    "missing tokenizer": (["--data.tokenizer", "/nonexistent/tok.model"], DATA, "/nonexistent/tok.model"),
+    "data ids beyond the tokenizer": (["--data.path", "{root}/big", "--data.tokenizer", "{tok}"], DATA, "tokenizer"),
+    "model vocab < tokenizer vocab": (["--model.vocab_size", "100"], DATA, "model.vocab_size"),
+    "data without tokenizer": (["--data.path", "{prefix}"], CONFIG, "data.tokenizer"),
+    # checkpoints
+    "checkpoint of another model": (["--model.hidden_size", "32", "--checkpoint.load", "{good}"], CKPT, "same model"),
+    "not a checkpoint": (["--checkpoint.load", "{root}/nometa"], CKPT, "meta.json"),
+    "corrupted checkpoint file": (["--checkpoint.load", "{corrupt}"], CKPT, "checksum"),
+    "checkpoint dir not writable": (["--checkpoint.dir", "{root}/a_file/ckpt"], CKPT, "a_file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input(case: str, env: dict[str, str], demo_cache_dir: str, tmp_path: Path, capsys) -> None:
+    extra, code, needle = CASES[case]
+    extra = [a.format(**env) for a in extra]
+    saved = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(env["good"]).rglob("*") if p.is_file()}
+    args = ["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(tmp_path), "--train.steps", "1"]
+    got = main(args + extra)
+    err = capsys.readouterr().err
+    assert got == code, f"{case}: exit {got}, stderr: {err}"
+    assert needle in err and "Traceback" not in err, err
+    assert err.strip().startswith("megalite: error:")
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(env["good"]).rglob("*") if p.is_file()}
+    assert after == saved, "an existing checkpoint was modified"
+
+
+def test_launcher_env_incomplete(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main([]) == LAUNCH
+    assert "WORLD_SIZE" in capsys.readouterr().err
+
+
+def test_triton_on_cpu_without_interpreter(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["--model.kernels", "triton"]) == CONFIG
+    assert "TRITON_INTERPRET" in capsys.readouterr().err

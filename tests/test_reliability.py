@@ -1,0 +1,100 @@
+"""Crashes, preemption, hangs and numerical faults, end to end (faults injected with MEGALITE_FAULT,
+see megalite/faults.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megalite.trainer import main
+from tests.conftest import SMALL_RUN
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rows(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _args(cache: str, log_dir: Path, *extra: str) -> list[str]:
+    return ["--data.cache_dir", cache, *SMALL_RUN, "--logging.dir", str(log_dir), *extra]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MEGALITE_FAULT")}
+    return dict(env, OMP_NUM_THREADS="1", **extra)
+
+
+def _torchrun(args: list[str], *, restarts: int = 0, port: int, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+           "--master-port", str(port), str(REPO / "pretrain.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(**env), cwd=str(REPO), timeout=300)
+
+
+def test_killed_rank_restarts_from_latest_checkpoint_and_matches(demo_cache_dir: str, tmp_path: Path) -> None:
+    """SIGKILL on rank 1 at step 5 under torchrun --max-restarts 1: the job resumes from step 4 and ends
+    with the same losses as an uninterrupted run (fp32, same layout): no sample skipped or repeated."""
+    common = ["--train.steps", "8", "--train.global_batch_size", "8", "--checkpoint.interval", "2"]
+    clean = _torchrun(_args(demo_cache_dir, tmp_path / "clean", *common, "--checkpoint.dir", str(tmp_path / "c1")),
+                      port=29611)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    crash = _torchrun(_args(demo_cache_dir, tmp_path / "crash", *common, "--checkpoint.dir", str(tmp_path / "c2")),
+                      restarts=1, port=29612, MEGALITE_FAULT="kill:rank=1:step=5")
+    assert crash.returncode == 0, crash.stderr[-2000:]
+    assert "resumed from" in crash.stdout
+    want = {r["step"]: r["loss"] for r in _rows(tmp_path / "clean")}
+    got = {r["step"]: r["loss"] for r in _rows(tmp_path / "crash")}  # steps 5.. logged by the restarted job
+    assert sorted(got) == list(range(1, 9))
+    assert all(got[s] == want[s] for s in want), (got, want)
+
+
+def test_hang_is_reported_by_the_watchdog(demo_cache_dir: str, tmp_path: Path) -> None:
+    proc = _torchrun(_args(demo_cache_dir, tmp_path, "--train.steps", "50", "--train.global_batch_size", "8",
+                           "--train.watchdog_factor", "5", "--train.watchdog_min_s", "2"),
+                     port=29613, MEGALITE_FAULT="hang:rank=1:step=6")
+    assert proc.returncode != 0
+    assert "watchdog: rank" in proc.stderr and "step 6" in proc.stderr, proc.stderr[-3000:]
+    assert "last operation entered" in proc.stderr
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes(demo_cache_dir: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = _args(demo_cache_dir, tmp_path / "log", "--train.steps", "100000", "--checkpoint.dir", str(ckpt))
+    proc = subprocess.Popen([sys.executable, str(REPO / "pretrain.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(REPO))
+    metrics = tmp_path / "log" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "stop requested by signal" in out
+    step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
+    assert step >= 3
+    # The next launch resumes by itself (checkpoint.load defaults to the newest in checkpoint.dir).
+    assert main(_args(demo_cache_dir, tmp_path / "log2", "--train.steps", str(step + 2),
+                      "--checkpoint.dir", str(ckpt))) == 0
+    assert [r["step"] for r in _rows(tmp_path / "log2")] == [step + 1, step + 2]
+
+
+def test_nan_step_is_skipped_and_training_continues(demo_cache_dir: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MEGALITE_FAULT", "nan:step=3")
+    assert main(_args(demo_cache_dir, tmp_path / "a", "--train.steps", "6")) == 0
+    rows = _rows(tmp_path / "a")
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False, False]
+    assert all(r["loss"] == r["loss"] for r in rows[3:])  # finite afterwards
+    monkeypatch.setenv("MEGALITE_FAULT", "nan:step=2-100")
+    assert main(_args(demo_cache_dir, tmp_path / "b", "--train.steps", "20", "--train.max_skipped_steps", "2")) == 1
+    assert "consecutive steps had a non-finite gradient norm" in capsys.readouterr().err
+
+
+def test_loss_spike_is_logged(demo_cache_dir: str, tmp_path: Path) -> None:
+    assert main(_args(demo_cache_dir, tmp_path, "--train.steps", "14", "--train.spike_factor", "0.5")) == 0
+    rows = _rows(tmp_path)
+    assert all("spike" in r for r in rows) and any(r["spike"] for r in rows[10:])  # 0.5 x median: every step spikes
