@@ -201,3 +201,44 @@ def recv(t: torch.Tensor, state: ParallelState, src: int) -> torch.Tensor:
     """Receive into `t` from global rank `src` (the sender counts the bytes)."""
     dist.recv(t, src)
     return t
+
+
+# ---------------------------------------------------------------- async (overlapped) collectives
+# Used by the ZeRO optimizer to overlap gradient reduction with backward and parameter gathers with
+# compute. Each returns the torch `Work` handle (None when the group has one rank: nothing to wait for)
+# and counts its bytes exactly like the blocking form above.
+def all_reduce_async(t: torch.Tensor, state: ParallelState, group: str) -> dist.Work | None:
+    """Start an in-place SUM all-reduce of the contiguous `t` over `group`."""
+    n = state.size(group)
+    if n == 1:
+        return None
+    state.counter.record(group, "all_reduce", _nbytes(t), n)
+    return dist.all_reduce(t, group=state.group(group), async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, state: ParallelState,
+                         group: str) -> dist.Work | None:
+    """Start a SUM reduce-scatter of the flat `t` (numel divisible by n) into `out` (numel/n):
+    rank i receives the sum of every rank's i-th contiguous chunk."""
+    n = state.size(group)
+    if n == 1:
+        out.copy_(t)
+        return None
+    if t.numel() != out.numel() * n:
+        raise ValueError(f"reduce_scatter_async: input {t.numel()} != {n} x output {out.numel()}")
+    state.counter.record(group, "reduce_scatter", _nbytes(t), n)
+    return dist.reduce_scatter(out, list(t.reshape(-1).chunk(n)), group=state.group(group), async_op=True)
+
+
+def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelState,
+                     group: str) -> dist.Work | None:
+    """Start gathering every rank's contiguous `shard` into the flat `out` (n x shard.numel(), rank order)."""
+    n = state.size(group)
+    if n == 1:
+        out.copy_(shard.reshape(-1))
+        return None
+    if out.numel() != shard.numel() * n:
+        raise ValueError(f"all_gather_async: output {out.numel()} != {n} x shard {shard.numel()}")
+    state.counter.record(group, "all_gather", _nbytes(shard) * n, n)
+    return dist.all_gather(list(out.reshape(-1).chunk(n)), shard.contiguous(), group=state.group(group),
+                           async_op=True)

@@ -1,0 +1,342 @@
+"""The ZeRO optimizer, stages 0-3, with mixed precision (Rajbhandari et al. 2020, "ZeRO").
+
+One class implements the `DataParallelOptimizer` interface for every stage. Parameters are laid out
+in flat buckets (`zero_buckets`); for stages >= 1 each bucket is padded to a multiple of dp and rank r
+owns the contiguous 1/dp of it. Gradients are accumulated in fp32 "main_grad" buffers by per-parameter
+`post_accumulate_grad` hooks (Megatron-LM's mixed-precision recipe), whatever the model dtype; when the
+last parameter of a bucket gets its gradient in the *last* micro-batch's backward (not inside
+`no_sync()`), the bucket's DP reduction starts asynchronously, overlapping the rest of the backward;
+`finish_grad_sync()` waits for all of them.
+
+  stage 0  all-reduce each bucket; every rank updates everything (plain DDP, overlapped).
+  stage 1  reduce-scatter each bucket; rank r updates its 1/dp shard of fp32 master weights and Adam
+           moments; the updated params are all-gathered (bucket by bucket).
+  stage 2  as 1, but the full fp32 gradient buffer of a bucket is freed as soon as it is reduce-scattered:
+           only the reduced 1/dp shard is kept.
+  stage 3  as 2, and each rank stores only 1/dp of every unit's params; see `zero3` for the gather/free.
+
+Exact bytes held per rank, measured by `memory_bytes()` after a step (Psi = elements of this rank's TP
+shard of the model, each shared parameter once; P = Psi padded: sum over buckets of ceil(n_b/N)*N,
+P = Psi for stage 0; N = dp; b = 4 for fp32, 2 for bf16/fp16):
+
+               params     grads (fp32)   master (fp32)    Adam m, v (fp32)
+    stage 0    b Psi      4 Psi          4 Psi or 0       8 Psi
+    stage 1    b P        4 P            4 P/N or 0       8 P/N
+    stage 2    b P        4 P/N          4 P/N or 0       8 P/N
+    stage 3    b P/N      4 P/N          4 P/N or 0       8 P/N
+
+"or 0": in fp32 the params are their own master weights (the master shard is a view of them). So fp32
+is (4+4+8) = 16 bytes/element before sharding, bf16 (2+4+4+8) = 18: megalite keeps fp32 gradients
+(accumulation over micro-batches in bf16 loses bits), where the ZeRO paper's K=12 formula has 2-byte
+gradients. While a stage-2/3 backward runs, a bucket's full fp32 grad buffer exists until it is reduced,
+and stage 3 holds the full params of the units being computed (and one prefetched unit).
+
+DP bytes per step (the `CommCounter` convention, M micro-batches):
+    stage 0      all-reduce of the fp32 grads:          2 (N-1)/N * 4 Psi   (one all-reduce per bucket)
+    stage 1, 2   reduce-scatter fp32 grads + all-gather params:  (N-1)/N * (4 P + b P)
+                 (= 2 (N-1)/N * 4 P in fp32: the same volume as DDP, padding included)
+    stage 3      all-gather params before each forward and each backward, reduce-scatter grads once:
+                 (N-1)/N * (2 M b P + 4 P)   (= 3 (N-1)/N * 4 P in fp32 with M = 1: 1.5x DDP)
+The gradient-norm all-reduce over dp (one fp64 scalar) is counted under "norm", not "dp".
+
+zero > 0 with dp = 1 has nothing to shard: it falls back to stage 0 with one warning.
+Pipeline parallelism composes with stages 0-2 through the interface (`no_sync`, `finish_grad_sync`; a
+tied embedding's two stage copies get buckets of their own and are summed over the embedding group);
+stage 3 with pp > 1 is rejected with a ConfigError (its hooks handle one GPT stage module, not the
+engine's list of virtual-stage chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from megalite.errors import CheckpointError, ConfigError
+from megalite.optim.grads import unique_params
+from megalite.optim.zero3 import Zero3Gatherer
+from megalite.optim.zero_buckets import Bucket, adamw_flat, make_bucket, split_by_size
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default: big enough to amortise latency
+
+
+class ZeroOptimizer:
+    """AdamW sharded over the data-parallel group at ZeRO `stage` 0-3, params kept in `dtype`."""
+
+    def __init__(self, model: nn.Module, state: ParallelState, stage: int, lr: float, weight_decay: float,
+                 betas: tuple[float, float], eps: float, dtype: torch.dtype = torch.float32,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero={stage} is not a ZeRO stage: use 0, 1, 2 or 3")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ConfigError(f"train.dtype {dtype} unsupported: use fp32, bf16 or fp16")
+        if stage > 0 and state.dp == 1:
+            warnings.warn(f"parallel.zero={stage} with dp=1 has nothing to shard: using zero=0 "
+                          "(plain data parallel). Set parallel.zero=0 to silence this.", stacklevel=2)
+            stage = 0
+        self.model, self.state, self.stage, self.dtype = model, state, stage, dtype
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.step_count = 0
+        self._sync = True
+        self._callback_queued = False
+        params = unique_params(model)
+        shared = [p for p in params if getattr(p, "shared_embedding", False)] if state.pp > 1 else []
+        if stage == 3 and (state.pp > 1 or not isinstance(getattr(model, "layers", None), nn.ModuleDict)):
+            raise ConfigError("parallel.zero=3 with pipeline parallelism (pp > 1) is not supported yet: "
+                              "use parallel.zero<=2 with pp, or pp=1 with zero=3")
+        if stage == 3 and shared:
+            raise ConfigError("parallel.zero=3 with pp > 1 and tied embeddings is not supported yet: set "
+                              "model.tie_embeddings=false or use parallel.zero<=2")
+        self._names = {id(p): n for n, p in reversed(list(model.named_parameters()))}
+        units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        if stage == 3:
+            groups, outer = self._stage3_units(model, params)
+            units = groups
+        else:
+            # Reverse registration order ~ the order gradients become ready in backward.
+            # A tied embedding's two pipeline copies each get a bucket of their own, so both stages
+            # shard them identically and their reduced grads can be summed over the embedding group.
+            rest = [p for p in params if all(p is not q for q in shared)]
+            groups_p = [[p] for p in shared] + split_by_size(rest[::-1], bucket_bytes)
+            units = [(model, g) for g in groups_p]
+            outer = None
+        self.buckets: list[Bucket] = [self._build_bucket(g) for _, g in ([outer] if outer else []) + units]
+        self._shared_buckets = self.buckets[:len(shared)]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.zero3: Zero3Gatherer | None = None
+        if stage == 3:
+            it = iter(self.buckets)
+            outer_pair = (outer[0], next(it)) if outer else None
+            self.zero3 = Zero3Gatherer([(m, next(it)) for m, _ in units], outer_pair, state,
+                                       self._queue_end_of_backward)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ------------------------------------------------------------ construction
+    @staticmethod
+    def _stage3_units(model: nn.Module, params: list[nn.Parameter]):
+        """One unit per transformer block (`model.layers`), plus the rest as the outer unit."""
+        blocks = list(getattr(model, "layers", nn.ModuleDict()).values())
+        in_block = {id(p) for blk in blocks for p in blk.parameters()}
+        units = [(blk, [p for p in params if id(p) in {id(q) for q in blk.parameters()}]) for blk in blocks]
+        rest = [p for p in params if id(p) not in in_block]
+        return [u for u in units if u[1]], ((model, rest) if rest else None)
+
+    def _build_bucket(self, params: list[nn.Parameter]) -> Bucket:
+        st = self.state
+        b, full32 = make_bucket(params, st.dp, st.dp_rank, pad=self.stage > 0)
+        b.param_flat = full32.to(self.dtype)
+        for p, off in zip(params, b.offsets):
+            p.data = b.param_flat[off:off + p.numel()].view(p.shape)
+        own = b.param_flat[b.lo:b.hi]
+        if self.stage == 3:
+            b.param_shard = own.clone()
+            own = b.param_shard
+        # fp32: the params are their own master weights (no copy); else an fp32 master shard.
+        b.master = own if self.dtype == torch.float32 else full32[b.lo:b.hi].clone()
+        b.exp_avg = torch.zeros(b.shard_numel, dtype=torch.float32, device=st.device)
+        b.exp_avg_sq = torch.zeros_like(b.exp_avg)
+        if self.stage <= 1:  # a persistent fp32 main-grad buffer
+            b.grad_flat = torch.zeros(b.padded, dtype=torch.float32, device=st.device)
+            b.grad_shard = b.grad_flat[b.lo:b.hi]
+        else:
+            b.grad_shard = torch.zeros(b.shard_numel, dtype=torch.float32, device=st.device)
+        return b
+
+    # ------------------------------------------------------------ backward hooks
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for b in self.buckets:
+            b.ready = 0
+        if self.zero3 is not None:
+            self.zero3.end_of_backward()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Fold a fresh gradient into the fp32 main grad; start the bucket's reduction when complete."""
+        b = self._bucket_of[id(p)]
+        self._queue_end_of_backward()
+        if b.grad_flat is None:
+            b.grad_flat = torch.zeros(b.padded, dtype=torch.float32, device=self.state.device)
+        off = b.offsets[b.index[id(p)]]
+        assert p.grad is not None
+        b.grad_flat[off:off + p.numel()].view(p.shape).add_(p.grad)
+        p.grad = None
+        b.ready += 1
+        if b.ready == b.n_grads:
+            b.ready = 0
+            if self.zero3 is not None:
+                self.zero3.free(b)
+            if self._sync:
+                self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        """Start this bucket's DP reduction (all-reduce at stage 0, reduce-scatter otherwise)."""
+        if b.launched:
+            return
+        if b.grad_flat is None:  # no parameter of the bucket got a gradient this step
+            b.grad_flat = torch.zeros(b.padded, dtype=torch.float32, device=self.state.device)
+        b.launched = True
+        if self.stage == 0:
+            b.work = comm.all_reduce_async(b.grad_flat, self.state, "dp")
+        else:
+            b.scatter_out = torch.empty(b.shard_numel, dtype=torch.float32, device=self.state.device)
+            b.work = comm.reduce_scatter_async(b.scatter_out, b.grad_flat, self.state, "dp")
+
+    # ------------------------------------------------------------ the optimizer interface
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if self.stage <= 1:
+                assert b.grad_flat is not None
+                b.grad_flat.zero_()
+            else:
+                b.grad_flat = None
+                assert b.grad_shard is not None
+                b.grad_shard.zero_()
+            b.launched, b.ready, b.work, b.scatter_out = False, 0, None, None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate into the fp32 main grads without communicating."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's reduction (starting any that never filled), average over dp, then
+        sum the SP-partial pieces over TP (DP average and TP sum commute: both are linear)."""
+        for b in self.buckets:
+            self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work = None
+            assert b.grad_shard is not None and b.grad_flat is not None
+            if self.stage >= 1:
+                assert b.scatter_out is not None
+                b.grad_shard.copy_(b.scatter_out)
+                b.scatter_out = None
+            b.grad_shard.div_(self.state.dp)
+            if self.stage >= 2:
+                b.grad_flat = None  # ZeRO-2: only the reduced shard is kept
+        for b in self._shared_buckets:  # Megatron's tied-embedding sync (first and last stage)
+            comm.all_reduce(b.grad_shard, self.state, "embedding")  # type: ignore[arg-type]
+        if self.state.tp > 1:
+            pieces = [(b, s) for b in self.buckets for s in b.segments if s.sp_partial]
+            if pieces:
+                flat = torch.cat([b.grad_shard[s.lo:s.hi] for b, s in pieces])  # type: ignore[index]
+                comm.all_reduce(flat, self.state, "tp")
+                off = 0
+                for b, s in pieces:
+                    b.grad_shard[s.lo:s.hi].copy_(flat[off:off + s.hi - s.lo])  # type: ignore[index]
+                    off += s.hi - s.lo
+
+    def scale_grads(self, factor: float) -> None:
+        for b in self.buckets:
+            b.grad_shard.mul_(factor)  # type: ignore[union-attr]
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank
+        0 only, summed over tp x pp ranks, and for stages >= 1 over the dp shards too."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.state.device)
+        for b in self.buckets:
+            for s in b.segments:
+                if (s.replicated and self.state.tp_rank != 0) or s.copy:
+                    continue
+                sq += b.grad_shard[s.lo:s.hi].double().pow(2).sum()  # type: ignore[index]
+        if self.stage >= 1:
+            comm.all_reduce(sq, self.state, "dp", count_as="norm")
+        comm.all_reduce(sq, self.state, "mp")
+        return math.sqrt(sq.item())
+
+    def step(self, lr: float, clip: float, norm: float) -> None:
+        """Clip by the global norm, AdamW on this rank's shard, then publish the new params."""
+        if clip > 0 and math.isfinite(norm) and norm > clip:
+            scale = clip / (norm + 1e-6)  # the same factor as `grads.clip_gradients`
+            for b in self.buckets:
+                b.grad_shard.mul_(scale)  # type: ignore[union-attr]
+        self.step_count += 1
+        for b in self.buckets:
+            adamw_flat(b, lr, self.weight_decay, self.betas, self.eps, self.step_count)
+        self._publish_params()
+
+    @torch.no_grad()
+    def _publish_params(self) -> None:
+        """Copy the master shard into the model params (cast), and all-gather them at stages 1-2."""
+        for b in self.buckets:
+            own = b.param_shard if self.stage == 3 else b.param_flat[b.lo:b.hi]
+            if own is not b.master and own.data_ptr() != b.master.data_ptr():
+                own.copy_(b.master)
+        if self.stage in (1, 2):
+            works = [comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state, "dp")
+                     for b in self.buckets]
+            for w in works:
+                if w is not None:
+                    w.wait()
+
+    # ------------------------------------------------------------ checkpoints and accounting
+    def state_dict(self) -> dict:
+        """Everything this rank needs to resume the same layout: its master and Adam shards, the step."""
+        return {"stage": self.stage, "dp": self.state.dp, "step": self.step_count,
+                "buckets": [{"numel": b.numel, "lo": b.lo, "hi": b.hi, "master": b.master.clone(),
+                             "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
+                            for b in self.buckets]}
+
+    def load_state_dict(self, d: dict) -> None:
+        mine = [(b.numel, b.lo, b.hi) for b in self.buckets]
+        theirs = [(x["numel"], x["lo"], x["hi"]) for x in d.get("buckets", [])]
+        if d.get("stage") != self.stage or d.get("dp") != self.state.dp or mine != theirs:
+            raise CheckpointError(f"optimizer state is for zero={d.get('stage')} dp={d.get('dp')} with another "
+                                  f"bucket layout, this run is zero={self.stage} dp={self.state.dp}: resume with "
+                                  "the same parallel layout and ZeRO stage (or reshard the checkpoint)")
+        self.step_count = int(d["step"])
+        with torch.no_grad():
+            for b, x in zip(self.buckets, d["buckets"]):
+                b.master.copy_(x["master"])
+                b.exp_avg.copy_(x["exp_avg"])
+                b.exp_avg_sq.copy_(x["exp_avg_sq"])
+        self._publish_params()
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered over dp (still TP-sharded), by name; for tests and checkpoints."""
+        out: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            if self.zero3 is not None:
+                full = torch.empty(b.padded, dtype=b.param_flat.dtype, device=self.state.device)
+                w = comm.all_gather_async(full, b.param_shard, self.state, "dp")  # type: ignore[arg-type]
+                if w is not None:
+                    w.wait()
+            else:
+                full = b.param_flat
+            for p, off in zip(b.params, b.offsets):
+                out[self._names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Exact bytes this rank holds now, by kind (from the tensors; see the table in the module doc)."""
+        out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
+        for b in self.buckets:
+            out["params"] += b.param_flat.untyped_storage().nbytes()  # 0 while a stage-3 unit is freed
+            if b.param_shard is not None:
+                out["params"] += b.param_shard.numel() * b.param_shard.element_size()
+            if b.grad_flat is not None:
+                out["grads"] += b.grad_flat.numel() * 4
+            if self.stage >= 2:  # its own tensor; at stages 0-1 it is a view of grad_flat
+                out["grads"] += b.grad_shard.numel() * 4  # type: ignore[union-attr]
+            if self.dtype != torch.float32:
+                out["master"] += b.master.numel() * 4
+            out["optimizer"] += (b.exp_avg.numel() + b.exp_avg_sq.numel()) * 4
+        return out

@@ -1,0 +1,122 @@
+"""ZeRO stage 3 parameter life cycle: gather a module's weights just before use, free them right after.
+
+Each *unit* (one transformer `Block`, plus one "outer" unit with everything else on the stage:
+embedding, learned positions, final norm, head) is one flat bucket whose full buffer exists only
+while the unit computes (Rajbhandari et al. 2020, "ZeRO", section 5.3; PyTorch FSDP's FlatParameter).
+The model's parameters stay the same `nn.Parameter` objects, viewing the full buffer; "freeing" resizes
+the buffer's storage to 0 bytes, and gathering resizes it back and all-gathers into it. Tensors that
+autograd saved (e.g. the weight of a linear) share that storage, so re-gathering before the backward
+makes them valid again — the model code needs no change.
+
+Forward: pre-hook gathers the unit (waiting on a prefetch if one is in flight) and prefetches the
+next block; post-hook frees it and registers a hook on the output's gradient, which fires just before
+the unit's backward: gather again (prefetching the previous block). When every parameter of the unit
+has its gradient (counted by the optimizer's grad hooks), the unit is freed and its gradients are
+reduce-scattered. A callback at the end of the backward frees anything left.
+
+The outer unit is hooked on the model itself (not on the embedding/head separately) because GPT reads
+`self.position` directly in `embed()` and, with tied embeddings, the head reuses the embedding's
+weight: keeping the outer unit gathered over the stage's whole forward gathers it exactly once per
+forward and once per backward, which keeps the 3 Psi communication volume exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from megalite.optim.zero_buckets import Bucket
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
+
+
+class Zero3Gatherer:
+    """Installs the gather/free hooks for `units` = [(module, bucket)] in forward order."""
+
+    def __init__(self, units: list[tuple[nn.Module, Bucket]], outer: tuple[nn.Module, Bucket] | None,
+                 state: ParallelState, queue_end_of_backward: Callable[[], None]) -> None:
+        self.state = state
+        self.blocks = units
+        self.outer = outer
+        self.in_backward = False
+        self._queue_end = queue_end_of_backward
+        self._handles: list[Any] = []
+        all_units = ([outer] if outer else []) + units
+        for i, (module, bucket) in enumerate(all_units):
+            nxt = self._neighbour(bucket, +1)
+            prev = self._neighbour(bucket, -1)
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(bucket, nxt)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(bucket, prev)))
+        for _, bucket in all_units:
+            self.free(bucket)
+
+    def _neighbour(self, bucket: Bucket, step: int) -> Bucket | None:
+        """The block that runs after (+1, forward) or before (-1, backward order) `bucket`'s unit."""
+        blocks = [b for _, b in self.blocks]
+        if self.outer is not None and bucket is self.outer[1]:
+            # The outer unit wraps the stage: forward starts at the first block, backward at the last.
+            return (blocks[0] if step > 0 else blocks[-1]) if blocks else None
+        i = blocks.index(bucket) + step
+        return blocks[i] if 0 <= i < len(blocks) else None
+
+    # ------------------------------------------------------------ gather / free
+    def is_gathered(self, b: Bucket) -> bool:
+        return b.param_flat.untyped_storage().nbytes() > 0
+
+    def gather(self, b: Bucket, wait: bool = True) -> None:
+        """All-gather the unit's full parameters into its flat buffer (async when wait=False)."""
+        if not self.is_gathered(b):
+            b.param_flat.untyped_storage().resize_(b.padded * b.param_flat.element_size())
+            assert b.param_shard is not None
+            b.gather_work = comm.all_gather_async(b.param_flat, b.param_shard, self.state, "dp")
+        if wait and b.gather_work is not None:
+            b.gather_work.wait()
+            b.gather_work = None
+
+    def free(self, b: Bucket) -> None:
+        if b.gather_work is not None:  # a prefetch that was never used: finish it before freeing
+            b.gather_work.wait()
+            b.gather_work = None
+        b.param_flat.untyped_storage().resize_(0)
+
+    def free_all(self) -> None:
+        for b in ([self.outer[1]] if self.outer else []) + [b for _, b in self.blocks]:
+            self.free(b)
+
+    # ------------------------------------------------------------ hooks
+    def _make_pre_forward(self, b: Bucket, nxt: Bucket | None) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.gather(b)
+            if nxt is not None and not self.in_backward:  # not while recomputing (full recompute)
+                self.gather(nxt, wait=False)
+        return hook
+
+    def _make_post_forward(self, b: Bucket, prev: Bucket | None) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.in_backward:  # a recomputed forward inside backward: its backward follows at once
+                return
+            self.free(b)
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(self._make_pre_backward(b, prev))
+        return hook
+
+    def _make_pre_backward(self, b: Bucket, prev: Bucket | None) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self.in_backward:
+                self.in_backward = True
+                self._queue_end()
+            self.gather(b)
+            if prev is not None:
+                self.gather(prev, wait=False)
+        return hook
+
+    def end_of_backward(self) -> None:
+        self.in_backward = False
+        self.free_all()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
