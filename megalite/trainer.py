@@ -27,7 +27,7 @@ from megalite.estimate import count_params
 from megalite.faults import FaultInjector
 from megalite.pipeline import build_pipeline
 from megalite.optim.adamw import LossScaler
-from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim import build_distributed_optimizer
 from megalite.parallel import comm
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
@@ -88,7 +88,9 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
-    optimizer = DataParallelOptimizer(model, state, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps)
+    # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
+    optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2),
+                                            tr.adam_eps, dtype)
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)
@@ -99,7 +101,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     resume_from = ckpt.find(cfg.checkpoint.load, cfg.checkpoint.dir)
     if resume_from is not None:
         payload, meta = ckpt.load(resume_from, state.rank, {"layout": layout, "model": model_key})
-        model.load_state_dict(payload["model"])
+        if payload.get("model") is not None:
+            model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         sampler.load_state_dict(payload["sampler"])
         scaler.load_state_dict(payload["scaler"])
@@ -108,7 +111,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     barrier = (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
 
     def save_checkpoint(step: int) -> None:
-        payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        # ZeRO-3 frees the full parameters between uses: its optimizer state holds this rank's shards.
+        payload = {"model": None if par.zero == 3 else model.state_dict(), "optimizer": optimizer.state_dict(),
                    "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "rng": rng.state_dict()}
         path = ckpt.save(cfg.checkpoint.dir, step, state.rank, state.world_size, payload,
                          {"layout": layout, "model": model_key}, barrier, cfg.checkpoint.keep)
@@ -150,6 +154,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         if state.device.type == "cuda":
             torch.cuda.synchronize(state.device)
         dt = time.perf_counter() - t0
+        step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
         step_times.append(dt)
         consecutive_skips = consecutive_skips + 1 if result.skipped else 0
         if consecutive_skips > tr.max_skipped_steps:
@@ -180,9 +185,9 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             recent = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
             logger.log({"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                         "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, peak),
-                        "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": state.counter.bytes(),
+                        "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": step_comm,
                         "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
-                        "loss_scale": scaler.scale, "spike": spike},
+                        "loss_scale": scaler.scale, "spike": spike, "mem_bytes": optimizer.memory_bytes()},
                        seconds_left=recent * (tr.steps - done))
         should_save = bool(cfg.checkpoint.dir) and (
             (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
