@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite import config as config_mod
-from megalite.checkpoint import local as ckpt
+from megalite.checkpoint import sharded
 from megalite.data import DataSampler, build_data, make_batch
 from megalite.errors import DataError, MegaliteError
 from megalite.flops import mfu, model_flops_per_token, peak_flops
@@ -94,28 +94,24 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)
-    layout = {"tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp, "vpp": par.vpp, "zero": par.zero}
-    model_key = {k: getattr(cfg.model, k) for k in ("arch", "num_layers", "hidden_size", "num_heads",
-                                                     "num_kv_heads", "ffn_hidden_size", "vocab_size")}
     start_step = 0
-    resume_from = ckpt.find(cfg.checkpoint.load, cfg.checkpoint.dir)
+    resume_from = sharded.find(cfg.checkpoint.load, cfg.checkpoint.dir)
     if resume_from is not None:
-        payload, meta = ckpt.load(resume_from, state.rank, {"layout": layout, "model": model_key})
-        if payload.get("model") is not None:
-            model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        sampler.load_state_dict(payload["sampler"])
-        scaler.load_state_dict(payload["scaler"])
-        rng.load_state_dict(payload["rng"])
-        start_step = int(meta["step"])
-    barrier = (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
+        # Any layout: each rank reads the slices it needs (ZeRO-3: into temporarily gathered params).
+        with optimizer.gathered():
+            extra = sharded.load_sharded(resume_from, model, optimizer, state)
+        if "sampler" in extra:  # an imported Hugging Face model has no data position
+            sampler.load_state_dict(extra["sampler"])
+        if "scaler" in extra:
+            scaler.load_state_dict(extra["scaler"])
+        if extra["rng"] is not None:  # same layout: restore every rank's streams; else keep the fresh seeds
+            rng.load_state_dict(extra["rng"])
+        start_step = int(extra["step"])
 
     def save_checkpoint(step: int) -> None:
-        # ZeRO-3 frees the full parameters between uses: its optimizer state holds this rank's shards.
-        payload = {"model": None if par.zero == 3 else model.state_dict(), "optimizer": optimizer.state_dict(),
-                   "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "rng": rng.state_dict()}
-        path = ckpt.save(cfg.checkpoint.dir, step, state.rank, state.world_size, payload,
-                         {"layout": layout, "model": model_key}, barrier, cfg.checkpoint.keep)
+        extra = {"config": config_mod.config_to_dict(cfg), "sampler": sampler.state_dict(),
+                 "scaler": scaler.state_dict(), "rng": rng.state_dict()}
+        path = sharded.save_sharded(cfg.checkpoint.dir, step, model, optimizer, extra, state, cfg.checkpoint.keep)
         logger.note(f"saved checkpoint {path}")
 
     m = cfg.model

@@ -34,7 +34,7 @@ def env(demo_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     corrupt = root / "corrupt"
     assert main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(root / "log2"),
                  "--train.steps", "1", "--checkpoint.dir", str(corrupt)]) == 0
-    rank0 = next(corrupt.glob("step_*/rank_00000.pt"))
+    rank0 = next(corrupt.glob("step_*/rank_00000.safetensors"))
     rank0.write_bytes(rank0.read_bytes()[:-100] + b"x" * 100)
     (root / "a_file").write_text("not a directory")
     (root / "bad.toml").write_text("[train\nsteps = 3\n")
@@ -70,9 +70,9 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "model vocab < tokenizer vocab": (["--model.vocab_size", "100"], DATA, "model.vocab_size"),
     "data without tokenizer": (["--data.path", "{prefix}"], CONFIG, "data.tokenizer"),
     # checkpoints
-    "checkpoint of another model": (["--model.hidden_size", "32", "--checkpoint.load", "{good}"], CKPT, "same model"),
-    "not a checkpoint": (["--checkpoint.load", "{root}/nometa"], CKPT, "meta.json"),
-    "corrupted checkpoint file": (["--checkpoint.load", "{corrupt}"], CKPT, "checksum"),
+    "checkpoint of another model": (["--model.hidden_size", "32", "--checkpoint.load", "{good}"], CKPT, "different model"),
+    "not a checkpoint": (["--checkpoint.load", "{root}/nometa"], CKPT, "index.json"),
+    "corrupted checkpoint file": (["--checkpoint.load", "{corrupt}"], CKPT, "sha256 mismatch"),
     "checkpoint dir not writable": (["--checkpoint.dir", "{root}/a_file/ckpt"], CKPT, "a_file"),
 }
 

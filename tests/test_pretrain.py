@@ -63,7 +63,7 @@ def test_resume_refuses_another_layout_or_model(demo_cache_dir: str, tmp_path: P
     assert main(_args(demo_cache_dir, tmp_path / "a", "--train.steps", "1", "--checkpoint.dir", str(ckpt))) == 0
     code = main(_args(demo_cache_dir, tmp_path / "b", "--train.steps", "2", "--model.hidden_size", "32",
                       "--checkpoint.load", str(ckpt)))
-    assert code == 4 and "resume with the same model" in capsys.readouterr().err
+    assert code == 4 and "different model" in capsys.readouterr().err
 
 
 def _write_bad_bin_idx(tmp: Path, demo_cache_dir: str) -> list[str]:

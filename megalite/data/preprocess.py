@@ -57,7 +57,9 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
                 writer.add_document(encode(text))
                 bar.update()
         else:
-            with mp.Pool(workers) as pool:
+            # spawn, not fork: forking a process that already runs threads (a launcher's, a test
+            # harness's, torch's) can deadlock the children on a lock held by a thread that was not copied.
+            with mp.get_context("spawn").Pool(workers) as pool:
                 for ids in pool.imap(encode, docs, chunksize=_CHUNKSIZE):
                     writer.add_document(ids)
                     bar.update()

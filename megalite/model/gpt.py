@@ -88,13 +88,35 @@ class GPT(nn.Module):
             x = x + (comm.split(pos, self.state, "tp", dim=0) if self.state.sp else pos)
         return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
 
+    def _replayable(self, block: nn.Module):
+        """Wrap a block for full recompute so the recomputation draws the same dropout masks.
+
+        torch's checkpoint restores the default generator (the replicated stream) but not megalite's
+        tp-local one (used on SP slices): remember its state at the first call and replay from it on the
+        recompute, then put back whatever state the generator had reached meanwhile."""
+        gen = self.rng.tp_local
+        start, calls = gen.get_state(), [0]
+
+        def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 1:
+                return block(x, cos, sin)
+            now = gen.get_state()
+            gen.set_state(start)
+            try:
+                return block(x, cos, sin)
+            finally:
+                gen.set_state(now)
+
+        return run
+
     def forward(self, ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         x = self.embed(ids).to(dtype) if self.pre_process else hidden
         assert x is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
         for block in self.layers.values():
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, self.cos, self.sin, use_reentrant=False)
+                x = checkpoint(self._replayable(block), x, self.cos, self.sin, use_reentrant=False)
             else:
                 x = block(x, self.cos, self.sin)
         if not self.post_process:

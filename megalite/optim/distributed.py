@@ -9,6 +9,7 @@ ZeRO stages implement the same interface (`megalite.optim.zero`).
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Iterator
 
 import torch
@@ -40,6 +41,11 @@ class DataParallelOptimizer:
         finally:
             self._sync = True
 
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Parameters are always whole here (the ZeRO-3 optimizer gathers them)."""
+        yield
+
     def finish_grad_sync(self) -> None:
         reduce_gradients(self.model, self.state)
 
@@ -62,6 +68,39 @@ class DataParallelOptimizer:
 
     def load_state_dict(self, d: dict) -> None:
         self.optimizer.load_state_dict(d)
+
+    def _named_params(self) -> dict[str, nn.Parameter]:
+        """Global parameter names (the "0." / "1." chunk prefix of an nn.ModuleList dropped), each once."""
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.model.named_parameters():
+            out.setdefault(re.sub(r"^\d+\.", "", name, count=1), p)
+        return out
+
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The checkpoint protocol (`megalite.checkpoint.sharded`): global name -> {"exp_avg", "exp_avg_sq"}
+        shaped like the local TP shard, plus "step"; params without state yet (before the first step) are
+        left out. Replicated here, so nothing to gather; the ZeRO optimizers gather over dp inside."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in self._named_params().items():
+            s = self.optimizer.state.get(p)
+            if s and "exp_avg" in s:
+                out[name] = {"exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"],
+                             "step": torch.as_tensor(s["step"], dtype=torch.float32).detach().cpu()}
+        return out
+
+    def load_param_states(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of `param_states`. An entry without "exp_avg" (or a param missing from `d`) starts fresh,
+        as torch's AdamW does for a param it has not seen; "master" is ignored: the params are the fp32 truth
+        here, and the checkpoint loader has already copied them in."""
+        for name, p in self._named_params().items():
+            entry = d.get(name, {})
+            if "exp_avg" not in entry:
+                self.optimizer.state.pop(p, None)
+                continue
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(entry["step"]), dtype=torch.float32),
+                "exp_avg": entry["exp_avg"].to(p.device, p.dtype).clone(),
+                "exp_avg_sq": entry["exp_avg_sq"].to(p.device, p.dtype).clone()}
 
     def memory_bytes(self) -> dict[str, int]:
         """Exact bytes this rank holds, by kind (counted from tensors, not the allocator)."""

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from megalite.errors import CheckpointError, ConfigError
 from megalite.optim.grads import unique_params
+from megalite.optim import zero_state
 from megalite.optim.zero3 import Zero3Gatherer
 from megalite.optim.zero_buckets import Bucket, adamw_flat, make_bucket, split_by_size
 from megalite.parallel import comm
@@ -308,6 +309,27 @@ class ZeroOptimizer:
                 b.exp_avg.copy_(x["exp_avg"])
                 b.exp_avg_sq.copy_(x["exp_avg_sq"])
         self._publish_params()
+
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Checkpoint protocol: global name -> {"master", "exp_avg", "exp_avg_sq", "step"} (see zero_state)."""
+        return zero_state.param_states(self)
+
+    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        zero_state.load_param_states(self, states)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Stage 3: hold every unit's full parameters (e.g. while a checkpoint is loaded into them)."""
+        if self.zero3 is None:
+            yield
+            return
+        units = ([self.zero3.outer[1]] if self.zero3.outer else []) + [b for _, b in self.zero3.blocks]
+        for b in units:
+            self.zero3.gather(b)
+        try:
+            yield
+        finally:
+            self.zero3.free_all()
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:

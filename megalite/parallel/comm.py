@@ -231,7 +231,7 @@ def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, state: ParallelStat
 
 
 def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelState,
-                     group: str) -> dist.Work | None:
+                     group: str, count_as: str | None = None) -> dist.Work | None:
     """Start gathering every rank's contiguous `shard` into the flat `out` (n x shard.numel(), rank order)."""
     n = state.size(group)
     if n == 1:
@@ -239,6 +239,6 @@ def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelStat
         return None
     if out.numel() != shard.numel() * n:
         raise ValueError(f"all_gather_async: output {out.numel()} != {n} x shard {shard.numel()}")
-    state.counter.record(group, "all_gather", _nbytes(shard) * n, n)
+    state.counter.record(count_as or group, "all_gather", _nbytes(shard) * n, n)
     return dist.all_gather(list(out.reshape(-1).chunk(n)), shard.contiguous(), group=state.group(group),
                            async_op=True)

@@ -1,0 +1,240 @@
+"""Hugging Face export and import: `config.json` + `model.safetensors` for LlamaForCausalLM / GPT2LMHeadModel.
+
+Name and layout mapping (megalite's global names on the left; fp32 both ways, tensors streamed one at a time):
+
+  llama  embedding.weight          model.embed_tokens.weight
+         layers.i.norm1.weight     model.layers.i.input_layernorm.weight
+         layers.i.attn.qkv.weight  model.layers.i.self_attn.{q,k,v}_proj.weight   rows [q; k; v]
+         layers.i.attn.out.weight  model.layers.i.self_attn.o_proj.weight
+         layers.i.norm2.weight     model.layers.i.post_attention_layernorm.weight
+         layers.i.mlp.up.weight    model.layers.i.mlp.{gate,up}_proj.weight       rows [gate; up]
+         layers.i.mlp.down.weight  model.layers.i.mlp.down_proj.weight
+         final_norm.weight         model.norm.weight
+         head.weight               lm_head.weight   (absent when tied: tie_word_embeddings)
+  megalite's RoPE is already HF's rotate-half layout, and GQA maps query head h to kv head h // rep as
+  HF's `repeat_kv` does, so q/k need no permutation.
+
+  gpt2   embedding.weight / position   transformer.wte.weight / transformer.wpe.weight
+         layers.i.norm{1,2}.*          transformer.h.i.ln_{1,2}.*
+         layers.i.attn.qkv.*           transformer.h.i.attn.c_attn.*   (c_attn is [q; k; v] too)
+         layers.i.attn.out.*           transformer.h.i.attn.c_proj.*
+         layers.i.mlp.up.* / down.*    transformer.h.i.mlp.c_fc.* / c_proj.*
+         final_norm.*                  transformer.ln_f.*
+  GPT-2's Conv1D stores weights as [in, out]: every linear weight is TRANSPOSED (biases are not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+from megalite.checkpoint.offline import write_checkpoint
+from megalite.checkpoint.sharded import find, read_index
+from megalite.checkpoint.storage import SlabReader, StreamingWriter
+from megalite.errors import CheckpointError
+from megalite.progress import Progress
+
+# (megalite name, HF names, split sizes along megalite dim 0 or None, transposed)
+Rule = tuple[str, list[str], list[int] | None, bool]
+
+
+def param_names(info: dict[str, Any]) -> list[str]:
+    """Every global parameter name of a megalite GPT with these dims, in model order."""
+    gpt2 = info["arch"] == "gpt2"
+    per_layer = ["norm1.weight", "attn.qkv.weight", "attn.out.weight", "norm2.weight", "mlp.up.weight",
+                 "mlp.down.weight"]
+    if gpt2:
+        per_layer += ["norm1.bias", "attn.qkv.bias", "attn.out.bias", "norm2.bias", "mlp.up.bias", "mlp.down.bias"]
+    names = ["embedding.weight"] + (["position"] if gpt2 else [])
+    names += [f"layers.{i}.{n}" for i in range(info["num_layers"]) for n in per_layer]
+    names += ["final_norm.weight"] + (["final_norm.bias"] if gpt2 else [])
+    return names + ([] if info["tie_embeddings"] else ["head.weight"])
+
+
+def rules(info: dict[str, Any]) -> list[Rule]:
+    """The mapping of every megalite parameter to its HF tensor(s)."""
+    hd = info["hidden_size"] // info["num_heads"]
+    qkv = [info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd]
+    f = info["ffn_hidden_size"]
+    out: list[Rule] = []
+    for name in param_names(info):
+        parts = name.split(".")
+        if info["arch"] == "llama":
+            if name.startswith("layers."):
+                i, rest = parts[1], ".".join(parts[2:])
+                p = f"model.layers.{i}."
+                rule: Rule = {
+                    "norm1.weight": (name, [p + "input_layernorm.weight"], None, False),
+                    "attn.qkv.weight": (name, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv, False),
+                    "attn.out.weight": (name, [p + "self_attn.o_proj.weight"], None, False),
+                    "norm2.weight": (name, [p + "post_attention_layernorm.weight"], None, False),
+                    "mlp.up.weight": (name, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [f, f], False),
+                    "mlp.down.weight": (name, [p + "mlp.down_proj.weight"], None, False)}[rest]
+            else:
+                rule = (name, [{"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+                                "head.weight": "lm_head.weight"}[name]], None, False)
+        else:
+            if name.startswith("layers."):
+                i, mod, kind = parts[1], ".".join(parts[2:-1]), parts[-1]
+                hf_mod = {"norm1": "ln_1", "norm2": "ln_2", "attn.qkv": "attn.c_attn", "attn.out": "attn.c_proj",
+                          "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj"}[mod]
+                rule = (name, [f"transformer.h.{i}.{hf_mod}.{kind}"], None, kind == "weight" and "norm" not in mod)
+            else:
+                rule = (name, [{"embedding.weight": "transformer.wte.weight", "position": "transformer.wpe.weight",
+                                "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
+                                "head.weight": "lm_head.weight"}[name]], None, False)
+        out.append(rule)
+    return out
+
+
+def _to_hf(t: torch.Tensor, split: list[int] | None, transposed: bool) -> list[torch.Tensor]:
+    pieces = list(t.split(split, dim=0)) if split else [t]
+    return [p.t().contiguous() if transposed else p.contiguous() for p in pieces]
+
+
+def hf_config(info: dict[str, Any]) -> dict[str, Any]:
+    """config.json for transformers (fp32 weights, no dropout: an inference/fine-tuning starting point)."""
+    tie = bool(info["tie_embeddings"])
+    if info["arch"] == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": info["hidden_size"],
+                "intermediate_size": info["ffn_hidden_size"], "num_attention_heads": info["num_heads"],
+                "num_key_value_heads": info["num_kv_heads"], "num_hidden_layers": info["num_layers"],
+                "head_dim": info["hidden_size"] // info["num_heads"], "vocab_size": info["vocab_size"],
+                "max_position_embeddings": info["seq_len"], "rms_norm_eps": info["norm_eps"],
+                "rope_theta": info["rope_theta"],
+                "rope_parameters": {"rope_type": "default", "rope_theta": info["rope_theta"]},
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+                "tie_word_embeddings": tie, "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+    if info["num_kv_heads"] != info["num_heads"]:
+        raise CheckpointError(f"GPT-2 has no grouped-query attention but this model has num_kv_heads="
+                              f"{info['num_kv_heads']} != num_heads={info['num_heads']}: export it as arch=llama")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": info["hidden_size"],
+            "n_head": info["num_heads"], "n_layer": info["num_layers"], "n_positions": info["seq_len"],
+            "n_inner": info["ffn_hidden_size"], "vocab_size": info["vocab_size"],
+            "layer_norm_epsilon": info["norm_eps"], "activation_function": "gelu_new", "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": tie,
+            "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+
+
+def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """megalite model dims from an HF config.json; refuses what megalite's model cannot compute."""
+    kind = cfg.get("model_type")
+    if kind == "llama":
+        h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        bad = [what for what, ok in (
+            ("hidden_act must be silu", cfg.get("hidden_act", "silu") == "silu"),
+            ("attention_bias/mlp_bias must be false", not cfg.get("attention_bias") and not cfg.get("mlp_bias")),
+            ("head_dim must be hidden_size / num_attention_heads", cfg.get("head_dim") in (None, h // nh)),
+            ("rope scaling is not supported", rope.get("rope_type", "default") == "default")) if not ok]
+        if bad:
+            raise CheckpointError(f"this Llama config cannot be imported: {'; '.join(bad)}")
+        return {"arch": "llama", "num_layers": cfg["num_hidden_layers"], "hidden_size": h, "num_heads": nh,
+                "num_kv_heads": cfg.get("num_key_value_heads") or nh, "ffn_hidden_size": cfg["intermediate_size"],
+                "vocab_size": cfg["vocab_size"], "seq_len": cfg.get("max_position_embeddings", 2048),
+                "make_vocab_divisible_by": 64, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+                "norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 1e4))}
+    if kind == "gpt2":
+        if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"GPT-2 activation {cfg['activation_function']!r} is not megalite's tanh GeLU")
+        h = cfg["n_embd"]
+        return {"arch": "gpt2", "num_layers": cfg["n_layer"], "hidden_size": h, "num_heads": cfg["n_head"],
+                "num_kv_heads": cfg["n_head"], "ffn_hidden_size": cfg.get("n_inner") or 4 * h,
+                "vocab_size": cfg["vocab_size"], "seq_len": cfg["n_positions"], "make_vocab_divisible_by": 64,
+                "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+                "norm_eps": cfg.get("layer_norm_epsilon", 1e-5), "rope_theta": 10000.0}
+    raise CheckpointError(f"HF model_type {kind!r} is not supported: import LlamaForCausalLM or GPT2LMHeadModel")
+
+
+def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> Path:
+    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout)."""
+    src = find(str(ckpt), "")
+    if src is None:
+        raise CheckpointError(f"--input {ckpt}: give a checkpoint directory")
+    index = read_index(src)
+    info = index["model"]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reader = SlabReader(src, index)
+    table = rules(info)
+    plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for name, hf_names, split, transposed in table:
+        shape = reader.shape(f"param/{name}")
+        for hf_name, n in zip(hf_names, split or [shape[0]]):
+            s = (n,) + shape[1:]
+            plan.append((hf_name, torch.float32, s[::-1] if transposed else s))
+    config = hf_config(info)
+    writer = StreamingWriter(out / "model.safetensors", plan)
+    with Progress(len(table), "exporting", "tensors", enabled=show_progress) as bar:
+        for name, hf_names, split, transposed in table:
+            shape = reader.shape(f"param/{name}")
+            full = reader.read_region(f"param/{name}", (0,) * len(shape), shape)
+            for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
+                writer.write(hf_name, t)
+            bar.update()
+    writer.close()
+    reader.close()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Callable[[str], list[int]]]:
+    """(name -> tensor, name -> shape) over model.safetensors or a sharded set (model.safetensors.index.json); accepts
+    GPT-2 names with or without the `transformer.` prefix."""
+    index_file = hf_dir / "model.safetensors.index.json"
+    if index_file.exists():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+    elif (hf_dir / "model.safetensors").exists():
+        with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise CheckpointError(f"{hf_dir} has no model.safetensors (or its index): export the HF model with "
+                              "save_pretrained(..., safe_serialization=True)")
+    handles: dict[str, Any] = {}
+
+    def open_(name: str) -> tuple[Any, str]:
+        key = name if name in weight_map else name.removeprefix("transformer.")
+        if key not in weight_map:
+            raise CheckpointError(f"{hf_dir} has no tensor {name}: the HF model is incomplete or of another kind")
+        file = weight_map[key]
+        if file not in handles:
+            handles[file] = safe_open(str(hf_dir / file), framework="pt")
+        return handles[file], key
+
+    def get(name: str) -> torch.Tensor:
+        handle, key = open_(name)
+        return handle.get_tensor(key).float()
+
+    def shape(name: str) -> list[int]:
+        handle, key = open_(name)
+        return list(handle.get_slice(key).get_shape())
+
+    return get, shape
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True) -> Path:
+    """A megalite checkpoint (step 0, no optimizer state, one file of full tensors) from an HF directory."""
+    hf_dir = Path(hf_dir)
+    try:
+        cfg = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {hf_dir / 'config.json'} ({e}): point --input at an HF model directory") from e
+    info = info_from_hf(cfg)
+    get, shape_of = _hf_tensor_source(hf_dir)
+    table = {name: (hf_names, transposed) for name, hf_names, _, transposed in rules(info)}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, (hf_names, transposed) in table.items():
+        first = shape_of(hf_names[0])
+        rows = sum(shape_of(n)[1 if transposed else 0] for n in hf_names)
+        shapes[f"param/{name}"] = (rows, first[0]) if transposed else (rows,) + tuple(first[1:])
+
+    def fetch(key: str) -> torch.Tensor:
+        hf_names, transposed = table[key.split("/", 1)[1]]
+        return torch.cat([get(n).t() if transposed else get(n) for n in hf_names], dim=0)
+
+    extra = {"imported_from": str(hf_dir), "model": info}
+    return write_checkpoint(Path(out), shapes, fetch, info, extra=extra, step=0, show_progress=show_progress)

@@ -1,0 +1,153 @@
+"""Where a rank's local TP shard sits inside each global (logical) tensor, without any process group.
+
+A sharded checkpoint stores every logical tensor in its *global, unpadded* shape (the layout-free
+truth) as a set of slabs; a rank at any layout then asks "which global regions make up my local
+shard?" and reads just those. This file answers that question from the parameter's `tp_layout`
+(set by `megalite.layers`), the tp degree and rank, and the real vocabulary size:
+
+  None              replicated: the local tensor is the whole global tensor
+  ("row",)          dim 1 split: rank r holds columns [r*n, (r+1)*n)
+  ("column", parts) dim 0 is the concatenation of logical parts (q, k, v / gate, up), each split
+                    separately, so rank r holds one row block *per part*: several pieces
+  ("vocab",)        dim 0 split of the PADDED vocabulary (Megatron pads it to a multiple of
+                    tp * make_vocab_divisible_by): rank r holds padded rows [r*n, (r+1)*n), of which
+                    only those below vocab_size are real; the rest are padding, not stored. The
+                    output head is a single-part column linear over the padded vocabulary, i.e. the
+                    same thing, so `embedding.weight` and `head.weight` are both treated as vocab.
+
+The same rules give the layout of a tensor from its name alone (`layout_for`), which the offline
+reshard tool needs to plan a target layout without building a model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from megalite.errors import CheckpointError
+from megalite.layers.embedding import padded_vocab_size
+
+VOCAB_TENSORS = ("embedding.weight", "head.weight")
+_CHUNK_PREFIX = re.compile(r"^\d+\.")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangular region: `shape` elements starting at `local` in the shard and `glob` in the tensor."""
+
+    local: tuple[int, ...]
+    glob: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """How one local shard maps into its global tensor; local elements outside every piece are padding."""
+
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+def logical_name(name: str) -> str:
+    """Drop the "0." / "1." chunk prefix that `nn.ModuleList(engine.chunks)` adds: names are global."""
+    return _CHUNK_PREFIX.sub("", name, count=1)
+
+
+def layout_of(name: str, tp_layout: tuple | None) -> tuple | None:
+    """The effective layout: the head's single-part column split over the padded vocab is a vocab split."""
+    if logical_name(name) in VOCAB_TENSORS and tp_layout is not None:
+        return ("vocab",)
+    return tp_layout
+
+
+def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: tuple | None, tp: int, tp_rank: int,
+              vocab_size: int) -> ShardMap:
+    """The pieces of global tensor `name` that rank `tp_rank` of `tp` holds in a shard of `local_shape`."""
+    local_shape = tuple(local_shape)
+    layout = layout_of(name, tp_layout)
+    zeros = (0,) * len(local_shape)
+    if layout is None or (tp == 1 and layout[0] != "vocab"):
+        return ShardMap(local_shape, local_shape, (Piece(zeros, zeros, local_shape),))
+    kind, rest = layout[0], local_shape[1:]
+    if kind == "row":
+        n = local_shape[1]
+        glob = (local_shape[0], n * tp) + local_shape[2:]
+        start = (0, tp_rank * n) + (0,) * (len(local_shape) - 2)
+        return ShardMap(glob, local_shape, (Piece(zeros, start, local_shape),))
+    if kind == "vocab":
+        rows = local_shape[0]
+        start = tp_rank * rows
+        real = max(0, min(rows, vocab_size - start))
+        pieces = (Piece(zeros, (start,) + (0,) * len(rest), (real,) + rest),) if real else ()
+        return ShardMap((vocab_size,) + rest, local_shape, pieces)
+    if kind == "column":
+        parts = [int(p) for p in layout[1]]
+        pieces_l: list[Piece] = []
+        lo = go = 0
+        for p in parts:
+            n = p // tp
+            pieces_l.append(Piece((lo,) + (0,) * len(rest), (go + tp_rank * n,) + (0,) * len(rest), (n,) + rest))
+            lo, go = lo + n, go + p
+        if lo != local_shape[0]:
+            raise CheckpointError(f"{name}: local rows {local_shape[0]} do not match its column parts {parts} / "
+                                  f"tp={tp}; the model and its tp_layout disagree (a megalite bug, please report)")
+        return ShardMap((go,) + rest, local_shape, tuple(pieces_l))
+    raise CheckpointError(f"{name}: unknown tp_layout {layout!r} (a megalite bug, please report)")
+
+
+# ----------------------------------------------------------------------------- planning without a model
+def model_info(cfg: Any) -> dict[str, Any]:
+    """The model dimensions a checkpoint records (and checks on load), from a model config object."""
+    keys = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+            "seq_len", "make_vocab_divisible_by", "tie_embeddings", "norm_eps", "rope_theta")
+    return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+
+
+def layout_for(name: str, info: dict[str, Any]) -> tuple | None:
+    """The `tp_layout` a parameter of this name has in a megalite GPT (tested against the real model)."""
+    name = logical_name(name)
+    if name in VOCAB_TENSORS:
+        return ("vocab",)
+    hd = info["hidden_size"] // info["num_heads"]
+    f = info["ffn_hidden_size"]
+    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+        return ("column", (info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd))
+    if name.endswith("mlp.up.weight") or name.endswith("mlp.up.bias"):
+        return ("column", (f, f) if info["arch"] == "llama" else (f,))
+    if name.endswith("attn.out.weight") or name.endswith("mlp.down.weight"):
+        return ("row",)
+    return None
+
+
+def local_shape_for(name: str, global_shape: tuple[int, ...], tp_layout: tuple | None, tp: int,
+                    info: dict[str, Any]) -> tuple[int, ...]:
+    """The shape of one TP shard of a global tensor at `tp` (vocab rows padded as the model pads them)."""
+    g = tuple(global_shape)
+    layout = layout_of(name, tp_layout)
+    if layout is None:
+        return g
+    if layout[0] == "row":
+        return (g[0], g[1] // tp) + g[2:]
+    if layout[0] == "vocab":
+        return (padded_vocab_size(info["vocab_size"], tp, info.get("make_vocab_divisible_by", 1)) // tp,) + g[1:]
+    return (g[0] // tp,) + g[1:]
+
+
+def stage_of(name: str, num_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None) -> int:
+    """The pipeline rank that holds parameter `name` (embedding first, final norm/head last)."""
+    from megalite.pipeline.partition import virtual_stage_layers
+
+    name = logical_name(name)
+    ranges = virtual_stage_layers(num_layers, pp, vpp, pp_layers)
+    m = _LAYER.match(name)
+    if m:
+        layer = int(m.group(1))
+        virtual = next(i for i, r in enumerate(ranges) if layer in r)
+    elif name.startswith("embedding.") or name == "position":
+        virtual = 0
+    else:
+        virtual = len(ranges) - 1
+    return virtual % pp

@@ -1,0 +1,96 @@
+"""Offline checkpoint writing (CPU, one process): resharding, and the Hugging Face importer's output.
+
+`write_checkpoint` lays a set of full logical tensors out as a target layout would have saved them:
+one file per (tp rank, pipeline rank) of dp group 0, each tensor cut by the same `shard_map` a live
+rank uses. All output headers are planned from the shapes first, then tensors stream through one at a
+time (`fetch(key)` -> full tensor -> slices appended to their files), so memory stays near the largest
+tensor whatever the model size. The result is an ordinary sharded checkpoint directory: it loads
+under any layout, and under the target layout each rank reads exactly one file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megalite.checkpoint.layout import layout_for, local_shape_for, shard_map, stage_of
+from megalite.checkpoint.files import sha256
+from megalite.checkpoint.sharded import FORMAT, INDEX, _write_json, publish, read_index
+from megalite.checkpoint.storage import SlabReader, StreamingWriter
+from megalite.errors import CheckpointError
+from megalite.parallel.state import coords_rank
+from megalite.progress import Progress
+
+
+def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],
+                     info: dict[str, Any], tp: int = 1, pp: int = 1, vpp: int = 1,
+                     pp_layers: list[int] | None = None, extra: dict[str, Any] | None = None, step: int = 0,
+                     optimizer_step: float | None = None, show_progress: bool = True) -> Path:
+    """Write logical tensors `shapes` ("param/<name>", "exp_avg/<name>", ...) as a (tp, pp, vpp) checkpoint.
+
+    The directory is built as `out.tmp` and renamed to `out` when complete (an existing `out` is an error).
+    """
+    out = Path(out)
+    if out.exists():
+        raise CheckpointError(f"output {out} already exists: choose a new directory or delete it first")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    plan: dict[str, list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]] = {}  # key -> (file, slab, glob, shape)
+    files: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
+    for r in range(tp * pp):
+        files[f"rank_{r:05d}.safetensors"] = []
+    for key, shape in shapes.items():
+        name = key.split("/", 1)[1]
+        layout = layout_for(name, info)
+        stage = stage_of(name, info["num_layers"], pp, vpp, pp_layers)
+        plan[key] = []
+        for tp_rank in range(tp if layout is not None else 1):
+            smap = shard_map(name, local_shape_for(name, shape, layout, tp, info), layout, tp, tp_rank,
+                             info["vocab_size"])
+            if smap.global_shape != tuple(shape):
+                raise CheckpointError(f"{key}: shape {list(shape)} does not fit the model dims {info} "
+                                      "(the checkpoint is inconsistent)")
+            file = f"rank_{coords_rank(tp_rank, 0, stage, tp, 1):05d}.safetensors"
+            for i, pc in enumerate(smap.pieces):
+                slab = f"{key}/{tp_rank}.{i}"
+                plan[key].append((file, slab, pc.glob, pc.shape))
+                files[file].append((slab, torch.float32, pc.shape))
+    writers = {f: StreamingWriter(tmp / f, entries) for f, entries in files.items()}
+    with Progress(len(shapes), "writing", "tensors", enabled=show_progress) as bar:
+        for key in shapes:
+            full = fetch(key).float()
+            for file, slab, glob, shape in plan[key]:
+                writers[file].write(slab, full[tuple(slice(a, a + n) for a, n in zip(glob, shape))].contiguous())
+            del full
+            bar.update()
+    for w in writers.values():
+        w.close()
+    index = {"format": FORMAT, "step": step, "layout": {"tp": tp, "pp": pp, "dp": None, "sp": None, "vpp": vpp},
+             "model": info, "extra": extra or {}, "files": {f: sha256(tmp / f) for f in files},
+             "rng_files": {}, "rng_keys": [], "optimizer_step": optimizer_step,
+             "tensors": {key: {"shape": list(shapes[key]), "dtype": "float32",
+                               "slabs": [{"file": f, "key": s, "offset": list(g), "shape": list(n)}
+                                         for f, s, g, n in plan[key]]} for key in shapes}}
+    _write_json(tmp / INDEX, index)
+    publish(tmp, out)
+    return out
+
+
+def reshard(src: Path, out: Path, tp: int = 1, pp: int = 1, vpp: int = 1, pp_layers: list[int] | None = None,
+            show_progress: bool = True) -> Path:
+    """Rewrite checkpoint `src` laid out for (tp, pp, vpp); tp = pp = vpp = 1 is one file of full tensors.
+    Extra state (step, sampler, scaler, config) is carried over; per-rank RNG states are not (a new layout
+    re-seeds them, see `megalite.checkpoint.sharded`)."""
+    index = read_index(src)
+    reader = SlabReader(src, index)
+    shapes = {k: tuple(v["shape"]) for k, v in index["tensors"].items()}
+    try:
+        return write_checkpoint(out, shapes, lambda k: reader.read_region(k, (0,) * len(shapes[k]), shapes[k]),
+                                index["model"], tp, pp, vpp, pp_layers, index.get("extra"), index["step"],
+                                index.get("optimizer_step"), show_progress)
+    finally:
+        reader.close()

@@ -1,0 +1,290 @@
+"""Sharded checkpoints that load under any layout (tp, pp, dp, vpp, sp, ZeRO stage).
+
+On disk (one directory per step, published atomically, see `megalite.checkpoint.files`):
+
+    <dir>/step_00000100/rank_00000.safetensors ...  one file per rank, written in parallel, no gather
+    <dir>/step_00000100/index.json                   every logical tensor: global shape + its slabs,
+                                                     per-file sha256, model dims, layout, `extra`
+    <dir>/latest                                     name of the newest complete checkpoint
+
+What is stored: for every parameter its fp32 value ("param/<name>"; the optimizer's fp32 master copy
+when it keeps one) and, once the optimizer has stepped, its Adam moments ("exp_avg/<name>",
+"exp_avg_sq/<name>"), each in its GLOBAL, UNPADDED shape: vocabulary rows stop at the real
+vocab_size, so the padding that depends on tp never reaches the disk (it is re-created, as zeros, on
+load). Names are the model's global, layout-independent parameter names.
+
+Who writes what: a logical tensor lives on one pipeline stage; a TP-split tensor is written by every tp
+rank of that stage (its own slice), a replicated one (norms, biases of row layers, positions) by tp
+rank 0 only. Within a dp group the tensors are dealt out round-robin (tensor j by dp rank j % dp), so
+all ranks write at once and every byte is written exactly once. A tied head on the last pipeline stage
+is a copy of `embedding.weight` and is not written. Every rank's file also holds its RNG states.
+
+`extra` (config, sampler position, loss scaler...) is JSON and comes from rank 0; `extra["rng"]` is
+per rank (tensors) and restored only when the layout (tp, pp, dp, sp, vpp) is unchanged: on another
+layout the ranks hold different pieces and draw different masks anyway, so the freshly seeded RNG
+streams of the new run are kept (load returns `rng=None`). This only matters with dropout > 0.
+
+Optimizer protocol (`DataParallelOptimizer` and the ZeRO optimizers implement it):
+    param_states() -> {global name: {"exp_avg", "exp_avg_sq" (local TP shard, fp32), "step",
+                       optionally "master" (fp32 param)}}   ({} before the first step)
+    load_param_states({global name: {"master", and "exp_avg", "exp_avg_sq", "step" when the
+                       checkpoint has optimizer state}})    (no "exp_avg": start that param fresh)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megalite.checkpoint.layout import ShardMap, logical_name, model_info, shard_map
+from megalite.checkpoint.files import LATEST, fsync_file, prune, sha256, step_dir_name
+from megalite.checkpoint.storage import SlabReader, StreamingWriter
+from megalite.errors import CheckpointError
+from megalite.parallel.state import ParallelState
+
+INDEX = "index.json"
+FORMAT = "megalite-sharded-1"
+STATE_KINDS = ("exp_avg", "exp_avg_sq")
+MODEL_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+              "tie_embeddings")
+LAYOUT_KEYS = ("tp", "pp", "dp", "sp", "vpp")
+
+
+def _chunks(model_chunks: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    if isinstance(model_chunks, nn.ModuleList):
+        return list(model_chunks)
+    return [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+
+
+def _barrier(state: ParallelState) -> None:
+    if state.world_size > 1:
+        dist.barrier()
+
+
+def _params(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter, str]]:
+    """(global name, parameter, name of the stored tensor it comes from); a tied head copy comes from
+    `embedding.weight`."""
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            source = "embedding.weight" if getattr(p, "embedding_copy", False) else logical_name(name)
+            yield logical_name(name), p, source
+
+
+def _layout(state: ParallelState, chunks: list[nn.Module], optimizer: Any) -> dict[str, Any]:
+    return {"tp": state.tp, "pp": state.pp, "dp": state.dp, "sp": bool(state.sp), "vpp": len(chunks),
+            "zero": int(getattr(optimizer, "stage", 0))}
+
+
+def _local(t: torch.Tensor, smap: ShardMap, i: int) -> torch.Tensor:
+    piece = smap.pieces[i]
+    return t[tuple(slice(a, a + n) for a, n in zip(piece.local, piece.shape))]
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1))
+    fsync_file(path)
+
+
+def publish(tmp: Path, final: Path, keep: int | None = None) -> None:
+    """Rename a complete temp directory into place; with `keep`, move `latest` (last) and prune."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep is None:
+        return
+    pointer = final.parent / (LATEST + ".tmp")
+    pointer.write_text(final.name + "\n")
+    fsync_file(pointer)
+    os.replace(pointer, final.parent / LATEST)
+    prune(final.parent, keep)
+
+
+def _json_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    rest = {k: v for k, v in extra.items() if k != "rng"}
+    try:
+        json.dumps(rest)
+    except TypeError as e:
+        raise CheckpointError(f"checkpoint extra state must be JSON (plain numbers, strings, lists, dicts): {e}; "
+                              "convert tensors with .tolist() before saving") from e
+    return rest
+
+
+def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Module], optimizer: Any,
+                 extra: dict[str, Any], state: ParallelState, keep: int) -> Path:
+    """Every rank calls this; each writes only its own slices. Returns the published step directory."""
+    chunks = _chunks(model_chunks)
+    info = model_info(chunks[0].cfg)
+    base = Path(root)
+    final, tmp = base / step_dir_name(step), base / (step_dir_name(step) + ".tmp")
+    pstates = optimizer.param_states() if optimizer is not None else {}
+    items: list[tuple[str, ShardMap, torch.Tensor]] = []
+    opt_step: float | None = None
+    for name, p, _ in _params(chunks):
+        layout = getattr(p, "tp_layout", None)
+        if getattr(p, "embedding_copy", False) or (layout is None and state.tp_rank != 0):
+            continue
+        smap = shard_map(name, tuple(p.shape), layout, state.tp, state.tp_rank, info["vocab_size"])
+        st = pstates.get(name, {})
+        items.append((f"param/{name}", smap, st.get("master", p)))
+        items += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
+        if "step" in st:
+            opt_step = float(st["step"])
+    mine = items[state.dp_rank::state.dp]
+    rng: dict[str, torch.Tensor] = extra.get("rng") or {}
+    file = f"rank_{state.rank:05d}.safetensors"
+    plan = [(f"{key}/{i}", torch.float32, pc.shape) for key, smap, _ in mine for i, pc in enumerate(smap.pieces)]
+    plan += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
+    try:
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            tmp.mkdir(parents=True, exist_ok=True)
+        _barrier(state)
+        writer = StreamingWriter(tmp / file, plan)
+        try:
+            with torch.no_grad():
+                for key, smap, t in mine:
+                    for i in range(len(smap.pieces)):
+                        writer.write(f"{key}/{i}", _local(t.detach(), smap, i).float())
+                for k, v in rng.items():
+                    writer.write(f"rng/{k}", v.to("cpu", torch.uint8))
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        tensors = {key: {"shape": list(smap.global_shape), "dtype": "float32",
+                         "slabs": [{"file": file, "key": f"{key}/{i}", "offset": list(pc.glob),
+                                    "shape": list(pc.shape)} for i, pc in enumerate(smap.pieces)]}
+                   for key, smap, _ in mine}
+        _write_json(tmp / f"rank_{state.rank:05d}.json",
+                    {"file": file, "sha256": sha256(tmp / file), "tensors": tensors, "optimizer_step": opt_step,
+                     "rng": sorted(rng)})
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint under {base}: {e.strerror or e} "
+                              "(check the directory is writable and the disk has space)") from e
+    _barrier(state)
+    if state.rank == 0:
+        _merge_index(tmp, state.world_size, {
+            "format": FORMAT, "step": step, "layout": _layout(state, chunks, optimizer), "model": info,
+            "extra": _json_extra(extra)})
+        publish(tmp, final, keep)
+    _barrier(state)
+    return final
+
+
+def _merge_index(tmp: Path, world_size: int, head: dict[str, Any]) -> None:
+    """Rank 0 combines the per-rank slab lists (small JSON, via the file system) into index.json."""
+    index: dict[str, Any] = dict(head, files={}, rng_files={}, rng_keys=[], optimizer_step=None, tensors={})
+    for r in range(world_size):
+        part_path = tmp / f"rank_{r:05d}.json"
+        part = json.loads(part_path.read_text())
+        index["files"][part["file"]] = part["sha256"]
+        if part["rng"]:
+            index["rng_files"][str(r)] = part["file"]
+            index["rng_keys"] = part["rng"]
+        if part["optimizer_step"] is not None:
+            index["optimizer_step"] = part["optimizer_step"]
+        for key, entry in part["tensors"].items():
+            have = index["tensors"].setdefault(key, dict(entry, slabs=[]))
+            if have["shape"] != entry["shape"]:
+                raise CheckpointError(f"ranks disagree on the global shape of {key}: {have['shape']} vs "
+                                      f"{entry['shape']} (a megalite bug, please report)")
+            have["slabs"] += entry["slabs"]
+        part_path.unlink()
+    _write_json(tmp / INDEX, index)
+
+
+def find(load: str, root: str) -> Path | None:
+    """Resolve `checkpoint.load` to a directory holding
+    index.json: 'none' -> None; '' or 'latest' -> newest under `root` (None if none yet); a checkpoint
+    root (with a `latest` pointer) -> its newest; else the directory itself."""
+    if load == "none":
+        return None
+    if not load or load == LATEST:
+        pointer = Path(root) / LATEST if root else None
+        if pointer is None or not pointer.exists():
+            return None
+        path = Path(root) / pointer.read_text().strip()
+    else:
+        path = Path(load)
+        if (path / LATEST).exists():
+            path = path / (path / LATEST).read_text().strip()
+    if not (path / INDEX).exists():
+        raise CheckpointError(f"{path} is not a complete megalite checkpoint (no {INDEX}); point checkpoint.load "
+                              "at a step_* directory, a checkpoint root with a `latest` file, or use 'latest'")
+    return path
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads((Path(path) / INDEX).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {Path(path) / INDEX} ({e}): not a complete megalite checkpoint; "
+                              "load an earlier one") from e
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {index.get('format')!r}, expected {FORMAT!r}")
+    return index
+
+
+def check_model(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another model shape, naming every dimension that differs."""
+    diff = [k for k in MODEL_KEYS if k in saved and k in mine and saved[k] != mine[k]]
+    if diff:
+        theirs = ", ".join(f"{k}={saved[k]}" for k in diff)
+        ours = ", ".join(f"{k}={mine[k]}" for k in diff)
+        raise CheckpointError(f"checkpoint {path} is of a different model ({theirs}; this run has {ours}): "
+                              "set model.* to the checkpointed model's values")
+
+
+def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module], optimizer: Any,
+                 state: ParallelState) -> dict[str, Any]:
+    """Load this rank's shards at the current layout; returns `extra` plus step, rng (None when the layout
+    changed) and has_optimizer_state. Reads only the slab regions that overlap this rank's shards."""
+    path = Path(path)
+    chunks = _chunks(model_chunks)
+    info = model_info(chunks[0].cfg)
+    index = read_index(path)
+    check_model(index.get("model", {}), info, path)
+    reader = SlabReader(path, index)
+    has_opt = any(k.startswith("exp_avg/") for k in index["tensors"])
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for name, p, source in _params(chunks):
+            smap = shard_map(name, tuple(p.shape), getattr(p, "tp_layout", None), state.tp, state.tp_rank,
+                             info["vocab_size"])
+            key = f"param/{source}"
+            if reader.has(key) and reader.shape(key) != smap.global_shape:
+                raise CheckpointError(f"checkpoint {path}: tensor {source} has shape {list(reader.shape(key))} but "
+                                      f"this model's is {list(smap.global_shape)}: set model.* to the checkpointed "
+                                      "model's values")
+            kinds = ("param",) + (STATE_KINDS if has_opt and optimizer is not None else ())
+            for kind in kinds:
+                if kind != "param" and not reader.has(f"{kind}/{source}"):
+                    continue  # this parameter had no optimizer state yet: it starts fresh
+                local = torch.zeros(smap.local_shape, dtype=torch.float32)  # padding rows stay zero
+                for i, pc in enumerate(smap.pieces):
+                    local[tuple(slice(a, a + n) for a, n in zip(pc.local, pc.shape))] = \
+                        reader.read_region(f"{kind}/{source}", pc.glob, pc.shape)
+                if kind == "param":
+                    p.copy_(local.to(p.dtype))
+                    states.setdefault(name, {})["master"] = local.to(p.device)
+                else:
+                    states[name][kind] = local.to(p.device)
+            if "exp_avg" in states[name]:
+                states[name]["step"] = torch.tensor(float(index["optimizer_step"] or 0.0))
+    if optimizer is not None:
+        optimizer.load_param_states(states)
+    saved = index.get("layout", {})
+    now = _layout(state, chunks, optimizer)
+    rng = None
+    if all(saved.get(k) == now[k] for k in LAYOUT_KEYS) and str(state.rank) in index.get("rng_files", {}):
+        file = index["rng_files"][str(state.rank)]
+        rng = {k: reader.read_file_tensor(file, f"rng/{k}") for k in index["rng_keys"]}
+    reader.close()
+    return dict(index.get("extra", {}), step=int(index["step"]), rng=rng, has_optimizer_state=has_opt)

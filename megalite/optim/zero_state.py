@@ -1,0 +1,70 @@
+"""The checkpoint protocol of the ZeRO optimizer: per-parameter fp32 master weights and Adam moments.
+
+`megalite.checkpoint.sharded` saves and loads logical tensors by global parameter name, whatever the
+layout; the ZeRO optimizer keeps them in flat buckets of which each rank owns 1/dp. So saving gathers
+a bucket's shards over dp (counted under "checkpoint", not "dp", so step traffic stays exact) and cuts
+it into parameters; loading rebuilds each bucket's flat fp32 buffers from the per-parameter tensors
+and keeps this rank's range. Every rank then holds the same dict (only dp rank r's share is written).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+from megalite.parallel import comm
+
+if TYPE_CHECKING:
+    from megalite.optim.zero import ZeroOptimizer
+    from megalite.optim.zero_buckets import Bucket
+
+
+def _global_name(name: str) -> str:
+    return re.sub(r"^\d+\.", "", name, count=1)  # drop an nn.ModuleList chunk prefix
+
+
+def _full(opt: "ZeroOptimizer", b: "Bucket", shard: torch.Tensor) -> torch.Tensor:
+    if opt.stage == 0:
+        return shard
+    full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+    work = comm.all_gather_async(full, shard.contiguous(), opt.state, "dp", count_as="checkpoint")
+    if work is not None:
+        work.wait()
+    return full
+
+
+@torch.no_grad()
+def param_states(opt: "ZeroOptimizer") -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for b in opt.buckets:
+        master = _full(opt, b, b.master.float())
+        moments = (_full(opt, b, b.exp_avg), _full(opt, b, b.exp_avg_sq)) if opt.step_count > 0 else None
+        for p, off in zip(b.params, b.offsets):
+            sl = slice(off, off + p.numel())
+            entry = {"master": master[sl].view(p.shape).clone()}
+            if moments is not None:
+                entry["exp_avg"] = moments[0][sl].view(p.shape).clone()
+                entry["exp_avg_sq"] = moments[1][sl].view(p.shape).clone()
+                entry["step"] = torch.tensor(float(opt.step_count))
+            out[_global_name(opt._names[id(p)])] = entry
+    return out
+
+
+@torch.no_grad()
+def load_param_states(opt: "ZeroOptimizer", states: dict[str, dict[str, torch.Tensor]]) -> None:
+    steps = {int(e["step"]) for e in states.values() if "step" in e}
+    for b in opt.buckets:
+        flats = {k: torch.zeros(b.padded, dtype=torch.float32, device=b.exp_avg.device)
+                 for k in ("master", "exp_avg", "exp_avg_sq")}
+        for p, off in zip(b.params, b.offsets):
+            entry = states.get(_global_name(opt._names[id(p)]), {})
+            for kind, flat in flats.items():
+                if kind in entry:
+                    flat[off:off + p.numel()] = entry[kind].reshape(-1).to(flat.device, torch.float32)
+        b.master.copy_(flats["master"][b.lo:b.hi])
+        b.exp_avg.copy_(flats["exp_avg"][b.lo:b.hi])  # zeros for parameters that start fresh
+        b.exp_avg_sq.copy_(flats["exp_avg_sq"][b.lo:b.hi])
+    opt.step_count = max(steps) if steps else 0
+    opt._publish_params()

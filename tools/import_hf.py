@@ -1,0 +1,42 @@
+"""Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel directory as a megalite checkpoint.
+
+    python tools/import_hf.py --input hf_model --output ckpt_from_hf
+    python pretrain.py --checkpoint.load ckpt_from_hf --model.arch llama --model.num_layers ... (same dims)
+
+The checkpoint is at step 0 with no optimizer state (the optimizer starts fresh) and loads under any
+layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"); a run whose
+model.* differ is refused with the differing dims named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megalite` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.checkpoint.hf import import_hf  # noqa: E402
+from megalite.errors import MegaliteError  # noqa: E402
+
+__all__ = ["main", "import_hf"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, metavar="HF_DIR", help="directory with config.json + model.safetensors")
+    p.add_argument("--output", required=True, metavar="CKPT", help="new checkpoint directory (must not exist)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        out = import_hf(args.input, args.output, show_progress=not args.quiet)
+    except MegaliteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"wrote {out}: continue with --checkpoint.load {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
