@@ -353,6 +353,10 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     total += m * last * all_reduce_bytes(3 * bs * 4, t)
     if layout.sp:
         partial = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+        if layout.zero >= 1:
+            # ZeRO >= 1 sums only the partial pieces inside this rank's 1/dp gradient shard (exact when
+            # the shard boundaries split them evenly, as for megalite's single-bucket small models).
+            partial = partial / layout.dp
         total += all_reduce_bytes(partial * prec.reduce_bytes, t)
     return total
 
