@@ -139,63 +139,65 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     last: dict[str, float] = {}
     step_times: list[float] = []
     consecutive_skips = 0
-    for step in range(start_step, tr.steps):
-        faults.at_step_start(step + 1)
-        watchdog.begin_step(step + 1)
-        state.counter.reset()
-        t0 = time.perf_counter()
-        batches = [make_batch(data.train, idx) for idx in sampler.next_step()]
-        result = train_step(engine, optimizer, batches, state, tr, step, dtype, scaler, par.schedule, par.vpp,
-                            poison_grads=faults.poison_grads(step + 1))
-        if state.device.type == "cuda":
-            torch.cuda.synchronize(state.device)
-        dt = time.perf_counter() - t0
-        step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
-        step_times.append(dt)
-        consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-        if consecutive_skips > tr.max_skipped_steps:
-            raise MegaliteError(f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step "
-                                f"{step + 1}): the run is diverging; lower train.lr, use bf16 instead of fp16, or "
-                                f"resume from an earlier checkpoint")
-        spike = False
-        if tr.spike_factor > 0 and not result.skipped:
-            if len(recent_losses) >= 10 and result.loss > tr.spike_factor * statistics.median(recent_losses):
-                spike = True
-                logger.note(f"loss spike at step {step + 1}: {result.loss:.4f} > {tr.spike_factor:g} x running "
-                            f"median {statistics.median(recent_losses):.4f}")
-            recent_losses = (recent_losses + [result.loss])[-100:]
-        if result.skipped:
-            logger.note(f"step {step + 1} skipped: non-finite gradient norm ({consecutive_skips} in a row, "
-                        f"limit train.max_skipped_steps={tr.max_skipped_steps})")
-        valid_loss = None
-        done = step + 1
-        if data.valid is not None and tr.eval_interval > 0 and (done % tr.eval_interval == 0 or done == tr.steps):
-            vs = DataSampler(len(data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
-                             valid_sampler_seed)
-            vb = [make_batch(data.valid, idx) for _ in range(tr.eval_steps) for idx in vs.next_step()]
-            valid_loss = evaluate(engine, vb, state, dtype)
-        last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
-        if done % cfg.logging.interval == 0 or done == tr.steps or done == start_step + 1 or valid_loss is not None:
-            tps = tokens_per_step / dt
-            flops = flops_per_token * tps / state.world_size
-            recent = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
-            logger.log({"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                        "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, peak),
-                        "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": step_comm,
-                        "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
-                        "loss_scale": scaler.scale, "spike": spike, "mem_bytes": optimizer.memory_bytes()},
-                       seconds_left=recent * (tr.steps - done))
-        should_save = bool(cfg.checkpoint.dir) and (
-            (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
-        watchdog.end_step()
-        stopping = stop.agreed(state)
-        if should_save or (stopping and cfg.checkpoint.dir):
-            save_checkpoint(done)
-        if stopping:
-            logger.note(f"stop requested by signal: exiting cleanly after step {done}")
-            break
-    watchdog.close()
-    tracker.finish()
+    try:  # the watchdog thread and the wandb run must end with this function, even on an error
+        for step in range(start_step, tr.steps):
+            faults.at_step_start(step + 1)
+            watchdog.begin_step(step + 1)
+            state.counter.reset()
+            t0 = time.perf_counter()
+            batches = [make_batch(data.train, idx) for idx in sampler.next_step()]
+            result = train_step(engine, optimizer, batches, state, tr, step, dtype, scaler, par.schedule, par.vpp,
+                                poison_grads=faults.poison_grads(step + 1))
+            if state.device.type == "cuda":
+                torch.cuda.synchronize(state.device)
+            dt = time.perf_counter() - t0
+            step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
+            step_times.append(dt)
+            consecutive_skips = consecutive_skips + 1 if result.skipped else 0
+            if consecutive_skips > tr.max_skipped_steps:
+                raise MegaliteError(f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step "
+                                    f"{step + 1}): the run is diverging; lower train.lr, use bf16 instead of fp16, or "
+                                    f"resume from an earlier checkpoint")
+            spike = False
+            if tr.spike_factor > 0 and not result.skipped:
+                if len(recent_losses) >= 10 and result.loss > tr.spike_factor * statistics.median(recent_losses):
+                    spike = True
+                    logger.note(f"loss spike at step {step + 1}: {result.loss:.4f} > {tr.spike_factor:g} x running "
+                                f"median {statistics.median(recent_losses):.4f}")
+                recent_losses = (recent_losses + [result.loss])[-100:]
+            if result.skipped:
+                logger.note(f"step {step + 1} skipped: non-finite gradient norm ({consecutive_skips} in a row, "
+                            f"limit train.max_skipped_steps={tr.max_skipped_steps})")
+            valid_loss = None
+            done = step + 1
+            if data.valid is not None and tr.eval_interval > 0 and (done % tr.eval_interval == 0 or done == tr.steps):
+                vs = DataSampler(len(data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
+                                 valid_sampler_seed)
+                vb = [make_batch(data.valid, idx) for _ in range(tr.eval_steps) for idx in vs.next_step()]
+                valid_loss = evaluate(engine, vb, state, dtype)
+            last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
+            if done % cfg.logging.interval == 0 or done == tr.steps or done == start_step + 1 or valid_loss is not None:
+                tps = tokens_per_step / dt
+                flops = flops_per_token * tps / state.world_size
+                recent = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
+                logger.log({"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                            "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, peak),
+                            "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": step_comm,
+                            "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
+                            "loss_scale": scaler.scale, "spike": spike, "mem_bytes": optimizer.memory_bytes()},
+                           seconds_left=recent * (tr.steps - done))
+            should_save = bool(cfg.checkpoint.dir) and (
+                (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
+            watchdog.end_step()
+            stopping = stop.agreed(state)
+            if should_save or (stopping and cfg.checkpoint.dir):
+                save_checkpoint(done)
+            if stopping:
+                logger.note(f"stop requested by signal: exiting cleanly after step {done}")
+                break
+    finally:
+        watchdog.close()
+        tracker.finish()
     if state.world_size > 1:
         dist.destroy_process_group()
     return last

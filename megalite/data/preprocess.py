@@ -8,6 +8,8 @@ concatenated into training sequences and the model still sees where one ends (GP
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import functools
 import multiprocessing as mp
 from collections.abc import Sequence
@@ -60,7 +62,21 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
             # spawn, not fork: forking a process that already runs threads (a launcher's, a test
             # harness's, torch's) can deadlock the children on a lock held by a thread that was not copied.
             with mp.get_context("spawn").Pool(workers) as pool:
-                for ids in pool.imap(encode, docs, chunksize=_CHUNKSIZE):
-                    writer.add_document(ids)
-                    bar.update()
+                # Read documents here, in the main thread, a batch at a time: a bad input line raises
+                # where it is read, never inside the pool's feeder thread (which would wedge the pool).
+                for batch in _batches(docs, workers * _CHUNKSIZE * 4):
+                    for ids in pool.map(encode, batch, chunksize=_CHUNKSIZE):
+                        writer.add_document(ids)
+                        bar.update()
         return writer.finalize()
+
+
+def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
