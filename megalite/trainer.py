@@ -128,6 +128,9 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                 f"{device} {str(dtype).removeprefix('torch.')} | vocab {cfg.model.vocab_size} | "
                 f"{tokens_per_step} tokens/step | {len(data.train)} train samples"
                 + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+    mem = optimizer.memory_bytes()
+    logger.note("model-state bytes on rank 0 at start: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())
+                + f" (zero={par.zero}; exact, from the tensors; per step in metrics.jsonl mem_bytes)")
     if start_step >= tr.steps:
         logger.note(f"checkpoint {resume_from} is already at step {start_step} >= train.steps={tr.steps}: "
                     "nothing to do (raise train.steps to train further)")
