@@ -2,10 +2,10 @@
 
 Tolerances (fp32): a TP layer computes the same dot products as the reference but sums the
 partial products in a different order (per-shard then all-reduce), so outputs differ by
-O(sqrt(K) * eps_fp32 * |x||w|) ~ 1e-7 here; we allow 1e-5 absolute on O(1) values. After 3 Adam
-steps, Adam divides by sqrt(v), which amplifies relative gradient round-off for the smallest
-gradients; 2e-5 on parameters of size ~0.02-1 still catches any real error (a wrong shard or a
-missing reduction changes values by >= 1e-3).
+O(sqrt(K) * eps_fp32 * |x||w|) ~ 1e-7 here; we allow 1e-5 absolute on O(1) values. After 3 AdamW
+steps at lr 1e-2, Adam's update is ~lr * g/sqrt(v): for a parameter whose gradient is near zero the
+~1e-7 relative round-off becomes up to ~1e-4 absolute (PARAM_ATOL); a wrong shard or a missing
+reduction moves parameters by O(lr) = 1e-2, two orders above it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from megalite.train_step import train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 ATOL = 1e-5
+PARAM_ATOL = 1e-4
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = ATOL) -> None:
@@ -163,7 +164,7 @@ def _check_model_parity(rank: int, tp: int, sp: bool, arch: str) -> dict[str, fl
             # is 0 and Adam turns pure round-off into O(lr) steps. Compare the q and v parts only.
             h = cfg.hidden_size
             value, expected = torch.cat([value[:h], value[-h:]]), torch.cat([expected[:h], expected[-h:]])
-        _close(value, expected, f"parameter {name} after {steps} steps", atol=2e-5)
+        _close(value, expected, f"parameter {name} after {steps} steps", atol=PARAM_ATOL)
     expected_tp = tp_bytes_per_step(arch, cfg.num_layers, cfg.hidden_size, micro, cfg.seq_len, tp, sp,
                                     micro_batches=2, act_bytes=4) * steps
     assert measured_tp == expected_tp, f"measured tp bytes {measured_tp} != analytic {expected_tp}"

@@ -4,7 +4,8 @@ Tolerances (fp32): the sharded run computes the same forward, but each DP rank s
 micro-batches' gradients and the DP reduction adds the ranks' sums in another order, so gradients
 differ from the reference by O(eps_fp32 * |g|) ~ 1e-8 relative. Losses agree to 1e-5 absolute (O(1)
 values, 5 steps). AdamW divides by sqrt(v): for the tiniest gradients that turns round-off into
-relative differences of the update, so parameters (size ~0.02-1, lr 1e-2) are compared to 2e-5 — any
+relative differences of the update, so parameters (size ~0.02-1, lr 1e-2) are compared to 1e-4 (the
+reference's tp=1 loss also uses torch's fused cross-entropy, another summation order) — any
 real error (a missing shard, a double-counted reduction, a wrong average) moves them by >= 1e-3.
 The key bias of gpt2 has a true gradient of 0 (softmax is shift-invariant), so Adam amplifies pure
 round-off there into O(lr) steps: it is excluded, as in test_tensor_parallel.
@@ -108,7 +109,7 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
             h = cfg.hidden_size
             full, expect = torch.cat([full[:h], full[-h:]]), torch.cat([expect[:h], expect[-h:]])
         err = (full - expect).abs().max().item()
-        assert err <= 2e-5, f"zero={stage}: parameter {name} off by {err:.2e} after {STEPS} steps"
+        assert err <= 1e-4, f"zero={stage}: parameter {name} off by {err:.2e} after {STEPS} steps"
         if stage < 3:  # the model's own params hold the updated values (stage 3: only shards)
             assert torch.equal(params[name].detach(), value), name
     # Evaluation (no grad) gathers and frees stage-3 units too; same round-off budget as the losses.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -76,4 +77,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, sta
                                  vocab_size: int, ignore_index: int = -100,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token loss [N] (fp32, 0 at ignored rows) from this rank's logit columns [N, V/tp]."""
+    if state.tp == 1:
+        # One rank holds the whole vocabulary: torch's fused kernel on the real columns (a view; the
+        # padding columns get no gradient) is several passes over the logits cheaper than the general form.
+        real = logits[:, :vocab_size]
+        return F.cross_entropy(real.float(), target, reduction="none", ignore_index=ignore_index,
+                               label_smoothing=label_smoothing)
     return _VocabParallelCE.apply(logits, target, state, vocab_size, ignore_index, label_smoothing)

@@ -51,15 +51,13 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
     (layout None) only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
-    sq = torch.zeros(1, dtype=torch.float64, device=state.device)
-    for p in unique_params(model):
-        if p.grad is None:
-            continue
-        if getattr(p, "tp_layout", None) is None and state.tp_rank != 0:
-            continue
-        if getattr(p, "embedding_copy", False):  # the last stage's copy of a tied embedding
-            continue
-        sq += p.grad.detach().double().pow(2).sum()
+    counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
+               and not (getattr(p, "tp_layout", None) is None and state.tp_rank != 0)
+               and not getattr(p, "embedding_copy", False)]  # the last stage's copy of a tied embedding
+    # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
+    norms = torch._foreach_norm(counted) if counted else []
+    sq = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                          device=state.device)).reshape(1)
     comm.all_reduce(sq, state, "mp")
     return math.sqrt(sq.item())
 
@@ -69,9 +67,9 @@ def clip_gradients(model: nn.Module, max_norm: float, norm: float) -> None:
     if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
         return
     scale = max_norm / (norm + 1e-6)
-    for p in unique_params(model):
-        if p.grad is not None:
-            p.grad.mul_(scale)
+    grads = [p.grad for p in unique_params(model) if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)
 
 
 def sync_tied_embeddings(model: nn.Module, state: ParallelState) -> None:

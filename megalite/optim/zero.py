@@ -251,12 +251,12 @@ class ZeroOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank
         0 only, summed over tp x pp ranks, and for stages >= 1 over the dp shards too."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.state.device)
-        for b in self.buckets:
-            for s in b.segments:
-                if (s.replicated and self.state.tp_rank != 0) or s.copy:
-                    continue
-                sq += b.grad_shard[s.lo:s.hi].double().pow(2).sum()  # type: ignore[index]
+        pieces = [b.grad_shard[s.lo:s.hi] for b in self.buckets for s in b.segments  # type: ignore[index]
+                  if not ((s.replicated and self.state.tp_rank != 0) or s.copy)]
+        # One fused fp32 norm per piece (no float64 copy of the gradients), their squares summed in float64.
+        norms = torch._foreach_norm(pieces) if pieces else []
+        sq = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
+              else torch.zeros(1, dtype=torch.float64, device=self.state.device))
         if self.stage >= 1:
             comm.all_reduce(sq, self.state, "dp", count_as="norm")
         comm.all_reduce(sq, self.state, "mp")
