@@ -9,8 +9,9 @@
 #
 # Knobs (environment variables):
 #   NPROC        processes on this machine (default: the number of visible GPUs, else 1).
-#   NNODES       machines taking part (default 1). With >1, torchrun meets the other nodes through a
-#                c10d rendezvous hosted at MASTER_ADDR:MASTER_PORT; node ranks are assigned by it.
+#   NNODES       machines taking part (default 1). With >1 this hands over to
+#                launch/multinode_torchrun.sh (c10d rendezvous at MASTER_ADDR:MASTER_PORT; node ranks
+#                are assigned by it; see that script for its other knobs).
 #   MASTER_ADDR  host of the rendezvous (multi-node only; default localhost).
 #   MASTER_PORT  its TCP port (default 29500).
 #   RDZV_ID      a job id shared by all nodes of one run (default megalite).
@@ -38,12 +39,12 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export PYTHONUNBUFFERED=1
 
-if [[ "$NNODES" -gt 1 ]]; then
-    RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
-          --rdzv-id "${RDZV_ID:-megalite}")
-else
-    RDZV=(--standalone --nnodes 1)
+if [[ "$NNODES" != 1 ]]; then
+    # Several machines: the multi-node script (c10d rendezvous at MASTER_ADDR:MASTER_PORT) does it.
+    export NNODES NPROC MASTER_ADDR MASTER_PORT
+    exec bash "$REPO_DIR/launch/multinode_torchrun.sh" "$@"
 fi
+RDZV=(--standalone --nnodes 1)
 
 # torchrun forwards SIGTERM/SIGINT to the workers; pretrain.py saves a checkpoint and exits on them.
 exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" \

@@ -118,12 +118,20 @@ def _history_and_config(run_file: Path) -> tuple[list[dict], dict]:
     return history, config
 
 
-def test_offline_run_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_run_and_resume(tmp_path: Path) -> None:
+    """Run in a fresh interpreter: wandb keeps process-wide state (a service process, settings) that
+    other tests in the same pytest process can leave behind."""
     pytest.importorskip("wandb")
-    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
-                       "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
-                       "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
-        monkeypatch.setenv(var, value)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
+               WANDB_CACHE_DIR=str(tmp_path / "cache"), WANDB_DATA_DIR=str(tmp_path / "data"))
+    code = "import sys; from pathlib import Path; from tests.test_tracking import offline_run_and_resume; " \
+           "offline_run_and_resume(Path(sys.argv[1]))"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=str(Path(__file__).resolve().parents[1]), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def offline_run_and_resume(tmp_path: Path) -> None:
     log_dir = tmp_path / "run"
     config = {"model": {"num_layers": 2}, "parallel": {"tp": 1}}
     with Tracker("megalite-test", "", "tiny", config, str(log_dir), True) as t:
@@ -135,7 +143,8 @@ def test_offline_run_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     with Tracker("megalite-test", "", "tiny", config, str(log_dir), True) as t:
         assert t.run_id == first_id  # the resumed process continues the same wandb run
         t.log({"loss": 0.5, "comm_bytes": {"dp": 24.0}}, step=3)
-    runs = sorted((log_dir / "wandb").glob(f"offline-run-*-{first_id}/run-{first_id}.wandb"))
+    # Two runs started within the same second get "...-<id>" and "...-<id>-1": name order is start order.
+    runs = sorted((log_dir / "wandb").glob(f"offline-run-*-{first_id}*/run-{first_id}.wandb"))
     assert len(runs) == 2, list((log_dir / "wandb").iterdir())
     hist1, cfg1 = _history_and_config(runs[0])
     hist2, _ = _history_and_config(runs[1])

@@ -48,10 +48,32 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# SDPA reads grouped kv heads itself from torch 2.5 on (`enable_gqa`); older versions need them repeated.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """Causal grouped-query attention via SDPA; q [B,S,Hq,D], k/v [B,S,Hk,D] -> [B,S,Hq,D]."""
+    """Causal grouped-query attention via SDPA; q [B,S,Hq,D], k/v [B,S,Hk,D] -> [B,S,Hq,D].
+
+    Query head h reads kv head h // (Hq/Hk). With `enable_gqa` SDPA does that without materialising
+    Hq/Hk copies of K and V and of their gradients (memory on any device; on CPU the time saved was
+    within the noise of bench/cpu_compare.py, 0-3% of a step). Same numbers as repeating the heads.
+    """
     rep = q.shape[2] // k.shape[2]
-    if rep > 1:  # expand kv heads: query head h reads kv head h // rep
+    if rep > 1 and not _SDPA_HAS_GQA:
+        k = k.repeat_interleave(rep, dim=2)
+        v = v.repeat_interleave(rep, dim=2)
+    gqa = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), **gqa)
+    return out.transpose(1, 2)
+
+
+def attention_repeat_kv(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+    """The same attention with K/V heads repeated before SDPA (the pre-2.5 path), kept as a baseline
+    for bench/gpu_bench.py's flash-vs-SDPA table."""
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

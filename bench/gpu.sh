@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One prepared GPU benchmark for a single H200 (well under 8 minutes). What it measures:
+#   1. MFU, tokens/s and peak memory of the llama-1b preset (bf16, seq 2048, megalite's real
+#      train_step) with model.kernels=torch, model.kernels=triton and torch.compile;
+#   2. the kernel table of bench/kernels_gpu.py (each Triton kernel vs eager / compiled torch);
+#   3. Triton flash attention vs scaled_dot_product_attention at the 1B model's shapes.
+# Results: one gpu_bench.json + gpu_bench.md in $OUT (the device runner's output folder) or
+# bench/results/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
+#
+#   bash bench/gpu.sh            # on the GPU machine
+#   bash bench/gpu.sh --smoke    # anywhere: CPU, tiny shapes, seconds (tests/test_bench_smoke.py)
+# Extra arguments go to bench/gpu_bench.py (e.g. --micro-batch 8, --variants torch triton).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-bench/results}"
+mkdir -p "$OUT_DIR"
+{
+  date -u
+  python -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+  python -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
+  if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi; else echo "nvidia-smi: not found (CPU machine)"; fi
+} > "$OUT_DIR/env.txt" 2>&1
+# Hard stop at 7.5 minutes; gpu_bench.py itself skips sections past its --budget-s (7 min) and
+# rewrites the JSON/markdown after every section, so a stop still leaves the finished ones.
+timeout 450 python bench/gpu_bench.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
+exit "${PIPESTATUS[0]}"

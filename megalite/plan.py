@@ -1,0 +1,264 @@
+"""Pick a parallel layout for a model on a cluster: enumerate, drop what does not fit, rank by time.
+
+The seed lecture gives rules of thumb: tensor parallelism inside a node (its 4 all-reduces per
+layer need NVLink), pipeline parallelism next (only point-to-point sends, but a bubble), data
+parallelism as large as memory allows (its traffic overlaps the backward pass). This module turns
+those rules into arithmetic: every (tp, pp, dp, zero, vpp, micro-batch, recompute) that is legal is
+costed with `megalite.estimate` (memory per device, bytes per group, step time), layouts that
+exceed the memory limit are dropped, and the rest are ranked by predicted step time. The rules
+then only break ties, i.e. they are followed exactly where the arithmetic agrees with them.
+
+What is not enumerated, and why (each is dominated under the estimator's model, so it could only
+tie or lose against a layout that is enumerated):
+* sequence parallelism off when tp > 1: SP moves the same TP volume (all-gather + reduce-scatter
+  instead of all-reduce; Korthikanti et al. 2022) and divides activations and pipeline sends by tp.
+* the GPipe schedule: the same bubble as 1F1B with m instead of p micro-batches in flight.
+* tp across nodes (tp must divide the GPUs per node) and m < pp (the seed's "most common
+  config error": stages idle most of the step).
+* for one (tp, pp, vpp, micro-batch), a ZeRO stage or recompute level above the lowest one that
+  fits: ZeRO-1/2 move the same DP bytes as DDP and ZeRO-3 more (Rajbhandari et al. 2020), and
+  recompute only adds FLOPs and traffic. Only the Pareto front of (zero, recompute) is costed.
+  (Under SP, ZeRO>=1 also shrinks the tiny TP sum of norm gradients by 1/dp: a < 0.1% effect,
+  far inside TIE_TOLERANCE, where the rules would prefer the lower stage anyway.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from megalite.errors import ConfigError
+from megalite.estimate import (GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate,
+                               stage_activation_bytes, stage_params, zero_memory)
+
+RECOMPUTE = ("none", "selective", "full")
+# Step times within this of the fastest are a tie: the estimator (ideal peak, ring bandwidths) is
+# not more accurate than ~1%, so among them the seed's rules decide (see `rank`).
+TIE_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware: `nodes` x `gpus_per_node` devices; bandwidths in bytes/s per device."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_bytes: float
+    intra_bytes_per_s: float  # NVLink-class, used for TP (and for everything on a single node)
+    inter_bytes_per_s: float  # network, used for DP, PP and the tied-embedding group
+    peak_flops: float  # dense peak per device in the training dtype
+    memory_fraction: float = 0.9  # usable share: CUDA context, NCCL buffers, allocator slack
+    efficiency: float = 1.0  # share of peak the matmuls reach (1.0: step times are lower bounds)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "gpu_memory_bytes", "intra_bytes_per_s",
+                     "inter_bytes_per_s", "peak_flops"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"cluster {name} must be > 0, got {getattr(self, name)}; "
+                                  f"pass a positive --{name.replace('_', '-')}")
+        if not 0 < self.memory_fraction <= 1 or not 0 < self.efficiency <= 1:
+            raise ConfigError("memory fraction and efficiency must be in (0, 1]; e.g. "
+                              "--memory-fraction 0.9 --efficiency 0.5")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_limit(self) -> float:
+        return self.gpu_memory_bytes * self.memory_fraction
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One costed layout."""
+
+    layout: Layout
+    est: Estimate
+
+    @property
+    def step_seconds(self) -> float:
+        return float(self.est.step_seconds_overlapped or 0.0)
+
+    @property
+    def dp_exposed_seconds(self) -> float:
+        """Data-parallel traffic not hidden behind compute."""
+        dp = self.est.comm_seconds.get("dp", 0.0)
+        return max(0.0, dp - float(self.est.compute_seconds or 0.0))
+
+    def to_dict(self) -> dict:
+        return {"layout": asdict(self.layout), "step_seconds": self.step_seconds, **self.est.to_dict()}
+
+
+@dataclass
+class Plan:
+    """The ranked layouts (best first), how many were looked at, and why the first wins."""
+
+    dims: ModelDims
+    cluster: Cluster
+    global_batch_size: int
+    ranked: list[Candidate]
+    considered: int  # layouts whose memory was computed
+    costed: int  # layouts given a full estimate (fitting, Pareto-optimal)
+    why: str
+
+    def to_dict(self, top: int | None = None) -> dict:
+        return {"model": asdict(self.dims), "params": dims_params(self.dims),
+                "cluster": asdict(self.cluster), "world": self.cluster.world,
+                "global_batch_size": self.global_batch_size, "considered": self.considered,
+                "costed": self.costed, "why": self.why,
+                "layouts": [c.to_dict() for c in self.ranked[:top]]}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def worst_stage_memory(dims: ModelDims, layout: Layout, prec: Precision) -> float:
+    """Peak bytes per device over the pipeline stages, as `estimate` computes it, from the first
+    and last stage only: a middle stage holds fewer parameters (no embedding or head) and fewer
+    micro-batches in flight than the first, and no logits, so it is never the worst. Two stages
+    instead of pp keeps the enumeration fast; the tests check it equals `estimate`'s number."""
+    m = layout.num_microbatches
+    worst = 0.0
+    for r in {0, layout.pp - 1}:
+        psi = float(stage_params(dims, layout.tp, layout.pp, r).total)
+        states = zero_memory(psi, layout.dp, layout.zero, prec).model_states
+        worst = max(worst, states + stage_activation_bytes(dims, layout, prec, r, m))
+    return worst
+
+
+def _model_splits(dims: ModelDims, cluster: Cluster, gbs: int) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) with tp inside a node dividing the heads and the MLP, pp dividing the layers,
+    dp = world / (tp·pp) dividing the global batch."""
+    out = []
+    for tp in divisors(cluster.gpus_per_node):
+        if dims.num_heads % tp or dims.kv_heads % tp or dims.ffn % tp:
+            continue
+        for pp in divisors(dims.num_layers):
+            if cluster.world % (tp * pp):
+                continue
+            dp = cluster.world // (tp * pp)
+            if gbs % dp == 0:
+                out.append((tp, pp, dp))
+    return out
+
+
+def _rules_key(c: Candidate) -> tuple:
+    """The seed's rules as a tie-break: dp largest, then pp smallest (tp is what remains), then less
+    ZeRO, less recompute, fewer virtual stages, larger micro-batches (real kernels run closer to
+    peak on larger matmuls, which the estimator does not model), less memory."""
+    lay = c.layout
+    return (-lay.dp, lay.pp, lay.zero, RECOMPUTE.index(lay.recompute), lay.vpp, -lay.micro_batch_size,
+            c.est.memory.total)
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first, except that every layout within TIE_TOLERANCE of the fastest counts as a tie
+    and those are ordered by the seed's rules (`_rules_key`)."""
+    if not candidates:
+        return []
+    fastest = min(c.step_seconds for c in candidates)
+    tied = [c for c in candidates if c.step_seconds <= fastest * (1 + TIE_TOLERANCE)]
+    rest = [c for c in candidates if c.step_seconds > fastest * (1 + TIE_TOLERANCE)]
+    return sorted(tied, key=_rules_key) + sorted(rest, key=lambda c: (c.step_seconds, _rules_key(c)))
+
+
+def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
+              prec: Precision = Precision(), max_micro_batch: int = 16, max_vpp: int = 8,
+              zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> Plan:
+    """Enumerate, filter by memory, cost and rank the layouts of `dims` on `cluster`.
+
+    Raises ConfigError with the smallest memory found when no layout fits, or when the batch and
+    the world size admit no split at all."""
+    gbs = global_batch_size
+    if gbs < 1:
+        raise ConfigError(f"global batch size must be >= 1, got {gbs}; pass --global-batch-size")
+    splits = _model_splits(dims, cluster, gbs)
+    if not splits:
+        raise ConfigError(f"no (tp, pp, dp) split of {cluster.world} GPUs fits the model and batch: tp "
+                          f"must divide {cluster.gpus_per_node} GPUs/node and {dims.num_heads} heads, pp "
+                          f"{dims.num_layers} layers, dp the global batch {gbs}; use a global batch "
+                          f"that is a multiple of the GPU count")
+    inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
+    considered = 0
+    smallest: tuple[float, Layout] | None = None
+    ranked: list[Candidate] = []
+    for tp, pp, dp in splits:
+        per_replica = gbs // dp
+        for mbs in (b for b in divisors(per_replica) if b <= max_micro_batch):
+            m = per_replica // mbs
+            if m < pp:
+                continue  # stages idle most of the step; fewer, larger micro-batches never help here
+            vpps = [v for v in range(1, max_vpp + 1)
+                    if (dims.num_layers // pp) % v == 0 and (v == 1 or (pp > 1 and m % pp == 0))]
+            for vpp in vpps:
+                base = Layout(tp=tp, pp=pp, dp=dp, sp=tp > 1, vpp=vpp,
+                              schedule="interleaved" if vpp > 1 else "1f1b",
+                              micro_batch_size=mbs, global_batch_size=gbs)
+                best_zero = len(zero_stages)  # Pareto front: a recompute level must lower the ZeRO stage
+                for rc in RECOMPUTE:
+                    for zi, zero in enumerate(zero_stages[:best_zero]):
+                        if dp == 1 and zero > 0:
+                            break  # ZeRO over one rank shards nothing
+                        lay = replace(base, zero=zero, recompute=rc)
+                        mem = worst_stage_memory(dims, lay, prec)
+                        considered += 1
+                        if smallest is None or mem < smallest[0]:
+                            smallest = (mem, lay)
+                        if mem <= cluster.memory_limit:
+                            est = estimate(dims, lay, prec, peak_flops=cluster.peak_flops,
+                                           inter_bytes_per_s=inter,
+                                           intra_bytes_per_s=cluster.intra_bytes_per_s,
+                                           efficiency=cluster.efficiency)
+                            ranked.append(Candidate(lay, est))
+                            best_zero = zi
+                            break
+                    if best_zero == 0:
+                        break
+    if not ranked:
+        assert smallest is not None
+        mem, lay = smallest
+        raise ConfigError(
+            f"the model ({dims_params(dims) / 1e9:.1f} B parameters) fits on no layout of "
+            f"{cluster.world} GPUs: the smallest needs {mem / GB:.1f} GB per GPU (tp={lay.tp} pp={lay.pp} "
+            f"dp={lay.dp} zero={lay.zero} recompute={lay.recompute} micro-batch {lay.micro_batch_size}) "
+            f"but {cluster.memory_limit / GB:.1f} GB is usable; add nodes, use GPUs with more memory, "
+            f"or shorten --seq-len")
+    ranked = rank(ranked)
+    return Plan(dims, cluster, gbs, ranked, considered, len(ranked), explain(ranked, cluster))
+
+
+def _parts(c: Candidate) -> dict[str, float]:
+    """Where a step's time goes (the DP traffic counts only where compute does not hide it)."""
+    sec = c.est.comm_seconds
+    return {"compute and bubble": float(c.est.compute_seconds or 0.0), "TP traffic": sec.get("tp", 0.0),
+            "PP sends": sec.get("pp", 0.0) + sec.get("embedding", 0.0),
+            "exposed DP traffic": c.dp_exposed_seconds}
+
+
+def describe(lay: Layout) -> str:
+    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero} vpp={lay.vpp} "
+            f"mbs={lay.micro_batch_size} recompute={lay.recompute}")
+
+
+def explain(ranked: list[Candidate], cluster: Cluster) -> str:
+    """One line on why the first layout wins: its time and memory budget, and what the runner-up
+    loses on (the part of the step that grows the most)."""
+    best = ranked[0]
+    mem = best.est.memory
+    line = (f"{describe(best.layout)} wins at {best.step_seconds:.3g} s/step: it fits in "
+            f"{mem.total / GB:.1f} of {cluster.memory_limit / GB:.1f} GB ({mem.model_states / GB:.1f} states + "
+            f"{mem.activations / GB:.1f} activations), bubble {best.est.bubble:.1%}, TP traffic "
+            f"{best.est.comm_bytes.get('tp', 0.0) / GB:.2f} GB on NVLink")
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        a, b = _parts(best), _parts(nxt)
+        part = max(a, key=lambda k: b[k] - a[k])
+        slower = nxt.step_seconds / best.step_seconds - 1
+        if slower < TIE_TOLERANCE:
+            line += (f"; the runner-up ({describe(nxt.layout)}) is within {TIE_TOLERANCE:.0%} (a tie) "
+                     f"and loses on the seed's rules: dp largest, pp smallest, least ZeRO and recompute")
+        else:
+            line += (f"; the runner-up ({describe(nxt.layout)}) is {slower:.1%} slower, mostly in "
+                     f"{part} ({b[part]:.3g} s vs {a[part]:.3g} s)")
+    return line

@@ -1,0 +1,64 @@
+"""The benchmarks can't rot: each runs end to end in its tiny smoke mode and writes its outputs.
+
+These check that the scripts run and that what they report is consistent, never how fast anything
+is (performance is shown by the benchmarks themselves, not by timed tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str], out: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OUT=str(out), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET"):
+        env.pop(k, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(REPO), env=env, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_gpu_sh_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
+    _run(["bash", "bench/gpu.sh", "--smoke"], tmp_path)
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert data["meta"]["smoke"] is True
+    model = data["sections"]["model"]
+    assert [r["variant"] for r in model["rows"]] == ["torch"]  # triton/compile are CUDA-only: noted, skipped
+    assert all(r["tokens_per_s"] > 0 and r["loss"] == r["loss"] for r in model["rows"])  # finite loss (not NaN)
+    assert any("model/compile" in n for n in data["notes"])
+    impls = {r["impl"] for r in data["sections"]["attention"]["rows"]}
+    assert impls >= {"sdpa kv repeated", "sdpa enable_gqa (megalite torch op)"}
+    md = (tmp_path / "gpu_bench.md").read_text()
+    assert "tokens/s" in md and "SMOKE" in md
+    assert (tmp_path / "env.txt").exists() and (tmp_path / "gpu_bench.log").exists()
+    if (REPO / "bench" / "kernels_gpu.py").exists():
+        assert data["sections"]["kernels"]["rows"], "kernel table is empty"
+
+
+def test_cpu_compare_smoke(tmp_path: Path) -> None:
+    _run([sys.executable, "bench/cpu_compare.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+    res = json.loads((tmp_path / "cpu_compare_smoke.json").read_text())
+    assert {"megalite-llama", "minimal-llama", "megalite-gpt2"} <= res["tokens_per_s"].keys()
+    ratio = res["ratios"]["megalite-llama/minimal-llama"]
+    assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert "megalite-llama/minimal-llama" in (tmp_path / "cpu_compare_smoke.md").read_text()
+
+
+def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path) -> None:
+    _run([sys.executable, "bench/scaling.py", "--smoke", "--out", str(tmp_path), "--port", "29561"], tmp_path)
+    res = json.loads((tmp_path / "scaling_smoke.json").read_text())
+    runs = {r["name"]: r for r in res["runs"]}
+    tp = runs["tp=2 sp"]
+    assert "skipped" not in tp, tp.get("skipped")
+    # Both sides count the same collectives in the same wire-byte convention, so they agree
+    # exactly up to float rounding of the Fraction sums (1e-9 relative).
+    assert abs(tp["comm_bytes"]["tp"] - tp["predicted_comm_bytes"]["tp"]) <= 1e-9 * tp["comm_bytes"]["tp"]
+    assert len(tp["peak_rss_bytes_per_rank"]) == 2
+    assert (tmp_path / "scaling_smoke.md").exists()
+    assert (tmp_path / "scaling_smoke.png").exists()

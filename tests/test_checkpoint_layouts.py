@@ -1,0 +1,108 @@
+"""Checkpoint layout changes end to end: `pretrain.py` under torchrun, fresh processes, fp32, gloo on CPU.
+
+For each pair (A, B): an uninterrupted 6-step run at layout A saves at step 3 (and at the end); a new job
+at layout B loads A's step-3 checkpoint and trains steps 4..6. Its losses must equal A's steps 4..6 and
+its final data position (the sampler's consumed_samples in the step-6 checkpoint) must equal A's: the
+resumed job read exactly the samples A read, none skipped, none repeated (a wrong data position moves
+the loss by ~1e-2, far outside the tolerance below).
+
+ZeRO-3 with pp > 1 is not supported (a ConfigError), so the issue's (tp1, pp4, dp2, zero3) target cannot
+run; zero 3 is exercised at pp = 1 instead. Every job has 4 ranks (the most that is quick on 2 cores);
+jobs use `torchrun --standalone` (a free port each), so a concurrent test suite cannot collide with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_RUN
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
+# Layouts change the order of the same fp32 sums: TP splits matmuls into partial sums, dp/ZeRO reduce
+# gradients in a different order (all-reduce vs reduce-scatter over 1, 2 or 4 ranks), micro-batch
+# counts differ, and the grad-norm is summed per stage. That is ~1e-7 relative per op on a loss of ~6;
+# Adam can amplify it where a gradient is near zero (the update is ~ sign(g)). Measured: every pair here
+# differs by 0 or 1.2e-7 (one ulp of a loss near 6) over steps 4..6; 1e-5 leaves room for longer
+# amplification. Resuming one batch further on (consumed_samples + 8) moved the losses by 4e-3..3e-2,
+# and a missing slice of a tensor moves them by > 1e-3, so the tolerance still catches both.
+LOSS_ATOL = 1e-5
+
+Layout = dict[str, object]
+
+
+def _flags(lay: Layout) -> list[str]:
+    return ["--parallel.tp", str(lay["tp"]), "--parallel.pp", str(lay["pp"]), "--parallel.dp", str(lay["dp"]),
+            "--parallel.sp", str(lay.get("sp", False)).lower(), "--parallel.zero", str(lay["zero"])]
+
+
+def _world(lay: Layout) -> int:
+    return int(lay["tp"]) * int(lay["pp"]) * int(lay["dp"])
+
+
+def _torchrun(lay: Layout, args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MEGALITE_FAULT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(_world(lay)),
+           str(REPO / "pretrain.py"), *args, *_flags(lay)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
+    assert proc.returncode == 0, f"{lay}: {proc.stderr[-3000:]}"
+    return proc
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _consumed(step_dir: Path) -> int:
+    return int(json.loads((step_dir / "index.json").read_text())["extra"]["sampler"]["consumed_samples"])
+
+
+def _common(cache: str) -> list[str]:
+    # micro-batch 2 so every layout here (dp 1..4, pp 1..2) has >= pp micro-batches per step.
+    return ["--data.cache_dir", cache, *SMALL_RUN, "--train.micro_batch_size", "2", "--train.global_batch_size",
+            str(GLOBAL_BATCH), "--train.steps", str(STEPS), "--train.dtype", "fp32", "--train.device", "cpu"]
+
+
+PAIRS = [  # (A, B, reshard offline first with these tool flags, or None)
+    # tp, pp and dp all change; ZeRO 0 -> 2
+    ({"tp": 2, "pp": 2, "dp": 1, "zero": 0}, {"tp": 1, "pp": 1, "dp": 4, "zero": 2}, None),
+    # tp 2 + sequence parallel -> tp 1; dp 2 -> 4; ZeRO 1 -> 3
+    ({"tp": 2, "pp": 1, "dp": 2, "sp": True, "zero": 1}, {"tp": 1, "pp": 1, "dp": 4, "zero": 3}, None),
+    # pp 2 -> 1, tp 1 -> 2 with sp, ZeRO 2 -> 3, through tools/reshard_checkpoint.py to the target tp first
+    ({"tp": 1, "pp": 2, "dp": 2, "zero": 2}, {"tp": 2, "pp": 1, "dp": 2, "sp": True, "zero": 3}, ["--tp", "2"]),
+]
+
+
+@pytest.mark.parametrize("a,b,tool", PAIRS, ids=["tp2pp2z0-dp4z2", "tp2sp-z1-dp4z3", "pp2z2-tool-tp2sp-z3"])
+def test_continue_at_another_layout(demo_cache_dir: str, tmp_path: Path, a: Layout, b: Layout,
+                                    tool: list[str] | None) -> None:
+    common = _common(demo_cache_dir)
+    _torchrun(a, [*common, "--logging.dir", str(tmp_path / "log_a"), "--checkpoint.dir", str(tmp_path / "ck_a"),
+                  "--checkpoint.interval", str(SAVE_AT)])
+    saved = tmp_path / "ck_a" / f"step_{SAVE_AT:08d}"
+    assert _consumed(saved) == SAVE_AT * GLOBAL_BATCH
+    load = saved
+    if tool is not None:
+        load = tmp_path / "resharded"
+        proc = subprocess.run([sys.executable, str(REPO / "tools" / "reshard_checkpoint.py"), "--input", str(saved),
+                               "--output", str(load), "--quiet", *tool], capture_output=True, text=True,
+                              cwd=str(REPO), timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert _consumed(load) == SAVE_AT * GLOBAL_BATCH  # the tool carries the data position over
+    out = _torchrun(b, [*common, "--logging.dir", str(tmp_path / "log_b"), "--checkpoint.dir",
+                        str(tmp_path / "ck_b"), "--checkpoint.load", str(load)])
+    assert f"resumed from {load} at step {SAVE_AT}" in out.stdout
+    want, got = _losses(tmp_path / "log_a"), _losses(tmp_path / "log_b")
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), sorted(got)
+    diffs = {s: abs(got[s] - want[s]) for s in got}
+    assert max(diffs.values()) <= LOSS_ATOL, (diffs, got, want)
+    end = f"step_{STEPS:08d}"
+    assert _consumed(tmp_path / "ck_b" / end) == _consumed(tmp_path / "ck_a" / end) == STEPS * GLOBAL_BATCH

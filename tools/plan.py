@@ -1,0 +1,146 @@
+"""Rank the parallel layouts of a model on a cluster by predicted step time, under the memory limit.
+
+    python tools/plan.py --preset gpt3-175b --nodes 128 --gpus-per-node 8 --gpu-memory-gb 80 \\
+        --global-batch-size 1536 --inter-gbps 200 --device H100
+    python tools/plan.py --preset llama-1b --nodes 1 --gpus-per-node 8 --global-batch-size 256 --json
+    python tools/plan.py --num-layers 32 --hidden-size 4096 --num-heads 32 --vocab-size 32000 \\
+        --seq-len 4096 --nodes 4 --gpus-per-node 8 --global-batch-size 1024 --top 5
+
+The arithmetic lives in `megalite.plan` (enumeration) and `megalite.estimate` (the cost of one
+layout); this file only parses and prints. Exit code 2 with one line when nothing fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalite.errors import ConfigError, MegaliteError  # noqa: E402
+from megalite.estimate import GB, ModelDims, Precision  # noqa: E402
+from megalite.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.plan import Cluster, Plan, make_plan  # noqa: E402
+from tools.estimate import presets  # noqa: E402  (megalite.config's sizes + the estimator's)
+
+_DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+         "seq_len")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = ap.add_argument_group("model (a preset, explicit dims, or both: flags override the preset)")
+    m.add_argument("--preset", choices=sorted(presets()))
+    m.add_argument("--arch", choices=["llama", "gpt2"])
+    for name in _DIMS:
+        m.add_argument("--" + name.replace("_", "-"), type=int)
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="training dtype (bf16: 16-bit weights with fp32 master and Adam, 16 B/param)")
+    c = ap.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GB (1e9 bytes)")
+    c.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="usable share of it (CUDA context, NCCL buffers, fragmentation; default 0.9)")
+    c.add_argument("--intra-gbps", type=float, help="intra-node (NVLink) bandwidth per GPU, Gbit/s")
+    c.add_argument("--intra-gbytes", type=float, default=450.0,
+                   help="the same in GB/s (default 450: H100 NVLink, one direction)")
+    c.add_argument("--inter-gbps", type=float, default=400.0,
+                   help="inter-node bandwidth per GPU, Gbit/s (default 400: one NDR InfiniBand NIC per GPU)")
+    c.add_argument("--inter-gbytes", type=float, help="the same in GB/s (wins over --inter-gbps)")
+    c.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per GPU (default: --device's)")
+    c.add_argument("--device", default="H100", help="GPU name to look the peak up (default H100)")
+    c.add_argument("--efficiency", type=float, default=1.0,
+                   help="share of peak the matmuls reach (1.0: ideal, step times are lower bounds)")
+    r = ap.add_argument_group("run and search")
+    r.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    r.add_argument("--max-micro-batch", type=int, default=16)
+    r.add_argument("--max-vpp", type=int, default=8, help="most virtual stages per rank (interleaved 1F1B)")
+    r.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages allowed, comma-separated")
+    r.add_argument("--top", type=int, default=10, help="layouts shown")
+    ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    return ap
+
+
+def resolve_dims(args: argparse.Namespace) -> ModelDims:
+    kw: dict = dict(presets()[args.preset]) if args.preset else {}
+    for k in _DIMS + ("arch", "tie_embeddings"):
+        if getattr(args, k) is not None:
+            kw[k] = getattr(args, k)
+    missing = [k for k in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len") if not kw.get(k)]
+    if missing:
+        raise ConfigError(f"model dims incomplete, missing {', '.join(missing)}; give --preset or "
+                          f"--{missing[0].replace('_', '-')} N ...")
+    return ModelDims(**{k: v for k, v in kw.items() if v is not None})
+
+
+def resolve_cluster(args: argparse.Namespace) -> Cluster:
+    dtype = normalize_dtype(args.dtype)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(args.device, dtype)
+    if not peak:
+        raise ConfigError(f"no {dtype} peak known for device {args.device!r}; pass --peak-tflops")
+    intra = args.intra_gbps * 1e9 / 8 if args.intra_gbps else args.intra_gbytes * GB
+    inter = args.inter_gbytes * GB if args.inter_gbytes else args.inter_gbps * 1e9 / 8
+    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=args.gpu_memory_gb * GB,
+                   intra_bytes_per_s=intra, inter_bytes_per_s=inter, peak_flops=peak,
+                   memory_fraction=args.memory_fraction, efficiency=args.efficiency)
+
+
+def _zero_stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        stages = ()
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise ConfigError(f"--zero-stages {text!r} is invalid; give a comma-separated subset of 0,1,2,3")
+    return stages
+
+
+def render(plan: Plan, top: int) -> str:
+    d, c = plan.dims, plan.cluster
+    out = [f"{d.arch} L={d.num_layers} h={d.hidden_size} heads={d.num_heads} s={d.seq_len}: "
+           f"{plan.to_dict(0)['params'] / 1e9:.2f} B parameters; {c.nodes} x {c.gpus_per_node} GPUs, "
+           f"{c.memory_limit / GB:.0f} GB usable each, global batch {plan.global_batch_size}",
+           f"{plan.considered} layouts sized, {plan.costed} fit and were costed; times assume "
+           f"{c.efficiency:.0%} of {c.peak_flops / 1e12:.0f} TFLOP/s, DP traffic overlapped with compute",
+           "",
+           f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'vpp':>3} {'mbs':>3} {'M':>5} {'recomp':>9} "
+           f"{'step s':>8} {'MFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} {'acts':>6} "
+           f"{'TP GB':>8} {'PP GB':>7} {'DP GB':>8}"]
+    for i, cand in enumerate(plan.ranked[:top], 1):
+        lay, est = cand.layout, cand.est
+        cb = est.comm_bytes
+        mfu = est.model_flops_per_step / lay.world / cand.step_seconds / c.peak_flops
+        out.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.zero:>4} {lay.vpp:>3} "
+                   f"{lay.micro_batch_size:>3} {est.num_microbatches:>5} {lay.recompute:>9} "
+                   f"{cand.step_seconds:>8.3f} {mfu:>6.1%} {est.bubble:>6.1%} {est.memory.total / GB:>7.1f} "
+                   f"{est.memory.model_states / GB:>7.1f} {est.memory.activations / GB:>6.1f} "
+                   f"{cb.get('tp', 0.0) / GB:>8.2f} {(cb.get('pp', 0.0) + cb.get('embedding', 0.0)) / GB:>7.2f} "
+                   f"{cb.get('dp', 0.0) / GB:>8.2f}")
+    out += ["", "why: " + plan.why]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        dims = resolve_dims(args)
+        plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
+                         Precision.for_dtype(normalize_dtype(args.dtype)), args.max_micro_batch,
+                         args.max_vpp, _zero_stages(args.zero_stages))
+    except MegaliteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.json:
+        print(json.dumps(plan.to_dict(args.top), indent=2))
+    else:
+        print(render(plan, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
