@@ -23,3 +23,12 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert 'pip install -e ".[test]" && python -m pytest' in readme
     assert "torch==2.13.0" in ci and 'pip install --quiet -e ".[test]"' in ci and "python -m pytest" in ci
     assert ci.index("torch==2.13.0") < ci.index('-e ".[test]"')  # torch first, or pip may pick a CUDA build
+
+
+def test_shipped_configs_are_valid() -> None:
+    from megalite.config import parse_args, resolve, validate
+
+    configs = sorted((REPO / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        validate(resolve(parse_args(["--config", str(path)]), 1), 1, "cpu")
