@@ -229,7 +229,8 @@ class ZeroOptimizer:
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            b.grad_shard.div_(self.state.dp)
+            if self.state.dp > 1:  # the DP average (a full pass over the gradients: skip it when alone)
+                b.grad_shard.div_(self.state.dp)
             if self.stage >= 2:
                 b.grad_flat = None  # ZeRO-2: only the reduced shard is kept
         for b in self._shared_buckets:  # Megatron's tied-embedding sync (first and last stage)
