@@ -1,0 +1,193 @@
+"""Validation of a resolved megalite config: every rule in one place, all problems reported together.
+
+Run before any process group, dataset or model exists (DESIGN principle 5). Split from `config.py` so the
+dataclasses and their parsing read on their own; `megalite.config.validate` is the public entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import TYPE_CHECKING, Any, Mapping
+
+from megalite import config_cli as cli
+
+if TYPE_CHECKING:
+    from megalite.config import Config
+
+
+_CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "model.arch": ("llama", "gpt2"),
+    "model.kernels": ("auto", "torch", "triton"),
+    "model.recompute": ("none", "selective", "full"),
+    "parallel.schedule": ("1f1b", "gpipe", "interleaved"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "train.dtype": ("auto", "fp32", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+})
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _value_problems(cfg: Config) -> list[str]:
+    """Choices and ranges of single values."""
+    out = [f"{k}: {_get(cfg, k)!r} is not one of {', '.join(c)}"
+           for k, c in _CHOICES.items() if _get(cfg, k) not in c]
+    from megalite.config import PRESETS  # late: config.py imports this module
+
+    if cfg.model.preset not in PRESETS:
+        out.append(f"model.preset: unknown preset {cfg.model.preset!r}: choose one of {', '.join(PRESETS)}")
+    at_least_1 = ["model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
+                  "model.ffn_hidden_size", "model.make_vocab_divisible_by", "parallel.tp", "parallel.pp",
+                  "parallel.dp", "parallel.vpp", "train.steps", "train.micro_batch_size",
+                  "train.global_batch_size", "checkpoint.keep", "logging.interval",
+                  "data.demo_max_bytes", "data.demo_vocab_size"]
+    out += [f"{k} must be >= 1, got {_get(cfg, k)}" for k in at_least_1 if _get(cfg, k) < 1]
+    at_least_0 = ["model.vocab_size", "train.warmup_steps", "train.eval_interval", "train.eval_steps",
+                  "train.max_skipped_steps", "checkpoint.interval", "train.weight_decay", "train.clip_grad",
+                  "train.min_lr", "train.spike_factor", "train.watchdog_factor", "train.watchdog_min_s"]
+    out += [f"{k} must be >= 0, got {_get(cfg, k)}" for k in at_least_0 if _get(cfg, k) < 0]
+    positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "train.adam_eps", "parallel.timeout_s"]
+    out += [f"{k} must be > 0, got {_get(cfg, k)}" for k in positive if not _get(cfg, k) > 0]
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        out.append(f"parallel.zero must be 0, 1, 2 or 3 (ZeRO stage), got {cfg.parallel.zero}")
+    if cfg.model.seq_len < 2:
+        out.append(f"model.seq_len must be >= 2 (inputs and shifted targets), got {cfg.model.seq_len}")
+    if not 0 <= cfg.model.dropout < 1:
+        out.append(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not 0 <= cfg.data.valid_fraction < 1:
+        out.append(f"data.valid_fraction must be in [0, 1), got {cfg.data.valid_fraction}")
+    for k in ("train.beta1", "train.beta2"):
+        if not 0 <= _get(cfg, k) < 1:
+            out.append(f"{k} must be in [0, 1), got {_get(cfg, k)}")
+    if not cfg.train.lr > 0:
+        out.append(f"train.lr must be > 0, got {cfg.train.lr}")
+    elif cfg.train.min_lr > cfg.train.lr:
+        out.append(f"train.min_lr {cfg.train.min_lr} is above train.lr {cfg.train.lr}: set min_lr <= lr")
+    if cfg.train.eval_interval > 0 and cfg.train.eval_steps < 1:
+        out.append("train.eval_steps must be >= 1 when eval_interval > 0: raise it or set eval_interval=0")
+    return out
+
+
+def _layout_problems(cfg: Config, world_size: int) -> list[str]:
+    """Shapes against the parallel layout (Megatron-core's rules) and the batch arithmetic."""
+    m, p = cfg.model, cfg.parallel
+    out: list[str] = []
+    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}: "
+                   f"make hidden_size a multiple of num_heads")
+    if m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
+        out.append(f"model.num_heads {m.num_heads} is not divisible by model.num_kv_heads {m.num_kv_heads}: "
+                   f"each kv head must serve a whole group of query heads")
+    if min(p.tp, p.pp, p.dp, p.vpp) < 1:
+        return out  # reported by _value_problems; the arithmetic below would divide by zero
+    if world_size != p.tp * p.pp * p.dp:
+        fix = (f"set parallel.dp={world_size // (p.tp * p.pp)} (or 0 to derive it)"
+               if world_size % (p.tp * p.pp) == 0 else f"launch a multiple of tp*pp = {p.tp * p.pp} processes")
+        out.append(f"world_size {world_size} != tp {p.tp} x pp {p.pp} x dp {p.dp} = {p.tp * p.pp * p.dp}: "
+                   f"{fix} or change tp/pp")
+    stages = p.pp * p.vpp
+    if not p.pp_layers:
+        if m.num_layers % stages:
+            out.append(f"model.num_layers {m.num_layers} is not divisible by pp x vpp = {p.pp} x {p.vpp} = "
+                       f"{stages}: change num_layers or give parallel.pp_layers (layers per stage)")
+    else:
+        if len(p.pp_layers) != stages:
+            out.append(f"parallel.pp_layers has {len(p.pp_layers)} entries but pp x vpp = {stages} "
+                       f"stages need one each")
+        if any(n < 1 for n in p.pp_layers):
+            out.append(f"parallel.pp_layers {p.pp_layers}: every stage needs at least 1 layer")
+        if sum(p.pp_layers) != m.num_layers:
+            out.append(f"parallel.pp_layers {p.pp_layers} sums to {sum(p.pp_layers)} but model.num_layers "
+                       f"is {m.num_layers}")
+    for key in ("model.num_heads", "model.num_kv_heads", "model.ffn_hidden_size"):
+        if _get(cfg, key) % p.tp:
+            out.append(f"{key} {_get(cfg, key)} is not divisible by parallel.tp {p.tp}: "
+                       f"each tensor-parallel rank needs an equal share")
+    if p.sp and p.tp == 1:
+        out.append("parallel.sp needs parallel.tp > 1 (it shards activations over the tp ranks): "
+                   "set tp >= 2 or sp=false")
+    elif p.sp and m.seq_len % p.tp:
+        out.append(f"model.seq_len {m.seq_len} is not divisible by parallel.tp {p.tp}, which "
+                   f"sequence parallelism needs: change seq_len or tp")
+    out += _batch_problems(cfg)
+    return out
+
+
+def _batch_problems(cfg: Config) -> list[str]:
+    """Global batch vs micro-batch x dp, and micro-batches vs pipeline stages (the bubble)."""
+    p, t = cfg.parallel, cfg.train
+    out: list[str] = []
+    if min(t.micro_batch_size, t.global_batch_size) < 1:
+        return out
+    per_step = t.micro_batch_size * p.dp
+    m_count = t.global_batch_size // per_step
+    if t.global_batch_size % per_step:
+        out.append(f"train.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+                   f"{t.micro_batch_size} x dp {p.dp} = {per_step}: use a multiple of {per_step}, e.g. "
+                   f"{max(1, m_count) * per_step}")
+    if p.pp > 1 and m_count < p.pp:
+        out.append(f"only M={m_count} micro-batches per step for pp={p.pp} pipeline stages "
+                   f"(M = global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
+                   f"x dp {p.dp})): the pipeline would idle most of the time; set train.global_batch_size "
+                   f">= {per_step * p.pp} (or lower micro_batch_size)")
+    if p.vpp > 1 and p.schedule != "interleaved":
+        out.append(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+    if p.schedule == "interleaved":
+        if p.vpp == 1:
+            out.append("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual chunks per rank)")
+        if p.pp == 1:
+            out.append("parallel.schedule=interleaved needs parallel.pp > 1")
+        elif m_count % p.pp:
+            out.append(f"parallel.schedule=interleaved needs M={m_count} micro-batches per step to be a "
+                       f"multiple of pp={p.pp}: set train.global_batch_size to a multiple of "
+                       f"{per_step * p.pp}")
+    return out
+
+
+def _environment_problems(cfg: Config, device_type: str) -> list[str]:
+    """Kernels, backend and device against where the run executes; files and blending."""
+    out: list[str] = []
+    if cfg.model.kernels == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        out.append("model.kernels=triton on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                   "or use model.kernels=torch")
+    if cfg.parallel.backend == "nccl" and device_type != "cuda":
+        out.append(f"parallel.backend=nccl needs CUDA but the run is on {device_type}: use backend=gloo or auto")
+    if cfg.train.device == "cuda" and device_type != "cuda":
+        out.append(f"train.device=cuda but the run is on {device_type}: use train.device=cpu or auto")
+    if cfg.checkpoint.interval > 0 and not cfg.checkpoint.dir:
+        out.append(f"checkpoint.interval={cfg.checkpoint.interval} needs checkpoint.dir: set a directory "
+                   f"or interval=0")
+    if cfg.checkpoint.load == "latest" and not cfg.checkpoint.dir:
+        out.append("checkpoint.load=latest needs checkpoint.dir to search: set it or give a checkpoint directory")
+    d = cfg.data
+    if d.weights and len(d.weights) != len(d.path):
+        out.append(f"data.weights has {len(d.weights)} entries but data.path has {len(d.path)}: "
+                   f"give one weight per path or none")
+    if d.weights and (min(d.weights) < 0 or sum(d.weights) <= 0):
+        out.append(f"data.weights {d.weights} must be >= 0 with a positive sum")
+    return out
+
+
+def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
+    """Check every rule and raise one ConfigError listing all problems, one line each.
+
+    `cfg` should come from `resolve`; it is resolved again here (idempotent) so an unresolved
+    config is reported by its real problems, not as "dp must be >= 1". `device_type` is where the
+    run executes ("cpu" or "cuda"), i.e. `resolved_device(cfg)`.
+    """
+    from megalite.config import resolve  # late: config.py imports this module
+
+    cfg = resolve(cfg, world_size)
+    problems: list[str] = []
+    if world_size < 1:
+        problems.append(f"world_size must be >= 1, got {world_size}: check WORLD_SIZE from the launcher")
+    problems += _value_problems(cfg)
+    problems += _layout_problems(cfg, world_size)
+    problems += _environment_problems(cfg, device_type)
+    cli.raise_if(problems, "invalid config")
+
+
