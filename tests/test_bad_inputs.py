@@ -59,6 +59,8 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "vpp without interleaved": (["--parallel.vpp", "2"], CONFIG, "interleaved"),
     "config file missing": (["--config", "/nonexistent/run.toml"], CONFIG, "/nonexistent/run.toml"),
     "config file bad TOML": (["--config", "{root}/bad.toml"], CONFIG, "bad.toml"),
+    "zero 3 with interleaved chunks": (["--parallel.zero", "3", "--parallel.pp", "2", "--parallel.vpp", "2",
+                                        "--parallel.schedule", "interleaved"], CONFIG, "parallel.vpp"),
     "load latest without dir": (["--checkpoint.load", "latest"], CONFIG, "checkpoint.dir"),
     # data and tokenizer
     "missing data": (["--data.path", "/nonexistent/corpus", "--data.tokenizer", "{tok}"], DATA, "/nonexistent/corpus"),

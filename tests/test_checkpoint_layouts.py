@@ -6,9 +6,9 @@ its final data position (the sampler's consumed_samples in the step-6 checkpoint
 resumed job read exactly the samples A read, none skipped, none repeated (a wrong data position moves
 the loss by ~1e-2, far outside the tolerance below).
 
-ZeRO-3 with pp > 1 is not supported (a ConfigError), so the issue's (tp1, pp4, dp2, zero3) target cannot
-run; zero 3 is exercised at pp = 1 instead. Every job has 4 ranks (the most that is quick on 2 cores);
-jobs use `torchrun --standalone` (a free port each), so a concurrent test suite cannot collide with them.
+The issue's own targets — save at (tp2, pp2, dp2, zero1), continue at (tp1, pp4, dp2, zero3) and at
+(tp4, pp1, dp2, zero2) — run at 8 ranks in `test_issue_targets_at_8_ranks`; the other pairs use 4 ranks
+(quick on 2 cores). Jobs use `torchrun --standalone` (a free port each), so a concurrent test suite cannot collide with them.
 """
 
 from __future__ import annotations
@@ -106,3 +106,24 @@ def test_continue_at_another_layout(demo_cache_dir: str, tmp_path: Path, a: Layo
     assert max(diffs.values()) <= LOSS_ATOL, (diffs, got, want)
     end = f"step_{STEPS:08d}"
     assert _consumed(tmp_path / "ck_b" / end) == _consumed(tmp_path / "ck_a" / end) == STEPS * GLOBAL_BATCH
+
+
+def test_issue_targets_at_8_ranks(demo_cache_dir: str, tmp_path: Path) -> None:
+    """Save at (tp2, pp2, dp2, zero1); continue at (tp1, pp4, dp2, zero3) and at (tp4, pp1, dp2, zero2)."""
+    batch = 16  # micro-batch 2 x dp 2 x 4 micro-batches: enough for pp=4
+    common = ["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--model.num_layers", "4", "--model.num_kv_heads", "4",
+              "--train.micro_batch_size", "2", "--train.global_batch_size", str(batch), "--train.steps", str(STEPS),
+              "--train.dtype", "fp32", "--train.device", "cpu"]
+    a = {"tp": 2, "pp": 2, "dp": 2, "zero": 1}
+    _torchrun(a, [*common, "--logging.dir", str(tmp_path / "log_a"), "--checkpoint.dir", str(tmp_path / "ck_a"),
+                  "--checkpoint.interval", str(SAVE_AT)])
+    saved = tmp_path / "ck_a" / f"step_{SAVE_AT:08d}"
+    want = _losses(tmp_path / "log_a")
+    for name, b in (("pp4z3", {"tp": 1, "pp": 4, "dp": 2, "zero": 3}), ("tp4z2", {"tp": 4, "pp": 1, "dp": 2, "zero": 2})):
+        _torchrun(b, [*common, "--logging.dir", str(tmp_path / name), "--checkpoint.dir", str(tmp_path / f"ck_{name}"),
+                      "--checkpoint.load", str(saved)])
+        got = _losses(tmp_path / name)
+        assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), (name, sorted(got))
+        diffs = {s: abs(got[s] - want[s]) for s in got}
+        assert max(diffs.values()) <= LOSS_ATOL, (name, diffs)
+        assert _consumed(tmp_path / f"ck_{name}" / f"step_{STEPS:08d}") == STEPS * batch

@@ -352,7 +352,7 @@ def test_validation_rules(overrides: dict[str, Any], world_size: int, message: s
 def test_valid_layouts_pass() -> None:
     assert _problems(_cfg(), 1) == ""
     assert _problems(_cfg(parallel__tp=2, parallel__pp=2, parallel__sp=True, parallel__vpp=2,
-                          parallel__schedule="interleaved", parallel__zero=3, train__global_batch_size=64), 8) == ""
+                          parallel__schedule="interleaved", parallel__zero=2, train__global_batch_size=64), 8) == ""
     assert _problems(_cfg(parallel__pp=3, parallel__pp_layers=[1, 2, 1], train__global_batch_size=24), 3) == ""
     assert _problems(_cfg(train__min_lr=0.003), 1) == ""      # min_lr == lr (constant LR) is fine
     for dtype in ("fp16", "bf16"):                        # low precision on CPU is allowed

@@ -40,10 +40,11 @@ DP bytes per step (the `CommCounter` convention, M micro-batches):
 The gradient-norm all-reduce over dp (one fp64 scalar) is counted under "norm", not "dp".
 
 zero > 0 with dp = 1 has nothing to shard: it falls back to stage 0 with one warning.
-Pipeline parallelism composes with stages 0-2 through the interface (`no_sync`, `finish_grad_sync`; a
-tied embedding's two stage copies get buckets of their own and are summed over the embedding group);
-stage 3 with pp > 1 is rejected with a ConfigError (its hooks handle one GPT stage module, not the
-engine's list of virtual-stage chunks).
+Pipeline parallelism composes through the interface (`no_sync`, `finish_grad_sync`; a tied embedding's
+two stage copies get buckets of their own and are summed over the embedding group). Stage 3 works with
+pp > 1 when each rank holds one chunk (vpp = 1) and the embeddings are untied; several interleaved chunks
+or a tied embedding's pipeline copies are rejected with a ConfigError (its hooks handle one GPT stage
+module).
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class ZeroOptimizer:
         self._callback_queued = False
         params = unique_params(model)
         shared = [p for p in params if getattr(p, "shared_embedding", False)] if state.pp > 1 else []
-        if stage == 3 and (state.pp > 1 or not isinstance(getattr(model, "layers", None), nn.ModuleDict)):
-            raise ConfigError("parallel.zero=3 with pipeline parallelism (pp > 1) is not supported yet: "
-                              "use parallel.zero<=2 with pp, or pp=1 with zero=3")
+        if stage == 3 and not isinstance(getattr(model, "layers", None), nn.ModuleDict):
+            # The gather/free hooks sit on one GPT stage module; several interleaved chunks are not handled.
+            raise ConfigError("parallel.zero=3 with several model chunks per rank (parallel.vpp > 1) is not "
+                              "supported yet: use parallel.zero<=2 with the interleaved schedule, or vpp=1")
         if stage == 3 and shared:
             raise ConfigError("parallel.zero=3 with pp > 1 and tied embeddings is not supported yet: set "
                               "model.tie_embeddings=false or use parallel.zero<=2")
