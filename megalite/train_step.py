@@ -15,7 +15,6 @@ import torch.nn as nn
 
 from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
-from megalite.optim.grads import sync_tied_embeddings
 from megalite.optim.schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -49,9 +48,7 @@ def train_step(model: nn.Module | PipelineEngine, optimizer: DataParallelOptimiz
     optimizer.zero_grad()
     actions = build_schedule(schedule, len(batches), state.pp, state.pp_rank, vpp)
     total = engine.run(actions, batches, scaler.scale, optimizer)
-    optimizer.finish_grad_sync()
-    for chunk in engine.chunks:
-        sync_tied_embeddings(chunk, state)
+    optimizer.finish_grad_sync()  # DP reduction (and a tied embedding's pipeline copies summed), once per step
     if poison_grads:  # fault injection (megalite.faults): exercise the skip path end to end
         optimizer.scale_grads(float("inf"))
     if scaler.enabled:

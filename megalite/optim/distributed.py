@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.adamw import build_optimizer
-from megalite.optim.grads import clip_gradients, global_grad_norm, reduce_gradients, unique_params
+from megalite.optim.grads import (clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings,
+                                  unique_params)
 from megalite.parallel.state import ParallelState
 
 
@@ -48,6 +49,7 @@ class DataParallelOptimizer:
 
     def finish_grad_sync(self) -> None:
         reduce_gradients(self.model, self.state)
+        sync_tied_embeddings(self.model, self.state)
 
     def scale_grads(self, factor: float) -> None:
         for p in unique_params(self.model):
