@@ -101,6 +101,9 @@ def split_by_size(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
     return [g for g in groups if g]
 
 
+ADAMW_CHUNK = 1 << 15  # elements per chunk: 4 fp32 tensors x 128 KiB fit a typical L2 cache
+
+
 @torch.no_grad()
 def adamw_flat(b: Bucket, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
                step: int) -> None:
@@ -116,12 +119,19 @@ def adamw_flat(b: Bucket, lr: float, weight_decay: float, betas: tuple[float, fl
         for s in b.segments:
             if s.decay:
                 b.master[s.lo:s.hi].mul_(1 - lr * weight_decay)
-    b.exp_avg.lerp_(b.grad_shard, 1 - beta1)
-    b.exp_avg_sq.mul_(beta2).addcmul_(b.grad_shard, b.grad_shard, value=1 - beta2)
     bias_correction1 = 1 - beta1 ** float(step)
     bias_correction2 = 1 - beta2 ** float(step)
-    denom = (b.exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-    b.master.addcdiv_(b.exp_avg, denom, value=-(lr / bias_correction1))
+    # Walk the shard in cache-sized chunks: each chunk's m, v, grad and params stay in cache through the
+    # whole update instead of streaming every multi-MB buffer through memory once per operation
+    # (elementwise ops, so the result is bit-identical to one pass over the whole shard).
+    n = b.shard_numel
+    for lo in range(0, n, ADAMW_CHUNK):
+        hi = min(n, lo + ADAMW_CHUNK)
+        g, m, v, w = b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi], b.master[lo:hi]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
+        w.addcdiv_(m, denom, value=-(lr / bias_correction1))
 
 
 def nbytes(t: torch.Tensor | None) -> int:
