@@ -81,7 +81,7 @@ def test_two_torchrun_agents_on_loopback_train(demo_data: str, tmp_path: Path) -
                 agent.kill()
                 agent.wait(timeout=10)
     assert [a.returncode for a in agents] == [0, 0], "\n----\n".join(outputs)[-4000:]
-    rows = _check_metrics(tmp_path / "log")
+    _check_metrics(tmp_path / "log")
     config = (tmp_path / "log" / "config.toml").read_text()
     assert "tp = 2" in config
 

@@ -227,8 +227,6 @@ def test_state_dict_resumes_exactly(dist_world, stage: int) -> None:
 
 def _check_pipeline(rank: int, stage: int, arch: str) -> None:
     """pp=2 x dp=2 (1F1B, 4 micro-batches): the pipeline engine only calls no_sync/finish_grad_sync."""
-    import torch.nn as nn
-
     from megalite.pipeline import build_pipeline
 
     st = layout(1, 2)

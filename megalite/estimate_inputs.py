@@ -1,0 +1,129 @@
+"""The inputs of megalite's arithmetic (`megalite.estimate`): a model's shape (and well-known shapes by
+name), a parallel layout and batch, and the bytes per element of each kind of state. Plain dataclasses,
+validated on construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """A megalite GPT's shape (names as in the `model` config section)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int
+    arch: str = "llama"
+    num_kv_heads: int | None = None  # None: = num_heads (no GQA)
+    ffn_hidden_size: int | None = None  # None: 4h for gpt2, llama's 8h/3 rounded up to 64
+    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
+    make_vocab_divisible_by: int = 1  # vocab padded to a multiple of this x tp
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "gpt2"):
+            raise ConfigError(f"model.arch={self.arch!r} is unknown; use 'llama' or 'gpt2'")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                              f"{self.num_heads}; pick sizes with hidden_size = num_heads x head_dim")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                              f"{self.kv_heads}; each kv head must serve a whole group of query heads")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return -(-int(8 * self.hidden_size / 3) // 64) * 64  # megalite's rule (config.resolve)
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = tp * self.make_vocab_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+
+# Well-known shapes, named as in `megalite.config.PRESETS` where both have them (the CLI prefers the
+# config's table when it can import it); vocabularies as the models were trained.
+PRESETS: dict[str, ModelDims] = {
+    "tiny": ModelDims(4, 128, 4, 2048, 128, "llama", 2),  # the demo tokenizer's 2048 tokens
+    "gpt2-small": ModelDims(12, 768, 12, 50257, 1024, "gpt2"),
+    "gpt2-medium": ModelDims(24, 1024, 16, 50257, 1024, "gpt2"),
+    "gpt2-xl": ModelDims(48, 1600, 25, 50257, 1024, "gpt2"),
+    "llama-1b": ModelDims(16, 2048, 32, 128256, 2048, "llama", 8, 8192, True),
+    "llama-7b": ModelDims(32, 4096, 32, 32000, 4096, "llama", 32, 11008, False),
+    "llama-13b": ModelDims(40, 5120, 40, 32000, 4096, "llama", 40, 13824, False),
+    "llama2-70b": ModelDims(80, 8192, 64, 32000, 4096, "llama", 8, 28672, False),
+    "gpt3-175b": ModelDims(96, 12288, 96, 50257, 2048, "gpt2"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and batch (names as in the `parallel` and `train` config sections)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    sp: bool = False
+    vpp: int = 1
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (vpp > 1 implies interleaved)
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None: micro_batch_size x dp (one micro-batch)
+    recompute: str = "none"  # none | selective | full
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        gbs = self.global_batch_size or self.micro_batch_size * self.dp
+        per_step = self.micro_batch_size * self.dp
+        if gbs % per_step:
+            raise ConfigError(f"global batch {gbs} is not divisible by micro_batch_size x dp = "
+                              f"{per_step}; change train.global_batch_size or train.micro_batch_size")
+        return gbs // per_step
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element. Default: the ZeRO paper's mixed-precision Adam, 2 param + 2 grad +
+    K=12 (4 fp32 master + 8 moments), 16-bit activations."""
+
+    param: int = 2
+    grad: int = 2
+    master: int = 4
+    optimizer: int = 8
+    activation: int = 2
+    grad_comm: int | None = None  # dtype gradients are reduced in; None: = grad
+
+    @classmethod
+    def for_dtype(cls, dtype: str, param_dtype: str | None = None) -> "Precision":
+        """`dtype` is the compute (activation) dtype; `param_dtype` what weights and grads are
+        stored in (default: the same). fp32 weights with 16-bit compute (autocast-style, no separate
+        master copy: 4 + 4 + 0 + 8 bytes) is how megalite's replicated optimizer trains."""
+        sizes = {"bf16": 2, "fp16": 2, "fp32": 4}
+        if dtype not in sizes or (param_dtype or dtype) not in sizes:
+            raise ConfigError(f"dtype {dtype!r}/{param_dtype!r} is unknown; use bf16, fp16 or fp32")
+        if sizes[param_dtype or dtype] == 4:
+            return cls(param=4, grad=4, master=0, optimizer=8, activation=sizes[dtype])
+        return cls(activation=sizes[dtype])
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.grad if self.grad_comm is None else self.grad_comm
