@@ -216,6 +216,7 @@ def _job_state(env: dict[str, str], job: str) -> str:
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "UNKNOWN")
 
 
+@pytest.mark.timeout(600)  # a fresh machine first installs Slurm from Debian's packages (bounded: 180 s)
 def test_slurm_sbatch_trains_with_srun_tasks_and_with_torchrun(slurm_env: dict[str, str], demo_data: str,
                                                               tmp_path: Path) -> None:
     """`sbatch launch/slurm.sbatch` twice, concurrently: LAUNCHER=srun with 2 Slurm tasks (one rank
