@@ -180,6 +180,15 @@ def create_groups(state: ParallelState) -> None:
             pg = dist.new_group(ranks)
             if state.rank in ranks:
                 state.groups[kind] = pg
+    if state.pp > 1:
+        # A second communicator over the same pipeline ranks for gradients, so activations and gradients
+        # never share one ordered stream: NCCL matches point-to-point messages by posting order per
+        # communicator (it ignores tags), and in the interleaved schedule a rank pair carries both kinds
+        # in the same direction. Each kind on its own is posted in the same order on both sides.
+        for ranks in group_ranks("pp", state.tp, state.pp, state.dp):
+            pg = dist.new_group(ranks)
+            if state.rank in ranks:
+                state.groups["pp_grad"] = pg
 
 
 def launcher_env() -> tuple[int, int, int]:

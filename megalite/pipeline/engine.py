@@ -50,16 +50,20 @@ class PipelineEngine:
     def _tag(self, micro: int, vstage: int, backward: bool) -> int:
         return (micro * self.num_stages + vstage) * 2 + int(backward)
 
+    def _group(self, tag: int) -> object | None:
+        """Activations over the 'pp' communicator, gradients over 'pp_grad' (see create_groups)."""
+        return self.state.group("pp_grad" if tag % 2 else "pp")
+
     def _send(self, t: torch.Tensor, to_stage: int, tag: int, release: torch.Tensor | None) -> None:
         self.state.counter.record("pp", "send", t.numel() * t.element_size(), 2)
-        work = dist.isend(t.contiguous(), self._peer(to_stage), tag=tag)
+        work = dist.isend(t.contiguous(), self._peer(to_stage), group=self._group(tag), tag=tag)
         self._pending.append((work, release))
         self._poll()
 
     def _recv(self, from_stage: int, tag: int) -> torch.Tensor:
         buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.state.device)
         self.state.counter.enter(f"recv from pipeline stage {from_stage % self.state.pp} (tag {tag})")
-        dist.irecv(buf, self._peer(from_stage), tag=tag).wait()
+        dist.irecv(buf, self._peer(from_stage), group=self._group(tag), tag=tag).wait()
         return buf
 
     def _poll(self) -> None:
