@@ -34,3 +34,11 @@ class LaunchError(MegaliteError):
     """A wrong launcher environment (e.g. RANK without WORLD_SIZE)."""
 
     exit_code = 5
+
+
+def report(error: MegaliteError, prefix: str = "error") -> int:
+    """Print a user-fixable error as one line on stderr and return its exit code (for entry points)."""
+    import sys
+
+    print(f"{prefix}: {error}", file=sys.stderr)
+    return error.exit_code

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import signal
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch.nn as nn
 from megalite import config as config_mod
 from megalite.checkpoint import sharded
 from megalite.data import DataSampler, build_data, make_batch
-from megalite.errors import DataError, MegaliteError
+from megalite.errors import DataError, MegaliteError, report
 from megalite.flops import mfu, model_flops_per_token, peak_flops
 from megalite.metrics import MetricsLogger, peak_memory_bytes
 from megalite.estimate import count_params
@@ -212,6 +211,5 @@ def main(argv: list[str] | None = None) -> int:
         cfg, _ = setup_config(argv)
         run(cfg)
     except MegaliteError as e:
-        print(f"megalite: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e, "megalite: error")
     return 0

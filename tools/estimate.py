@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.errors import ConfigError, MegaliteError  # noqa: E402
+from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
 from megalite.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.flops import normalize_dtype, peak_flops  # noqa: E402
 
@@ -29,15 +29,21 @@ _LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size"
                  "recompute")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The model flags shared with tools/plan.py: a preset and/or explicit dims."""
     m = ap.add_argument_group("model (a preset, explicit dims, or both: flags override the preset)")
     m.add_argument("--preset", choices=sorted(presets()))
     m.add_argument("--arch", choices=["llama", "gpt2"])
     for name in _MODEL_FLAGS[1:]:
         m.add_argument("--" + name.replace("_", "-"), type=int)
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    return m
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = add_model_args(ap)
     m.add_argument("--params", type=float, help="override the parameter count (e.g. 7e9)")
     p = ap.add_argument_group("layout")
     for name in ("tp", "pp", "dp", "zero", "vpp", "micro_batch_size", "global_batch_size"):
@@ -223,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         kw = resolve(args, config_argv)
         est = estimate(**{k: v for k, v in kw.items() if k != "dtype"})
     except MegaliteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report(exc)
     if args.json:
         lay = kw["layout"]
         inputs = {"layout": vars(lay), "dtype": kw["dtype"],

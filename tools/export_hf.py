@@ -17,7 +17,7 @@ if __package__ in (None, ""):  # run as `python tools/export_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf import export_hf  # noqa: E402
-from megalite.errors import MegaliteError  # noqa: E402
+from megalite.errors import MegaliteError, report  # noqa: E402
 
 __all__ = ["main", "export_hf"]
 
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_hf(args.input, args.output, show_progress=not args.quiet)
     except MegaliteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e)
     print(f"wrote {out}/config.json and {out}/model.safetensors", file=sys.stderr)
     return 0
 

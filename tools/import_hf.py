@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf import import_hf  # noqa: E402
-from megalite.errors import MegaliteError  # noqa: E402
+from megalite.errors import MegaliteError, report  # noqa: E402
 
 __all__ = ["main", "import_hf"]
 
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = import_hf(args.input, args.output, show_progress=not args.quiet)
     except MegaliteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e)
     print(f"wrote {out}: continue with --checkpoint.load {out}", file=sys.stderr)
     return 0
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.errors import ConfigError, MegaliteError  # noqa: E402
+from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
 from megalite.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.flops import normalize_dtype, peak_flops  # noqa: E402
 from megalite.plan import Cluster, Plan, make_plan  # noqa: E402
-from tools.estimate import presets  # noqa: E402  (megalite.config's sizes + the estimator's)
+from tools.estimate import add_model_args, presets  # noqa: E402  (model flags and sizes shared)
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
          "seq_len")
@@ -32,12 +32,7 @@ _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_s
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = ap.add_argument_group("model (a preset, explicit dims, or both: flags override the preset)")
-    m.add_argument("--preset", choices=sorted(presets()))
-    m.add_argument("--arch", choices=["llama", "gpt2"])
-    for name in _DIMS:
-        m.add_argument("--" + name.replace("_", "-"), type=int)
-    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    m = add_model_args(ap)
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="training dtype (bf16: 16-bit weights with fp32 master and Adam, 16 B/param)")
     c = ap.add_argument_group("cluster")
@@ -133,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                          Precision.for_dtype(normalize_dtype(args.dtype)), args.max_micro_batch,
                          args.max_vpp, _zero_stages(args.zero_stages))
     except MegaliteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report(exc)
     if args.json:
         print(json.dumps(plan.to_dict(args.top), indent=2))
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.errors import DataError, MegaliteError  # noqa: E402
+from megalite.errors import DataError, MegaliteError, report  # noqa: E402
 
 Records = list[dict]
 
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[label] = load_metrics(p)
         out = plot_runs(runs, args.output)
     except MegaliteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report(exc)
     print(f"wrote {out}")
     return 0
 

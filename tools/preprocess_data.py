@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.preprocess import preprocess  # noqa: E402
-from megalite.errors import MegaliteError  # noqa: E402
+from megalite.errors import MegaliteError, report  # noqa: E402
 
 __all__ = ["main", "preprocess"]
 
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                             workers=max(1, args.workers), split_paragraphs=args.split_paragraphs,
                             show_progress=not args.quiet)
     except MegaliteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e)
     print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
     return 0
 

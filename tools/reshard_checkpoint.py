@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as `python tools/reshard_checkpoint.py`: ma
 
 from megalite.checkpoint.offline import reshard  # noqa: E402
 from megalite.checkpoint.sharded import find, read_index  # noqa: E402
-from megalite.errors import CheckpointError, ConfigError, MegaliteError  # noqa: E402
+from megalite.errors import CheckpointError, ConfigError, MegaliteError, report  # noqa: E402
 
 __all__ = ["main", "reshard"]
 
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         pp_layers = [int(x) for x in args.pp_layers.split(",") if x] or None
         out = reshard(src, args.output, tp, pp, vpp, pp_layers, show_progress=not args.quiet)
     except MegaliteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e)
     print(f"wrote {out} (tp={tp} pp={pp} vpp={vpp})", file=sys.stderr)
     return 0
 

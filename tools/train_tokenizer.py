@@ -16,7 +16,7 @@ if __package__ in (None, ""):  # run as `python tools/train_tokenizer.py`: make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.tokenizer import train_tokenizer  # noqa: E402
-from megalite.errors import MegaliteError  # noqa: E402
+from megalite.errors import MegaliteError, report  # noqa: E402
 
 __all__ = ["main", "train_tokenizer"]
 
@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
                                max_bytes=args.max_bytes)
     except MegaliteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -21,26 +21,33 @@ from megalite.optim.grads import (clip_gradients, global_grad_norm, reduce_gradi
 from megalite.parallel.state import ParallelState
 
 
-class DataParallelOptimizer:
+class GradSyncSwitch:
+    """The `no_sync()` half of the interface: backward passes inside it must not communicate; the
+    optimizer reads `self._sync` (in its gradient hooks, or not at all when it reduces only in
+    `finish_grad_sync`)."""
+
+    _sync: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+
+class DataParallelOptimizer(GradSyncSwitch):
     """Replicated AdamW; after the last micro-batch the gradients are all-reduced over DP."""
 
     def __init__(self, model: nn.Module, state: ParallelState, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float) -> None:
         self.model, self.state = model, state
         self.optimizer = build_optimizer(model, lr, weight_decay, betas, eps)
-        self._sync = True
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients without communicating."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

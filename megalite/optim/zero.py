@@ -58,6 +58,7 @@ import torch
 import torch.nn as nn
 
 from megalite.errors import CheckpointError, ConfigError
+from megalite.optim.distributed import GradSyncSwitch
 from megalite.optim.grads import unique_params
 from megalite.optim import zero_state
 from megalite.optim.zero3 import Zero3Gatherer
@@ -68,7 +69,7 @@ from megalite.parallel.state import ParallelState
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default: big enough to amortise latency
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(GradSyncSwitch):
     """AdamW sharded over the data-parallel group at ZeRO `stage` 0-3, params kept in `dtype`."""
 
     def __init__(self, model: nn.Module, state: ParallelState, stage: int, lr: float, weight_decay: float,
@@ -207,15 +208,6 @@ class ZeroOptimizer:
                 assert b.grad_shard is not None
                 b.grad_shard.zero_()
             b.launched, b.ready, b.work, b.scatter_out = False, 0, None, None
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate into the fp32 main grads without communicating."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's reduction (starting any that never filled), average over dp, then
