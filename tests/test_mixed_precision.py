@@ -35,7 +35,9 @@ def _check_fp16_skip(rank: int, stage: int) -> None:
     opt = build_distributed_optimizer(model, st, stage, dtype=torch.float16, **HYPER)
     # Only rank 0 injects: the DP reduction must carry the inf to every rank's norm.
     inject = {"on": False}
-    victim = model.layers["0"].mlp.down.weight
+    # A norm weight: its gradient is a `.grad` tensor (a linear's weight gradient goes straight into the
+    # optimizer's buffer, `layers.linear_fn`, so a tensor hook on it sees none).
+    victim = model.layers["0"].norm2.weight
     victim.register_hook(lambda g: torch.full_like(g, math.inf) if inject["on"] and st.dp_rank == 0 else g)
     init_scale = 2.0 ** 10
     scaler = LossScaler(enabled=True, init_scale=init_scale, growth_interval=1000)

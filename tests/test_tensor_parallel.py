@@ -47,7 +47,7 @@ def _check_linears(rank: int, tp: int, sp: bool) -> None:
     # Column (two fused parts, like gate/up) then the reference nn.Linear on the full weight.
     col = ColumnParallelLinear(h, [out, out], st, name="c", seed=1, std=0.5, bias=False)
     x = (comm.split(x_full, st, "tp", dim=1) if sp else x_full).clone().requires_grad_(True)
-    y = col(x)
+    y = torch.cat(col(x), dim=-1)
     w_full = torch.cat([full_normal((out, h), 0.5, 1, "c.0"), full_normal((out, h), 0.5, 1, "c.1")])
     x_ref = x_full.clone().requires_grad_(True)
     y_ref = F.linear(x_ref, w_full)

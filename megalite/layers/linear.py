@@ -9,15 +9,18 @@ Each parameter carries `tp_layout` for checkpointing/gathering:
                      (e.g. q, k, v), each split separately, so [q_i; k_i; v_i] is rank i's shard
   ("row",)           dim 1 (input) is split
   None               replicated; `sp_partial=True` marks grads that are partial sums under SP
+
+The matmuls run in `linear_fn` (one per logical part; the weight gradient can go straight into the
+optimizer's fp32 buffer): every weight here is marked `wgrad_foldable`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megalite.layers.init import full_normal
+from megalite.layers.linear_fn import linear, linear_parts
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 
@@ -28,6 +31,9 @@ def _shard_rows(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with A's output rows split over TP; `out_parts` fuse several logical outputs.
+
+    Returns one tensor per part (a 1-tuple for a single part), each this rank's [..., part/tp] slice,
+    contiguous: the parts share one parameter but not one output buffer.
 
     input_ready: the caller already applied f (or the SP all-gather) to x, e.g. when q/k/v or
     gate/up projections share one input: one collective instead of several.
@@ -47,20 +53,19 @@ class ColumnParallelLinear(nn.Module):
                   for i, p in enumerate(out_parts)]
         self.weight = nn.Parameter(torch.cat(shards, dim=0).contiguous())
         self.weight.tp_layout = ("column", tuple(out_parts))  # type: ignore[attr-defined]
+        self.weight.wgrad_foldable = True  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(out_parts) // tp))
             self.bias.tp_layout = ("column", tuple(out_parts))  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.input_ready:
             x = enter_tp_region(x, self.state)
-        y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return comm.gather_last_dim(y, self.state) if self.gather_output else y
-
-    def split_parts(self, y: torch.Tensor) -> list[torch.Tensor]:
-        """Split a fused output into its logical parts (local widths)."""
-        return list(y.split([p // self.state.tp for p in self.out_parts], dim=-1))
+        ys = linear_parts(x, self.weight, self.bias, [p // self.state.tp for p in self.out_parts])
+        if self.gather_output:
+            ys = tuple(comm.gather_last_dim(y, self.state) for y in ys)
+        return ys
 
 
 class RowParallelLinear(nn.Module):
@@ -79,6 +84,7 @@ class RowParallelLinear(nn.Module):
         full = full_normal((out_features, in_features), std, seed, f"{name}.0")
         self.weight = nn.Parameter(full.chunk(state.tp, dim=1)[state.tp_rank].contiguous())
         self.weight.tp_layout = ("row",)  # type: ignore[attr-defined]
+        self.weight.wgrad_foldable = True  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
@@ -86,7 +92,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sp_partial = state.sp  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(F.linear(x, self.weight.to(x.dtype)), self.state)
+        y = exit_tp_region(linear(x, self.weight), self.state)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

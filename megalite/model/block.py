@@ -62,7 +62,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.state)
         b, s, _ = x.shape
-        q, k, v = self.qkv.split_parts(self.qkv(x))
+        q, k, v = self.qkv(x)
         q = q.view(b, s, self.local_heads, self.head_dim)
         k = k.view(b, s, self.local_kv, self.head_dim)
         v = v.view(b, s, self.local_kv, self.head_dim)
@@ -89,12 +89,8 @@ class MLP(nn.Module):
                                       std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up(enter_tp_region(x, self.state))
-        if self.gated:
-            gate, up = self.up.split_parts(y)
-            y = self.ops.swiglu(gate, up)
-        else:
-            y = self.ops.gelu_tanh(y)
+        ys = self.up(enter_tp_region(x, self.state))
+        y = self.ops.swiglu(*ys) if self.gated else self.ops.gelu_tanh(ys[0])
         return self.down(y)
 
 

@@ -122,7 +122,7 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         assert self.final_norm is not None and self.head is not None
-        logits = self.head(self.final_norm(x))  # [B, S, V/tp]: never gathered
+        (logits,) = self.head(self.final_norm(x))  # [B, S, V/tp]: never gathered
         if labels is None:
             return logits
         b, s = labels.shape

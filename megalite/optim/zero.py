@@ -2,8 +2,10 @@
 
 One class implements the `DataParallelOptimizer` interface for every stage. Parameters are laid out
 in flat buckets (`zero_buckets`); for stages >= 1 each bucket is padded to a multiple of dp and rank r
-owns the contiguous 1/dp of it. Gradients are accumulated in fp32 "main_grad" buffers by per-parameter
-`post_accumulate_grad` hooks (Megatron-LM's mixed-precision recipe), whatever the model dtype; when the
+owns the contiguous 1/dp of it. Gradients are accumulated in fp32 "main_grad" buffers (Megatron-LM's
+mixed-precision recipe), whatever the model dtype: a linear's weight gradient is added there by the
+linear's own backward (`layers.linear_fn`, Megatron's gradient-accumulation fusion), every other
+gradient by a per-parameter `post_accumulate_grad` hook; when the
 last parameter of a bucket gets its gradient in the *last* micro-batch's backward (not inside
 `no_sync()`), the bucket's DP reduction starts asynchronously, overlapping the rest of the backward;
 `finish_grad_sync()` waits for all of them.
@@ -50,9 +52,11 @@ module).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
-from typing import Iterator
+from collections import Counter
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -119,8 +123,15 @@ class ZeroOptimizer(GradSyncSwitch):
             outer_pair = (outer[0], next(it)) if outer else None
             self.zero3 = Zero3Gatherer([(m, next(it)) for m, _ in units], outer_pair, state,
                                        self._queue_end_of_backward)
+        owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            if getattr(p, "wgrad_foldable", False) and owners[id(p)] == 1:
+                # Used by one linear only: its backward adds dW into the main grad itself
+                # (`layers.linear_fn`): no `.grad` tensor, no hook.
+                p.fold_main_grad = functools.partial(self._fold, p)  # type: ignore[attr-defined]
+                p.register_post_accumulate_grad_hook(self._check_folded)
+            else:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     # ------------------------------------------------------------ construction
     @staticmethod
@@ -167,15 +178,28 @@ class ZeroOptimizer(GradSyncSwitch):
             self.zero3.end_of_backward()
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Fold a fresh gradient into the fp32 main grad; start the bucket's reduction when complete."""
+        """A fresh `.grad` (post-accumulate hook): add it to the fp32 main grad and drop it."""
+        grad = p.grad
+        assert grad is not None
+        p.grad = None
+        self._fold(p, lambda main: main.add_(grad))
+
+    def _check_folded(self, p: torch.Tensor) -> None:
+        """A folded weight never gets a `.grad`: one here means a code path skipped the fold (and the
+        gradient would be lost), so fail loudly."""
+        if p.grad is not None:
+            raise RuntimeError(f"{self._names.get(id(p), 'a parameter')}: got a .grad although its linear "
+                               "adds the weight gradient to the optimizer's buffer (layers.linear_fn)")
+
+    def _fold(self, p: torch.Tensor, accumulate: Callable[[torch.Tensor], None]) -> None:
+        """`accumulate` adds this backward's gradient of `p` into the fp32 main-grad view it is given;
+        then start the bucket's reduction if that was its last missing gradient."""
         b = self._bucket_of[id(p)]
         self._queue_end_of_backward()
         if b.grad_flat is None:
             b.grad_flat = torch.zeros(b.padded, dtype=torch.float32, device=self.state.device)
         off = b.offsets[b.index[id(p)]]
-        assert p.grad is not None
-        b.grad_flat[off:off + p.numel()].view(p.shape).add_(p.grad)
-        p.grad = None
+        accumulate(b.grad_flat[off:off + p.numel()].view(p.shape))
         b.ready += 1
         if b.ready == b.n_grads:
             b.ready = 0
