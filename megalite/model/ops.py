@@ -19,25 +19,69 @@ from megalite.errors import ConfigError
 Tensor = torch.Tensor
 
 
+class _RMSNorm(torch.autograd.Function):
+    """y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps) per row, in fp32 whatever x's dtype.
+
+    Saves x (its own dtype), w and the per-row rstd; backward recomputes x_hat = x * rstd and uses
+    dx = rstd * (g w - x_hat * mean(g w x_hat)), dw = sum over rows of g x_hat: about half the time of
+    autograd over the expression on CPU (fewer passes, no saved fp32 temporaries)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).mul_(weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        gf = g.float()
+        dw = (gf * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gw = gf * weight.float()
+        dx = gw.sub_(x_hat.mul_((gw * x_hat).mean(dim=-1, keepdim=True))).mul_(rstd)
+        return dx.to(x.dtype), dw, None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 
 
+def _rotate(x: Tensor, c: Tensor, s: Tensor, sign: float) -> Tensor:
+    """x * c + sign * swap(x) * s in fp32, with c = [cos, cos] and s = [-sin, sin] ([1, S, 1, D]) and
+    swap([x1, x2]) = [x2, x1]: that is [x1 cos - x2 sin, x2 cos + x1 sin] for sign 1 and the inverse
+    rotation for sign -1. Whole-row ops on contiguous tensors (twice as fast on CPU as four ops on
+    strided halves); one copy (the swap) where autograd over the expression makes two cats."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * c).addcmul_(torch.cat([x2, x1], dim=-1), s, value=sign).to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    """A rotation of each (x1, x2) pair: its backward is the inverse rotation of the gradient, so
+    nothing of x is saved."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c: Tensor, s: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(c, s)
+        return _rotate(x, c, s, 1.0)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        c, s = ctx.saved_tensors
+        return _rotate(g, c, s, -1.0), None, None
+
+
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate-half RoPE (Su et al. 2021; Hugging Face Llama's layout); cos/sin are [S, D/2] fp32."""
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-
-    def rot(x: Tensor) -> Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-    return rot(q), rot(k)
+    c = torch.cat([cos, cos], dim=-1)[None, :, None, :]
+    s = torch.cat([-sin, sin], dim=-1)[None, :, None, :]
+    return _Rope.apply(q, c, s), _Rope.apply(k, c, s)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
