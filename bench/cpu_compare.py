@@ -1,6 +1,6 @@
 """megalite's training step vs Hugging Face transformers and a minimal nanoGPT-style loop, on CPU.
 
-Same dims, batch, sequence, dtype (fp32), thread count and optimizer (AdamW, betas (0.9, 0.95),
+Same dims, batch, sequence, dtype (fp32), thread count and optimizer (torch's fused AdamW, betas (0.9, 0.95),
 weight decay 0.1 on matrices, global-norm clip 1.0) for every implementation. One process runs
 them all, interleaved: warm-up, then R repeats of K steps each, the implementation order rotated
 every repeat so none always runs first (caches, turbo, a neighbour's load). Ratios are paired per
@@ -40,6 +40,7 @@ from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
+from megalite.runtime import tune_malloc  # noqa: E402
 from megalite.train_step import train_step  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
@@ -125,11 +126,12 @@ class MiniLlama(nn.Module):
 
 
 def _adamw(model: nn.Module) -> torch.optim.AdamW:
-    """The same groups and per-tensor loop as megalite's optimizer (decay on matrices only)."""
+    """The same groups as megalite's optimizer (decay on matrices only) and the same kernel: torch's fused
+    AdamW, which is also Hugging Face Trainer's default optimizer (`adamw_torch_fused`, torch >= 2.8)."""
     ps = list({id(p): p for p in model.parameters()}.values())
     groups = [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
 
 
 def _plain_step(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> StepFn:
@@ -235,18 +237,20 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def rss_probe(name: str, d: Dims, steps: int, threads: int) -> dict[str, float]:
+def rss_probe(name: str, d: Dims, steps: int, threads: int, malloc: bool = True) -> dict[str, float]:
     """Run in a fresh process (see `measure_rss`): import everything every implementation needs,
     touch the lazily loaded CPU kernels once, reset the kernel's peak-RSS mark (writing 5 to
     /proc/self/clear_refs, Linux >= 4.0), then build, train and read VmHWM."""
     torch.set_num_threads(threads)
+    if malloc:  # the same allocator settings as the timed run
+        tune_malloc()
     if have_transformers():  # imported by every probe, so peak_mib compares like with like
         import transformers.models.gpt2.modeling_gpt2  # noqa: F401
         import transformers.models.llama.modeling_llama  # noqa: F401
     w = torch.randn(1, 2, 8, 8, requires_grad=True)
     att = F.scaled_dot_product_attention(w, w, w, is_causal=True).view(-1, 8)
     F.cross_entropy(att, torch.zeros(16, dtype=torch.long)).backward()
-    torch.optim.AdamW([w], foreach=False).step()
+    torch.optim.AdamW([w], fused=True).step()
     Path("/proc/self/clear_refs").write_text("5")
     base = _status_kib("VmRSS")
     step = IMPLS[name][0](d, IMPLS[name][1])
@@ -255,13 +259,13 @@ def rss_probe(name: str, d: Dims, steps: int, threads: int) -> dict[str, float]:
     return {"peak_mib": peak / 1024, "delta_mib": (peak - base) / 1024}
 
 
-def measure_rss(name: str, d: Dims, steps: int, threads: int) -> dict[str, float]:
+def measure_rss(name: str, d: Dims, steps: int, threads: int, malloc: bool = True) -> dict[str, float]:
     """Peak RSS of one implementation, in its own process so the others' allocations don't count.
     `peak_mib`: the process's peak while building and training (python + torch + its imports + model);
     `delta_mib`: peak minus the resident size right after the imports, i.e. what the model, its grads,
     AdamW state and activations cost (the allocator's caching included)."""
     code = (f"import sys, json; sys.path.insert(0, {str(REPO)!r}); import bench.cpu_compare as c; "
-            f"print(json.dumps(c.rss_probe({name!r}, c.Dims(**{asdict(d)!r}), {steps}, {threads})))")
+            f"print(json.dumps(c.rss_probe({name!r}, c.Dims(**{asdict(d)!r}), {steps}, {threads}, {malloc})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO), timeout=600)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or ["failed"]
@@ -273,8 +277,11 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
-def run(d: Dims, threads: int, warmup: int, repeats: int, steps: int, rss: bool) -> dict:
+def run(d: Dims, threads: int, warmup: int, repeats: int, steps: int, rss: bool, malloc: bool = True) -> dict:
     torch.set_num_threads(threads)
+    # What pretrain.py does at start-up (train.tune_malloc). It is process-wide: every implementation
+    # in this process runs with the same allocator settings.
+    malloc_note = tune_malloc() if malloc else "malloc: glibc defaults (--no-tune-malloc)"
     torch.manual_seed(0)
     names = [n for n in IMPLS if have_transformers() or not n.startswith("transformers")]
     notes = [] if have_transformers() else ["transformers not installed: its rows are skipped "
@@ -293,13 +300,13 @@ def run(d: Dims, threads: int, warmup: int, repeats: int, steps: int, rss: bool)
     # ever slows a step down), the usual estimator on a shared machine.
     ratios = {f"{a}/{b}": {**_stats([x / y for x, y in zip(tps[a], tps[b])]), "best_of": max(tps[a]) / max(tps[b])}
               for a, b in RATIOS if a in tps and b in tps}
-    mem = {n: measure_rss(n, d, max(2, warmup), threads) for n in names} if rss else {}
+    mem = {n: measure_rss(n, d, max(2, warmup), threads, malloc) for n in names} if rss else {}
     machine = f"{platform.machine()} {platform.processor()}".strip()
     return {"date": datetime.date.today().isoformat(), "machine": machine,
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__ if have_transformers() else None,
             "threads": threads, "dtype": "fp32", "dims": asdict(d), "warmup": warmup, "repeats": repeats,
-            "steps_per_repeat": steps, "tokens_per_s": {n: _stats(v) for n, v in tps.items()},
+            "steps_per_repeat": steps, "malloc": malloc_note, "tokens_per_s": {n: _stats(v) for n, v in tps.items()},
             "tokens_per_s_all": tps, "ratios": ratios, "rss_mib": mem, "notes": notes}
 
 
@@ -309,7 +316,7 @@ def to_markdown(res: dict) -> str:
              f"{d['layers']} layers, hidden {d['hidden']}, heads {d['heads']} (kv {d['kv_heads']}), seq {d['seq']}, "
              f"batch {d['batch']}, vocab {d['vocab']}; {res['repeats']} interleaved repeats x "
              f"{res['steps_per_repeat']} steps after {res['warmup']} warm-up steps; torch {res['torch']}, "
-             f"transformers {res['transformers']}; {res['date']}.", "",
+             f"transformers {res['transformers']}; {res['malloc']}; {res['date']}.", "",
              "| implementation | tokens/s median (min-max) | best | peak RSS MiB | RSS over imports MiB |",
              "|---|---|---|---|---|"]
     for n, s in res["tokens_per_s"].items():
@@ -338,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--no-rss", action="store_true", help="skip the per-implementation RSS subprocesses")
+    p.add_argument("--no-tune-malloc", action="store_true",
+                   help="leave glibc malloc at its defaults (pretrain.py's train.tune_malloc=false)")
     p.add_argument("--smoke", action="store_true", help="tiny dims, 1 repeat, no RSS: seconds")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     a = p.parse_args(argv)
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         d, a.warmup, a.repeats, a.steps, a.no_rss = Dims(2, 32, 4, 2, 16, 2, 128), 1, 1, 1, True
     else:
         d = Dims(a.layers, a.hidden, a.heads, a.kv_heads, a.seq, a.batch)
-    res = run(d, a.threads, a.warmup, a.repeats, a.steps, rss=not a.no_rss)
+    res = run(d, a.threads, a.warmup, a.repeats, a.steps, rss=not a.no_rss, malloc=not a.no_tune_malloc)
     a.out.mkdir(parents=True, exist_ok=True)
     stem = "cpu_compare_smoke" if a.smoke else "cpu_compare"
     (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")

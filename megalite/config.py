@@ -89,6 +89,8 @@ class TrainConfig:
     seed: int = _f(1234, "random seed (init, dropout, data order)")
     dtype: str = _f("auto", "auto | fp32 | bf16 | fp16 (auto = bf16 on CUDA, fp32 on CPU)")
     device: str = _f("auto", "auto | cpu | cuda")
+    tune_malloc: bool = _f(True, "glibc: keep freed host memory for the next step instead of returning it to the "
+                                 "OS (no page-fault storm on CPU; see megalite/runtime.py)")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = _f(20, "linear warmup steps")

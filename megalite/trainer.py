@@ -30,6 +30,7 @@ from megalite.optim import build_distributed_optimizer
 from megalite.parallel import comm
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
+from megalite.runtime import tune_malloc
 from megalite.tracking import Tracker
 from megalite.train_step import evaluate, train_step
 from megalite.watchdog import Watchdog
@@ -68,6 +69,7 @@ def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
 def run(cfg: config_mod.Config) -> dict[str, float]:
     """Train per `cfg` (resolved and validated); returns the last step's loss and valid loss."""
     par, tr = cfg.parallel, cfg.train
+    malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
     state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
@@ -126,7 +128,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     logger.note(f"megalite: {n_params / 1e6:.2f}M params | layout tp={par.tp} pp={par.pp} dp={par.dp} sp={par.sp} | "
                 f"{device} {str(dtype).removeprefix('torch.')} | vocab {cfg.model.vocab_size} | "
                 f"{tokens_per_step} tokens/step | {len(data.train)} train samples"
-                + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+                + (f" | resumed from {resume_from} at step {start_step}" if resume_from else "")
+                + f" | {malloc_note}")
     mem = optimizer.memory_bytes()
     logger.note("model-state bytes on rank 0 at start: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())
                 + f" (zero={par.zero}; exact, from the tensors; per step in metrics.jsonl mem_bytes)")
