@@ -3,9 +3,9 @@
 A training step allocates and frees the same large activation buffers every step. With glibc's
 defaults, freeing them can leave more than the trim threshold free at the top of the heap, and glibc
 returns it to the kernel (`brk` down); the next step takes it back, and the kernel zero-fills every
-4 KiB page on first touch. Measured on bench/cpu_compare.py's llama (4 layers, hidden 256): ~2,000-
-10,000 minor page faults per step and 5-15% of the step time, depending on how allocations happen to
-land. PyTorch's CPU allocator is plain malloc, so the usual cures are jemalloc/tcmalloc (LD_PRELOAD)
+4 KiB page on first touch. Measured on bench/cpu_compare.py's llama (4 layers, hidden 256, one
+thread, megalite alone in its process): 2,700-6,400 minor page faults per step with the defaults,
+~1 tuned, and the step 1-4% faster; how much depends on where allocations happen to land. PyTorch's CPU allocator is plain malloc, so the usual cures are jemalloc/tcmalloc (LD_PRELOAD)
 or glibc's own knobs; `tune_malloc` sets the latter from inside the process (`mallopt`):
 
   M_MMAP_THRESHOLD = 64 MiB  buffers up to this come from the heap (reused), not a fresh mmap each
