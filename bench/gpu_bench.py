@@ -3,7 +3,8 @@
 Sections, each written to the JSON/markdown as soon as it finishes (so a timeout keeps what ran):
 
 1. model: the `llama-1b` preset (16 layers, h 2048, GQA 32/8, vocab 128256, tied), bf16 compute,
-   seq 2048, megalite's real `train_step` (fwd + bwd + grad norm + clip + AdamW) at tp=pp=dp=1, with
+   seq 2048, megalite's real `train_step` and optimizer (fwd + bwd + grad norm + clip + fused AdamW on
+   bf16 params with fp32 main grads and master weights, as pretrain.py builds them) at tp=pp=dp=1, with
    `model.kernels=torch` (eager), `triton` (the fused kernels) and `torch` under `torch.compile`.
    tokens/s, MFU = 6N + 12Lhs FLOPs/token (megalite.flops, PaLM appendix B) x tokens/s / dense
    bf16 peak, and peak allocated memory. One model is built and its ops swapped between variants
@@ -42,7 +43,7 @@ from megalite.model.ops import attention as sdpa_attention  # noqa: E402
 from megalite.model.ops import attention_repeat_kv  # noqa: E402
 from megalite.model.ops import get_ops  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
-from megalite.optim.distributed import DataParallelOptimizer  # noqa: E402
+from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.train_step import train_step  # noqa: E402
 
@@ -104,7 +105,9 @@ def bench_model(rep: Report, smoke: bool, device: torch.device, dtype: torch.dty
     state = ParallelState(device=device)
     t0 = time.perf_counter()
     model = GPT(cfg, state, seed=1234).to(device)
-    opt = DataParallelOptimizer(model, state, 3e-4, 0.1, (0.9, 0.95), 1e-8)
+    # pretrain.py's optimizer: params in `dtype`, fp32 main grads (linear weight grads added in place),
+    # fp32 master + Adam, torch's fused AdamW on the flat buffers.
+    opt = build_distributed_optimizer(model, state, 0, 3e-4, 0.1, (0.9, 0.95), 1e-8, dtype)
     n_params = count_parameters(model, state)
     fpt = model_flops_per_token(n_params, cfg.num_layers, cfg.hidden_size, cfg.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device), "bf16") if device.type == "cuda" else None
