@@ -4,7 +4,8 @@ The working test runs in fresh subprocesses (allocator settings are process-wide
 is filled, freed and allocated and filled again. With glibc's defaults a buffer that size is
 mmap'd each time (it is above the 32 MiB ceiling of glibc's dynamic threshold), so the second fill
 page-faults all ~12,000 pages back in; tuned, the freed memory is reused and the second fill takes
-(almost) no faults. The threshold of 1,000 faults sits far from both.
+(almost) no faults. The threshold of 1,000 faults sits far from both. (Where the kernel maps such a
+buffer with transparent huge pages there is nothing to measure, and the test says so.)
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def _faults(mode: str) -> int:
 
 @glibc
 def test_tuned_malloc_reuses_freed_memory_without_page_faults() -> None:
-    assert _faults("default") > 10_000  # the experiment can tell the two apart on this machine
+    default = _faults("default")
+    if default < 10_000:  # e.g. transparent huge pages set to "always": a few faults map the whole buffer
+        pytest.skip(f"only {default} faults with glibc's defaults here: nothing for the tuning to remove")
     assert _faults("tuned") < 1_000
 
 
