@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megalite.layers.linear_fn import linear, linear_parts
+from megalite.layers.linear_fn import linear, linear_parts, part_blocks
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.state import ParallelState
@@ -46,7 +46,7 @@ def _reference(x, w, b, ups):
 @pytest.mark.parametrize("sizes", SIZES)
 def test_parts_match_f_linear(sizes: tuple[int, ...], bias: bool, dtype: torch.dtype, atol: float) -> None:
     x, w, b, ups = _inputs(sizes, bias, dtype)
-    outs = linear_parts(x, w, b, sizes)
+    outs = linear_parts(x, w, b, part_blocks(sizes))
     ref_outs, gx, gw, gb = _reference(x, w, b, ups)
     assert len(outs) == len(sizes)
     for o, r in zip(outs, ref_outs):
@@ -81,7 +81,7 @@ def test_fold_accumulates_into_main_grad_and_leaves_no_grad(dtype: torch.dtype) 
 
     w.fold_main_grad = fold
     for _ in range(2):  # two micro-batches accumulate
-        torch.autograd.backward(linear_parts(x, w, None, sizes), ups)
+        torch.autograd.backward(linear_parts(x, w, None, part_blocks(sizes)), ups)
     assert w.grad is None and len(calls) == 2
     x2 = x.detach().reshape(-1, 9)
     blocks = [torch.mm(u.reshape(-1, u.shape[-1]).t(), x2) for u in ups]  # dW per part, in `dtype`
@@ -120,8 +120,8 @@ def test_zero_optimizer_refuses_a_grad_that_skipped_the_fold() -> None:
 
 def test_bad_part_sizes_are_refused() -> None:
     x, w, _, _ = _inputs((7,), False, torch.float32)
-    with pytest.raises(ValueError, match="do not add up"):
-        linear_parts(x, w, None, (3, 3))
+    with pytest.raises(ValueError, match="do not cover"):
+        linear_parts(x, w, None, part_blocks((3, 3)))
 
 
 def test_zero_optimizer_folds_only_weights_of_one_linear() -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.layers.linear_fn import linear, linear_parts
+from megalite.layers.linear_fn import linear, linear_parts, part_blocks
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 
@@ -48,6 +48,7 @@ class ColumnParallelLinear(nn.Module):
             if p % tp:
                 raise ValueError(f"{name}: output size {p} not divisible by tp={tp}")
         self.state, self.out_parts = state, list(out_parts)
+        self.blocks = part_blocks([p // tp for p in out_parts])  # this rank's rows of each part
         self.gather_output, self.input_ready = gather_output, input_ready
         shards = [_shard_rows(full_normal((p, in_features), std, seed, f"{name}.{i}"), tp, state.tp_rank)
                   for i, p in enumerate(out_parts)]
@@ -62,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.input_ready:
             x = enter_tp_region(x, self.state)
-        ys = linear_parts(x, self.weight, self.bias, [p // self.state.tp for p in self.out_parts])
+        ys = linear_parts(x, self.weight, self.bias, self.blocks)
         if self.gather_output:
             ys = tuple(comm.gather_last_dim(y, self.state) for y in ys)
         return ys

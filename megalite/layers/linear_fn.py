@@ -26,42 +26,51 @@ from torch.autograd.function import once_differentiable
 
 Tensor = torch.Tensor
 Fold = Callable[[Callable[[Tensor], None]], None]
+Blocks = tuple[tuple[int, int], ...]  # each part's rows [lo, hi) of the weight
 
 
-def _blocks(sizes: Sequence[int]) -> list[tuple[int, int]]:
+def part_blocks(sizes: Sequence[int]) -> Blocks:
     out, lo = [], 0
     for n in sizes:
         out.append((lo, lo + n))
         lo += n
-    return out
+    return tuple(out)
 
 
-def _accumulate_wgrad(main: Tensor, grads: list[Tensor], x2: Tensor, sizes: Sequence[int]) -> None:
+def _rows(w: Tensor, lo: int, hi: int) -> Tensor:
+    return w if lo == 0 and hi == w.shape[0] else w[lo:hi]
+
+
+def _accumulate_wgrad(main: Tensor, grads: list[Tensor], x2: Tensor, blocks: Blocks) -> None:
     """main[rows of part i] += g_i^T x for every part (main is the fp32 [out, in] gradient view)."""
-    for g, (lo, hi) in zip(grads, _blocks(sizes)):
+    for g, (lo, hi) in zip(grads, blocks):
         if main.dtype == x2.dtype:
-            main[lo:hi].addmm_(g.t(), x2)
+            _rows(main, lo, hi).addmm_(g.t(), x2)
         else:
-            main[lo:hi].add_(torch.mm(g.t(), x2))
+            _rows(main, lo, hi).add_(torch.mm(g.t(), x2))
 
 
 class LinearParts(torch.autograd.Function):
-    """Forward: x [..., in], weight [sum(sizes), in], bias [sum(sizes)] or None -> one [..., n_i] per part."""
+    """Forward: x [..., in], weight [out, in], bias [out] or None -> one [..., hi - lo] per row block.
+
+    Kept lean (it runs for every linear of every micro-batch, and on a GPU small layers are bound by
+    this Python): one part takes the plain path, blocks are computed once by the caller."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
-                sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+                blocks: Blocks) -> tuple[Tensor, ...]:
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        b = None if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
+        b = bias if b is None else b
+        lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         outs = []
-        for lo, hi in _blocks(sizes):
-            if bias is None:
-                y = torch.mm(x2, w[lo:hi].t())
-            else:
-                y = torch.addmm(bias[lo:hi].to(x.dtype), x2, w[lo:hi].t())
-            outs.append(y.view(*x.shape[:-1], hi - lo))
+        for lo, hi in blocks:
+            wi = _rows(w, lo, hi).t()
+            y = torch.mm(x2, wi) if b is None else torch.addmm(_rows(b, lo, hi), x2, wi)
+            outs.append(y.view(*lead, hi - lo))
         ctx.save_for_backward(x2, weight)
-        ctx.sizes, ctx.x_shape = sizes, x.shape
+        ctx.blocks, ctx.x_shape = blocks, x.shape
         # Read now, from the parameter itself: under activation checkpointing the saved `weight` comes
         # back in backward as a recomputed alias without the attribute.
         ctx.fold = getattr(weight, "fold_main_grad", None)
@@ -72,39 +81,41 @@ class LinearParts(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
-        sizes = ctx.sizes
+        blocks: Blocks = ctx.blocks
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gs = [g.reshape(-1, g.shape[-1]) for g in grads]
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # first: a ZeRO-3 fold below may free the weight's storage
+        if need_x:  # first: a ZeRO-3 fold below may free the weight's storage
             w = weight if weight.dtype == x2.dtype else weight.to(x2.dtype)
-            for g, (lo, hi) in zip(gs, _blocks(sizes)):
+            for g, (lo, hi) in zip(gs, blocks):
                 if dx is None:
-                    dx = torch.mm(g, w[lo:hi])
+                    dx = torch.mm(g, _rows(w, lo, hi))
                 else:
-                    dx.addmm_(g, w[lo:hi])
-            assert dx is not None
-            dx = dx.view(ctx.x_shape)
-        if ctx.needs_input_grad[2]:
-            db = torch.cat([g.sum(0) for g in gs]).to(ctx.bias_dtype)
-        if ctx.needs_input_grad[1]:
+                    dx.addmm_(g, _rows(w, lo, hi))
+            dx = dx.view(ctx.x_shape)  # type: ignore[union-attr]
+        if need_b:
+            db = (gs[0].sum(0) if len(gs) == 1 else torch.cat([g.sum(0) for g in gs])).to(ctx.bias_dtype)
+        if need_w:
             fold: Fold | None = ctx.fold
             if fold is not None:
-                fold(lambda main: _accumulate_wgrad(main, gs, x2, sizes))
+                fold(lambda main: _accumulate_wgrad(main, gs, x2, blocks))
+            elif len(gs) == 1:
+                dw = torch.mm(gs[0].t(), x2).to(weight.dtype)
             else:
                 dw = torch.empty(weight.shape, dtype=x2.dtype, device=x2.device)
-                for g, (lo, hi) in zip(gs, _blocks(sizes)):
+                for g, (lo, hi) in zip(gs, blocks):
                     torch.mm(g.t(), x2, out=dw[lo:hi])
                 dw = dw.to(weight.dtype)
         return dx, dw, db, None
 
 
-def linear_parts(x: Tensor, weight: Tensor, bias: Tensor | None, sizes: Sequence[int]) -> tuple[Tensor, ...]:
-    """One output per row block of `weight` (sizes sum to weight.shape[0]); see the module doc."""
-    if sum(sizes) != weight.shape[0]:
-        raise ValueError(f"part sizes {list(sizes)} do not add up to the weight's {weight.shape[0]} rows")
-    return LinearParts.apply(x, weight, bias, tuple(sizes))
+def linear_parts(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks) -> tuple[Tensor, ...]:
+    """One output per row block of `weight` (`part_blocks(sizes)`); see the module doc."""
+    if blocks[-1][1] != weight.shape[0]:
+        raise ValueError(f"part blocks {list(blocks)} do not cover the weight's {weight.shape[0]} rows")
+    return LinearParts.apply(x, weight, bias, blocks)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear with the main-grad fold (a single part)."""
-    return linear_parts(x, weight, bias, (weight.shape[0],))[0]
+    return LinearParts.apply(x, weight, bias, ((0, weight.shape[0]),))[0]
