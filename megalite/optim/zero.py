@@ -5,10 +5,9 @@ in flat buckets (`zero_buckets`); for stages >= 1 each bucket is padded to a mul
 owns the contiguous 1/dp of it. Gradients are accumulated in fp32 "main_grad" buffers (Megatron-LM's
 mixed-precision recipe), whatever the model dtype: a linear's weight gradient is added there by the
 linear's own backward (`layers.linear_fn`, Megatron's gradient-accumulation fusion), every other
-gradient by a per-parameter `post_accumulate_grad` hook; when the
-last parameter of a bucket gets its gradient in the *last* micro-batch's backward (not inside
-`no_sync()`), the bucket's DP reduction starts asynchronously, overlapping the rest of the backward;
-`finish_grad_sync()` waits for all of them.
+gradient by a per-parameter `post_accumulate_grad` hook. When the last parameter of a bucket gets its
+gradient in the *last* micro-batch's backward (not inside `no_sync()`), the bucket's DP reduction
+starts asynchronously, overlapping the rest of the backward; `finish_grad_sync()` waits for all of them.
 
   stage 0  all-reduce each bucket; every rank updates everything (plain DDP, overlapped).
   stage 1  reduce-scatter each bucket; rank r updates its 1/dp shard of fp32 master weights and Adam
