@@ -60,8 +60,7 @@ class LinearParts(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
                 blocks: Blocks) -> tuple[Tensor, ...]:
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-        b = None if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
-        b = bias if b is None else b
+        b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         outs = []
