@@ -10,7 +10,7 @@ standard library's source), on whatever device is present. `--help` lists every 
 
 import sys
 
-from megalite.trainer import main
+from megalite.training.trainer import main
 
 if __name__ == "__main__":
     sys.exit(main())

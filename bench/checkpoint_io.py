@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite import config as config_mod  # noqa: E402
 from megalite.checkpoint.sharded import load_sharded, save_sharded  # noqa: E402
-from megalite.estimate import count_params  # noqa: E402
+from megalite.perfmodel.estimate import count_params  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.distributed import DataParallelOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402

@@ -40,8 +40,8 @@ from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.runtime import tune_malloc  # noqa: E402
-from megalite.train_step import train_step  # noqa: E402
+from megalite.runtime.malloc import tune_malloc  # noqa: E402
+from megalite.training.step import train_step  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]

@@ -6,7 +6,7 @@ Sections, each written to the JSON/markdown as soon as it finishes (so a timeout
    seq 2048, megalite's real `train_step` and optimizer (fwd + bwd + grad norm + clip + fused AdamW on
    bf16 params with fp32 main grads and master weights, as pretrain.py builds them) at tp=pp=dp=1, with
    `model.kernels=torch` (eager), `triton` (the fused kernels) and `torch` under `torch.compile`.
-   tokens/s, MFU = 6N + 12Lhs FLOPs/token (megalite.flops, PaLM appendix B) x tokens/s / dense
+   tokens/s, MFU = 6N + 12Lhs FLOPs/token (megalite.perfmodel.flops, PaLM appendix B) x tokens/s / dense
    bf16 peak, and peak allocated memory. One model is built and its ops swapped between variants
    (init of 1.2B parameters on the CPU is the slowest part of setup).
 2. kernels: `bench/kernels_gpu.py`'s table (each Triton kernel vs eager and compiled torch).
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from megalite.config import PRESETS, ModelConfig  # noqa: E402
-from megalite.flops import model_flops_per_token, peak_flops  # noqa: E402
+from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: E402
 from megalite.model.gpt import GPT, count_parameters  # noqa: E402
 from megalite.model.ops import attention as sdpa_attention  # noqa: E402
 from megalite.model.ops import attention_repeat_kv  # noqa: E402
@@ -45,7 +45,7 @@ from megalite.model.ops import get_ops  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.train_step import train_step  # noqa: E402
+from megalite.training.step import train_step  # noqa: E402
 
 
 class Report:

@@ -4,10 +4,9 @@ Each layout is one `torchrun` launch of `pretrain.py`'s entry point (through `--
 also records every rank's peak RSS) for a few steps on the demo corpus. From `metrics.jsonl` we take
 the median step time (first step dropped: it pays for lazy init), the comm bytes per process group
 of the last step (the counter is reset every step), and rank 0's peak memory; beside them the
-estimator's predicted bytes (`megalite.estimate.estimate`, fp32 precision).
+estimator's predicted bytes (`megalite.perfmodel.estimate.estimate`, fp32 precision).
 
-pp and ZeRO layouts are included only when this checkout can run them (tried, skipped with the
-reason otherwise). Wall-clock on gloo/CPU measures Python + gloo over loopback, not NVLink: use the
+A layout whose run fails is reported as skipped with its error. Wall-clock on gloo/CPU measures Python + gloo over loopback, not NVLink: use the
 step times to compare layouts on this machine only; the byte counts are exact anywhere.
 
     python bench/scaling.py            # a few minutes on 2 cores
@@ -33,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from megalite.estimate import Layout, ModelDims, Precision, estimate  # noqa: E402
+from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,6 @@ class Case:
     name: str
     nproc: int
     flags: tuple[str, ...]
-    needs: str = ""  # "pp" | "zero": tried only if the checkout implements it
 
     def layout(self, mbs: int) -> Layout:
         f = dict(zip(self.flags[::2], self.flags[1::2]))
@@ -56,27 +54,15 @@ CASES = [
     Case("dp=2", 2, ()),
     Case("tp=2", 2, ("--parallel.tp", "2")),
     Case("tp=2 sp", 2, ("--parallel.tp", "2", "--parallel.sp", "true")),
-    Case("pp=2 1f1b m=4", 2, ("--parallel.pp", "2", "--train.global_batch_size", "16"), needs="pp"),
-    Case("dp=2 zero=1", 2, ("--parallel.zero", "1"), needs="zero"),
+    Case("pp=2 1f1b m=4", 2, ("--parallel.pp", "2", "--train.global_batch_size", "16")),
+    Case("dp=2 zero=1", 2, ("--parallel.zero", "1")),
 ]
 SMOKE_CASES = ["single", "tp=2 sp"]
 
 
-def unavailable(needs: str) -> str | None:
-    """Why a layout cannot run in this checkout (None: try it; a failed run is skipped with its
-    error). ZeRO is checked up front: a trainer that accepts parallel.zero but still builds the plain
-    `DataParallelOptimizer` would run, and silently measure DDP under a ZeRO label."""
-    trainer = (REPO / "megalite" / "trainer.py").read_text()
-    if needs == "zero" and not any(k in trainer for k in ("build_distributed_optimizer", "ZeroOptimizer")):
-        return "the trainer does not build the ZeRO optimizer yet (parallel.zero would run plain DDP)"
-    if needs == "pp" and "not implemented yet" in trainer:
-        return "the trainer still refuses parallel.pp > 1 (pipeline schedules not wired in)"
-    return None
-
-
 def worker(argv: list[str]) -> int:
     """One rank under torchrun: train via the trainer, then record this rank's peak RSS."""
-    from megalite.trainer import main
+    from megalite.training.trainer import main
 
     code = main(argv)
     log_dir = argv[argv.index("--logging.dir") + 1]
@@ -205,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--logging.interval", "1", "--train.eval_interval", "0", "--model.kernels", "torch"]
         runs = []
         for i, case in enumerate(c for c in CASES if not a.smoke or c.name in SMOKE_CASES):
-            why = unavailable(case.needs)
-            r = {"name": case.name, "skipped": why} if why else run_case(case, common, Path(tmp), a.port + i)
+            r = run_case(case, common, Path(tmp), a.port + i)
             if "skipped" not in r:
                 r["predicted_comm_bytes"] = predict(case, r.pop("model"), a.micro_batch)
             print(json.dumps({k: v for k, v in r.items() if k != "step_time_s_all"}), flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Callable, Iterator
 
 import pytest
@@ -32,3 +33,10 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 SMALL_RUN = ["--data.demo_max_bytes", "300000", "--data.demo_vocab_size", "512", "--model.seq_len", "32",
              "--model.num_layers", "2", "--model.hidden_size", "64", "--train.micro_batch_size", "4",
              "--train.warmup_steps", "2", "--logging.interval", "1", "--train.eval_interval", "0"]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: tests never use fixed ports, so concurrent runs cannot collide."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megalite.data import IndexedDatasetWriter, prepare_demo_data
-from megalite.trainer import main
+from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN
 
 CONFIG, DATA, CKPT, LAUNCH = 2, 3, 4, 5

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +53,7 @@ def test_cpu_compare_smoke(tmp_path: Path) -> None:
 
 
 def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path) -> None:
-    _run([sys.executable, "bench/scaling.py", "--smoke", "--out", str(tmp_path), "--port", "29561"], tmp_path)
+    _run([sys.executable, "bench/scaling.py", "--smoke", "--out", str(tmp_path), "--port", str(free_port())], tmp_path)
     res = json.loads((tmp_path / "scaling_smoke.json").read_text())
     runs = {r["name"]: r for r in res["runs"]}
     tp = runs["tp=2 sp"]

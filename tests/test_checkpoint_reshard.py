@@ -25,7 +25,7 @@ from megalite.optim.distributed import DataParallelOptimizer
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
-from megalite.train_step import train_step
+from megalite.training.step import train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 GLOBAL, VOCAB = 8, 67  # 67 is prime: padded to 68 at tp 1, 72 at tp 2, 80 at tp 4 (make_vocab_divisible_by=4)

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.estimate import Layout, ModelDims, Precision, estimate, stage_params, zero_memory
+from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate, stage_params, zero_memory
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
 from megalite.pipeline import build_pipeline
-from megalite.train_step import train_step
+from megalite.training.step import train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 MICRO, M = 2, 4  # micro-batch size, micro-batches per step and dp rank

@@ -1,4 +1,4 @@
-"""FLOPs/MFU and the estimator against the seed's, the papers' and hand-computed numbers.
+"""FLOPs/MFU and the estimator against the papers' and hand-computed numbers.
 
 Every quoted number is checked at the precision it was quoted with (round(x, 2) for "27.56 GB"):
 that *is* the reference. Formula identities are exact up to float64 round-off (rel 1e-12).
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from megalite.errors import ConfigError
-from megalite.estimate import (
+from megalite.perfmodel.estimate import (
     PRESETS, Layout, ModelDims, Precision, activation_bytes_per_layer, bubble_overhead,
     count_params, dims_params, dp_comm_bytes, estimate, microbatches_in_flight, pipeline_bubble,
     pp_comm_bytes, stage_params, tp_comm_bytes, zero_memory,
 )
-from megalite.flops import (
+from megalite.perfmodel.flops import (
     PEAK_ENV_VAR, megatron_flops_per_iteration, mfu, model_flops_per_token, peak_flops,
 )
 
@@ -36,7 +36,7 @@ def _cli_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-# ------------------------------------------------------------------ the seed and the ZeRO paper
+# ------------------------------------------------------------------ the classic DDP example and the ZeRO paper
 
 def test_seed_ddp_example(capsys: pytest.CaptureFixture[str]) -> None:
     # Seed: 7B params, bf16, 64-rank DDP -> 27.56 GB per step; 8.9 s at "25 Gb/s ~ 3.1 GB/s";
@@ -46,7 +46,7 @@ def test_seed_ddp_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert round(out["comm_seconds"]["dp"], 1) == 8.9
     out = _cli_json(["--params", "7e9", "--dp", "64", "--bandwidth-gbps", "100"], capsys)
     assert round(out["comm_seconds"]["dp"], 1) == 2.2
-    # The seed rounds 25 Gb/s down to 3.1 GB/s; exactly it is 3.125 GB/s, i.e. 8.8 s.
+    # The classic example rounds 25 Gb/s down to 3.1 GB/s; exactly it is 3.125 GB/s, i.e. 8.8 s.
     out = _cli_json(["--params", "7e9", "--dp", "64", "--bandwidth-gbps", "25"], capsys)
     assert round(out["comm_seconds"]["dp"], 2) == 8.82
 
@@ -69,7 +69,7 @@ def test_zero_comm_volumes() -> None:
     assert ddp == pytest.approx(2 * psi * 2 * (n - 1) / n, rel=REL)
     assert dp_comm_bytes(psi, n, 1) == pytest.approx(ddp, rel=REL)
     assert dp_comm_bytes(psi, n, 2) == pytest.approx(ddp, rel=REL)
-    # ZeRO-3 = 3 Psi (N-1)/N: 1.5x DDP (the seed says 1x; DESIGN section 4 says why it is wrong).
+    # ZeRO-3 = 3 Psi (N-1)/N: 1.5x DDP (often stated as 1x: wrong, stage 3 gathers parameters twice).
     assert dp_comm_bytes(psi, n, 3) == pytest.approx(1.5 * ddp, rel=REL)
     assert dp_comm_bytes(psi, n, 3, microbatches=4) == pytest.approx(6 * ddp, rel=REL)
     assert dp_comm_bytes(psi, 1, 0) == 0.0
@@ -176,7 +176,7 @@ def test_tp_and_pp_comm_by_hand() -> None:
 def test_tp_comm_matches_megalite_accounting(arch: str, tp: int, sp: bool) -> None:
     # Cross-check against the TP layers' own analytic byte count, which their tests hold equal to
     # the measured counter: two independent derivations must agree exactly (fp32 run, 3 micro-batches).
-    accounting = pytest.importorskip("megalite.parallel.accounting")
+    accounting = pytest.importorskip("megalite.perfmodel.accounting")
     dims = ModelDims(2, 32, 8 if arch == "llama" else 4, 61, 8, arch, 4, 64, arch == "gpt2", 4)
     lay = Layout(tp=tp, sp=sp, micro_batch_size=2)
     mine = tp_comm_bytes(dims, lay, Precision.for_dtype("fp32"), 0, 3)
@@ -239,7 +239,7 @@ def test_cli_full_report_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # A stand-in for megalite.config (written separately) with DESIGN section 3's field names.
+    # A stand-in for megalite.config (written separately) with the public config field names.
     seen: list[list[str]] = []
 
     def parse_args(argv: list[str]) -> types.SimpleNamespace:

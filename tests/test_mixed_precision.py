@@ -11,7 +11,7 @@ import torch
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
-from megalite.train_step import train_step
+from megalite.training.step import train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)

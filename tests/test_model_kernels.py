@@ -20,7 +20,7 @@ from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim.distributed import DataParallelOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.train_step import train_step  # noqa: E402
+from megalite.training.step import train_step  # noqa: E402
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg  # noqa: E402
 
 if not kernels.available():

@@ -18,7 +18,7 @@ from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline, build_schedule, max_in_flight
 from megalite.pipeline.partition import virtual_stage_layers
-from megalite.train_step import evaluate, train_step
+from megalite.training.step import evaluate, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 STEPS, MICRO = 3, 2

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from megalite.errors import ConfigError
-from megalite.estimate import GB, PRESETS, Layout, Precision, estimate
-from megalite.plan import TIE_TOLERANCE, Cluster, make_plan, worst_stage_memory
+from megalite.perfmodel.estimate import GB, PRESETS, Layout, Precision, estimate
+from megalite.perfmodel.plan import TIE_TOLERANCE, Cluster, make_plan, worst_stage_memory
 from tools.plan import main as plan_main
 
 H100_NODE = dict(gpus_per_node=8, gpu_memory_bytes=80 * GB, intra_bytes_per_s=450 * GB,

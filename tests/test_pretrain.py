@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megalite.trainer import main
-from tests.conftest import SMALL_RUN
+from megalite.training.trainer import main
+from tests.conftest import SMALL_RUN, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
@@ -110,7 +110,7 @@ def _run_script(args: list[str], env_extra: dict[str, str] | None = None, nproc:
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", "29517"] if nproc else [sys.executable]
+                "--master-port", str(free_port())] if nproc else [sys.executable]
     return subprocess.run([*launcher, str(REPO / "pretrain.py"), *args], capture_output=True, text=True,
                           env=env, cwd=str(REPO), timeout=300)
 

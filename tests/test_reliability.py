@@ -1,5 +1,5 @@
 """Crashes, preemption, hangs and numerical faults, end to end (faults injected with MEGALITE_FAULT,
-see megalite/faults.py)."""
+see megalite/runtime/faults.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from megalite.trainer import main
-from tests.conftest import SMALL_RUN
+from megalite.training.trainer import main
+from tests.conftest import SMALL_RUN, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,10 +41,10 @@ def test_killed_rank_restarts_from_latest_checkpoint_and_matches(demo_cache_dir:
     with the same losses as an uninterrupted run (fp32, same layout): no sample skipped or repeated."""
     common = ["--train.steps", "8", "--train.global_batch_size", "8", "--checkpoint.interval", "2"]
     clean = _torchrun(_args(demo_cache_dir, tmp_path / "clean", *common, "--checkpoint.dir", str(tmp_path / "c1")),
-                      port=29611)
+                      port=free_port())
     assert clean.returncode == 0, clean.stderr[-2000:]
     crash = _torchrun(_args(demo_cache_dir, tmp_path / "crash", *common, "--checkpoint.dir", str(tmp_path / "c2")),
-                      restarts=1, port=29612, MEGALITE_FAULT="kill:rank=1:step=5")
+                      restarts=1, port=free_port(), MEGALITE_FAULT="kill:rank=1:step=5")
     assert crash.returncode == 0, crash.stderr[-2000:]
     assert "resumed from" in crash.stdout
     want = {r["step"]: r["loss"] for r in _rows(tmp_path / "clean")}
@@ -56,7 +56,7 @@ def test_killed_rank_restarts_from_latest_checkpoint_and_matches(demo_cache_dir:
 def test_hang_is_reported_by_the_watchdog(demo_cache_dir: str, tmp_path: Path) -> None:
     proc = _torchrun(_args(demo_cache_dir, tmp_path, "--train.steps", "50", "--train.global_batch_size", "8",
                            "--train.watchdog_factor", "5", "--train.watchdog_min_s", "2"),
-                     port=29613, MEGALITE_FAULT="hang:rank=1:step=6")
+                     port=free_port(), MEGALITE_FAULT="hang:rank=1:step=6")
     assert proc.returncode != 0
     assert "watchdog: rank" in proc.stderr and "step 6" in proc.stderr, proc.stderr[-3000:]
     assert "last operation entered" in proc.stderr

@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
-from megalite import runtime
+from megalite.runtime import malloc as runtime
 
 PROBE = """
 import resource, sys, torch
-from megalite.runtime import tune_malloc
+from megalite.runtime.malloc import tune_malloc
 if sys.argv[1] == "tuned":
     print(tune_malloc(), file=sys.stderr)
 n = 48 << 18  # fp32 elements in 48 MiB

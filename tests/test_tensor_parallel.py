@@ -22,10 +22,10 @@ from megalite.model.gpt import GPT
 from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
 from megalite.parallel import comm
-from megalite.parallel.accounting import tp_bytes_per_step
+from megalite.perfmodel.accounting import tp_bytes_per_step
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
-from megalite.train_step import train_step
+from megalite.training.step import train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 ATOL = 1e-5

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megalite.errors import DataError
-from megalite.tracking import RUN_ID_FILE, Tracker, flatten, has_wandb_credentials, wandb_mode
+from megalite.observability.tracking import RUN_ID_FILE, Tracker, flatten, has_wandb_credentials, wandb_mode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))

@@ -27,7 +27,7 @@ from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.train_step import evaluate, train_step
+from megalite.training.step import evaluate, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 STEPS, MICRO, M = 5, 2, 2  # 5 optimizer steps of M micro-batches of MICRO sequences per DP rank

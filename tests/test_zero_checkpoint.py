@@ -14,7 +14,7 @@ from megalite.checkpoint import sharded
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
-from megalite.train_step import train_step
+from megalite.training.step import train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 

@@ -2,10 +2,10 @@
 
     python tools/estimate.py --preset llama-7b --tp 2 --pp 4 --dp 8 --sp --zero 1 \\
         --global-batch-size 512 --bandwidth-gbps 200 --intra-bandwidth-gbytes 450 --device H100
-    python tools/estimate.py --params 7e9 --dp 64 --bandwidth-gbytes 3.1      # the seed's example
+    python tools/estimate.py --params 7e9 --dp 64 --bandwidth-gbytes 3.1      # 7B on 64 ranks at 25 Gb/s
     python tools/estimate.py --config configs/x.toml --parallel.tp 2 --dp 64 --json
 
-The arithmetic lives in `megalite.estimate` (pure functions); this file only parses and prints.
+The arithmetic lives in `megalite.perfmodel.estimate` (pure functions); this file only parses and prints.
 With `--config`, the model/parallel/train sections of a pretrain config (and its `--section.field`
 overrides) are read through `megalite.config.parse_args`; explicit flags here still win.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
-from megalite.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
-from megalite.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
+from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
 
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "seq_len")
@@ -102,7 +102,7 @@ def _model_dims_kwargs(model: object, demo_vocab: int) -> dict:
 
 
 def presets() -> dict[str, dict]:
-    """`megalite.estimate.PRESETS`, overridden by `megalite.config.PRESETS` (the sizes pretrain.py
+    """`megalite.perfmodel.estimate.PRESETS`, overridden by `megalite.config.PRESETS` (the sizes pretrain.py
     knows) when that module is importable."""
     table = {name: dict(vars(d)) for name, d in PRESETS.items()}
     try:
@@ -117,7 +117,7 @@ def presets() -> dict[str, dict]:
 
 
 def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
-    """Model dims, layout fields and dtype from a pretrain config (DESIGN section 3 names).
+    """Model dims, layout fields and dtype from a pretrain config (the public config field names).
     Unresolved values (dp = 0: world size unknown here, global batch 0) fall back to the flags'
     defaults: pass --dp to size the data-parallel group."""
     try:
@@ -140,7 +140,7 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
 
 
 def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
-    """Turn flags (+ optional config) into the keyword arguments of `megalite.estimate.estimate`."""
+    """Turn flags (+ optional config) into the keyword arguments of `megalite.perfmodel.estimate.estimate`."""
     dims_kw: dict = {}
     lay_kw: dict = {}
     dtype = None

@@ -6,7 +6,7 @@
     python tools/plan.py --num-layers 32 --hidden-size 4096 --num-heads 32 --vocab-size 32000 \\
         --seq-len 4096 --nodes 4 --gpus-per-node 8 --global-batch-size 1024 --top 5
 
-The arithmetic lives in `megalite.plan` (enumeration) and `megalite.estimate` (the cost of one
+The arithmetic lives in `megalite.perfmodel.plan` (enumeration) and `megalite.perfmodel.estimate` (the cost of one
 layout); this file only parses and prints. Exit code 2 with one line when nothing fits.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
-from megalite.estimate import GB, ModelDims, Precision  # noqa: E402
-from megalite.flops import normalize_dtype, peak_flops  # noqa: E402
-from megalite.plan import Cluster, Plan, make_plan  # noqa: E402
+from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
+from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.perfmodel.plan import Cluster, Plan, make_plan  # noqa: E402
 from tools.estimate import add_model_args, presets  # noqa: E402  (model flags and sizes shared)
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",

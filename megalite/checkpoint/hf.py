@@ -36,7 +36,7 @@ from megalite.checkpoint.offline import write_checkpoint
 from megalite.checkpoint.sharded import find, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
-from megalite.progress import Progress
+from megalite.observability.progress import Progress
 
 # (megalite name, HF names, split sizes along megalite dim 0 or None, transposed)
 Rule = tuple[str, list[str], list[int] | None, bool]

@@ -22,7 +22,7 @@ from megalite.checkpoint.sharded import FORMAT, INDEX, _write_json, publish, rea
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.parallel.state import coords_rank
-from megalite.progress import Progress
+from megalite.observability.progress import Progress
 
 
 def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],

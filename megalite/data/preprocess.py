@@ -19,7 +19,7 @@ import numpy as np
 from megalite.data.documents import check_inputs, iter_documents
 from megalite.data.indexed import IndexedDatasetWriter
 from megalite.data.tokenizer import Tokenizer
-from megalite.progress import Progress
+from megalite.observability.progress import Progress
 
 # Documents handed to a worker at a time: large enough to amortize pickling, small enough to stream.
 _CHUNKSIZE = 16

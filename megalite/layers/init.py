@@ -2,7 +2,7 @@
 model seed and the parameter's *global* name, and only then sliced for this rank.
 
 So `layers.3.mlp.down` gets the same numbers whether the model runs on 1 rank or is cut by TP/PP
-(DESIGN principle 1): a parity test can compare layouts from step 0, and a 1-rank run is the
+(every layout computes the same thing): a parity test can compare layouts from step 0, and a 1-rank run is the
 reference for every other layout. Costs one full-size temporary per parameter at start-up.
 """
 

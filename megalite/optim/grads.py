@@ -1,6 +1,6 @@
 """Gradient reduction, the global gradient norm and clipping.
 
-Order matters (the seed's pitfall): reduce first, then measure the norm over all ranks, then clip.
+Order matters (a classic pitfall): reduce first, then measure the norm over all ranks, then clip.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The byte and call counter every megalite collective goes through.
 
-Convention ("wire bytes", what one rank sends with a ring algorithm — the seed lecture's unit):
+Convention ("wire bytes", what one rank sends with a ring algorithm, the unit of the papers' formulas):
 
     all-reduce of X bytes over N ranks        2 (N-1)/N * X
     all-gather producing X bytes in total      (N-1)/N * X
@@ -8,7 +8,7 @@ Convention ("wire bytes", what one rank sends with a ring algorithm — the seed
     point-to-point send of X bytes             X
 
 so a DDP step over N ranks with Psi gradient elements of b bytes counts 2 (N-1)/N * Psi * b, the
-seed's formula. Counts are kept as exact fractions summed per (group, op) and reported as floats; the
+ring all-reduce formula. Counts are kept as exact fractions summed per (group, op) and reported as floats; the
 analytic tests compare against the same convention. The counter does not time anything.
 """
 

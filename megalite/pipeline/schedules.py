@@ -8,7 +8,7 @@ same lists drive the timeline simulator (`simulate.py`), so what is simulated is
   are alive at once.
 - 1F1B (PipeDream-Flush, Narayanan et al. 2021): warm-up of P-r-1 forwards on rank r, then
   alternate one forward / one backward, then cool-down backwards. The bubble is the SAME as GPipe's,
-  (P-1)/(M+P-1) of the time (the seed lecture says 1F1B halves it: it does not); what 1F1B changes
+  (P-1)/(M+P-1) of the time (a common claim is that 1F1B halves it: it does not); what 1F1B changes
   is memory: at most P micro-batches in flight on the first stage instead of M.
 - Interleaved 1F1B (Narayanan et al. 2021, section 2.2): v chunks per rank; micro-batches enter in
   groups of P, each chunk in turn; the bubble becomes (P-1)/(v*M+P-1). Needs M % P == 0.

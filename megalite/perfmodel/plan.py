@@ -1,10 +1,10 @@
 """Pick a parallel layout for a model on a cluster: enumerate, drop what does not fit, rank by time.
 
-The seed lecture gives rules of thumb: tensor parallelism inside a node (its 4 all-reduces per
+The usual rules of thumb: tensor parallelism inside a node (its 4 all-reduces per
 layer need NVLink), pipeline parallelism next (only point-to-point sends, but a bubble), data
 parallelism as large as memory allows (its traffic overlaps the backward pass). This module turns
 those rules into arithmetic: every (tp, pp, dp, zero, vpp, micro-batch, recompute) that is legal is
-costed with `megalite.estimate` (memory per device, bytes per group, step time), layouts that
+costed with `megalite.perfmodel.estimate` (memory per device, bytes per group, step time), layouts that
 exceed the memory limit are dropped, and the rest are ranked by predicted step time. The rules
 then only break ties, i.e. they are followed exactly where the arithmetic agrees with them.
 
@@ -13,7 +13,7 @@ tie or lose against a layout that is enumerated):
 * sequence parallelism off when tp > 1: SP moves the same TP volume (all-gather + reduce-scatter
   instead of all-reduce; Korthikanti et al. 2022) and divides activations and pipeline sends by tp.
 * the GPipe schedule: the same bubble as 1F1B with m instead of p micro-batches in flight.
-* tp across nodes (tp must divide the GPUs per node) and m < pp (the seed's "most common
+* tp across nodes (tp must divide the GPUs per node) and m < pp (the "most common
   config error": stages idle most of the step).
 * for one (tp, pp, vpp, micro-batch), a ZeRO stage or recompute level above the lowest one that
   fits: ZeRO-1/2 move the same DP bytes as DDP and ZeRO-3 more (Rajbhandari et al. 2020), and
@@ -27,12 +27,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from megalite.errors import ConfigError
-from megalite.estimate import (GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate,
+from megalite.perfmodel.estimate import (GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate,
                                stage_activation_bytes, stage_params, zero_memory)
 
 RECOMPUTE = ("none", "selective", "full")
 # Step times within this of the fastest are a tie: the estimator (ideal peak, ring bandwidths) is
-# not more accurate than ~1%, so among them the seed's rules decide (see `rank`).
+# not more accurate than ~1%, so among them the rules of thumb decide (see `rank`).
 TIE_TOLERANCE = 0.01
 
 
@@ -144,7 +144,7 @@ def _model_splits(dims: ModelDims, cluster: Cluster, gbs: int) -> list[tuple[int
 
 
 def _rules_key(c: Candidate) -> tuple:
-    """The seed's rules as a tie-break: dp largest, then pp smallest (tp is what remains), then less
+    """The rules of thumb as a tie-break: dp largest, then pp smallest (tp is what remains), then less
     ZeRO, less recompute, fewer virtual stages, larger micro-batches (real kernels run closer to
     peak on larger matmuls, which the estimator does not model), less memory."""
     lay = c.layout
@@ -154,7 +154,7 @@ def _rules_key(c: Candidate) -> tuple:
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:
     """Fastest first, except that every layout within TIE_TOLERANCE of the fastest counts as a tie
-    and those are ordered by the seed's rules (`_rules_key`)."""
+    and those are ordered by the rules of thumb (`_rules_key`)."""
     if not candidates:
         return []
     fastest = min(c.step_seconds for c in candidates)
@@ -257,7 +257,7 @@ def explain(ranked: list[Candidate], cluster: Cluster) -> str:
         slower = nxt.step_seconds / best.step_seconds - 1
         if slower < TIE_TOLERANCE:
             line += (f"; the runner-up ({describe(nxt.layout)}) is within {TIE_TOLERANCE:.0%} (a tie) "
-                     f"and loses on the seed's rules: dp largest, pp smallest, least ZeRO and recompute")
+                     f"and loses on the rules of thumb: dp largest, pp smallest, least ZeRO and recompute")
         else:
             line += (f"; the runner-up ({describe(nxt.layout)}) is {slower:.1%} slower, mostly in "
                      f"{part} ({b[part]:.3g} s vs {a[part]:.3g} s)")

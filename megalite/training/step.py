@@ -49,7 +49,7 @@ def train_step(model: nn.Module | PipelineEngine, optimizer: DataParallelOptimiz
     actions = build_schedule(schedule, len(batches), state.pp, state.pp_rank, vpp)
     total = engine.run(actions, batches, scaler.scale, optimizer)
     optimizer.finish_grad_sync()  # DP reduction (and a tied embedding's pipeline copies summed), once per step
-    if poison_grads:  # fault injection (megalite.faults): exercise the skip path end to end
+    if poison_grads:  # fault injection (megalite.runtime.faults): exercise the skip path end to end
         optimizer.scale_grads(float("inf"))
     if scaler.enabled:
         optimizer.scale_grads(1.0 / scaler.scale)

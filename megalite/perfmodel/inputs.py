@@ -1,4 +1,4 @@
-"""The inputs of megalite's arithmetic (`megalite.estimate`): a model's shape (and well-known shapes by
+"""The inputs of megalite's arithmetic (`megalite.perfmodel.estimate`): a model's shape (and well-known shapes by
 name), a parallel layout and batch, and the bytes per element of each kind of state. Plain dataclasses,
 validated on construction.
 """

@@ -1,7 +1,7 @@
 """Validation of a resolved megalite config: every rule in one place, all problems reported together.
 
-Run before any process group, dataset or model exists (DESIGN principle 5). Split from `config.py` so the
-dataclasses and their parsing read on their own; `megalite.config.validate` is the public entry point.
+Run before any process group, dataset or model exists, so a bad run fails before it costs anything.
+`megalite.config.validate` is the public entry point.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import os
 import types
 from typing import TYPE_CHECKING, Any, Mapping
 
-from megalite import config_cli as cli
+from megalite.config import cli
+from megalite.config.derive import resolve
+from megalite.config.presets import PRESETS
 
 if TYPE_CHECKING:
-    from megalite.config import Config
+    from megalite.config.schema import Config
 
 
 _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
@@ -36,8 +38,6 @@ def _value_problems(cfg: Config) -> list[str]:
     """Choices and ranges of single values."""
     out = [f"{k}: {_get(cfg, k)!r} is not one of {', '.join(c)}"
            for k, c in _CHOICES.items() if _get(cfg, k) not in c]
-    from megalite.config import PRESETS  # late: config.py imports this module
-
     if cfg.model.preset not in PRESETS:
         out.append(f"model.preset: unknown preset {cfg.model.preset!r}: choose one of {', '.join(PRESETS)}")
     at_least_1 = ["model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
@@ -185,8 +185,6 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     config is reported by its real problems, not as "dp must be >= 1". `device_type` is where the
     run executes ("cpu" or "cuda"), i.e. `resolved_device(cfg)`.
     """
-    from megalite.config import resolve  # late: config.py imports this module
-
     cfg = resolve(cfg, world_size)
     problems: list[str] = []
     if world_size < 1:

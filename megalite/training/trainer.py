@@ -1,6 +1,6 @@
 """The training driver behind `pretrain.py`: config -> ParallelState -> data/model/optimizer -> loop.
 
-Order is deliberate (DESIGN principle 5): the config is parsed, resolved and validated before any
+Order is deliberate (fail loudly and early): the config is parsed, resolved and validated before any
 process group, dataset or model exists, so a bad flag costs seconds, not a GPU allocation.
 """
 
@@ -20,20 +20,20 @@ from megalite import config as config_mod
 from megalite.checkpoint import sharded
 from megalite.data import DataSampler, build_data, make_batch
 from megalite.errors import DataError, MegaliteError, report
-from megalite.flops import mfu, model_flops_per_token, peak_flops
-from megalite.metrics import MetricsLogger, peak_memory_bytes
-from megalite.estimate import count_params
-from megalite.faults import FaultInjector
+from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
+from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
+from megalite.perfmodel.estimate import count_params
+from megalite.runtime.faults import FaultInjector
 from megalite.pipeline import build_pipeline
 from megalite.optim.adamw import LossScaler
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel import comm
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
-from megalite.runtime import tune_malloc
-from megalite.tracking import Tracker
-from megalite.train_step import evaluate, train_step
-from megalite.watchdog import Watchdog
+from megalite.runtime.malloc import tune_malloc
+from megalite.observability.tracking import Tracker
+from megalite.training.step import evaluate, train_step
+from megalite.runtime.watchdog import Watchdog
 
 
 class StopFlag:

@@ -1,8 +1,8 @@
 """Generic helpers behind `megalite.config`: value coercion, argv splitting, TOML reading, `--help`.
 
 Nothing here knows megalite's sections: every function takes the dataclasses (or their field
-types) as arguments, so `config.py` can import this module without an import cycle and stay a
-readable list of fields, presets and validation rules.
+types) as arguments, so the schema, presets and rules (`schema.py`, `presets.py`, `validate.py`)
+import this module without an import cycle and stay readable lists.
 
 The CLI grammar follows torchtitan's generated CLI: `--section.field VALUE` or
 `--section.field=VALUE`, bools spelled true/false/1/0/yes/no (a bare `--parallel.sp` means true),

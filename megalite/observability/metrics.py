@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megalite.tracking import Tracker
+from megalite.observability.tracking import Tracker
 
 
 def peak_memory_bytes(device: torch.device) -> int:

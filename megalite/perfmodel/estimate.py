@@ -1,16 +1,16 @@
-"""The seed lecture's arithmetic as pure functions: parameters, memory, communication, time.
+"""The arithmetic of 3D parallelism and ZeRO as pure functions: parameters, memory, communication, time.
 
 Everything here is plain Python (no torch) so `tools/estimate.py` and the planner run anywhere.
-Units: bytes and seconds; "GB" means 1e9 bytes, as in the seed and the ZeRO paper.
+Units: bytes and seconds; "GB" means 1e9 bytes, as in the ZeRO paper.
 
 Communication is counted in megalite's "wire bytes" (see `megalite.parallel.counter`): what one rank
 sends under a ring algorithm. All-reduce of X bytes over N ranks: 2(N-1)/N·X; all-gather or
 reduce-scatter of a full tensor of X bytes: (N-1)/N·X; a point-to-point send: X.
 
-Where the seed is wrong this module follows the papers (DESIGN section 4):
+Where common rules of thumb are wrong this module follows the papers:
 * ZeRO-3 moves 3Ψ(N-1)/N per micro-batch (two parameter all-gathers, forward and backward, plus
   one gradient reduce-scatter; Rajbhandari et al. 2020, section 7.2): with one micro-batch per
-  step 1.5x DDP, not the seed's "same as DDP".
+  step 1.5x DDP, not "the same as DDP" as often stated.
 * 1F1B does not shrink the pipeline bubble; see `pipeline_bubble`.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
-from megalite.estimate_inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
-from megalite.flops import model_flops_per_token
+from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
+from megalite.perfmodel.flops import model_flops_per_token
 
 GB = 1e9
 
@@ -198,7 +198,7 @@ def dp_comm_bytes(psi: float, nd: int, zero: int, prec: Precision = Precision(),
                   microbatches: int = 1) -> float:
     """Wire bytes per rank per step over the data-parallel group.
 
-    DDP: one all-reduce of the gradients, 2Ψ(N-1)/N·bytes (the seed's formula).
+    DDP: one all-reduce of the gradients, 2Ψ(N-1)/N·bytes (ring all-reduce).
     ZeRO-1/2: reduce-scatter of gradients + all-gather of updated parameters: the same 2Ψ(N-1)/N.
     ZeRO-3: parameters all-gathered for the forward and again for the backward, gradients
     reduce-scattered: 3Ψ(N-1)/N per micro-batch (the full weights are never kept between uses).
@@ -272,10 +272,10 @@ def pipeline_bubble(p: int, m: int, v: int = 1) -> float:
     """Fraction of a step each stage idles: (p-1)/(v·m + p-1) (Narayanan et al. 2021).
 
     GPipe and 1F1B have the same bubble, (p-1)/(m+p-1): P=8, M=16 -> 30.4%; P=16, M=32 -> 31.9%.
-    1F1B does NOT halve it (the seed says it does); what 1F1B changes is memory: at most p
+    1F1B does NOT halve it (a common claim); what 1F1B changes is memory: at most p
     micro-batches' activations in flight instead of m. Interleaving v model chunks per stage
     divides the bubble *time* by v (`bubble_overhead`), at v times the p2p traffic. m < p leaves
-    stages idle most of the time: the seed's "most common config error"."""
+    stages idle most of the time: the most common pipeline config error."""
     if p <= 1:
         return 0.0
     return (p - 1) / (v * m + p - 1)
@@ -335,7 +335,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     """Memory, communication, FLOPs, bubble and step time of one layout.
 
     `params` overrides the count from `dims` (Ψ per device then = params/(tp·pp)); with `dims`
-    None only model-state memory and DP traffic are computed (the seed's example). TP traffic uses
+    None only model-state memory and DP traffic are computed (the classic DDP example). TP traffic uses
     `intra_bytes_per_s` (NVLink), PP/DP/embedding traffic `inter_bytes_per_s` (defaults to each other).
     `compute_seconds` is the hardware FLOPs at `efficiency` x peak, stretched by the bubble;
     `step_seconds` adds all traffic (no overlap), `step_seconds_overlapped` hides DP traffic

@@ -1,0 +1,83 @@
+"""Building a Config: defaults < model.preset < TOML file (--config) < command line.
+
+Every unknown key and bad value is reported together in one ConfigError; `--help` prints every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from megalite.config import cli
+from megalite.config.presets import PRESETS
+from megalite.config.schema import Config
+
+
+def _sections() -> dict[str, type]:
+    return cli.sections_of(Config)
+
+
+
+
+def config_from_dict(d: dict[str, Any]) -> Config:
+    """A Config from a nested dict as read from TOML: defaults < d's preset < d's values."""
+    errors: list[str] = []
+    entries = cli.flatten(d, _sections(), "the config", errors)
+    cfg = cli.build(Config, PRESETS, entries, errors)
+    cli.raise_if(errors, "bad config")
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """A Config from a TOML file (e.g. a run's saved `config.toml`)."""
+    return config_from_dict(cli.read_toml(path))
+
+
+def help_text() -> str:
+    """The `--help` text: every field by section with its type, default and doc."""
+    docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(Config)}
+    return cli.format_help(_sections(), docs, PRESETS)
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Build a Config from `--config FILE.toml` and `--section.field VALUE` overrides.
+
+    Precedence: defaults < preset (model.preset from the CLI, else the file, else "tiny") < file
+    < CLI. Every unknown key and bad value is reported in one ConfigError. `--help` prints
+    `help_text()` and exits 0.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    sections = _sections()
+    bool_keys = {f"{s}.{n}" for s, c in sections.items() for n, t in cli.field_types(c).items()
+                 if "bool" in cli.type_name(t)}
+    parsed = cli.split_argv(args, bool_keys)
+    if parsed.want_help:
+        print(help_text(), end="")
+        raise SystemExit(0)
+    errors: list[str] = []
+    entries: list[cli.Entry] = []
+    if parsed.config_file is not None:
+        entries += cli.flatten(cli.read_toml(parsed.config_file), sections, parsed.config_file, errors)
+    entries += [(k, v, True) for k, v in parsed.overrides]
+    cfg = cli.build(Config, PRESETS, entries, errors)
+    cli.raise_if(errors, "bad config")
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Nested plain dict of `cfg`, None values dropped (TOML has no null; None means 'default')."""
+    return {s: {k: v for k, v in sec.items() if v is not None} for s, sec in dataclasses.asdict(cfg).items()}
+
+
+def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
+    """Write `cfg` as TOML, creating parent directories; atomic so a crash never leaves half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(tomli_w.dumps(config_to_dict(cfg)), encoding="utf-8")
+    os.replace(tmp, p)

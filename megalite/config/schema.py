@@ -1,0 +1,123 @@
+"""The run configuration's schema: one dataclass per section, each field with its `--help` doc.
+
+Precedence and parsing live in `parse.py`, derived values in `derive.py`, the rules in `validate.py`.
+Each field's one-line doc lives in its `metadata["doc"]`, which `--help` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with its one-line `--help` doc."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def _lf(doc: str) -> Any:
+    """A list field (empty by default) with its `--help` doc."""
+    return field(default_factory=list, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _f("tiny", "named model size whose values replace these defaults (see PRESETS)")
+    arch: str = _f("llama", "llama (RMSNorm, RoPE, SwiGLU) | gpt2 (LayerNorm, learned positions, GELU)")
+    num_layers: int = _f(4, "transformer blocks")
+    hidden_size: int = _f(128, "model width h")
+    num_heads: int = _f(4, "attention (query) heads")
+    num_kv_heads: int = _f(0, "key/value heads; 0 = num_heads (multi-head), fewer = grouped-query attention")
+    ffn_hidden_size: int = _f(0, "MLP width; 0 = llama: round_up(int(8h/3), 64), gpt2: 4h")
+    seq_len: int = _f(128, "tokens per training sequence")
+    vocab_size: int = _f(0, "vocabulary size; 0 = the tokenizer's (filled in by pretrain.py)")
+    make_vocab_divisible_by: int = _f(64, "embedding rows are padded to a multiple of this x tp")
+    norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    dropout: float = _f(0.0, "dropout probability on the embedding and the residual branches")
+    tie_embeddings: bool | None = _f(None, "share input/output embedding; unset = arch default (llama no, gpt2 yes)")
+    init_std: float = _f(0.02, "std of the normal weight init")
+    kernels: str = _f("auto", "auto | torch | triton (auto = triton on CUDA, torch elsewhere)")
+    recompute: str = _f("none", "activation recompute: none | selective (attention core) | full (whole block)")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel size (Megatron column/row-parallel linears)")
+    pp: int = _f(1, "pipeline-parallel stages")
+    dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*pp)")
+    sp: bool = _f(False, "sequence parallelism: shard norm/dropout activations over the tp ranks")
+    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedule)")
+    schedule: str = _f("1f1b", "pipeline schedule: 1f1b | gpipe | interleaved")
+    zero: int = _f(0, "ZeRO stage 0..3: shard optimizer state (1), + grads (2), + params (3) over dp")
+    pp_layers: list[int] = _lf("layers per (virtual) stage in model order; empty = even split")
+    timeout_s: float = _f(600.0, "collective timeout in seconds before a hung rank is reported")
+    backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps to train")
+    micro_batch_size: int = _f(8, "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int = _f(0, "sequences per optimizer step; 0 = micro_batch_size * dp")
+    seed: int = _f(1234, "random seed (init, dropout, data order)")
+    dtype: str = _f("auto", "auto | fp32 | bf16 | fp16 (auto = bf16 on CUDA, fp32 on CPU)")
+    device: str = _f("auto", "auto | cpu | cuda")
+    tune_malloc: bool = _f(True, "glibc: keep freed host memory for the next step instead of returning it to the "
+                                 "OS (no page-fault storm on CPU; see megalite/runtime/malloc.py)")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
+    beta1: float = _f(0.9, "Adam beta1")
+    beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = no clipping")
+    eval_interval: int = _f(100, "steps between validation runs; 0 = never")
+    eval_steps: int = _f(4, "validation batches per evaluation")
+    max_skipped_steps: int = _f(10, "abort after this many consecutive skipped (inf/nan) steps")
+    spike_factor: float = _f(0.0, "log a loss spike when loss > this x the running median loss; 0 = off")
+    watchdog_factor: float = _f(20.0, "a step longer than this x the median step is a hang: report and exit; 0 = off")
+    watchdog_min_s: float = _f(60.0, "never call a step a hang before it has run this many seconds")
+
+
+@dataclass
+class DataConfig:
+    path: list[str] = _lf(".bin/.idx prefixes; empty = the embedded demo corpus")
+    weights: list[float] = _lf("blend weights, one per path; empty = proportional to size")
+    tokenizer: str = _f("", "SentencePiece .model file; empty = the demo tokenizer")
+    valid_fraction: float = _f(0.02, "share of documents held out for validation")
+    cache_dir: str = _f("", "empty = $MEGALITE_CACHE or ~/.cache/megalite")
+    demo_max_bytes: int = _f(3_000_000, "bytes of the embedded demo corpus to use")
+    demo_vocab_size: int = _f(2048, "vocabulary size of the demo tokenizer")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _f("", "directory for checkpoints; empty = no checkpoints")
+    interval: int = _f(0, "steps between saves; 0 = only at the end (when dir is set)")
+    load: str = _f("", '"" (resume from the newest in dir if any) | "none" | "latest" | a checkpoint directory')
+    keep: int = _f(3, "most recent checkpoints kept in dir (older ones are deleted)")
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = _f("runs/latest", "directory for metrics.jsonl and config.toml")
+    interval: int = _f(10, "steps between log lines")
+    wandb_project: str = _f("", "wandb project; empty = no wandb")
+    wandb_entity: str = _f("", "wandb entity (team or user)")
+    wandb_run_name: str = _f("", "wandb run name; empty = wandb's default")
+
+
+def _section(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _section(ModelConfig, "model shape and kernels")
+    parallel: ParallelConfig = _section(ParallelConfig, "3D parallel layout and ZeRO")
+    train: TrainConfig = _section(TrainConfig, "optimization and precision")
+    data: DataConfig = _section(DataConfig, "datasets and tokenizer")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
+    logging: LoggingConfig = _section(LoggingConfig, "metrics, JSONL and wandb")
