@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.zero_buckets import Bucket, adamw_flat, adamw_flat_unfused, make_bucket
+from megalite.parallel.param_spec import REPLICATED, ParamSpec
 
 LR, WD, BETAS, EPS, STEPS = 1e-2, 0.1, (0.9, 0.95), 1e-8, 3
 
@@ -24,6 +25,10 @@ def _params() -> list[nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (3, 11), (1,)]  # odd sizes: shards cut parameters in two
     return [nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+
+
+def _specs(params: list[nn.Parameter]) -> dict[nn.Parameter, ParamSpec]:
+    return {p: ParamSpec(REPLICATED) for p in params}
 
 
 def _grads(params: list[nn.Parameter], step: int) -> list[torch.Tensor]:
@@ -35,7 +40,7 @@ def _grads(params: list[nn.Parameter], step: int) -> list[torch.Tensor]:
 def _run_flat(dp: int, rank: int, update, wd: float = WD) -> torch.Tensor:
     """STEPS updates of rank `rank`'s shard of a bucket padded for `dp`; returns the shard's params."""
     params = _params()
-    b, full = make_bucket(params, dp, rank, pad=True)
+    b, full = make_bucket(params, _specs(params), dp, rank, pad=True)
     own = full[b.lo:b.hi].clone()
     b.master, b.exp_avg, b.exp_avg_sq = own, torch.zeros_like(own), torch.zeros_like(own)
     for step in range(1, STEPS + 1):
@@ -81,5 +86,6 @@ def test_unfused_fallback_matches_torch_single_tensor_and_fused() -> None:
 
 
 def test_bucket_type_is_what_the_optimizer_uses() -> None:
-    b, _ = make_bucket(_params(), 1, 0, pad=False)
+    params = _params()
+    b, _ = make_bucket(params, _specs(params), 1, 0, pad=False)
     assert isinstance(b, Bucket) and [s.decay for s in b.segments] == [True, False, True, False]

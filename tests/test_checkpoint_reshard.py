@@ -21,7 +21,8 @@ from megalite.checkpoint.sharded import find, load_sharded, save_sharded
 from megalite.errors import CheckpointError
 from megalite.model.gpt import GPT
 from megalite.optim.adamw import LossScaler
-from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim.reference import ReferenceOptimizer
+from megalite.parallel.param_spec import Tied, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
@@ -42,16 +43,17 @@ def _setup(lay: tuple[int, int, int, bool], cfg, seed: int):
     model = nn.ModuleList(engine.chunks)
     info = model_info(cfg)
     for chunk in engine.chunks:  # the offline tool's name rules agree with the real model
+        specs = named_param_specs(chunk, CheckpointError)
         for name, p in chunk.named_parameters():
-            want = layout_of(name, getattr(p, "tp_layout", None))
+            want = layout_of(name, specs[name].layout)
             assert layout_for(name, info) == want, name
-            g = tuple(p.shape) if want is None else None
-            if want is not None and want[0] == "row":
+            g = tuple(p.shape)
+            if want.kind == "row":
                 g = (p.shape[0], p.shape[1] * tp)
-            elif want is not None:
-                g = (VOCAB if want[0] == "vocab" else p.shape[0] * tp,) + tuple(p.shape[1:])
+            elif want.split:
+                g = (VOCAB if want.kind == "vocab" else p.shape[0] * tp,) + tuple(p.shape[1:])
             assert local_shape_for(name, g, want, tp, info) == tuple(p.shape), name
-    return st, engine, model, DataParallelOptimizer(model, st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    return st, engine, model, ReferenceOptimizer(model, st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
 
 
 def _step(st, engine, opt, data: torch.Tensor, i: int, vpp: int) -> float:
@@ -67,11 +69,12 @@ def _full(model: nn.ModuleList, opt, st) -> dict[str, torch.Tensor]:
     states = opt.param_states()
     out: dict[str, torch.Tensor] = {}
     for chunk in model:
+        specs = named_param_specs(chunk, CheckpointError)
         for name, p in chunk.named_parameters():
-            if getattr(p, "embedding_copy", False):
+            if specs[name].tied is Tied.HEAD_COPY:
                 continue
             for kind, t in [("param", p)] + [(k, v) for k, v in states.get(name, {}).items() if k != "step"]:
-                full = unshard(t.detach(), getattr(p, "tp_layout", None), st)
+                full = unshard(t.detach(), specs[name].layout, st)
                 out[f"{kind}/{name}"] = full[:VOCAB] if name in ("embedding.weight", "head.weight") else full
     gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, out if st.tp_rank == 0 and st.dp_rank == 0 else {})
@@ -141,10 +144,10 @@ def test_same_layout_is_bitwise(dist_world, tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- faults, one process
-def _tiny(seed: int = 5, **kw) -> tuple[GPT, DataParallelOptimizer, ParallelState]:
+def _tiny(seed: int = 5, **kw) -> tuple[GPT, ReferenceOptimizer, ParallelState]:
     st = ParallelState()
     model = GPT(tiny_model_cfg("llama", vocab_size=VOCAB, **kw), st, seed=seed)
-    return model, DataParallelOptimizer(model, st, 1e-2, 0.1, (0.9, 0.95), 1e-8), st
+    return model, ReferenceOptimizer(model, st, 1e-2, 0.1, (0.9, 0.95), 1e-8), st
 
 
 def test_corrupt_missing_and_mismatched(tmp_path: Path) -> None:

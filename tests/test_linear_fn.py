@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.layers.linear_fn import linear, linear_parts, part_blocks
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
+from megalite.optim.protocol import FoldsWeightGrad
 from megalite.parallel.state import ParallelState
 from tests.parallel_utils import tiny_model_cfg
 
@@ -79,9 +80,8 @@ def test_fold_accumulates_into_main_grad_and_leaves_no_grad(dtype: torch.dtype) 
         calls.append(1)
         accumulate(main)
 
-    w.fold_main_grad = fold
     for _ in range(2):  # two micro-batches accumulate
-        torch.autograd.backward(linear_parts(x, w, None, part_blocks(sizes)), ups)
+        torch.autograd.backward(linear_parts(x, w, None, part_blocks(sizes), fold), ups)
     assert w.grad is None and len(calls) == 2
     x2 = x.detach().reshape(-1, 9)
     blocks = [torch.mm(u.reshape(-1, u.shape[-1]).t(), x2) for u in ups]  # dW per part, in `dtype`
@@ -99,8 +99,8 @@ def test_fold_survives_activation_checkpointing() -> None:
     """Full recompute hands backward a recomputed alias of the weight: the fold must still be used."""
     x, w, _, ups = _inputs((4,), False, torch.float32)
     main = torch.zeros(w.shape)
-    w.fold_main_grad = lambda accumulate: accumulate(main)
-    y = checkpoint(lambda t: torch.tanh(linear(t, w)), x, use_reentrant=False)
+    y = checkpoint(lambda t: torch.tanh(linear(t, w, fold=lambda accumulate: accumulate(main))), x,
+                   use_reentrant=False)
     y.backward(ups[0])
     assert w.grad is None
     w2 = w.detach().clone().requires_grad_(True)
@@ -131,7 +131,8 @@ def test_zero_optimizer_folds_only_weights_of_one_linear() -> None:
         model = GPT(tiny_model_cfg(arch), st, seed=1)
         build_distributed_optimizer(model, st, 0, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
                                     dtype=torch.float32)
-        folded = {n for n, p in model.named_parameters() if hasattr(p, "fold_main_grad")}
+        folded = {f"{n}.weight" for n, m in model.named_modules()
+                  if isinstance(m, FoldsWeightGrad) and m.wgrad_fold is not None}
         linears = {n for n, _ in model.named_parameters()
                    if n.endswith(("qkv.weight", "out.weight", "up.weight", "down.weight"))}
         tied = arch == "gpt2"

@@ -18,7 +18,7 @@ kernels = pytest.importorskip("kernels")
 
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
-from megalite.optim.distributed import DataParallelOptimizer  # noqa: E402
+from megalite.optim.reference import ReferenceOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.step import train_step  # noqa: E402
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg  # noqa: E402
@@ -31,7 +31,7 @@ def _losses(kind: str, arch: str, state: ParallelState, steps: int = 3) -> list[
     cfg = tiny_model_cfg(arch, kernels=kind, hidden_size=64, num_heads=4, num_kv_heads=2 if arch == "llama" else 4,
                          num_layers=2, seq_len=16)
     model = GPT(cfg, state, seed=3)
-    opt = DataParallelOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    opt = ReferenceOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     gen = torch.Generator().manual_seed(4)
     out = []
     for i in range(steps):

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from megalite.model.gpt import GPT
 from megalite.optim.adamw import LossScaler
-from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline, build_schedule, max_in_flight
@@ -44,11 +44,11 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
     tcfg = tiny_train_cfg(STEPS)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = DataParallelOptimizer(ref, ref_state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    ref_opt = ReferenceOptimizer(ref, ref_state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     ref_losses = [train_step(ref, ref_opt, b, ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
                   for i, b in enumerate(_batches(data, 0, global_batch))]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp)
-    opt = DataParallelOptimizer(nn.ModuleList(engine.chunks), st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    opt = ReferenceOptimizer(nn.ModuleList(engine.chunks), st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     mine = _batches(data, st.dp_rank * per_rank, (st.dp_rank + 1) * per_rank)
     st.counter.reset()
     losses = [train_step(engine, opt, b, st, tcfg, i, torch.float32, LossScaler(False), schedule, vpp).loss

@@ -20,7 +20,7 @@ from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.model.gpt import GPT
 from megalite.optim.adamw import LossScaler
-from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel import comm
 from megalite.perfmodel.accounting import tp_bytes_per_step
 from megalite.parallel.sharding import full_state_dict
@@ -125,7 +125,7 @@ def test_layers_match_unsharded_reference(dist_world, world: int, sp: bool) -> N
 
 
 def _train(model: GPT, state: ParallelState, batches_per_step: list, steps: int) -> list[float]:
-    opt = DataParallelOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    opt = ReferenceOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     tcfg = tiny_train_cfg(steps)
     return [train_step(model, opt, batches_per_step[i], state, tcfg, i, torch.float32, LossScaler(False)).loss
             for i in range(steps)]

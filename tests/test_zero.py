@@ -21,10 +21,12 @@ from fractions import Fraction
 import pytest
 import torch
 
+from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
-from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim.reference import ReferenceOptimizer
+from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.training.step import evaluate, train_step
@@ -83,7 +85,7 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
     data = _data(cfg, STEPS, global_batch)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = DataParallelOptimizer(ref, ref_state, **HYPER)
+    ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
     ref_losses = [train_step(ref, ref_opt, _micro(d), ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
                   for i, d in enumerate(data)]
@@ -102,9 +104,10 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
     mem = opt.memory_bytes()
     assert mem == expected_memory(stage, psi, padded, st.dp, 4), f"zero={stage}: memory {mem}"
     params = dict(model.named_parameters())
+    specs = named_param_specs(model, ConfigError)
     ref_params = dict(ref.named_parameters())
     for name, value in opt.full_parameters().items():
-        full, expect = unshard(value, getattr(params[name], "tp_layout", None), st), ref_params[name].detach()
+        full, expect = unshard(value, specs[name].layout, st), ref_params[name].detach()
         if name.endswith("attn.qkv.bias"):  # zero true gradient (see module doc): compare q and v only
             h = cfg.hidden_size
             full, expect = torch.cat([full[:h], full[-h:]]), torch.cat([expect[:h], expect[-h:]])
@@ -235,7 +238,7 @@ def _check_pipeline(rank: int, stage: int, arch: str) -> None:
     data = _data(cfg, 3, per_rank * st.dp)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = DataParallelOptimizer(ref, ref_state, **HYPER)
+    ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     tcfg = tiny_train_cfg(3)
     ref_losses = [train_step(ref, ref_opt, _micro(d), ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
                   for i, d in enumerate(data)]

@@ -2,14 +2,14 @@
 
 A sharded checkpoint stores every logical tensor in its *global, unpadded* shape (the layout-free
 truth) as a set of slabs; a rank at any layout then asks "which global regions make up my local
-shard?" and reads just those. This file answers that question from the parameter's `tp_layout`
-(set by `megalite.layers`), the tp degree and rank, and the real vocabulary size:
+shard?" and reads just those. This file answers that question from the parameter's `TPLayout` (its
+`ParamSpec`, declared by `megalite.layers`), the tp degree and rank, and the real vocabulary size:
 
-  None              replicated: the local tensor is the whole global tensor
-  ("row",)          dim 1 split: rank r holds columns [r*n, (r+1)*n)
-  ("column", parts) dim 0 is the concatenation of logical parts (q, k, v / gate, up), each split
+  replicated        the local tensor is the whole global tensor
+  row               dim 1 split: rank r holds columns [r*n, (r+1)*n)
+  column(parts)     dim 0 is the concatenation of logical parts (q, k, v / gate, up), each split
                     separately, so rank r holds one row block *per part*: several pieces
-  ("vocab",)        dim 0 split of the PADDED vocabulary (Megatron pads it to a multiple of
+  vocab             dim 0 split of the PADDED vocabulary (Megatron pads it to a multiple of
                     tp * make_vocab_divisible_by): rank r holds padded rows [r*n, (r+1)*n), of which
                     only those below vocab_size are real; the rest are padding, not stored. The
                     output head is a single-part column linear over the padded vocabulary, i.e. the
@@ -27,6 +27,7 @@ from typing import Any
 
 from megalite.errors import CheckpointError
 from megalite.layers.embedding import padded_vocab_size
+from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column
 
 VOCAB_TENSORS = ("embedding.weight", "head.weight")
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
@@ -56,22 +57,22 @@ def logical_name(name: str) -> str:
     return _CHUNK_PREFIX.sub("", name, count=1)
 
 
-def layout_of(name: str, tp_layout: tuple | None) -> tuple | None:
+def layout_of(name: str, tp_layout: TPLayout) -> TPLayout:
     """The effective layout: the head's single-part column split over the padded vocab is a vocab split."""
-    if logical_name(name) in VOCAB_TENSORS and tp_layout is not None:
-        return ("vocab",)
+    if logical_name(name) in VOCAB_TENSORS and tp_layout.split:
+        return VOCAB
     return tp_layout
 
 
-def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: tuple | None, tp: int, tp_rank: int,
+def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: TPLayout, tp: int, tp_rank: int,
               vocab_size: int) -> ShardMap:
     """The pieces of global tensor `name` that rank `tp_rank` of `tp` holds in a shard of `local_shape`."""
     local_shape = tuple(local_shape)
     layout = layout_of(name, tp_layout)
     zeros = (0,) * len(local_shape)
-    if layout is None or (tp == 1 and layout[0] != "vocab"):
+    if not layout.split or (tp == 1 and layout.kind != "vocab"):
         return ShardMap(local_shape, local_shape, (Piece(zeros, zeros, local_shape),))
-    kind, rest = layout[0], local_shape[1:]
+    kind, rest = layout.kind, local_shape[1:]
     if kind == "row":
         n = local_shape[1]
         glob = (local_shape[0], n * tp) + local_shape[2:]
@@ -79,12 +80,12 @@ def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: tuple | None, 
         return ShardMap(glob, local_shape, (Piece(zeros, start, local_shape),))
     if kind == "vocab":
         rows = local_shape[0]
-        start = tp_rank * rows
-        real = max(0, min(rows, vocab_size - start))
-        pieces = (Piece(zeros, (start,) + (0,) * len(rest), (real,) + rest),) if real else ()
+        first = tp_rank * rows
+        real = max(0, min(rows, vocab_size - first))
+        pieces = (Piece(zeros, (first,) + (0,) * len(rest), (real,) + rest),) if real else ()
         return ShardMap((vocab_size,) + rest, local_shape, pieces)
     if kind == "column":
-        parts = [int(p) for p in layout[1]]
+        parts = list(layout.parts)
         pieces_l: list[Piece] = []
         lo = go = 0
         for p in parts:
@@ -93,9 +94,9 @@ def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: tuple | None, 
             lo, go = lo + n, go + p
         if lo != local_shape[0]:
             raise CheckpointError(f"{name}: local rows {local_shape[0]} do not match its column parts {parts} / "
-                                  f"tp={tp}; the model and its tp_layout disagree (a megalite bug, please report)")
+                                  f"tp={tp}; the model and its TP layout disagree (a megalite bug, please report)")
         return ShardMap((go,) + rest, local_shape, tuple(pieces_l))
-    raise CheckpointError(f"{name}: unknown tp_layout {layout!r} (a megalite bug, please report)")
+    raise CheckpointError(f"{name}: unknown TP layout {layout!r} (a megalite bug, please report)")
 
 
 # ----------------------------------------------------------------------------- planning without a model
@@ -106,32 +107,32 @@ def model_info(cfg: Any) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
 
 
-def layout_for(name: str, info: dict[str, Any]) -> tuple | None:
-    """The `tp_layout` a parameter of this name has in a megalite GPT (tested against the real model)."""
+def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
+    """The TP layout a parameter of this name has in a megalite GPT (tested against the real model)."""
     name = logical_name(name)
     if name in VOCAB_TENSORS:
-        return ("vocab",)
+        return VOCAB
     hd = info["hidden_size"] // info["num_heads"]
     f = info["ffn_hidden_size"]
     if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-        return ("column", (info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd))
+        return column((info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd))
     if name.endswith("mlp.up.weight") or name.endswith("mlp.up.bias"):
-        return ("column", (f, f) if info["arch"] == "llama" else (f,))
+        return column((f, f) if info["arch"] == "llama" else (f,))
     if name.endswith("attn.out.weight") or name.endswith("mlp.down.weight"):
-        return ("row",)
-    return None
+        return ROW
+    return REPLICATED
 
 
-def local_shape_for(name: str, global_shape: tuple[int, ...], tp_layout: tuple | None, tp: int,
+def local_shape_for(name: str, global_shape: tuple[int, ...], tp_layout: TPLayout, tp: int,
                     info: dict[str, Any]) -> tuple[int, ...]:
     """The shape of one TP shard of a global tensor at `tp` (vocab rows padded as the model pads them)."""
     g = tuple(global_shape)
     layout = layout_of(name, tp_layout)
-    if layout is None:
+    if not layout.split:
         return g
-    if layout[0] == "row":
+    if layout.kind == "row":
         return (g[0], g[1] // tp) + g[2:]
-    if layout[0] == "vocab":
+    if layout.kind == "vocab":
         return (padded_vocab_size(info["vocab_size"], tp, info.get("make_vocab_divisible_by", 1)) // tp,) + g[1:]
     return (g[0] // tp,) + g[1:]
 

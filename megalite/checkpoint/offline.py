@@ -48,7 +48,7 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
         layout = layout_for(name, info)
         stage = stage_of(name, info["num_layers"], pp, vpp, pp_layers)
         plan[key] = []
-        for tp_rank in range(tp if layout is not None else 1):
+        for tp_rank in range(tp if layout.split else 1):
             smap = shard_map(name, local_shape_for(name, shape, layout, tp, info), layout, tp, tp_rank,
                              info["vocab_size"])
             if smap.global_shape != tuple(shape):

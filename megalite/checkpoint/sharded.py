@@ -24,11 +24,14 @@ per rank (tensors) and restored only when the layout (tp, pp, dp, sp, vpp) is un
 layout the ranks hold different pieces and draw different masks anyway, so the freshly seeded RNG
 streams of the new run are kept (load returns `rng=None`). This only matters with dropout > 0.
 
-Optimizer protocol (`DataParallelOptimizer` and the ZeRO optimizers implement it):
+Of the optimizer (`megalite.optim.protocol.DistributedOptimizer`) this uses `stage` (recorded in the
+index) and its checkpoint half:
     param_states() -> {global name: {"exp_avg", "exp_avg_sq" (local TP shard, fp32), "step",
                        optionally "master" (fp32 param)}}   ({} before the first step)
     load_param_states({global name: {"master", and "exp_avg", "exp_avg_sq", "step" when the
                        checkpoint has optimizer state}})    (no "exp_avg": start that param fresh)
+How each parameter is cut over TP comes from its `ParamSpec` (`megalite.parallel.param_spec`); saving
+or loading a model with a parameter that has none fails with a CheckpointError naming it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,8 @@ from megalite.checkpoint.layout import ShardMap, logical_name, model_info, shard
 from megalite.checkpoint.files import LATEST, fsync_file, prune, sha256, step_dir_name
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
+from megalite.optim.protocol import DistributedOptimizer
+from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import ParallelState
 
 INDEX = "index.json"
@@ -68,18 +73,23 @@ def _barrier(state: ParallelState) -> None:
         dist.barrier()
 
 
-def _params(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter, str]]:
-    """(global name, parameter, name of the stored tensor it comes from); a tied head copy comes from
-    `embedding.weight`."""
+def _params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter, str, ParamSpec]]:
+    """(global name, parameter, name of the stored tensor it comes from, spec); a tied head copy comes
+    from `embedding.weight`. Raises a CheckpointError naming any parameter without a spec."""
+    out = []
     for chunk in chunks:
+        specs = named_param_specs(chunk, CheckpointError)
         for name, p in chunk.named_parameters():
-            source = "embedding.weight" if getattr(p, "embedding_copy", False) else logical_name(name)
-            yield logical_name(name), p, source
+            spec = specs[name]
+            source = "embedding.weight" if spec.tied is Tied.HEAD_COPY else logical_name(name)
+            out.append((logical_name(name), p, source, spec))
+    return out
 
 
-def _layout(state: ParallelState, chunks: list[nn.Module], optimizer: Any) -> dict[str, Any]:
+def _layout(state: ParallelState, chunks: list[nn.Module],
+            optimizer: DistributedOptimizer | None) -> dict[str, Any]:
     return {"tp": state.tp, "pp": state.pp, "dp": state.dp, "sp": bool(state.sp), "vpp": len(chunks),
-            "zero": int(getattr(optimizer, "stage", 0))}
+            "zero": optimizer.stage if optimizer is not None else 0}
 
 
 def _local(t: torch.Tensor, smap: ShardMap, i: int) -> torch.Tensor:
@@ -116,21 +126,22 @@ def _json_extra(extra: dict[str, Any]) -> dict[str, Any]:
     return rest
 
 
-def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Module], optimizer: Any,
-                 extra: dict[str, Any], state: ParallelState, keep: int) -> Path:
+def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Module],
+                 optimizer: DistributedOptimizer | None, extra: dict[str, Any], state: ParallelState,
+                 keep: int) -> Path:
     """Every rank calls this; each writes only its own slices. Returns the published step directory."""
     chunks = _chunks(model_chunks)
     info = model_info(chunks[0].cfg)
     base = Path(root)
     final, tmp = base / step_dir_name(step), base / (step_dir_name(step) + ".tmp")
+    params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     items: list[tuple[str, ShardMap, torch.Tensor]] = []
     opt_step: float | None = None
-    for name, p, _ in _params(chunks):
-        layout = getattr(p, "tp_layout", None)
-        if getattr(p, "embedding_copy", False) or (layout is None and state.tp_rank != 0):
+    for name, p, _, spec in params:
+        if spec.tied is Tied.HEAD_COPY or (not spec.layout.split and state.tp_rank != 0):
             continue
-        smap = shard_map(name, tuple(p.shape), layout, state.tp, state.tp_rank, info["vocab_size"])
+        smap = shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank, info["vocab_size"])
         st = pstates.get(name, {})
         items.append((f"param/{name}", smap, st.get("master", p)))
         items += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
@@ -242,12 +253,13 @@ def check_model(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None
                               "set model.* to the checkpointed model's values")
 
 
-def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module], optimizer: Any,
-                 state: ParallelState) -> dict[str, Any]:
+def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
+                 optimizer: DistributedOptimizer | None, state: ParallelState) -> dict[str, Any]:
     """Load this rank's shards at the current layout; returns `extra` plus step, rng (None when the layout
     changed) and has_optimizer_state. Reads only the slab regions that overlap this rank's shards."""
     path = Path(path)
     chunks = _chunks(model_chunks)
+    params = _params(chunks)
     info = model_info(chunks[0].cfg)
     index = read_index(path)
     check_model(index.get("model", {}), info, path)
@@ -255,9 +267,8 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module], op
     has_opt = any(k.startswith("exp_avg/") for k in index["tensors"])
     states: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
-        for name, p, source in _params(chunks):
-            smap = shard_map(name, tuple(p.shape), getattr(p, "tp_layout", None), state.tp, state.tp_rank,
-                             info["vocab_size"])
+        for name, p, source, spec in params:
+            smap = shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank, info["vocab_size"])
             key = f"param/{source}"
             if reader.has(key) and reader.shape(key) != smap.global_shape:
                 raise CheckpointError(f"checkpoint {path}: tensor {source} has shape {list(reader.shape(key))} but "

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megalite.layers.init import full_normal
 from megalite.layers.linear import exit_tp_region
+from megalite.parallel.param_spec import VOCAB, ParamSpec
 from megalite.parallel.state import ParallelState
 
 
@@ -36,7 +37,9 @@ class VocabParallelEmbedding(nn.Module):
         full = full_normal((padded_size, hidden), std, seed, name)
         full[vocab_size:] = 0.0  # padded rows: never used; zero keeps exported weights clean
         self.weight = nn.Parameter(full[self.vocab_start:self.vocab_start + self.rows].contiguous())
-        self.weight.tp_layout = ("vocab",)  # type: ignore[attr-defined]
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec(VOCAB)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.state.tp == 1:

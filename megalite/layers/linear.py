@@ -4,14 +4,14 @@ A column-parallel linear splits the weight's output rows across TP ranks (Y_i = 
 row-parallel one splits its input columns (Y = sum_i X_i B_i). Chained column -> row, the pair needs
 one all-reduce forward (g, after the row layer) and one backward (f, before the column layer).
 
-Each parameter carries `tp_layout` for checkpointing/gathering:
-  ("column", parts)  dim 0 is split; the weight is the concatenation of `parts` logical matrices
-                     (e.g. q, k, v), each split separately, so [q_i; k_i; v_i] is rank i's shard
-  ("row",)           dim 1 (input) is split
-  None               replicated; `sp_partial=True` marks grads that are partial sums under SP
+Each layer declares how its parameters are cut (`param_specs()`, a `ParamSpec` per parameter, see
+`megalite.parallel.param_spec`): the column weight and bias as a column layout of their logical parts
+(e.g. q, k, v, each split separately), the row weight as a row layout, the row bias replicated (and,
+under SP, with gradients that are partial sums over TP).
 
-The matmuls run in `linear_fn` (one per logical part; the weight gradient can go straight into the
-optimizer's fp32 buffer): every weight here is marked `wgrad_foldable`.
+The matmuls run in `linear_fn` (one per logical part). Both layers implement the optimizer's
+`FoldsWeightGrad` contract (`megalite.optim.protocol`): an optimizer that keeps fp32 gradient buffers
+registers a fold with `set_wgrad_fold`, and the weight gradient then goes straight into its buffer.
 """
 
 from __future__ import annotations
@@ -20,16 +20,27 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.layers.linear_fn import linear, linear_parts, part_blocks
+from megalite.layers.linear_fn import Fold, linear, linear_parts, part_blocks
 from megalite.parallel import comm
+from megalite.parallel.param_spec import REPLICATED, ROW, ParamSpec, column
 from megalite.parallel.state import ParallelState
+
+
+class _WeightGradFold:
+    """The fold slot both linears share: set by the optimizer, passed to `linear_fn` on every call."""
+
+    wgrad_fold: Fold | None = None
+
+    def set_wgrad_fold(self, fold: Fold | None) -> None:
+        """Let backward add the weight gradient into the optimizer's buffer (`linear_fn`), or stop it (None)."""
+        self.wgrad_fold = fold
 
 
 def _shard_rows(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return full.chunk(tp, dim=0)[rank]
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_WeightGradFold, nn.Module):
     """y = x A^T with A's output rows split over TP; `out_parts` fuse several logical outputs.
 
     Returns one tensor per part (a 1-tuple for a single part), each this rank's [..., part/tp] slice,
@@ -53,23 +64,24 @@ class ColumnParallelLinear(nn.Module):
         shards = [_shard_rows(full_normal((p, in_features), std, seed, f"{name}.{i}"), tp, state.tp_rank)
                   for i, p in enumerate(out_parts)]
         self.weight = nn.Parameter(torch.cat(shards, dim=0).contiguous())
-        self.weight.tp_layout = ("column", tuple(out_parts))  # type: ignore[attr-defined]
-        self.weight.wgrad_foldable = True  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(out_parts) // tp))
-            self.bias.tp_layout = ("column", tuple(out_parts))  # type: ignore[attr-defined]
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        spec = ParamSpec(column(self.out_parts))
+        return {"weight": spec} if self.bias is None else {"weight": spec, "bias": spec}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.input_ready:
             x = enter_tp_region(x, self.state)
-        ys = linear_parts(x, self.weight, self.bias, self.blocks)
+        ys = linear_parts(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
         if self.gather_output:
             ys = tuple(comm.gather_last_dim(y, self.state) for y in ys)
         return ys
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_WeightGradFold, nn.Module):
     """y = sum_i x_i B_i^T with B's input columns split over TP; x is already split (input is parallel).
 
     Without SP the partial outputs are all-reduced (g); with SP they are reduce-scattered along the
@@ -84,16 +96,17 @@ class RowParallelLinear(nn.Module):
         self.state = state
         full = full_normal((out_features, in_features), std, seed, f"{name}.0")
         self.weight = nn.Parameter(full.chunk(state.tp, dim=1)[state.tp_rank].contiguous())
-        self.weight.tp_layout = ("row",)  # type: ignore[attr-defined]
-        self.weight.wgrad_foldable = True  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
-            self.bias.tp_layout = None  # type: ignore[attr-defined]
-            self.bias.sp_partial = state.sp  # type: ignore[attr-defined]
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        weight = {"weight": ParamSpec(ROW)}
+        # The bias is added after the reduction, replicated; under SP each rank adds it to 1/tp of the tokens.
+        return weight if self.bias is None else weight | {"bias": ParamSpec(REPLICATED, sp_partial=self.state.sp)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(linear(x, self.weight), self.state)
+        y = exit_tp_region(linear(x, self.weight, fold=self.wgrad_fold), self.state)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

@@ -10,8 +10,8 @@ matmuls are the same FLOPs (Hugging Face's separate q/k/v/gate/up layers do the 
 
 Why the weight gradient bypasses autograd (Megatron-LM's `gradient_accumulation_fusion`): the
 ZeRO optimizer keeps fp32 gradients in flat buffers. The usual path materialises dW, stores it in
-`.grad`, and a Python hook adds it to the buffer and drops it. When the optimizer has given the
-weight a `fold_main_grad` callable (`ZeroOptimizer` does, for weights used by exactly one linear),
+`.grad`, and a Python hook adds it to the buffer and drops it. When the caller passes a `fold` (the
+linear layers pass the one `ZeroOptimizer` registered with them, for weights used by one linear only),
 backward instead passes it a function that accumulates dW into the fp32 buffer view it is handed:
 `addmm_` (the add happens inside the GEMM) when the activations are fp32, `add_` of the matmul
 otherwise (the same rounding as the hook path). Autograd then sees no weight gradient at all.
@@ -58,7 +58,7 @@ class LinearParts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
-                blocks: Blocks) -> tuple[Tensor, ...]:
+                blocks: Blocks, fold: Fold | None) -> tuple[Tensor, ...]:
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
         b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
         lead = x.shape[:-1]
@@ -70,9 +70,7 @@ class LinearParts(torch.autograd.Function):
             outs.append(y.view(*lead, hi - lo))
         ctx.save_for_backward(x2, weight)
         ctx.blocks, ctx.x_shape = blocks, x.shape
-        # Read now, from the parameter itself: under activation checkpointing the saved `weight` comes
-        # back in backward as a recomputed alias without the attribute.
-        ctx.fold = getattr(weight, "fold_main_grad", None)
+        ctx.fold = fold
         ctx.bias_dtype = None if bias is None else bias.dtype
         return tuple(outs)
 
@@ -105,16 +103,17 @@ class LinearParts(torch.autograd.Function):
                 for g, (lo, hi) in zip(gs, blocks):
                     torch.mm(g.t(), x2, out=dw[lo:hi])
                 dw = dw.to(weight.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
-def linear_parts(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks) -> tuple[Tensor, ...]:
+def linear_parts(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks,
+                 fold: Fold | None = None) -> tuple[Tensor, ...]:
     """One output per row block of `weight` (`part_blocks(sizes)`); see the module doc."""
     if blocks[-1][1] != weight.shape[0]:
         raise ValueError(f"part blocks {list(blocks)} do not cover the weight's {weight.shape[0]} rows")
-    return LinearParts.apply(x, weight, bias, blocks)
+    return LinearParts.apply(x, weight, bias, blocks, fold)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fold: Fold | None = None) -> Tensor:
     """F.linear with the main-grad fold (a single part)."""
-    return LinearParts.apply(x, weight, bias, ((0, weight.shape[0]),))[0]
+    return LinearParts.apply(x, weight, bias, ((0, weight.shape[0]),), fold)[0]

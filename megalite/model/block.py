@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops
+from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
 
@@ -31,9 +32,12 @@ class Norm(nn.Module):
         self.eps, self.ops, self.arch = eps, ops, arch
         self.weight = nn.Parameter(torch.ones(hidden))
         self.bias = nn.Parameter(torch.zeros(hidden)) if arch == "gpt2" else None
-        for p in self.parameters():
-            p.tp_layout = None  # type: ignore[attr-defined]
-            p.sp_partial = state.sp  # each rank sees 1/tp of the sequence: grads are partial sums
+        self.sp = state.sp
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        # Replicated; under SP each rank sees 1/tp of the sequence, so the grads are partial sums over TP.
+        spec = ParamSpec(REPLICATED, sp_partial=self.sp)
+        return {"weight": spec} if self.bias is None else {"weight": spec, "bias": spec}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:

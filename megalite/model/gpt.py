@@ -8,11 +8,14 @@ and do not depend on tp/pp: see `megalite.layers.init`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from megalite.errors import ConfigError
 from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
@@ -20,6 +23,7 @@ from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, Norm
 from megalite.model.ops import TORCH_OPS, get_ops, resolve_kernels
 from megalite.parallel import comm
+from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
 
@@ -54,8 +58,6 @@ class GPT(nn.Module):
                                                     name="embedding", seed=seed, std=cfg.init_std)
             if cfg.arch == "gpt2":
                 self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
-                self.position.tp_layout = None  # type: ignore[attr-defined]
-                self.position.sp_partial = state.sp  # type: ignore[attr-defined]
         self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed) for i in self.layer_ids})
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
@@ -72,13 +74,25 @@ class GPT(nn.Module):
                                               seed=seed, std=cfg.init_std)
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
-                self.head.weight.shared_embedding = True  # type: ignore[attr-defined]
-                self.head.weight.embedding_copy = True  # type: ignore[attr-defined]  (norm counts it once)
-        if cfg.tie_embeddings and self.embedding is not None and not post_process:
-            self.embedding.weight.shared_embedding = True  # type: ignore[attr-defined]
         cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        """Every parameter's spec (`megalite.parallel.param_spec`): the layers' own declarations, plus the
+        learned positions and the pipeline roles of a tied embedding, which only the model knows."""
+        specs = children_specs(self)
+        if self.position is not None:  # replicated, added to each rank's 1/tp of the sequence under SP
+            specs["position"] = ParamSpec(REPLICATED, sp_partial=self.state.sp)
+        if self.cfg.tie_embeddings and self.embedding is not None and not self.post_process:
+            specs["embedding.weight"] = replace(specs["embedding.weight"], tied=Tied.EMBEDDING)
+        if self.cfg.tie_embeddings and self.head is not None and self.embedding is None:
+            specs["head.weight"] = replace(specs["head.weight"], tied=Tied.HEAD_COPY)
+        return specs
+
+    def zero3_units(self) -> list[nn.Module]:
+        """ZeRO-3 gathers each transformer block just before it runs (the rest of the stage is one unit)."""
+        return list(self.layers.values())
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.embedding is not None
@@ -148,7 +162,5 @@ class GPT(nn.Module):
 def count_parameters(model: nn.Module, state: ParallelState) -> int:
     """Parameters of the *whole* model on this stage (TP shards counted at full size, padding excluded
     from neither: the padded vocab rows are real memory). Each shared parameter counted once."""
-    total = 0
-    for p in {id(p): p for p in model.parameters()}.values():
-        total += p.numel() * (state.tp if getattr(p, "tp_layout", None) is not None else 1)
-    return total
+    specs = spec_table(model, ConfigError)
+    return sum(p.numel() * (state.tp if spec.layout.split else 1) for p, spec in specs.items())

@@ -1,17 +1,41 @@
-"""Gradient reduction, the global gradient norm and clipping.
+"""Gradient reduction, the global gradient norm and clipping over `.grad` tensors (the reference
+optimizer's), and the `no_sync()` switch both optimizers share.
 
 Order matters (a classic pitfall): reduce first, then measure the norm over all ranks, then clip.
+How each parameter is treated comes from its `ParamSpec` (`megalite.parallel.param_spec`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
 from megalite.parallel import comm
+from megalite.parallel.param_spec import ParamSpec, Tied
 from megalite.parallel.state import ParallelState
+
+Specs = Mapping[nn.Parameter, ParamSpec]
+
+
+class GradSyncSwitch:
+    """The `no_sync()` part of the optimizer protocol: backward passes inside it must not communicate;
+    the optimizer reads `self._sync` (in its gradient hooks, or not at all when it reduces only in
+    `finish_grad_sync`)."""
+
+    _sync: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
 
 def unique_params(model: nn.Module) -> list[nn.Parameter]:
@@ -19,7 +43,7 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
 
 
-def reduce_gradients(model: nn.Module, state: ParallelState) -> None:
+def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> None:
     """Sum SP-partial grads over TP, then average all grads over DP in one flat bucket.
 
     Under SP each TP rank saw 1/tp of the sequence, so replicated params (norms, row biases,
@@ -27,7 +51,7 @@ def reduce_gradients(model: nn.Module, state: ParallelState) -> None:
     gradient is DDP's 2 (N-1)/N Psi (one flat buffer; bucketing/overlap come with the ZeRO optimizer).
     """
     params = unique_params(model)
-    partial = [p for p in params if getattr(p, "sp_partial", False) and p.grad is not None]
+    partial = [p for p in params if specs[p].sp_partial and p.grad is not None]
     if state.tp > 1 and partial:
         flat = torch.cat([p.grad.reshape(-1) for p in partial])
         comm.all_reduce(flat, state, "tp")
@@ -48,12 +72,12 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
-def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
+def global_grad_norm(model: nn.Module, state: ParallelState, specs: Specs) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
-    (layout None) only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
+    only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
     counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
-               and not (getattr(p, "tp_layout", None) is None and state.tp_rank != 0)
-               and not getattr(p, "embedding_copy", False)]  # the last stage's copy of a tied embedding
+               and (specs[p].layout.split or state.tp_rank == 0)
+               and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
     # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
     norms = torch._foreach_norm(counted) if counted else []
     sq = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
@@ -72,11 +96,11 @@ def clip_gradients(model: nn.Module, max_norm: float, norm: float) -> None:
         torch._foreach_mul_(grads, scale)
 
 
-def sync_tied_embeddings(model: nn.Module, state: ParallelState) -> None:
+def sync_tied_embeddings(model: nn.Module, state: ParallelState, specs: Specs) -> None:
     """Sum the gradients of the two copies of a tied embedding (first and last pipeline stage) over
     the embedding group, so both copies take the same step and stay identical (Megatron-LM)."""
     if state.pp == 1:
         return
     for p in unique_params(model):
-        if getattr(p, "shared_embedding", False) and p.grad is not None:
+        if specs[p].pipeline_tied and p.grad is not None:
             comm.all_reduce(p.grad, state, "embedding")

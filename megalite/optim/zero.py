@@ -1,11 +1,11 @@
 """The ZeRO optimizer, stages 0-3, with mixed precision (Rajbhandari et al. 2020, "ZeRO").
 
-One class implements the `DataParallelOptimizer` interface for every stage. Parameters are laid out
-in flat buckets (`zero_buckets`); for stages >= 1 each bucket is padded to a multiple of dp and rank r
-owns the contiguous 1/dp of it. Gradients are accumulated in fp32 "main_grad" buffers (Megatron-LM's
-mixed-precision recipe), whatever the model dtype: a linear's weight gradient is added there by the
-linear's own backward (`layers.linear_fn`, Megatron's gradient-accumulation fusion), every other
-gradient by a per-parameter `post_accumulate_grad` hook. When the last parameter of a bucket gets its
+One class implements the `DistributedOptimizer` protocol (`megalite.optim.protocol`) for all stages.
+Parameters are laid out in flat buckets (`zero_buckets`); for stages >= 1 each bucket is padded to a
+multiple of dp and rank r owns the contiguous 1/dp of it. Gradients are accumulated in fp32
+"main_grad" buffers (Megatron-LM's mixed-precision recipe), whatever the model dtype: a linear's
+weight gradient is added there by the linear's own backward (`layers.linear_fn`, Megatron's
+gradient-accumulation fusion), every other gradient by a per-parameter `post_accumulate_grad` hook. When the last parameter of a bucket gets its
 gradient in the *last* micro-batch's backward (not inside `no_sync()`), the bucket's DP reduction
 starts asynchronously, overlapping the rest of the backward; `finish_grad_sync()` waits for all of them.
 
@@ -44,8 +44,12 @@ zero > 0 with dp = 1 has nothing to shard: it falls back to stage 0 with one war
 Pipeline parallelism composes through the interface (`no_sync`, `finish_grad_sync`; a tied embedding's
 two stage copies get buckets of their own and are summed over the embedding group). Stage 3 works with
 pp > 1 when each rank holds one chunk (vpp = 1) and the embeddings are untied; several interleaved chunks
-or a tied embedding's pipeline copies are rejected with a ConfigError (its hooks handle one GPT stage
-module).
+or a tied embedding's pipeline copies are rejected with a ConfigError (its hooks handle one model chunk,
+whose gather units it names: `ShardableModel.zero3_units()`).
+
+What it reads from the model: every parameter's `ParamSpec` (which pieces are TP-replicated, SP-partial
+or a tied embedding's pipeline copy; building fails, naming the parameter, when one has none), the
+ZeRO-3 units, and the linears that accept a weight-gradient fold (`FoldsWeightGrad`).
 """
 
 from __future__ import annotations
@@ -61,12 +65,13 @@ import torch
 import torch.nn as nn
 
 from megalite.errors import CheckpointError, ConfigError
-from megalite.optim.distributed import GradSyncSwitch
-from megalite.optim.grads import unique_params
 from megalite.optim import zero_state
+from megalite.optim.grads import GradSyncSwitch, unique_params
+from megalite.optim.protocol import FoldsWeightGrad, ShardableModel
 from megalite.optim.zero3 import Zero3Gatherer
 from megalite.optim.zero_buckets import Bucket, adamw_flat, make_bucket, split_by_size
 from megalite.parallel import comm
+from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default: big enough to amortise latency
@@ -91,10 +96,11 @@ class ZeroOptimizer(GradSyncSwitch):
         self.step_count = 0
         self._sync = True
         self._callback_queued = False
+        self.specs = spec_table(model, ConfigError)
         params = unique_params(model)
-        shared = [p for p in params if getattr(p, "shared_embedding", False)] if state.pp > 1 else []
-        if stage == 3 and not isinstance(getattr(model, "layers", None), nn.ModuleDict):
-            # The gather/free hooks sit on one GPT stage module; several interleaved chunks are not handled.
+        shared = [p for p in params if self.specs[p].pipeline_tied] if state.pp > 1 else []
+        if stage == 3 and not isinstance(model, ShardableModel):
+            # The gather/free hooks sit on one model chunk; several interleaved chunks are not handled.
             raise ConfigError("parallel.zero=3 with several model chunks per rank (parallel.vpp > 1) is not "
                               "supported yet: use parallel.zero<=2 with the interleaved schedule, or vpp=1")
         if stage == 3 and shared:
@@ -102,8 +108,8 @@ class ZeroOptimizer(GradSyncSwitch):
                               "model.tie_embeddings=false or use parallel.zero<=2")
         self._names = {id(p): n for n, p in reversed(list(model.named_parameters()))}
         units: list[tuple[nn.Module, list[nn.Parameter]]] = []
-        if stage == 3:
-            groups, outer = self._stage3_units(model, params)
+        if isinstance(model, ShardableModel) and stage == 3:
+            groups, outer = self._stage3_units(model, model.zero3_units(), params)
             units = groups
         else:
             # Reverse registration order ~ the order gradients become ready in backward.
@@ -122,21 +128,27 @@ class ZeroOptimizer(GradSyncSwitch):
             outer_pair = (outer[0], next(it)) if outer else None
             self.zero3 = Zero3Gatherer([(m, next(it)) for m, _ in units], outer_pair, state,
                                        self._queue_end_of_backward)
-        owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+        folded = self._register_folds(model)
         for p in params:
-            if getattr(p, "wgrad_foldable", False) and owners[id(p)] == 1:
-                # Used by one linear only: its backward adds dW into the main grad itself
-                # (`layers.linear_fn`): no `.grad` tensor, no hook.
-                p.fold_main_grad = functools.partial(self._fold, p)  # type: ignore[attr-defined]
-                p.register_post_accumulate_grad_hook(self._check_folded)
-            else:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(self._check_folded if id(p) in folded else self._on_grad)
 
     # ------------------------------------------------------------ construction
+    def _register_folds(self, model: nn.Module) -> set[int]:
+        """Give every linear whose weight it alone uses a fold into the main grad: its backward adds dW
+        there itself (`layers.linear_fn`), no `.grad` tensor, no hook. A weight shared with another
+        module (a tied embedding/head) keeps the `.grad` + hook path. Returns the folded params' ids."""
+        owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+        folded: set[int] = set()
+        for m in model.modules():
+            if isinstance(m, FoldsWeightGrad) and m.weight.requires_grad and owners[id(m.weight)] == 1:
+                m.set_wgrad_fold(functools.partial(self._fold, m.weight))
+                folded.add(id(m.weight))
+        return folded
+
     @staticmethod
-    def _stage3_units(model: nn.Module, params: list[nn.Parameter]):
-        """One unit per transformer block (`model.layers`), plus the rest as the outer unit."""
-        blocks = list(getattr(model, "layers", nn.ModuleDict()).values())
+    def _stage3_units(model: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[
+            list[tuple[nn.Module, list[nn.Parameter]]], tuple[nn.Module, list[nn.Parameter]] | None]:
+        """One unit per module the model names (`blocks` = `zero3_units()`), plus the rest as the outer unit."""
         in_block = {id(p) for blk in blocks for p in blk.parameters()}
         units = [(blk, [p for p in params if id(p) in {id(q) for q in blk.parameters()}]) for blk in blocks]
         rest = [p for p in params if id(p) not in in_block]
@@ -144,7 +156,7 @@ class ZeroOptimizer(GradSyncSwitch):
 
     def _build_bucket(self, params: list[nn.Parameter]) -> Bucket:
         st = self.state
-        b, full32 = make_bucket(params, st.dp, st.dp_rank, pad=self.stage > 0)
+        b, full32 = make_bucket(params, self.specs, st.dp, st.dp_rank, pad=self.stage > 0)
         b.param_flat = full32.to(self.dtype)
         for p, off in zip(params, b.offsets):
             p.data = b.param_flat[off:off + p.numel()].view(p.shape)
@@ -330,10 +342,11 @@ class ZeroOptimizer(GradSyncSwitch):
 
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """Checkpoint protocol: global name -> {"master", "exp_avg", "exp_avg_sq", "step"} (see zero_state)."""
-        return zero_state.param_states(self)
+        return zero_state.param_states(self.buckets, self._names, self.stage > 0, self.step_count, self.state)
 
     def load_param_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        zero_state.load_param_states(self, states)
+        self.step_count = zero_state.load_param_states(self.buckets, self._names, states)
+        self._publish_params()
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

@@ -1,8 +1,9 @@
 """ZeRO stage 3 parameter life cycle: gather a module's weights just before use, free them right after.
 
-Each *unit* (one transformer `Block`, plus one "outer" unit with everything else on the stage:
-embedding, learned positions, final norm, head) is one flat bucket whose full buffer exists only
-while the unit computes (Rajbhandari et al. 2020, "ZeRO", section 5.3; PyTorch FSDP's FlatParameter).
+Each *unit* (each module the model names in `zero3_units()`, a GPT's transformer blocks, plus one
+"outer" unit with everything else on the stage: embedding, learned positions, final norm, head) is one
+flat bucket whose full buffer exists only while the unit computes (Rajbhandari et al. 2020, "ZeRO",
+section 5.3; PyTorch FSDP's FlatParameter).
 The model's parameters stay the same `nn.Parameter` objects, viewing the full buffer; "freeing" resizes
 the buffer's storage to 0 bytes, and gathering resizes it back and all-gathers into it. Tensors that
 autograd saved (e.g. the weight of a linear) share that storage, so re-gathering before the backward

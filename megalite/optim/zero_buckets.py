@@ -13,10 +13,13 @@ formulas do not have).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from megalite.parallel.param_spec import ParamSpec, Tied
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class Segment:
     lo: int
     hi: int
     decay: bool       # AdamW weight decay applies (matrices only, like `build_optimizer`)
-    replicated: bool  # same values on every TP rank (`tp_layout` None): counted once in the norm
+    replicated: bool  # same values on every TP rank (a replicated `TPLayout`): counted once in the norm
     sp_partial: bool  # grads are partial sums over TP under sequence parallelism
     copy: bool = False  # the last pipeline stage's copy of a tied embedding: not counted in the norm
 
@@ -62,7 +65,8 @@ class Bucket:
         return self.hi - self.lo
 
 
-def make_bucket(params: list[nn.Parameter], dp: int, dp_rank: int, pad: bool) -> tuple[Bucket, torch.Tensor]:
+def make_bucket(params: list[nn.Parameter], specs: Mapping[nn.Parameter, ParamSpec], dp: int, dp_rank: int,
+                pad: bool) -> tuple[Bucket, torch.Tensor]:
     """Lay `params` out flat; returns the bucket (buffers not yet allocated) and the fp32 full values."""
     offsets, total = [], 0
     for p in params:
@@ -77,8 +81,9 @@ def make_bucket(params: list[nn.Parameter], dp: int, dp_rank: int, pad: bool) ->
         full32[off:off + p.numel()] = p.detach().reshape(-1).float()
         a, b = max(off, lo), min(off + p.numel(), hi)
         if a < b:
-            segments.append(Segment(a - lo, b - lo, p.dim() >= 2, getattr(p, "tp_layout", None) is None,
-                                    bool(getattr(p, "sp_partial", False)), bool(getattr(p, "embedding_copy", False))))
+            spec = specs[p]
+            segments.append(Segment(a - lo, b - lo, p.dim() >= 2, not spec.layout.split, spec.sp_partial,
+                                    spec.tied is Tied.HEAD_COPY))
     empty = torch.empty(0)
     bucket = Bucket(params=params, offsets=offsets, numel=total, padded=padded, lo=lo, hi=hi, segments=segments,
                     param_flat=empty, param_shard=None, master=empty, exp_avg=empty, exp_avg_sq=empty,

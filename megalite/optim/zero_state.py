@@ -10,61 +10,65 @@ and keeps this rank's range. Every rank then holds the same dict (only dp rank r
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Mapping
 
 import torch
 
+from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
 
-if TYPE_CHECKING:
-    from megalite.optim.zero import ZeroOptimizer
-    from megalite.optim.zero_buckets import Bucket
+Names = Mapping[int, str]  # id(parameter) -> its name in the model
 
 
 def _global_name(name: str) -> str:
     return re.sub(r"^\d+\.", "", name, count=1)  # drop an nn.ModuleList chunk prefix
 
 
-def _full(opt: "ZeroOptimizer", b: "Bucket", shard: torch.Tensor) -> torch.Tensor:
-    if opt.stage == 0:
+def _full(b: Bucket, shard: torch.Tensor, sharded: bool, state: ParallelState) -> torch.Tensor:
+    if not sharded:
         return shard
     full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-    work = comm.all_gather_async(full, shard.contiguous(), opt.state, "dp", count_as="checkpoint")
+    work = comm.all_gather_async(full, shard.contiguous(), state, "dp", count_as="checkpoint")
     if work is not None:
         work.wait()
     return full
 
 
 @torch.no_grad()
-def param_states(opt: "ZeroOptimizer") -> dict[str, dict[str, torch.Tensor]]:
+def param_states(buckets: list[Bucket], names: Names, sharded: bool, step: int,
+                 state: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's fp32 master and (after the first `step`) Adam moments, whole over dp; `sharded`:
+    the buckets hold 1/dp each (ZeRO stage >= 1)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for b in opt.buckets:
-        master = _full(opt, b, b.master.float())
-        moments = (_full(opt, b, b.exp_avg), _full(opt, b, b.exp_avg_sq)) if opt.step_count > 0 else None
+    for b in buckets:
+        master = _full(b, b.master.float(), sharded, state)
+        moments = (_full(b, b.exp_avg, sharded, state), _full(b, b.exp_avg_sq, sharded, state)) if step > 0 else None
         for p, off in zip(b.params, b.offsets):
             sl = slice(off, off + p.numel())
             entry = {"master": master[sl].view(p.shape).clone()}
             if moments is not None:
                 entry["exp_avg"] = moments[0][sl].view(p.shape).clone()
                 entry["exp_avg_sq"] = moments[1][sl].view(p.shape).clone()
-                entry["step"] = torch.tensor(float(opt.step_count))
-            out[_global_name(opt._names[id(p)])] = entry
+                entry["step"] = torch.tensor(float(step))
+            out[_global_name(names[id(p)])] = entry
     return out
 
 
 @torch.no_grad()
-def load_param_states(opt: "ZeroOptimizer", states: dict[str, dict[str, torch.Tensor]]) -> None:
+def load_param_states(buckets: list[Bucket], names: Names, states: dict[str, dict[str, torch.Tensor]]) -> int:
+    """Fill each bucket's master and Adam shards from per-parameter tensors; returns the optimizer step
+    (0 when the states have none). The caller publishes the new master weights into the model."""
     steps = {int(e["step"]) for e in states.values() if "step" in e}
-    for b in opt.buckets:
+    for b in buckets:
         flats = {k: torch.zeros(b.padded, dtype=torch.float32, device=b.exp_avg.device)
                  for k in ("master", "exp_avg", "exp_avg_sq")}
         for p, off in zip(b.params, b.offsets):
-            entry = states.get(_global_name(opt._names[id(p)]), {})
+            entry = states.get(_global_name(names[id(p)]), {})
             for kind, flat in flats.items():
                 if kind in entry:
                     flat[off:off + p.numel()] = entry[kind].reshape(-1).to(flat.device, torch.float32)
         b.master.copy_(flats["master"][b.lo:b.hi])
         b.exp_avg.copy_(flats["exp_avg"][b.lo:b.hi])  # zeros for parameters that start fresh
         b.exp_avg_sq.copy_(flats["exp_avg_sq"][b.lo:b.hi])
-    opt.step_count = max(steps) if steps else 0
-    opt._publish_params()
+    return max(steps) if steps else 0

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
+from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.state import ParallelState, coords_rank
 from megalite.pipeline.schedules import Action
 
@@ -84,9 +85,11 @@ class PipelineEngine:
                 release.data = torch.empty(0, dtype=release.dtype, device=release.device)
         self._pending = []
 
-    def run(self, actions: list[Action], batches: list[Batch], loss_scale: float, optimizer) -> torch.Tensor:
+    def run(self, actions: list[Action], batches: list[Batch], loss_scale: float,
+            optimizer: DistributedOptimizer | None) -> torch.Tensor:
         """Execute the schedule; returns the sum over micro-batches of the mean token loss (0 off the
-        last stage). The loss is scaled by loss_scale / M for backward (gradient accumulation)."""
+        last stage). The loss is scaled by loss_scale / M for backward (gradient accumulation). Of the
+        optimizer only `no_sync()` is used (None: forward-only evaluation, no backward actions)."""
         m = len(batches)
         live: dict[tuple[int, int], _InFlight] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.state.device)
@@ -113,6 +116,7 @@ class PipelineEngine:
             else:
                 item = live.pop((micro, c))
                 # Gradients are reduced over DP only in each chunk's last backward of the step.
+                assert optimizer is not None, "a schedule with backward actions needs the optimizer"
                 sync = contextlib.nullcontext() if i == last_backward[c] else optimizer.no_sync()
                 with sync:
                     if last:

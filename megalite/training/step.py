@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.adamw import LossScaler
-from megalite.optim.distributed import DataParallelOptimizer
+from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -37,7 +37,7 @@ def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dty
     return PipelineEngine([model], [0], 1, state, (0, 0, 0), dtype)
 
 
-def train_step(model: nn.Module | PipelineEngine, optimizer: DataParallelOptimizer, batches: list[Batch],
+def train_step(model: nn.Module | PipelineEngine, optimizer: DistributedOptimizer, batches: list[Batch],
                state: ParallelState, tcfg, step: int, dtype: torch.dtype, scaler: LossScaler,
                schedule: str = "1f1b", vpp: int = 1, poison_grads: bool = False) -> StepResult:
     """Run one step over this rank's micro-batches; every rank returns the same StepResult."""

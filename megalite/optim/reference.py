@@ -1,9 +1,10 @@
-"""The optimizer interface the training step talks to, and its plain data-parallel form (zero=0).
+"""The reference optimizer: replicated AdamW over plain `.grad` tensors, the oracle tests compare against.
 
-A step is: `zero_grad()`; forward/backward over the micro-batches, all but the last backward
-inside `no_sync()` (gradients accumulate locally); `finish_grad_sync()` (gradients are reduced over
-DP exactly once per step); `grad_norm()` (global, each parameter once); `step(lr, clip, norm)`.
-ZeRO stages implement the same interface (`megalite.optim.zero`).
+Production always uses `ZeroOptimizer` (`megalite.optim.zero`, every ZeRO stage); this one implements
+the same `DistributedOptimizer` protocol (`megalite.optim.protocol`) in the most direct way —
+`torch.optim.AdamW` on the model's parameters, one flat DP all-reduce after the last micro-batch,
+the global norm over `.grad` — so that the ZeRO stages, the pipeline and the checkpoints can be
+checked against it.
 """
 
 from __future__ import annotations
@@ -15,35 +16,23 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from megalite.errors import ConfigError
 from megalite.optim.adamw import build_optimizer
-from megalite.optim.grads import (clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings,
-                                  unique_params)
+from megalite.optim.grads import (GradSyncSwitch, clip_gradients, global_grad_norm, reduce_gradients,
+                                  sync_tied_embeddings, unique_params)
+from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
 
 
-class GradSyncSwitch:
-    """The `no_sync()` half of the interface: backward passes inside it must not communicate; the
-    optimizer reads `self._sync` (in its gradient hooks, or not at all when it reduces only in
-    `finish_grad_sync`)."""
-
-    _sync: bool = True
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, without communicating."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-
-class DataParallelOptimizer(GradSyncSwitch):
+class ReferenceOptimizer(GradSyncSwitch):
     """Replicated AdamW; after the last micro-batch the gradients are all-reduced over DP."""
+
+    stage = 0  # nothing is sharded over dp (ZeRO stage 0)
 
     def __init__(self, model: nn.Module, state: ParallelState, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float) -> None:
         self.model, self.state = model, state
+        self.specs = spec_table(model, ConfigError)
         self.optimizer = build_optimizer(model, lr, weight_decay, betas, eps)
 
     def zero_grad(self) -> None:
@@ -55,8 +44,8 @@ class DataParallelOptimizer(GradSyncSwitch):
         yield
 
     def finish_grad_sync(self) -> None:
-        reduce_gradients(self.model, self.state)
-        sync_tied_embeddings(self.model, self.state)
+        reduce_gradients(self.model, self.state, self.specs)
+        sync_tied_embeddings(self.model, self.state, self.specs)
 
     def scale_grads(self, factor: float) -> None:
         for p in unique_params(self.model):
@@ -64,7 +53,7 @@ class DataParallelOptimizer(GradSyncSwitch):
                 p.grad.mul_(factor)
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.model, self.state)
+        return global_grad_norm(self.model, self.state, self.specs)
 
     def step(self, lr: float, clip: float, norm: float) -> None:
         for group in self.optimizer.param_groups:
@@ -86,7 +75,7 @@ class DataParallelOptimizer(GradSyncSwitch):
         return out
 
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The checkpoint protocol (`megalite.checkpoint.sharded`): global name -> {"exp_avg", "exp_avg_sq"}
+        """The checkpoint half of the protocol (`megalite.checkpoint.sharded`): global name -> {"exp_avg", "exp_avg_sq"}
         shaped like the local TP shard, plus "step"; params without state yet (before the first step) are
         left out. Replicated here, so nothing to gather; the ZeRO optimizers gather over dp inside."""
         out: dict[str, dict[str, torch.Tensor]] = {}
@@ -97,12 +86,12 @@ class DataParallelOptimizer(GradSyncSwitch):
                              "step": torch.as_tensor(s["step"], dtype=torch.float32).detach().cpu()}
         return out
 
-    def load_param_states(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Inverse of `param_states`. An entry without "exp_avg" (or a param missing from `d`) starts fresh,
+    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of `param_states`. An entry without "exp_avg" (or a param missing from `states`) starts fresh,
         as torch's AdamW does for a param it has not seen; "master" is ignored: the params are the fp32 truth
         here, and the checkpoint loader has already copied them in."""
         for name, p in self._named_params().items():
-            entry = d.get(name, {})
+            entry = states.get(name, {})
             if "exp_avg" not in entry:
                 self.optimizer.state.pop(p, None)
                 continue

@@ -1,0 +1,98 @@
+"""The optimizer's typed contracts: what the rest of megalite calls on it, and what it needs from the model.
+
+`DistributedOptimizer` is everything the training step (`megalite.training`), the pipeline engine
+(`megalite.pipeline.engine`) and the checkpoint code (`megalite.checkpoint.sharded`) use of an
+optimizer. Two classes implement it: `ZeroOptimizer` (`megalite.optim.zero`, ZeRO stages 0-3: what
+`pretrain.py` runs) and `ReferenceOptimizer` (`megalite.optim.reference`, replicated `torch.optim.AdamW`:
+the oracle the tests compare against). tests/test_optim_protocol.py checks that both have every
+member with the same signature.
+
+The other way round, the ZeRO optimizer asks the model two things, each through a small Protocol the
+model satisfies structurally (besides the `ParamSpec` of every parameter, `megalite.parallel.param_spec`):
+  `ShardableModel.zero3_units()`  the modules ZeRO-3 gathers one at a time (a GPT stage's blocks)
+  `FoldsWeightGrad`               a linear whose weight gradient can be added straight into the
+                                  optimizer's fp32 buffer (`megalite.layers.linear_fn`)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Protocol, runtime_checkable
+
+import torch
+import torch.nn as nn
+
+from megalite.layers.linear_fn import Fold
+
+
+@runtime_checkable
+class DistributedOptimizer(Protocol):
+    """One optimizer step, as `train_step` drives it:
+
+        zero_grad()
+        forward/backward over the micro-batches, every backward but each chunk's last inside no_sync()
+        finish_grad_sync()        gradients reduced over dp exactly once per step (and SP / tied sums)
+        scale_grads(1 / scale)    undo the loss scale (fp16)
+        norm = grad_norm()        the global norm, each parameter once; the same on every rank
+        step(lr, clip, norm)      clip by `norm`, AdamW, publish the new parameters
+
+    and around the loop: `gathered()` while a checkpoint is loaded into the model, `param_states()` /
+    `load_param_states()` for the sharded checkpoint, `memory_bytes()` for the log.
+    """
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (0: nothing sharded over dp); recorded in a checkpoint's layout."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def scale_grads(self, factor: float) -> None: ...
+
+    def grad_norm(self) -> float: ...
+
+    def step(self, lr: float, clip: float, norm: float) -> None: ...
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Hold every parameter whole (ZeRO-3 gathers them), e.g. while a checkpoint is loaded into them."""
+        ...
+
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Global parameter name -> {"exp_avg", "exp_avg_sq" (local TP shard, fp32), "step", optionally
+        "master" (the fp32 parameter)}; parameters without Adam state yet have no "exp_avg"."""
+        ...
+
+    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """The inverse of `param_states`; an entry without "exp_avg" starts that parameter fresh."""
+        ...
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Exact bytes this rank holds by kind ("params", "grads", "master", "optimizer")."""
+        ...
+
+
+@runtime_checkable
+class ShardableModel(Protocol):
+    """A model (one pipeline chunk) that says which of its modules ZeRO-3 gathers one at a time: each is
+    all-gathered just before its forward and freed right after; everything else on the chunk forms one
+    more, "outer", unit (`megalite.optim.zero3`)."""
+
+    def zero3_units(self) -> list[nn.Module]: ...
+
+
+@runtime_checkable
+class FoldsWeightGrad(Protocol):
+    """A layer computing with `weight` through `megalite.layers.linear_fn`, which accepts a fold: its
+    backward then adds dW into the buffer view the fold hands it instead of producing `weight.grad`."""
+
+    weight: nn.Parameter
+
+    def set_wgrad_fold(self, fold: Fold | None) -> None: ...
