@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from megalite.checkpoint import sharded
+from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.protocol import DistributedOptimizer, FoldsWeightGrad, ShardableModel
@@ -84,6 +86,17 @@ def test_the_model_side_contracts() -> None:
     folds = {n for n, m in model.named_modules() if isinstance(m, FoldsWeightGrad)}
     assert folds == {"head"} | {f"layers.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.out", "mlp.up",
                                                                                 "mlp.down")}
+
+
+def test_zero3_refuses_a_model_that_names_no_units() -> None:
+    """Several interleaved chunks (an nn.ModuleList) are not one `ShardableModel`: a config error, before
+    any process group is touched (dp=2 on one process is enough to reach the check)."""
+    st = ParallelState(dp=2, rank=0)
+    chunks = nn.ModuleList([GPT(tiny_model_cfg("llama"), st, seed=1, layers=range(0, 1), post_process=False),
+                            GPT(tiny_model_cfg("llama"), st, seed=1, layers=range(1, 2), pre_process=False)])
+    assert not isinstance(chunks, ShardableModel)
+    with pytest.raises(ConfigError, match="several model chunks"):
+        build_distributed_optimizer(chunks, st, 3, 1e-3, 0.1, (0.9, 0.95), 1e-8, torch.float32)
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:

@@ -76,7 +76,7 @@ def _barrier(state: ParallelState) -> None:
 def _params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter, str, ParamSpec]]:
     """(global name, parameter, name of the stored tensor it comes from, spec); a tied head copy comes
     from `embedding.weight`. Raises a CheckpointError naming any parameter without a spec."""
-    out = []
+    out: list[tuple[str, nn.Parameter, str, ParamSpec]] = []
     for chunk in chunks:
         specs = named_param_specs(chunk, CheckpointError)
         for name, p in chunk.named_parameters():
