@@ -91,22 +91,21 @@ class GPT(nn.Module):
     def _replayable(self, block: nn.Module):
         """Wrap a block for full recompute so the recomputation draws the same dropout masks.
 
-        torch's checkpoint restores the default generator (the replicated stream) but not megalite's
-        tp-local one (used on SP slices): remember its state at the first call and replay from it on the
-        recompute, then put back whatever state the generator had reached meanwhile."""
-        gen = self.rng.tp_local
-        start, calls = gen.get_state(), [0]
+        torch's checkpoint restores the global generators, not megalite's dropout streams (explicit
+        generators, see `megalite.parallel.random`): remember their states at the first call and replay
+        from them on the recompute, then put back whatever states the streams had reached meanwhile."""
+        start, calls = self.rng.state_dict(), [0]
 
         def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == 1:
                 return block(x, cos, sin)
-            now = gen.get_state()
-            gen.set_state(start)
+            now = self.rng.state_dict()
+            self.rng.load_state_dict(start)
             try:
                 return block(x, cos, sin)
             finally:
-                gen.set_state(now)
+                self.rng.load_state_dict(now)
 
         return run
 
