@@ -9,16 +9,14 @@ and do not depend on tp/pp: see `megalite.layers.init`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, Norm
-from megalite.model.ops import TORCH_OPS, get_ops, resolve_kernels
+from megalite.model.ops import get_ops, resolve_kernels
 from megalite.parallel import comm
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
@@ -128,20 +126,8 @@ class GPT(nn.Module):
         return self._loss(logits.reshape(b * s, -1), labels.reshape(-1)).view(b, s)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel cross-entropy: the Triton kernel (online softmax, in-place gradient) or torch."""
-        if self.ops is TORCH_OPS:
-            return vocab_parallel_cross_entropy(logits, labels, self.state, self.cfg.vocab_size)
-        import kernels
-
-        start = self.state.tp_rank * logits.shape[1]
-        real = max(0, min(logits.shape[1], self.cfg.vocab_size - start))  # drop padded columns
-        if real < logits.shape[1]:
-            logits = logits[:, :real].contiguous()
-        st = self.state
-        return kernels.vocab_parallel_cross_entropy(
-            logits, labels, start,
-            lambda t: comm.all_reduce(t, st, "tp", op=dist.ReduceOp.MAX),
-            lambda t: comm.all_reduce(t, st, "tp"))
+        """Vocab-parallel cross-entropy from the backend's ops (the logits are never gathered)."""
+        return self.ops.cross_entropy(logits, labels, self.state, self.cfg.vocab_size)
 
 
 def count_parameters(model: nn.Module, state: ParallelState) -> int:
