@@ -209,7 +209,8 @@ def scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
 # ---------------------------------------------------------------- point-to-point (pipeline)
 # Asynchronous only: the pipeline engine never blocks on a send and waits on a receive right before the
 # action that needs it. `group` picks the communicator ('pp' for activations, 'pp_grad' for gradients;
-# see `create_groups`); ranks are global. The sender counts the bytes, once, under 'pp'.
+# see `create_groups`); ranks are global. The sender counts the bytes, once, under the group's counter
+# key ('pp' for both pipeline communicators).
 def isend(t: torch.Tensor, state: ParallelState, dst: int, group: GroupKind, tag: int) -> dist.Work:
     """Start sending `t` to global rank `dst`; wait on the returned Work before reusing `t`'s storage."""
     state.counter.record(_count_key(group, None), "send", _nbytes(t), 2)
