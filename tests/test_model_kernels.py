@@ -27,9 +27,13 @@ if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
 
 
+def _cfg(kind: str, arch: str, num_layers: int = 2):
+    return tiny_model_cfg(arch, kernels=kind, hidden_size=64, num_heads=4, num_kv_heads=2 if arch == "llama" else 4,
+                          num_layers=num_layers, seq_len=16)
+
+
 def _losses(kind: str, arch: str, state: ParallelState, steps: int = 3) -> list[float]:
-    cfg = tiny_model_cfg(arch, kernels=kind, hidden_size=64, num_heads=4, num_kv_heads=2 if arch == "llama" else 4,
-                         num_layers=2, seq_len=16)
+    cfg = _cfg(kind, arch)
     model = GPT(cfg, state, seed=3)
     opt = ReferenceOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     gen = torch.Generator().manual_seed(4)
@@ -47,12 +51,30 @@ def test_triton_model_matches_torch(arch: str) -> None:
     assert tri == pytest.approx(ref, abs=1e-5)
 
 
-def _tp2_losses(rank: int) -> tuple[list[float], list[float]]:
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_triton_model_fuses_each_blocks_residual_add_into_its_norm(arch: str, monkeypatch) -> None:
+    """The parity above would also hold if the model never called the fused kernel: count the calls."""
+    calls = {"add_rms_norm": 0, "add_layer_norm": 0}
+    for name in calls:
+        def counting(*args: object, _real=getattr(kernels, name), _name=name) -> object:
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(kernels, name, counting)  # get_ops reads the package's attributes when it runs
+    cfg = _cfg("triton", arch, num_layers=3)
+    ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    GPT(cfg, ParallelState(), seed=3)(ids, ids)
+    fused = "add_rms_norm" if arch == "llama" else "add_layer_norm"
+    assert calls == {"add_rms_norm": 0, "add_layer_norm": 0, fused: cfg.num_layers}
+
+
+def _tp2_losses(rank: int, arch: str, sp: bool) -> tuple[list[float], list[float]]:
     os.environ["TRITON_INTERPRET"] = "1"
-    return _losses("torch", "llama", ParallelState(), steps=2), _losses("triton", "llama", layout(2), steps=2)
+    return _losses("torch", arch, ParallelState(), steps=2), _losses("triton", arch, layout(2, sp=sp), steps=2)
 
 
-def test_triton_model_at_tp2_matches_single_process(dist_world) -> None:
-    """Includes the vocab-parallel cross-entropy kernel with its TP all-reduces (prime-ish vocab 61)."""
-    for single, tp2 in dist_world(2).run(_tp2_losses):
+@pytest.mark.parametrize("arch,sp", [("llama", False), ("gpt2", True)])
+def test_triton_model_at_tp2_matches_single_process(dist_world, arch: str, sp: bool) -> None:
+    """Includes the vocab-parallel cross-entropy kernel with its TP all-reduces (prime-ish vocab 61), and
+    with SP the fused add + LayerNorm on sequence slices."""
+    for single, tp2 in dist_world(2).run(_tp2_losses, arch, sp):
         assert tp2 == pytest.approx(single, abs=1e-5)

@@ -65,3 +65,30 @@ def test_rms_norm_matches_the_expression(shape: tuple[int, ...], dtype: torch.dt
     assert (y.float() - y2.float()).abs().max().item() <= atol
     assert (x.grad.float() - x2.grad.float()).abs().max().item() <= atol
     assert (w.grad - w2.grad).abs().max().item() <= (1e-5 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("fused,plain,has_bias", [("add_rms_norm", "rms_norm", False),
+                                                  ("add_layer_norm", "layer_norm", True)])
+def test_torch_add_norm_is_the_add_then_the_norm_bitwise(fused: str, plain: str, has_bias: bool) -> None:
+    """The torch backend's add + norm is the block's former `x = x + branch; norm(x)`, op for op: output,
+    sum and every gradient bitwise equal (so the torch model's numbers did not move when the block started
+    calling it)."""
+    from megalite.model import ops
+    g = torch.Generator().manual_seed(2)
+    branch, stream = torch.randn(2, 5, 12, generator=g), torch.randn(2, 5, 12, generator=g)
+    weight, bias = torch.rand(12, generator=g) + 0.5, torch.randn(12, generator=g)
+    up_y, up_s = torch.randn(2, 5, 12, generator=g), torch.randn(2, 5, 12, generator=g)
+    results = []
+    for use_fused in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (branch, stream, weight, bias)]
+        b, r, w, bb = leaves
+        extra = (bb,) if has_bias else ()
+        if use_fused:
+            y, s = getattr(ops.TORCH_OPS, fused)(b, r, w, *extra, 1e-5)
+        else:
+            s = r + b
+            y = getattr(ops.TORCH_OPS, plain)(s, w, *extra, 1e-5)
+        torch.autograd.backward((y, s), (up_y, up_s))
+        results.append([y, s] + [t.grad if t.grad is not None else torch.zeros(0) for t in leaves])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)

@@ -44,6 +44,12 @@ class Norm(nn.Module):
             return self.ops.rms_norm(x, self.weight.to(x.dtype), self.eps)
         return self.ops.layer_norm(x, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one pass over the residual stream with the Triton backend."""
+        if self.bias is None:
+            return self.ops.add_rms_norm(x, residual, self.weight.to(x.dtype), self.eps)
+        return self.ops.add_layer_norm(x, residual, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
@@ -113,5 +119,7 @@ class Block(nn.Module):
         return self.rng.dropout(x, self.dropout, self.training, tp_local=self.sp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.norm1(x), cos, sin))
-        return x + self._drop(self.mlp(self.norm2(x)))
+        # x = x + attention branch; h = norm2(x): fused into one pass (the sum is written once and read by
+        # the norm in the same kernel) when the backend has the fused kernel.
+        h, x = self.norm2.add_norm(self._drop(self.attn(self.norm1(x), cos, sin)), x)
+        return x + self._drop(self.mlp(h))

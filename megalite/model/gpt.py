@@ -11,17 +11,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.errors import ConfigError
-from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, Norm
-from megalite.model.ops import TORCH_OPS, get_ops, resolve_kernels
+from megalite.model.ops import get_ops, resolve_kernels
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
 from megalite.parallel.random import RNGStreams
@@ -105,22 +103,21 @@ class GPT(nn.Module):
     def _replayable(self, block: nn.Module):
         """Wrap a block for full recompute so the recomputation draws the same dropout masks.
 
-        torch's checkpoint restores the default generator (the replicated stream) but not megalite's
-        tp-local one (used on SP slices): remember its state at the first call and replay from it on the
-        recompute, then put back whatever state the generator had reached meanwhile."""
-        gen = self.rng.tp_local
-        start, calls = gen.get_state(), [0]
+        torch's checkpoint restores the global generators, not megalite's dropout streams (explicit
+        generators, see `megalite.parallel.random`): remember their states at the first call and replay
+        from them on the recompute, then put back whatever states the streams had reached meanwhile."""
+        start, calls = self.rng.state_dict(), [0]
 
         def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == 1:
                 return block(x, cos, sin)
-            now = gen.get_state()
-            gen.set_state(start)
+            now = self.rng.state_dict()
+            self.rng.load_state_dict(start)
             try:
                 return block(x, cos, sin)
             finally:
-                gen.set_state(now)
+                self.rng.load_state_dict(now)
 
         return run
 
@@ -143,20 +140,8 @@ class GPT(nn.Module):
         return self._loss(logits.reshape(b * s, -1), labels.reshape(-1)).view(b, s)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel cross-entropy: the Triton kernel (online softmax, in-place gradient) or torch."""
-        if self.ops is TORCH_OPS:
-            return vocab_parallel_cross_entropy(logits, labels, self.state, self.cfg.vocab_size)
-        import kernels
-
-        start = self.state.tp_rank * logits.shape[1]
-        real = max(0, min(logits.shape[1], self.cfg.vocab_size - start))  # drop padded columns
-        if real < logits.shape[1]:
-            logits = logits[:, :real].contiguous()
-        st = self.state
-        return kernels.vocab_parallel_cross_entropy(
-            logits, labels, start,
-            lambda t: comm.all_reduce(t, st, "tp", op=dist.ReduceOp.MAX),
-            lambda t: comm.all_reduce(t, st, "tp"))
+        """Vocab-parallel cross-entropy from the backend's ops (the logits are never gathered)."""
+        return self.ops.cross_entropy(logits, labels, self.state, self.cfg.vocab_size)
 
 
 def count_parameters(model: nn.Module, state: ParallelState) -> int:

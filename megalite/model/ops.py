@@ -1,8 +1,9 @@
-"""The elementwise / fused ops the model uses, from one of two interchangeable backends.
+"""The elementwise / fused ops and the loss the model uses, from one of two interchangeable backends.
 
 `torch`: plain PyTorch (any device). `triton`: the fused kernels in the top-level `kernels`
-package (CUDA, or the CPU interpreter under TRITON_INTERPRET=1). Both share signatures, so the
-model code never branches on the backend. Activations are [batch, seq, heads, head_dim] for q/k/v.
+package (CUDA, or the CPU interpreter under TRITON_INTERPRET=1). Both fill the same `Ops` record, so
+the model code never branches on the backend nor imports a kernel. Activations are [batch, seq, heads,
+head_dim] for q/k/v, [batch, seq, hidden] (or a sequence slice of it under SP) for the norms.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.errors import ConfigError
+from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
 
@@ -50,6 +55,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the norm that reads it.
+    Two passes here; one in the Triton backend (`kernels.add_rms_norm`)."""
+    s = residual + x
+    return rms_norm(s, weight, eps), s
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(layer_norm(x + residual), x + residual); see `add_rms_norm`."""
+    s = residual + x
+    return layer_norm(s, weight, bias, eps), s
 
 
 def _rotate(x: Tensor, c: Tensor, s: Tensor, sign: float) -> Tensor:
@@ -125,17 +143,45 @@ def attention_repeat_kv(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) ->
     return out.transpose(1, 2)
 
 
+# Per-token loss [N] (fp32) from this rank's logit columns [N, padded_vocab/tp], the labels [N], the layout
+# (its 'tp' group reduces the row statistics) and the real vocabulary size (columns past it are padding).
+VocabParallelLoss = Callable[[Tensor, Tensor, ParallelState, int], Tensor]
+
+
 @dataclass(frozen=True)
 class Ops:
+    """Everything backend-specific the model calls; see each torch function above for the contract."""
+
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     layer_norm: Callable[[Tensor, Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    add_layer_norm: Callable[[Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     apply_rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     swiglu: Callable[[Tensor, Tensor], Tensor]
     gelu_tanh: Callable[[Tensor], Tensor]
     attention: Callable[..., Tensor]
+    cross_entropy: VocabParallelLoss
 
 
-TORCH_OPS = Ops(rms_norm, layer_norm, apply_rope, swiglu, gelu_tanh, attention)
+TORCH_OPS = Ops(rms_norm, layer_norm, add_rms_norm, add_layer_norm, apply_rope, swiglu, gelu_tanh, attention,
+                vocab_parallel_cross_entropy)
+
+
+def _kernel_loss(kernel: Callable[..., Tensor]) -> VocabParallelLoss:
+    """The Triton vocab-parallel cross-entropy (online softmax, gradient written into the logits) behind
+    the torch loss's signature: it is given only the real columns of this rank's shard, and reduces its
+    row statistics through `comm` (counted under 'tp', the same bytes as the torch loss)."""
+
+    def loss(logits: Tensor, labels: Tensor, state: ParallelState, vocab_size: int) -> Tensor:
+        start = state.tp_rank * logits.shape[1]
+        real = max(0, min(logits.shape[1], vocab_size - start))  # drop padded columns
+        if real < logits.shape[1]:
+            logits = logits[:, :real].contiguous()
+        return kernel(logits, labels, start,
+                      lambda t: comm.all_reduce(t, state, "tp", op=dist.ReduceOp.MAX),
+                      lambda t: comm.all_reduce(t, state, "tp"))
+
+    return loss
 
 
 def get_ops(kind: str) -> Ops:
@@ -150,8 +196,9 @@ def get_ops(kind: str) -> Ops:
         if not kernels.available():
             raise ConfigError("model.kernels=triton needs CUDA or TRITON_INTERPRET=1 with triton installed; "
                               "use model.kernels=torch")
-        return Ops(kernels.rms_norm, kernels.layer_norm, kernels.apply_rope, kernels.swiglu,
-                   kernels.gelu_tanh, kernels.flash_attention)
+        return Ops(kernels.rms_norm, kernels.layer_norm, kernels.add_rms_norm, kernels.add_layer_norm,
+                   kernels.apply_rope, kernels.swiglu, kernels.gelu_tanh, kernels.flash_attention,
+                   _kernel_loss(kernels.vocab_parallel_cross_entropy))
     raise ConfigError(f"model.kernels={kind!r}: expected torch, triton or auto")
 
 

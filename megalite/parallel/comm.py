@@ -1,7 +1,9 @@
 """Counted collectives and Megatron's conjugate autograd operators.
 
-Every collective megalite issues goes through `all_reduce` / `all_gather` / `reduce_scatter` /
-`send` / `recv` below, which record wire bytes in `state.counter` under the group's name.
+Every collective and point-to-point message megalite issues goes through this module, which records
+wire bytes in `state.counter` under the group's counter key (`CountKey`: the group's own name, "pp" for
+both pipeline communicators, or an explicit `count_as`). Group kinds and counter keys are closed sets
+(`Literal` types, checked at every entry here whatever the group size), so a typo fails at once.
 
 Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3) needs two conjugate operators:
 
@@ -22,62 +24,75 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.state import ParallelState
+from megalite.parallel.counter import CountKey, check_count_key
+from megalite.parallel.state import GroupKind, ParallelState, check_group
 
 SEQ_DIM = 1
+
+# The counter key of each group kind's own traffic: the pipeline's second communicator is still 'pp'.
+GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "pp": "pp", "pp_grad": "pp", "mp": "mp",
+                                              "embedding": "embedding"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(t: torch.Tensor, state: ParallelState, group: str,
-               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, count_as: str | None = None) -> torch.Tensor:
+def _count_key(group: GroupKind, count_as: CountKey | None) -> CountKey:
+    """Where the bytes of a call over `group` are filed; checks both names, so a typo fails even at size 1."""
+    key = GROUP_COUNT_KEY[check_group(group)]
+    return key if count_as is None else check_count_key(count_as)
+
+
+def all_reduce(t: torch.Tensor, state: ParallelState, group: GroupKind,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, count_as: CountKey | None = None) -> torch.Tensor:
     """In-place all-reduce of `t` over `group`; returns `t`. `count_as` files the bytes under another
-    name (e.g. 'metrics' for the loss average, so 'dp' holds exactly the gradient traffic)."""
+    key (e.g. 'metrics' for the loss average, so 'dp' holds exactly the gradient traffic)."""
+    key = _count_key(group, count_as)
     n = state.size(group)
     if n == 1:
         return t
-    state.counter.record(count_as or group, "all_reduce", _nbytes(t), n)
+    state.counter.record(key, "all_reduce", _nbytes(t), n)
     dist.all_reduce(t, op=op, group=state.group(group))
     return t
 
 
-def all_gather(t: torch.Tensor, state: ParallelState, group: str, dim: int) -> torch.Tensor:
+def all_gather(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (rank order)."""
+    key = _count_key(group, None)
     n = state.size(group)
     if n == 1:
         return t
     t = t.contiguous()
-    state.counter.record(group, "all_gather", _nbytes(t) * n, n)
+    state.counter.record(key, "all_gather", _nbytes(t) * n, n)
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t, group=state.group(group))
     return torch.cat(parts, dim=dim)
 
 
-def reduce_scatter(t: torch.Tensor, state: ParallelState, group: str, dim: int) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
     """Sum `t` over the group and keep this rank's 1/n chunk along `dim`."""
+    key = _count_key(group, None)
     n = state.size(group)
     if n == 1:
         return t
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {n}")
-    state.counter.record(group, "reduce_scatter", _nbytes(t), n)
+    state.counter.record(key, "reduce_scatter", _nbytes(t), n)
     chunks = [c.contiguous() for c in t.chunk(n, dim=dim)]
     out = torch.empty_like(chunks[0])
     dist.reduce_scatter(out, chunks, group=state.group(group))
     return out
 
 
-def split(t: torch.Tensor, state: ParallelState, group: str, dim: int) -> torch.Tensor:
-    """This rank's 1/n chunk of `t` along `dim` (no communication)."""
+def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
+    """This rank's 1/n chunk of `t` along `dim`, in the group's rank order (no communication)."""
     n = state.size(group)
     if n == 1:
         return t
-    rank = {"tp": state.tp_rank, "dp": state.dp_rank, "pp": state.pp_rank}[group]
     if t.shape[dim] % n:
         raise ValueError(f"split: dim {dim} of size {t.shape[dim]} not divisible by {n}")
-    return t.chunk(n, dim=dim)[rank].contiguous()
+    return t.chunk(n, dim=dim)[state.rank_in(group)].contiguous()
 
 
 # ---------------------------------------------------------------- Megatron f / g (tensor parallel)
@@ -191,54 +206,68 @@ def scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return x if state.tp == 1 else _ScatterToSequence.apply(x, state)
 
 
-def send(t: torch.Tensor, state: ParallelState, dst: int) -> None:
-    """Point-to-point send to global rank `dst`, counted under 'pp'."""
-    state.counter.record("pp", "send", _nbytes(t), 2)
-    dist.send(t.contiguous(), dst)
+# ---------------------------------------------------------------- point-to-point (pipeline)
+# Asynchronous only: the pipeline engine never blocks on a send and waits on a receive right before the
+# action that needs it. `group` picks the communicator ('pp' for activations, 'pp_grad' for gradients;
+# see `create_groups`); ranks are global. The sender counts the bytes, once, under the group's counter
+# key ('pp' for both pipeline communicators).
+def isend(t: torch.Tensor, state: ParallelState, dst: int, group: GroupKind, tag: int) -> dist.Work:
+    """Start sending `t` to global rank `dst`; wait on the returned Work before reusing `t`'s storage."""
+    state.counter.record(_count_key(group, None), "send", _nbytes(t), 2)
+    work = dist.isend(t.contiguous(), dst, group=state.group(group), tag=tag)
+    assert work is not None, "isend returns None only to a rank outside the group"
+    return work
 
 
-def recv(t: torch.Tensor, state: ParallelState, src: int) -> torch.Tensor:
-    """Receive into `t` from global rank `src` (the sender counts the bytes)."""
-    dist.recv(t, src)
-    return t
+def irecv(buf: torch.Tensor, state: ParallelState, src: int, group: GroupKind, tag: int) -> dist.Work:
+    """Start receiving into `buf` from global rank `src`. Uncounted (the sender counts), but noted as the
+    operation this rank entered, for the hang watchdog: the engine waits on it right away."""
+    check_group(group)
+    state.counter.enter(f"recv from rank {src} over '{group}' (tag {tag}, {_nbytes(buf)} bytes)")
+    work = dist.irecv(buf, src, group=state.group(group), tag=tag)
+    assert work is not None, "irecv returns None only to a rank outside the group"
+    return work
 
 
 # ---------------------------------------------------------------- async (overlapped) collectives
 # Used by the ZeRO optimizer to overlap gradient reduction with backward and parameter gathers with
 # compute. Each returns the torch `Work` handle (None when the group has one rank: nothing to wait for)
 # and counts its bytes exactly like the blocking form above.
-def all_reduce_async(t: torch.Tensor, state: ParallelState, group: str) -> dist.Work | None:
+def all_reduce_async(t: torch.Tensor, state: ParallelState, group: GroupKind) -> dist.Work | None:
     """Start an in-place SUM all-reduce of the contiguous `t` over `group`."""
+    key = _count_key(group, None)
     n = state.size(group)
     if n == 1:
         return None
-    state.counter.record(group, "all_reduce", _nbytes(t), n)
+    state.counter.record(key, "all_reduce", _nbytes(t), n)
     return dist.all_reduce(t, group=state.group(group), async_op=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, state: ParallelState,
-                         group: str) -> dist.Work | None:
+                         group: GroupKind) -> dist.Work | None:
     """Start a SUM reduce-scatter of the flat `t` (numel divisible by n) into `out` (numel/n):
     rank i receives the sum of every rank's i-th contiguous chunk."""
+    key = _count_key(group, None)
     n = state.size(group)
     if n == 1:
         out.copy_(t)
         return None
     if t.numel() != out.numel() * n:
         raise ValueError(f"reduce_scatter_async: input {t.numel()} != {n} x output {out.numel()}")
-    state.counter.record(group, "reduce_scatter", _nbytes(t), n)
+    state.counter.record(key, "reduce_scatter", _nbytes(t), n)
     return dist.reduce_scatter(out, list(t.reshape(-1).chunk(n)), group=state.group(group), async_op=True)
 
 
 def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelState,
-                     group: str, count_as: str | None = None) -> dist.Work | None:
+                     group: GroupKind, count_as: CountKey | None = None) -> dist.Work | None:
     """Start gathering every rank's contiguous `shard` into the flat `out` (n x shard.numel(), rank order)."""
+    key = _count_key(group, count_as)
     n = state.size(group)
     if n == 1:
         out.copy_(shard.reshape(-1))
         return None
     if out.numel() != shard.numel() * n:
         raise ValueError(f"all_gather_async: output {out.numel()} != {n} x shard {shard.numel()}")
-    state.counter.record(count_as or group, "all_gather", _nbytes(shard) * n, n)
+    state.counter.record(key, "all_gather", _nbytes(shard) * n, n)
     return dist.all_gather(list(out.reshape(-1).chunk(n)), shard.contiguous(), group=state.group(group),
                            async_op=True)

@@ -10,6 +10,12 @@ Convention ("wire bytes", what one rank sends with a ring algorithm, the unit of
 so a DDP step over N ranks with Psi gradient elements of b bytes counts 2 (N-1)/N * Psi * b, the
 ring all-reduce formula. Counts are kept as exact fractions summed per (group, op) and reported as floats; the
 analytic tests compare against the same convention. The counter does not time anything.
+
+The names bytes are filed under are a closed set (`CountKey`): each group kind's traffic under its own
+name (the pipeline's two communicators both under "pp"), plus three names for traffic that rides on a
+group but is not that group's step traffic, so that "dp" holds exactly the gradient reduction and "mp" the
+gradient norm: "norm" (the norm's dp reduction under ZeRO), "metrics" (loss averaging, the stop flag) and
+"checkpoint" (ZeRO's gathers when saving). These strings are the keys of `comm_bytes` in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -17,8 +23,21 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from fractions import Fraction
+from typing import Callable, Literal, cast, get_args
 
-RING_FACTORS = {
+CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint"]
+COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
+
+
+def check_count_key(key: str) -> CountKey:
+    """`key` itself when it is a counter key; a ValueError naming the valid ones otherwise."""
+    if key not in COUNT_KEYS:
+        raise ValueError(f"unknown communication counter key {key!r}; expected one of {sorted(COUNT_KEYS)}")
+    return cast(CountKey, key)
+
+
+RING_FACTORS: dict[CollectiveOp, Callable[[int], Fraction]] = {
     "all_reduce": lambda n: Fraction(2 * (n - 1), n),
     "all_gather": lambda n: Fraction(n - 1, n),
     "reduce_scatter": lambda n: Fraction(n - 1, n),
@@ -27,12 +46,12 @@ RING_FACTORS = {
 
 
 class CommCounter:
-    """Accumulates wire bytes and calls per process-group name ('tp', 'dp', 'pp', ...)."""
+    """Accumulates wire bytes and calls per counter key ('tp', 'dp', 'pp', ..., see the module doc)."""
 
     def __init__(self) -> None:
-        self._bytes: dict[str, Fraction] = defaultdict(Fraction)
-        self._calls: dict[str, int] = defaultdict(int)
-        self._by_op: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+        self._bytes: dict[CountKey, Fraction] = defaultdict(Fraction)
+        self._calls: dict[CountKey, int] = defaultdict(int)
+        self._by_op: dict[tuple[CountKey, CollectiveOp], Fraction] = defaultdict(Fraction)
         # What this rank last entered (read by the hang watchdog): every collective passes here.
         self.last_op: str = "none yet"
         self.last_op_time: float = time.monotonic()
@@ -41,21 +60,24 @@ class CommCounter:
         """Note the operation this rank is about to block in (also used for uncounted receives)."""
         self.last_op, self.last_op_time = description, time.monotonic()
 
-    def record(self, group: str, op: str, payload_bytes: int, group_size: int) -> None:
+    def record(self, key: CountKey, op: CollectiveOp, payload_bytes: int, group_size: int) -> None:
         """Count one collective. `payload_bytes` is the full logical tensor (see module doc)."""
+        check_count_key(key)
+        if op not in RING_FACTORS:
+            raise ValueError(f"unknown collective {op!r}; expected one of {sorted(RING_FACTORS)}")
         if group_size <= 1:
             return
-        self.enter(f"{op} on group '{group}' ({payload_bytes} bytes)")
+        self.enter(f"{op} on group '{key}' ({payload_bytes} bytes)")
         wire = RING_FACTORS[op](group_size) * payload_bytes
-        self._bytes[group] += wire
-        self._by_op[(group, op)] += wire
-        self._calls[group] += 1
+        self._bytes[key] += wire
+        self._by_op[(key, op)] += wire
+        self._calls[key] += 1
 
     def bytes(self) -> dict[str, float]:
         return {g: float(b) for g, b in sorted(self._bytes.items())}
 
-    def exact_bytes(self, group: str) -> Fraction:
-        return self._bytes.get(group, Fraction(0))
+    def exact_bytes(self, key: CountKey) -> Fraction:
+        return self._bytes.get(check_count_key(key), Fraction(0))
 
     def calls(self) -> dict[str, int]:
         return dict(sorted(self._calls.items()))

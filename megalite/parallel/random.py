@@ -1,10 +1,18 @@
 """RNG streams for dropout under tensor/sequence parallelism (Megatron's `CudaRNGStatesTracker`).
 
 Outside TP regions activations are replicated across TP ranks, so their dropout masks must be
-equal on every TP rank: the *replicated* stream (torch's default generator, seeded identically on
-the TP ranks of a stage). Inside TP regions, and on sequence-parallel slices, each rank holds a
-different piece, so it uses a *tp-local* stream seeded by its tp rank. Both are reproducible from
-`train.seed` and the layout, so a run with dropout on can be repeated exactly.
+equal on every TP rank: the *replicated* stream, seeded identically on the TP ranks of a stage. Inside
+TP regions, and on sequence-parallel slices, each rank holds a different piece, so it uses a *tp-local*
+stream seeded by its tp rank. Both are reproducible from `train.seed` and the layout, so a run with
+dropout on can be repeated exactly.
+
+Both streams are `torch.Generator`s owned by `RNGStreams`: building a model (which builds one) reads and
+writes no global RNG state, so it cannot change what unrelated code draws from torch's default generator.
+The replicated stream draws exactly what torch's default generator would after `torch.manual_seed` with
+the same seed (the same engine, seeded the same way), the stream earlier versions used.
+
+Activation recompute replays both streams itself (see `GPT._replayable`): torch's checkpoint restores only
+the global generators.
 """
 
 from __future__ import annotations
@@ -15,25 +23,31 @@ from megalite.parallel.state import ParallelState
 
 
 class RNGStreams:
-    """Owns the tp-local dropout generator; the replicated stream is torch's default one."""
+    """This rank's two dropout generators, on the rank's device."""
 
     def __init__(self, seed: int, state: ParallelState) -> None:
-        self.replicated_seed = seed + 100 * state.pp_rank
+        self.replicated = torch.Generator(device=state.device).manual_seed(seed + 100 * state.pp_rank)
         self.tp_local = torch.Generator(device=state.device).manual_seed(
             seed + 2718 + 100 * state.pp_rank + state.tp_rank)
-        torch.manual_seed(self.replicated_seed)
 
     def dropout(self, x: torch.Tensor, p: float, training: bool, tp_local: bool) -> torch.Tensor:
         """Inverted dropout drawing from the right stream."""
         if not training or p == 0.0:
             return x
-        gen = self.tp_local if tp_local else None
+        gen = self.tp_local if tp_local else self.replicated
         keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= p
         return x * keep.to(x.dtype) / (1.0 - p)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"tp_local": self.tp_local.get_state(), "default": torch.get_rng_state()}
+        """Both generator states. The replicated one keeps the checkpoint key "default" it had when it was
+        torch's default generator, so checkpoints written before and after load alike."""
+        return {"tp_local": self.tp_local.get_state(), "default": self.replicated.get_state()}
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         self.tp_local.set_state(d["tp_local"])
-        torch.set_rng_state(d["default"])
+        replicated = d["default"]
+        # A checkpoint from a CUDA run of an earlier version saved the *CPU* default generator's state under
+        # "default" while dropout drew from the CUDA one, whose state was never saved (a different size):
+        # that run resumed on the fresh seed, and so does this one.
+        if replicated.numel() == self.replicated.get_state().numel():
+            self.replicated.set_state(replicated)

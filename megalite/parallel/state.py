@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,23 @@ import torch.distributed as dist
 from megalite.errors import ConfigError, LaunchError
 from megalite.parallel.counter import CommCounter
 
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+# The process groups a layout has, a closed set: a typo'd kind is a type error (Literal) and, at run time,
+# a ValueError at the first call that names it (`check_group`), even where the group has one rank.
+#   tp, dp, pp       ranks that differ only in that coordinate
+#   mp               model parallel (tp x pp): ranks with the same dp_rank (the gradient norm's reduction)
+#   embedding        first and last pipeline stage of each (tp, dp) column: a tied embedding's two copies
+#   pp_grad          a second communicator over the pp ranks, for gradients (see `create_groups`)
+GroupKind = Literal["tp", "dp", "pp", "pp_grad", "mp", "embedding"]
+GROUP_KINDS: frozenset[str] = frozenset(get_args(GroupKind))
+# The kinds `create_groups` builds one family of groups for, in the order every rank creates them.
+_CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_grad")
+
+
+def check_group(kind: str) -> GroupKind:
+    """`kind` itself when it names a group kind; a ValueError naming the valid ones otherwise."""
+    if kind not in GROUP_KINDS:
+        raise ValueError(f"unknown process-group kind {kind!r}; expected one of {sorted(GROUP_KINDS)}")
+    return cast(GroupKind, kind)
 
 
 def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
@@ -39,23 +56,23 @@ def coords_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> i
     return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
 
-def group_ranks(kind: str, tp: int, pp: int, dp: int) -> list[list[int]]:
+def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int) -> list[list[int]]:
     """Every group of one kind, as sorted lists of global ranks (each rank in exactly one group).
 
-    tp: ranks that differ only in tp_rank; dp: only in dp_rank; pp: only in pp_rank;
+    tp: ranks that differ only in tp_rank; dp: only in dp_rank; pp and pp_grad: only in pp_rank;
     mp (model parallel, tp x pp): same dp_rank; embedding: first and last pipeline stage of each
     (tp, dp) column — the ranks holding the two copies of a tied embedding.
     """
+    check_group(kind)
     world = tp * pp * dp
     key_of = {
         "tp": lambda r: (rank_coords(r, tp, pp, dp)[1], rank_coords(r, tp, pp, dp)[2]),
         "dp": lambda r: (rank_coords(r, tp, pp, dp)[0], rank_coords(r, tp, pp, dp)[2]),
         "pp": lambda r: rank_coords(r, tp, pp, dp)[:2],
+        "pp_grad": lambda r: rank_coords(r, tp, pp, dp)[:2],
         "mp": lambda r: rank_coords(r, tp, pp, dp)[1],
         "embedding": lambda r: rank_coords(r, tp, pp, dp)[:2],
     }
-    if kind not in key_of:
-        raise ValueError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
     groups: dict[object, list[int]] = {}
     for r in range(world):
         groups.setdefault(key_of[kind](r), []).append(r)
@@ -79,7 +96,7 @@ class ParallelState:
     rank: int = 0
     sp: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    groups: dict[str, object] = field(default_factory=dict)
+    groups: dict[GroupKind, dist.ProcessGroup] = field(default_factory=dict)
     counter: CommCounter = field(default_factory=CommCounter)
 
     @property
@@ -120,13 +137,20 @@ class ParallelState:
             return None
         return coords_rank(self.tp_rank, self.dp_rank, self.pp_rank + 1, self.tp, self.dp)
 
-    def size(self, kind: str) -> int:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "mp": self.tp * self.pp,
-                "embedding": 1 if self.pp == 1 else 2}[kind]
+    def size(self, kind: GroupKind) -> int:
+        """Ranks in this rank's group of `kind` (1: every collective over it is a no-op)."""
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "pp_grad": self.pp, "mp": self.tp * self.pp,
+                "embedding": 1 if self.pp == 1 else 2}[check_group(kind)]
 
-    def group(self, kind: str) -> object | None:
+    def rank_in(self, kind: GroupKind) -> int:
+        """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list)."""
+        return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank, "pp_grad": self.pp_rank,
+                "mp": self.pp_rank * self.tp + self.tp_rank,
+                "embedding": 0 if self.is_first_stage else 1}[check_group(kind)]
+
+    def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
-        return self.groups.get(kind)
+        return self.groups.get(check_group(kind))
 
 
 def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str = "auto",
@@ -174,21 +198,19 @@ def create_groups(state: ParallelState) -> None:
 
     Every rank must call `new_group` for every group, in the same order, even for groups it is not
     in: that is torch.distributed's contract, and breaking it hangs the job.
+
+    `pp_grad` (pp > 1 only) is a second communicator over the same pipeline ranks, for gradients, so
+    activations and gradients never share one ordered stream: NCCL matches point-to-point messages by
+    posting order per communicator (it ignores tags), and in the interleaved schedule a rank pair carries
+    both kinds in the same direction. Each kind on its own is posted in the same order on both sides.
     """
-    for kind in GROUP_KINDS:
+    for kind in _CREATION_ORDER:
+        if kind == "pp_grad" and state.pp == 1:
+            continue
         for ranks in group_ranks(kind, state.tp, state.pp, state.dp):
             pg = dist.new_group(ranks)
             if state.rank in ranks:
                 state.groups[kind] = pg
-    if state.pp > 1:
-        # A second communicator over the same pipeline ranks for gradients, so activations and gradients
-        # never share one ordered stream: NCCL matches point-to-point messages by posting order per
-        # communicator (it ignores tags), and in the interleaved schedule a rank pair carries both kinds
-        # in the same direction. Each kind on its own is posted in the same order on both sides.
-        for ranks in group_ranks("pp", state.tp, state.pp, state.dp):
-            pg = dist.new_group(ranks)
-            if state.rank in ranks:
-                state.groups["pp_grad"] = pg
 
 
 def launcher_env() -> tuple[int, int, int]:

@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from megalite.optim.protocol import DistributedOptimizer
-from megalite.parallel.state import ParallelState, coords_rank
+from megalite.parallel import comm
+from megalite.parallel.state import GroupKind, ParallelState, coords_rank
 from megalite.pipeline.schedules import Action
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -42,7 +43,7 @@ class PipelineEngine:
     act_shape: tuple[int, int, int]             # [micro_batch, seq (or seq/tp under SP), hidden]
     dtype: torch.dtype
     peak_in_flight: int = 0
-    _pending: list[tuple[object, torch.Tensor | None]] = field(default_factory=list)
+    _pending: list[tuple[dist.Work, torch.Tensor | None]] = field(default_factory=list)
 
     def _peer(self, vstage: int) -> int:
         s = self.state
@@ -51,20 +52,19 @@ class PipelineEngine:
     def _tag(self, micro: int, vstage: int, backward: bool) -> int:
         return (micro * self.num_stages + vstage) * 2 + int(backward)
 
-    def _group(self, tag: int) -> object | None:
+    @staticmethod
+    def _channel(tag: int) -> GroupKind:
         """Activations over the 'pp' communicator, gradients over 'pp_grad' (see create_groups)."""
-        return self.state.group("pp_grad" if tag % 2 else "pp")
+        return "pp_grad" if tag % 2 else "pp"
 
     def _send(self, t: torch.Tensor, to_stage: int, tag: int, release: torch.Tensor | None) -> None:
-        self.state.counter.record("pp", "send", t.numel() * t.element_size(), 2)
-        work = dist.isend(t.contiguous(), self._peer(to_stage), group=self._group(tag), tag=tag)
+        work = comm.isend(t, self.state, self._peer(to_stage), self._channel(tag), tag)
         self._pending.append((work, release))
         self._poll()
 
     def _recv(self, from_stage: int, tag: int) -> torch.Tensor:
         buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.state.device)
-        self.state.counter.enter(f"recv from pipeline stage {from_stage % self.state.pp} (tag {tag})")
-        dist.irecv(buf, self._peer(from_stage), group=self._group(tag), tag=tag).wait()
+        comm.irecv(buf, self.state, self._peer(from_stage), self._channel(tag), tag).wait()
         return buf
 
     def _poll(self) -> None:
