@@ -41,7 +41,7 @@ from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.runtime.malloc import tune_malloc  # noqa: E402
-from megalite.training.step import train_step  # noqa: E402
+from megalite.training.step import StepContext, train_step  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]
@@ -160,8 +160,8 @@ def build_megalite(d: Dims, arch: str) -> StepFn:
     tcfg = SimpleNamespace(lr=LR, min_lr=LR, warmup_steps=0, steps=10**9, clip_grad=CLIP)
     scaler = LossScaler(enabled=False)
     counter = iter(range(10**9))
-    return lambda ids, labels: train_step(model, opt, [(ids, labels)], state, tcfg, next(counter),
-                                          torch.float32, scaler).loss
+    return lambda ids, labels: train_step(StepContext.build(model, state, torch.float32, tcfg, scaler),
+                                          opt, [(ids, labels)], next(counter)).loss
 
 
 def build_hf(d: Dims, arch: str) -> StepFn:
