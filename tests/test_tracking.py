@@ -195,6 +195,8 @@ def test_launch_scripts_parse(script: str) -> None:
 
 _FAKE_PRETRAIN = """
 import os, signal, sys, time
+if "--check-config" in sys.argv:  # the launcher's one-process check before the workers
+    sys.exit(0)
 out = sys.argv[-1]
 def stop(sig, frame):
     with open(os.path.join(out, "stopped" + os.environ["RANK"]), "w") as f:

@@ -97,17 +97,22 @@ def _with(cfg: Config, section: str, **values: object) -> Config:
 
 def check_memory(cfg: Config, state: ParallelState, available: int | None = None) -> None:
     """Raise ConfigError when the predicted peak exceeds `available` (default: what the machine has)."""
-    if not cfg.train.memory_check:
-        return
-    available = available_bytes(state.device) if available is None else available
-    if available is None:
-        return
     # CPU: the processes on this machine share its RAM; GPU: one device each.
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size)) if state.device.type == "cpu" else 1
+    check_memory_of(cfg, state.device, processes, available)
+
+
+def check_memory_of(cfg: Config, device: torch.device, processes: int, available: int | None = None) -> None:
+    """`check_memory` for `processes` processes of this config sharing `device`'s memory."""
+    if not cfg.train.memory_check:
+        return
+    available = available_bytes(device) if available is None else available
+    if available is None:
+        return
     needed = predicted_bytes(cfg) * processes
     if needed <= available:
         return
-    where = "free RAM (MemAvailable)" if state.device.type == "cpu" else f"free memory on {state.device}"
+    where = "free RAM (MemAvailable)" if device.type == "cpu" else f"free memory on {device}"
     fits = alternatives(cfg, processes, available)
     hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in fits) if fits
             else "; no single change fits: use a machine with more memory or more processes (tp/pp/zero)")

@@ -8,6 +8,8 @@ process group, dataset or model exists, so a bad flag costs seconds, not a GPU a
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch.nn as nn
 
 from megalite import config as config_mod
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
-from megalite.errors import DataError, MegaliteError, report
+from megalite.errors import ConfigError, DataError, MegaliteError, report
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -35,6 +37,7 @@ from megalite.runtime.watchdog import Watchdog
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
 from megalite.training.policy import StepHealth
+from megalite.training.preflight import CheckRequest, check_config
 from megalite.training.reporting import DTYPE_NAMES, StepReport
 from megalite.training.step import StepContext, evaluate, train_step
 from megalite.training.stop import StopFlag
@@ -176,10 +179,26 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: a user-fixable problem prints one line and exits with its code, no traceback."""
+    """Entry point: a user-fixable problem prints one line and exits with its code, no traceback.
+
+    Under a launcher a config error is the same on every rank: rank 0 prints it, the others exit
+    with the same code quietly (one line, not one per process)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check = None
     try:
+        check = CheckRequest.take(argv)
+        if check is not None:
+            return check_config(argv, check)
         cfg, _ = setup_config(argv)
         run(cfg)
     except MegaliteError as e:
+        if check is None and isinstance(e, ConfigError) and launcher_rank() != 0:
+            return e.exit_code
         return report(e, "megalite: error")
     return 0
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 when alone or unreadable)."""
+    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(value) if value.isdigit() else 0
