@@ -9,7 +9,8 @@ repeats. Peak RSS is measured per implementation in its own subprocess (see `mea
 
     python bench/cpu_compare.py                 # ~2-3 minutes on 2 cores
     python bench/cpu_compare.py --smoke         # seconds: tiny dims, 1 repeat
-Writes bench/results/cpu_compare.{json,md} (or --out DIR).
+Writes runs/bench/cpu_compare.{json,md}, or into --out DIR (--out bench/results updates the
+published figures).
 """
 
 from __future__ import annotations
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tune-malloc", action="store_true",
                    help="leave glibc malloc at its defaults (pretrain.py's train.tune_malloc=false)")
     p.add_argument("--smoke", action="store_true", help="tiny dims, 1 repeat, no RSS: seconds")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
+                  help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     a = p.parse_args(argv)
     if a.smoke:
         d, a.warmup, a.repeats, a.steps, a.no_rss = Dims(2, 32, 4, 2, 16, 2, 128), 1, 1, 1, True

@@ -272,7 +272,8 @@ def to_markdown(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, seconds")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
+                  help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences of 2048 tokens per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model variant")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections after this")

@@ -185,6 +185,24 @@ def test_plot_metrics(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_plot_draws_one_line_per_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run folder holds the current run and the runs a fresh start moved aside; a file written before
+    rotation existed (two runs appended) is split where the step goes back."""
+    run = tmp_path / "latest"
+    _write_metrics(run / "metrics.1.jsonl", 5, tp=False)
+    _write_metrics(run / "metrics.jsonl", 3, tp=False)
+    runs = plot_metrics.load_runs(run, "latest")
+    assert {k: [r["step"] for r in v] for k, v in runs.items()} == {"latest #1": [1, 2, 3, 4, 5],
+                                                                     "latest #2": [1, 2, 3]}
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text((run / "metrics.1.jsonl").read_text() + (run / "metrics.jsonl").read_text())
+    assert [len(r) for r in plot_metrics.split_runs(plot_metrics.load_metrics(mixed))] == [5, 3]
+    pytest.importorskip("matplotlib")
+    assert plot_metrics.main([str(run)]) == 0  # default output: next to the run, never in the repo
+    assert (run / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(run / "metrics.png") in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ launchers
 
 @pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/slurm.sbatch"])
