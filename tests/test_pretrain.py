@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN, free_port
@@ -217,3 +218,49 @@ def test_launch_script_checks_the_config_in_one_process_first(tmp_path: Path) ->
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.startswith("megalite: error:") and "world_size 2 != tp 3" in proc.stderr
     assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr
+
+
+def test_readme_own_data_example_fits_a_24_gb_laptop() -> None:
+    """The README's `pretrain.py --data.path ...` line (vocabulary 32,000 from its tokenizer command)
+    is predicted, by the same arithmetic as the check before step 1, to need under 24 GB with room to
+    spare: the prediction holds model states and activations, not the interpreter, torch and the
+    data loader (a few hundred MB), so the test keeps it under half the machine."""
+    from megalite.config import parse_args, resolve
+    from megalite.training.memory_check import predicted_bytes
+
+    text = (REPO / "README.md").read_text()
+    command = re.search(r"python pretrain\.py (--data\.path .*?)\n```", text, re.S)
+    assert command is not None, "the README's own-data example is gone"
+    argv = command.group(1).replace("\\\n", " ").split()
+    vocab = re.search(r"train_tokenizer\.py .*--vocab-size (\d+)", text)
+    assert vocab is not None
+    cfg = resolve(parse_args([*argv, "--model.vocab_size", vocab.group(1)]), 1)
+    assert predicted_bytes(cfg) < 12e9, predicted_bytes(cfg) / 1e9
+
+
+def test_memory_check_names_the_changes_that_fit() -> None:
+    """llama-160m with micro-batches of 8 on 2 CPU processes: the estimator's 2 x 58.5 GiB do not fit
+    in an injected 40 GiB; smaller micro-batches and recompute do, and each suggestion is re-checked."""
+    from megalite.config import parse_args, resolve
+    from megalite.errors import ConfigError
+    from megalite.training.memory_check import GiB, alternatives, check_memory_of, predicted_bytes
+
+    cfg = resolve(parse_args(["--model.preset", "llama-160m", "--model.vocab_size", "32000",
+                              "--train.global_batch_size", "16"]), 2)
+    need = 2 * predicted_bytes(cfg)
+    with pytest.raises(ConfigError) as err:
+        check_memory_of(cfg, torch.device("cpu"), 2, available=40 * GiB)
+    message = str(err.value)
+    assert f"{need / GiB:.1f} GiB (2 processes x" in message and "is 40.0 GiB" in message
+    fits = alternatives(cfg, 2, 40 * GiB)
+    assert fits and all(a.needed <= 40 * GiB for a in fits) and fits[0].flags in message
+    assert fits[0].flags == "--train.micro_batch_size 2"  # the first halving that fits: 4 still does not
+    check_memory_of(cfg, torch.device("cpu"), 2, available=int(need) + 1)  # fits exactly: no error
+    cfg.train.memory_check = False
+    check_memory_of(cfg, torch.device("cpu"), 2, available=1)
+    tiny = resolve(parse_args(["--model.preset", "llama-160m", "--model.vocab_size", "32000"]), 1)
+    with pytest.raises(ConfigError, match="no single change fits"):
+        check_memory_of(tiny, torch.device("cpu"), 1, available=1 << 20)
+    # 2 GiB: the model states alone (16 bytes x 134M params) do not fit; a smaller preset does.
+    with pytest.raises(ConfigError, match="these fit: --model.preset tiny"):
+        check_memory_of(tiny, torch.device("cpu"), 1, available=2 * GiB)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.config import PRESETS, Config
-from megalite.config.derive import resolved_device, resolved_dtype
+from megalite.config import PRESETS, Config, ModelConfig
+from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.errors import ConfigError
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
@@ -82,11 +82,18 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
             tried.append((f"--parallel.zero {stage}", _with(cfg, "parallel", zero=stage)))
     fits = [Alternative(flags, predicted_bytes(c) * processes) for flags, c in tried]
     fits = [a for a in fits if a.needed <= available]
-    if not fits:  # nothing short of a smaller model: the presets that fit with this batch
+    if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
-            smaller = _with(cfg, "model", **{k: v for k, v in values.items() if k != "vocab_size"})
-            need = predicted_bytes(smaller) * processes
-            if need <= available and need < predicted_bytes(cfg) * processes:
+            shape = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
+            model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
+                                        recompute=cfg.model.recompute,
+                                        make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
+            smaller = resolve(dataclasses.replace(cfg, model=model), cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
+            try:
+                need = predicted_bytes(smaller) * processes
+            except ConfigError:  # this layout cannot split that model (layers over pp, heads over tp)
+                continue
+            if need <= available:
                 fits.append(Alternative(f"--model.preset {name}", need))
     return fits[:4]
 
