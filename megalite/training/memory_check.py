@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megalite.config import PRESETS, Config, ModelConfig
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
-from megalite.errors import ConfigError
-from megalite.parallel.state import ParallelState
+from megalite.errors import ConfigError, DataError
 from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
 
 GiB = 2**30
@@ -80,33 +80,64 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
     if cfg.parallel.dp > 1:
         for stage in range(cfg.parallel.zero + 1, 4):
             tried.append((f"--parallel.zero {stage}", _with(cfg, "parallel", zero=stage)))
-    fits = [Alternative(flags, predicted_bytes(c) * processes) for flags, c in tried]
-    fits = [a for a in fits if a.needed <= available]
+    fits = [Alternative(flags, need) for flags, c in tried
+            if (need := _needed(c, processes)) is not None and need <= available]
     if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
-            shape = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
+            shape: dict[str, Any] = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
                                         recompute=cfg.model.recompute,
                                         make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
             smaller = resolve(dataclasses.replace(cfg, model=model), cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
-            try:
-                need = predicted_bytes(smaller) * processes
-            except ConfigError:  # this layout cannot split that model (layers over pp, heads over tp)
-                continue
-            if need <= available:
+            need = _needed(smaller, processes)
+            if need is not None and need <= available:
                 fits.append(Alternative(f"--model.preset {name}", need))
     return fits[:4]
+
+
+def _needed(cfg: Config, processes: int) -> float | None:
+    """Predicted bytes of `processes` processes; None where the layout cannot run this config (e.g.
+    a preset's layers not divisible by pp, or a micro-batch that does not divide the global batch)."""
+    try:
+        return predicted_bytes(cfg) * processes
+    except ConfigError:
+        return None
 
 
 def _with(cfg: Config, section: str, **values: object) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
 
-def check_memory(cfg: Config, state: ParallelState, available: int | None = None) -> None:
-    """Raise ConfigError when the predicted peak exceeds `available` (default: what the machine has)."""
+def check_memory(cfg: Config, world_size: int, local_rank: int = 0, available: int | None = None) -> None:
+    """Before any process group exists (so a refusing rank leaves none of the others waiting in a
+    collective): raise ConfigError when the predicted peak exceeds `available` (default: what this
+    machine or this rank's GPU has). The vocabulary is the tokenizer's where the config leaves it
+    at 0; a tokenizer that cannot be read is left for the data loader to report."""
+    device = torch.device(resolved_device(cfg))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
     # CPU: the processes on this machine share its RAM; GPU: one device each.
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size)) if state.device.type == "cpu" else 1
-    check_memory_of(cfg, state.device, processes, available)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
+    try:
+        vocab = tokenizer_vocab_size(cfg)
+    except DataError:
+        return
+    sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    check_memory_of(sized, device, processes, available)
+
+
+def tokenizer_vocab_size(cfg: Config) -> int:
+    """What `model.vocab_size = 0` becomes: the tokenizer's size (the demo tokenizer's without one)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if not cfg.data.tokenizer:
+        return cfg.data.demo_vocab_size
+    import sentencepiece as spm
+
+    try:
+        return int(spm.SentencePieceProcessor(model_file=cfg.data.tokenizer).vocab_size())
+    except (OSError, RuntimeError) as e:
+        raise DataError(f"data.tokenizer {cfg.data.tokenizer!r} cannot be loaded: {e}") from e
 
 
 def check_memory_of(cfg: Config, device: torch.device, processes: int, available: int | None = None) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite import config as config_mod
-from megalite.errors import ConfigError, DataError
-from megalite.training.memory_check import check_memory_of
+from megalite.errors import ConfigError
+from megalite.training.memory_check import check_memory_of, tokenizer_vocab_size
 
 
 @dataclass(frozen=True)
@@ -48,20 +48,6 @@ def _take_int(argv: list[str], flag: str, default: int) -> int:
     value = int(argv[i + 1])
     del argv[i:i + 2]
     return value
-
-
-def tokenizer_vocab_size(cfg: config_mod.Config) -> int:
-    """What `model.vocab_size = 0` will become: the tokenizer's size (the demo's without one)."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    if not cfg.data.tokenizer:
-        return cfg.data.demo_vocab_size
-    import sentencepiece as spm
-
-    try:
-        return int(spm.SentencePieceProcessor(model_file=cfg.data.tokenizer).vocab_size())
-    except (OSError, RuntimeError) as e:
-        raise DataError(f"data.tokenizer {cfg.data.tokenizer!r} cannot be loaded: {e}") from e
 
 
 def check_config(argv: list[str], request: CheckRequest) -> int:

@@ -91,7 +91,6 @@ def build_run(cfg: config_mod.Config) -> Run:
     elif cfg.model.vocab_size < tok_vocab:
         raise DataError(f"the tokenizer has {tok_vocab} tokens but model.vocab_size={cfg.model.vocab_size}: "
                         f"set model.vocab_size >= {tok_vocab} (or 0 to take the tokenizer's)")
-    check_memory(cfg, state)
     pin_resolved(cfg)
     if state.rank == 0:
         config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
@@ -128,6 +127,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     """Train per `cfg` (resolved and validated); returns the last step's loss and valid loss."""
     tr = cfg.train
     malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
+    _, world_size, local_rank = launcher_env()
+    check_memory(cfg, world_size, local_rank)
     r = build_run(cfg)
     state, optimizer = r.state, r.optimizer
     resumed_from, start_step = r.checkpoints.resume()
@@ -172,7 +173,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     finally:
         watchdog.close()
         tracker.finish()
-    logger.note(logger.summary(r.checkpoints.last_saved or (resumed_from and Path(resumed_from)), cfg.logging.dir))
+    last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
+    logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
     if state.world_size > 1:
         dist.destroy_process_group()
     return last
