@@ -114,7 +114,7 @@ def _run_script(args: list[str], env_extra: dict[str, str] | None = None, nproc:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--master-port", str(free_port())] if nproc else [sys.executable]
     return subprocess.run([*launcher, str(REPO / "pretrain.py"), *args], capture_output=True, text=True,
-                          env=env, cwd=str(REPO), timeout=300)
+                          env=env, cwd=str(REPO), timeout=900)
 
 
 def test_script_bad_flag_exits_cleanly() -> None:
@@ -214,7 +214,7 @@ def test_launch_script_checks_the_config_in_one_process_first(tmp_path: Path) ->
     for var in ("RANK", "WORLD_SIZE"):
         env.pop(var, None)
     proc = subprocess.run(["bash", str(REPO / "launch/torchrun.sh"), "--parallel.tp", "3",
-                           "--logging.dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+                           "--logging.dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.startswith("megalite: error:") and "world_size 2 != tp 3" in proc.stderr
     assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr

@@ -62,7 +62,7 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
 def _faults(mode: str) -> tuple[int, str]:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}  # no MALLOC_* or LD_PRELOAD from the caller
     out = subprocess.run([sys.executable, "-c", PROBE, mode, str(BUFFER_BYTES)], capture_output=True, text=True,
-                         timeout=120, check=True, env=env)
+                         timeout=600, check=True, env=env)
     return int(out.stdout.strip().splitlines()[-1]), out.stderr.strip()
 
 
