@@ -73,6 +73,16 @@ def test_wandb_failures_never_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert not t.enabled and err.count("warning") == 1 and "no network" in err
 
 
+def test_progress_units_adapt() -> None:
+    """A slow run's rate reads in tok/s, not "0.0k tok/s"; step times in ms below a second."""
+    from megalite.observability.metrics import format_bytes, format_rate, format_step_time
+
+    assert [format_rate(x) for x in (7.42, 850.0, 21_300.0, 4.56e6)] == \
+        ["7.42 tok/s", "850 tok/s", "21.3k tok/s", "4.56M tok/s"]
+    assert [format_step_time(x) for x in (0.048, 552.34)] == ["48 ms", "552.34 s"]
+    assert format_bytes(361.7 * 2**20) == "361.70 MiB" and format_bytes(5.09 * 2**30) == "5.09 GiB"
+
+
 # ------------------------------------------------------------------ offline run + resume
 
 def _records(run_file: Path) -> list[object]:
