@@ -6,6 +6,8 @@
 
 With no arguments it trains a small Llama-style GPT on the embedded demo corpus (the Python
 standard library's source), on whatever device is present. `--help` lists every option.
+`--check-config [--world-size N] [--local-processes M]` only validates the run (config and predicted
+memory) in this one process, as the launch scripts do before starting their workers.
 """
 
 import sys

@@ -14,7 +14,8 @@ MB = 10^6 bytes of checkpoint files on disk. Median, min and max over --repeats.
 
     python bench/checkpoint_io.py            # a few minutes on 2 cores
     python bench/checkpoint_io.py --smoke    # seconds: tiny model, 1 repeat
-Writes bench/results/checkpoint_io.md (--smoke: checkpoint_io_smoke.md; or --out DIR).
+Writes runs/bench/checkpoint_io.md (--smoke: checkpoint_io_smoke.md), or into --out DIR
+(--out bench/results updates the published figures).
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 repeat: seconds")
     ap.add_argument("--repeats", type=int, default=3, help="saves and loads per layout")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {list(LAYOUTS)}")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="directory for the .md")
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
+                   help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     args = ap.parse_args(argv)
     model = SMOKE if args.smoke else FULL
     repeats = 1 if args.smoke else args.repeats

@@ -9,7 +9,8 @@ repeats. Peak RSS is measured per implementation in its own subprocess (see `mea
 
     python bench/cpu_compare.py                 # ~2-3 minutes on 2 cores
     python bench/cpu_compare.py --smoke         # seconds: tiny dims, 1 repeat
-Writes bench/results/cpu_compare.{json,md} (or --out DIR).
+Writes runs/bench/cpu_compare.{json,md}, or into --out DIR (--out bench/results updates the
+published figures).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.runtime.malloc import tune_malloc  # noqa: E402
-from megalite.training.step import train_step  # noqa: E402
+from megalite.training.step import StepContext, train_step  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]
@@ -160,8 +161,8 @@ def build_megalite(d: Dims, arch: str) -> StepFn:
     tcfg = SimpleNamespace(lr=LR, min_lr=LR, warmup_steps=0, steps=10**9, clip_grad=CLIP)
     scaler = LossScaler(enabled=False)
     counter = iter(range(10**9))
-    return lambda ids, labels: train_step(model, opt, [(ids, labels)], state, tcfg, next(counter),
-                                          torch.float32, scaler).loss
+    return lambda ids, labels: train_step(StepContext.build(model, state, torch.float32, tcfg, scaler),
+                                          opt, [(ids, labels)], next(counter)).loss
 
 
 def build_hf(d: Dims, arch: str) -> StepFn:
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tune-malloc", action="store_true",
                    help="leave glibc malloc at its defaults (pretrain.py's train.tune_malloc=false)")
     p.add_argument("--smoke", action="store_true", help="tiny dims, 1 repeat, no RSS: seconds")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
+                  help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     a = p.parse_args(argv)
     if a.smoke:
         d, a.warmup, a.repeats, a.steps, a.no_rss = Dims(2, 32, 4, 2, 16, 2, 128), 1, 1, 1, True

@@ -5,14 +5,14 @@
 #   2. the kernel table of bench/kernels_gpu.py (each Triton kernel vs eager / compiled torch);
 #   3. Triton flash attention vs scaled_dot_product_attention at the 1B model's shapes.
 # Results: one gpu_bench.json + gpu_bench.md in $OUT (the device runner's output folder) or
-# bench/results/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
+# runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
 #   bash bench/gpu.sh            # on the GPU machine
 #   bash bench/gpu.sh --smoke    # anywhere: CPU, tiny shapes, seconds (tests/test_bench_smoke.py)
 # Extra arguments go to bench/gpu_bench.py (e.g. --micro-batch 8, --variants torch triton).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-bench/results}"
+OUT_DIR="${OUT:-runs/bench}"  # untracked; OUT=bench/results updates the published figures
 mkdir -p "$OUT_DIR"
 {
   date -u

@@ -45,7 +45,7 @@ from megalite.model.ops import get_ops  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.step import train_step  # noqa: E402
+from megalite.training.step import StepContext, train_step  # noqa: E402
 
 
 class Report:
@@ -136,13 +136,13 @@ def bench_model(rep: Report, smoke: bool, device: torch.device, dtype: torch.dty
             reset_peak(device)
             t_warm = time.perf_counter()
             for i in range(2 if smoke else 3):  # compile happens in the first of these
-                loss = train_step(run_model, opt, batch, state, tcfg, i, dtype, scaler).loss
+                loss = train_step(StepContext.build(run_model, state, dtype, tcfg, scaler), opt, batch, i).loss
             sync(device)
             warm_s = time.perf_counter() - t_warm
             times = []
             for i in range(steps):
                 t = time.perf_counter()
-                train_step(run_model, opt, batch, state, tcfg, i, dtype, scaler)
+                train_step(StepContext.build(run_model, state, dtype, tcfg, scaler), opt, batch, i)
                 sync(device)
                 times.append(time.perf_counter() - t)
             dt = statistics.median(times)
@@ -272,7 +272,8 @@ def to_markdown(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, seconds")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
+                  help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences of 2048 tokens per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model variant")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections after this")

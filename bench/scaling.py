@@ -11,7 +11,8 @@ step times to compare layouts on this machine only; the byte counts are exact an
 
     python bench/scaling.py            # a few minutes on 2 cores
     python bench/scaling.py --smoke    # 2 layouts, 2 steps: well under a minute
-Writes bench/results/scaling.{json,md,png} (or --out DIR).
+Writes runs/bench/scaling.{json,md,png}, or into --out DIR (--out bench/results updates the
+published figures).
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="2 layouts, 2 steps, tiny model")
     p.add_argument("--port", type=int, default=29531)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
+                  help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     a = p.parse_args(args)
     if a.smoke:
         a.steps, a.layers, a.hidden, a.seq, a.micro_batch = 2, 2, 32, 32, 2

@@ -39,6 +39,14 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export PYTHONUNBUFFERED=1
 
+# One process checks the config (and the predicted memory) first: a bad flag is one line here instead
+# of one per worker followed by torchrun's traceback of the failed children.
+for arg in "$@"; do
+    if [[ "$arg" == --help || "$arg" == -h ]]; then exec "$PYTHON" "$REPO_DIR/pretrain.py" --help; fi
+done
+"$PYTHON" "$REPO_DIR/pretrain.py" --check-config --world-size $(( NPROC * NNODES )) --local-processes "$NPROC" "$@" \
+    || exit $?
+
 if [[ "$NNODES" != 1 ]]; then
     # Several machines: the multi-node script (c10d rendezvous at MASTER_ADDR:MASTER_PORT) does it.
     export NNODES NPROC MASTER_ADDR MASTER_PORT

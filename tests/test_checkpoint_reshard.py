@@ -26,7 +26,7 @@ from megalite.parallel.param_spec import Tied, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
-from megalite.training.step import train_step
+from megalite.training.step import StepContext, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 GLOBAL, VOCAB = 8, 67  # 67 is prime: padded to 68 at tp 1, 72 at tp 2, 80 at tp 4 (make_vocab_divisible_by=4)
@@ -59,8 +59,9 @@ def _setup(lay: tuple[int, int, int, bool], cfg, seed: int):
 def _step(st, engine, opt, data: torch.Tensor, i: int, vpp: int) -> float:
     per = GLOBAL // st.dp
     mine = [(data[j:j + 1, :-1], data[j:j + 1, 1:]) for j in range(st.dp_rank * per, (st.dp_rank + 1) * per)]
-    return train_step(engine, opt, mine, st, tiny_train_cfg(3), i, torch.float32, LossScaler(False),
-                      "interleaved" if vpp > 1 else "1f1b", vpp).loss
+    schedule = "interleaved" if vpp > 1 else "1f1b"
+    return train_step(StepContext.build(engine, st, torch.float32, tiny_train_cfg(3), LossScaler(False), schedule),
+                      opt, mine, i).loss
 
 
 def _full(model: nn.ModuleList, opt, st) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate, 
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
 from megalite.pipeline import build_pipeline
-from megalite.training.step import train_step
+from megalite.training.step import StepContext, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 MICRO, M = 2, 4  # micro-batch size, micro-batches per step and dp rank
@@ -27,7 +27,8 @@ def _measure(rank: int, tp: int, pp: int, sp: bool, zero: int) -> dict:
     data = torch.randint(0, cfg.vocab_size, (MICRO * M, cfg.seq_len + 1), generator=gen)
     batches = [(data[i:i + MICRO, :-1], data[i:i + MICRO, 1:]) for i in range(0, MICRO * M, MICRO)]
     st.counter.reset()
-    train_step(engine, opt, batches, st, tiny_train_cfg(2), 0, torch.float32, LossScaler(False), "1f1b")
+    train_step(StepContext.build(engine, st, torch.float32, tiny_train_cfg(2), LossScaler(False), "1f1b"),
+               opt, batches, 0)
     return {"comm": st.counter.bytes(), "mem": opt.memory_bytes(), "pp_rank": st.pp_rank}
 
 

@@ -20,7 +20,7 @@ from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim.reference import ReferenceOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.step import train_step  # noqa: E402
+from megalite.training.step import StepContext, train_step  # noqa: E402
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg  # noqa: E402
 
 if not kernels.available():
@@ -40,8 +40,8 @@ def _losses(kind: str, arch: str, state: ParallelState, steps: int = 3) -> list[
     out = []
     for i in range(steps):
         d = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen)
-        out.append(train_step(model, opt, [(d[:, :-1], d[:, 1:])], state, tiny_train_cfg(steps), i, torch.float32,
-                              LossScaler(False)).loss)
+        out.append(train_step(StepContext.build(model, state, torch.float32, tiny_train_cfg(steps), LossScaler(False)),
+                              opt, [(d[:, :-1], d[:, 1:])], i).loss)
     return out
 
 

@@ -18,7 +18,7 @@ from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline, build_schedule, max_in_flight
 from megalite.pipeline.partition import virtual_stage_layers
-from megalite.training.step import evaluate, train_step
+from megalite.training.step import StepContext, evaluate, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 STEPS, MICRO = 3, 2
@@ -45,13 +45,15 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
     ref_opt = ReferenceOptimizer(ref, ref_state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
-    ref_losses = [train_step(ref, ref_opt, b, ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
+    ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
+                             ref_opt, b, i).loss
                   for i, b in enumerate(_batches(data, 0, global_batch))]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp)
     opt = ReferenceOptimizer(nn.ModuleList(engine.chunks), st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     mine = _batches(data, st.dp_rank * per_rank, (st.dp_rank + 1) * per_rank)
     st.counter.reset()
-    losses = [train_step(engine, opt, b, st, tcfg, i, torch.float32, LossScaler(False), schedule, vpp).loss
+    losses = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), schedule),
+                         opt, b, i).loss
               for i, b in enumerate(mine)]
     counted = st.counter.bytes()
     pp_bytes = st.counter.exact_bytes("pp")

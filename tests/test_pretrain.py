@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-                   "mem_peak_bytes", "comm_bytes", "skipped"}
+                   "mem_peak_bytes", "comm_bytes", "skipped", "timestamp", "tokens_seen"}
 
 
 def _losses(log_dir: Path) -> dict[int, float]:
@@ -112,7 +114,7 @@ def _run_script(args: list[str], env_extra: dict[str, str] | None = None, nproc:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--master-port", str(free_port())] if nproc else [sys.executable]
     return subprocess.run([*launcher, str(REPO / "pretrain.py"), *args], capture_output=True, text=True,
-                          env=env, cwd=str(REPO), timeout=300)
+                          env=env, cwd=str(REPO), timeout=900)
 
 
 def test_script_bad_flag_exits_cleanly() -> None:
@@ -136,3 +138,129 @@ def test_torchrun_tensor_parallel_matches_single_process(demo_cache_dir: str, tm
         assert abs(one[step] - tp2[step]) < 1e-5, f"step {step}: tp=2 loss {tp2[step]} != {one[step]}"
     last = json.loads((tmp_path / "tp2" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["comm_bytes"]["tp"] > 0
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_fresh_run_rotates_metrics_and_resume_appends_from_its_step(demo_cache_dir: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    log, ckpt = tmp_path / "log", tmp_path / "ckpt"
+    common = ["--checkpoint.dir", str(ckpt), "--checkpoint.interval", "1", "--checkpoint.keep", "5"]
+    assert main(_args(demo_cache_dir, log, "--train.steps", "3", *common)) == 0
+    first = (log / "metrics.jsonl").read_text()
+    assert main(_args(demo_cache_dir, log, "--train.steps", "3", "--checkpoint.load", "none", *common)) == 0
+    assert (log / "metrics.1.jsonl").read_text() == first  # the first run's file, kept whole
+    assert _steps(log / "metrics.jsonl") == [1, 2, 3]  # not 1, 2, 3, 1, 2, 3
+    capsys.readouterr()
+    # Resume from step 2 (as after a crash): the record of step 3 the old process wrote is replaced.
+    assert main(_args(demo_cache_dir, log, "--train.steps", "5", *common,
+                      "--checkpoint.load", str(ckpt / "step_00000002"))) == 0
+    assert _steps(log / "metrics.jsonl") == [1, 2, 3, 4, 5] and not (log / "metrics.2.jsonl").exists()
+    rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_seen"] for r in rows] == [4 * 32 * s for s in range(1, 6)]  # micro-batch 4 x seq 32
+    assert all(a["timestamp"] <= b["timestamp"] for a, b in zip(rows[2:], rows[3:]))
+    out = capsys.readouterr().out
+    # The progress line: a rate with an adaptive unit, the step time and the memory; then a summary.
+    assert re.search(r"step +5/5 \| loss [0-9.]+ \| lr .* \| [0-9.]+k? tok/s \| [0-9.]+ m?s/step \| mem ", out), out
+    summary = out[out.index("done: 3 steps (to step 5)"):]
+    assert f"{4 * 32 * 5:,} tokens seen" in summary and f"final {rows[-1]['loss']:.4f}" in summary
+    assert str(log / "metrics.jsonl") in summary and str(ckpt / "step_00000005") in summary
+
+
+def test_saved_config_is_resolved_and_the_estimator_predicts_the_runs_bytes(demo_cache_dir: str,
+                                                                             tmp_path: Path, capsys) -> None:
+    """config.toml names the device, dtype and kernels the run used (not "auto"), so
+    `tools/estimate.py --config <run>/config.toml` describes that run: its model-state bytes equal
+    what the optimizer's tensors measured (metrics.jsonl mem_bytes), exactly."""
+    assert main(_args(demo_cache_dir, tmp_path, "--train.steps", "1")) == 0
+    text = (tmp_path / "config.toml").read_text()
+    assert 'dtype = "fp32"' in text and 'device = "cpu"' in text and 'kernels = "torch"' in text
+    capsys.readouterr()
+    sys.path.insert(0, str(REPO / "tools"))
+    import estimate as estimate_tool  # tools/estimate.py
+
+    assert estimate_tool.main(["--config", str(tmp_path / "config.toml"), "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["memory"]
+    measured = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["mem_bytes"]
+    assert {k: predicted[k] for k in measured} == measured
+
+
+def test_run_that_cannot_fit_is_refused_before_step_1(demo_cache_dir: str, tmp_path: Path, capsys,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 1 MiB "available" (injected, never the real machine's) the run stops with the numbers
+    and flags that would fit; `train.memory_check false` runs it anyway."""
+    from megalite.training import memory_check
+
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 1 << 20)
+    assert main(_args(demo_cache_dir, tmp_path, "--train.steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GiB" in err and "train.memory_check=false" in err and "Traceback" not in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert main(_args(demo_cache_dir, tmp_path, "--train.steps", "1", "--train.memory_check", "false")) == 0
+
+
+def test_config_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
+    """Every rank sees the same bad config; rank 0 alone prints it."""
+    proc = _run_script(["--model.num_heads", "3", "--logging.dir", str(tmp_path)], nproc=2)
+    assert proc.returncode != 0 and proc.stderr.count("megalite: error") == 1, proc.stderr[-3000:]
+
+
+def test_launch_script_checks_the_config_in_one_process_first(tmp_path: Path) -> None:
+    """launch/torchrun.sh validates with the world size it is about to start: one clean line, no
+    torchrun, no traceback."""
+    env = dict(os.environ, NPROC="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()))
+    for var in ("RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.run(["bash", str(REPO / "launch/torchrun.sh"), "--parallel.tp", "3",
+                           "--logging.dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("megalite: error:") and "world_size 2 != tp 3" in proc.stderr
+    assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr
+
+
+def test_readme_own_data_example_fits_a_24_gb_laptop() -> None:
+    """The README's `pretrain.py --data.path ...` line (vocabulary 32,000 from its tokenizer command)
+    is predicted, by the same arithmetic as the check before step 1, to need under 24 GB with room to
+    spare: the prediction holds model states and activations, not the interpreter, torch and the
+    data loader (a few hundred MB), so the test keeps it under half the machine."""
+    from megalite.config import parse_args, resolve
+    from megalite.training.memory_check import predicted_bytes
+
+    text = (REPO / "README.md").read_text()
+    command = re.search(r"python pretrain\.py (--data\.path .*?)\n```", text, re.S)
+    assert command is not None, "the README's own-data example is gone"
+    argv = command.group(1).replace("\\\n", " ").split()
+    vocab = re.search(r"train_tokenizer\.py .*--vocab-size (\d+)", text)
+    assert vocab is not None
+    cfg = resolve(parse_args([*argv, "--model.vocab_size", vocab.group(1)]), 1)
+    assert predicted_bytes(cfg) < 12e9, predicted_bytes(cfg) / 1e9
+
+
+def test_memory_check_names_the_changes_that_fit() -> None:
+    """llama-160m with micro-batches of 8 on 2 CPU processes: the estimator's 2 x 58.5 GiB do not fit
+    in an injected 40 GiB; smaller micro-batches and recompute do, and each suggestion is re-checked."""
+    from megalite.config import parse_args, resolve
+    from megalite.errors import ConfigError
+    from megalite.training.memory_check import GiB, alternatives, check_memory_of, predicted_bytes
+
+    cfg = resolve(parse_args(["--model.preset", "llama-160m", "--model.vocab_size", "32000",
+                              "--train.global_batch_size", "16"]), 2)
+    need = 2 * predicted_bytes(cfg)
+    with pytest.raises(ConfigError) as err:
+        check_memory_of(cfg, torch.device("cpu"), 2, available=40 * GiB)
+    message = str(err.value)
+    assert f"{need / GiB:.1f} GiB (2 processes x" in message and "is 40.0 GiB" in message
+    fits = alternatives(cfg, 2, 40 * GiB)
+    assert fits and all(a.needed <= 40 * GiB for a in fits) and fits[0].flags in message
+    assert fits[0].flags == "--train.micro_batch_size 2"  # the first halving that fits: 4 still does not
+    check_memory_of(cfg, torch.device("cpu"), 2, available=int(need) + 1)  # fits exactly: no error
+    cfg.train.memory_check = False
+    check_memory_of(cfg, torch.device("cpu"), 2, available=1)
+    tiny = resolve(parse_args(["--model.preset", "llama-160m", "--model.vocab_size", "32000"]), 1)
+    with pytest.raises(ConfigError, match="no single change fits"):
+        check_memory_of(tiny, torch.device("cpu"), 1, available=1 << 20)
+    # 2 GiB: the model states alone (16 bytes x 134M params) do not fit; a smaller preset does.
+    with pytest.raises(ConfigError, match="these fit: --model.preset tiny"):
+        check_memory_of(tiny, torch.device("cpu"), 1, available=2 * GiB)

@@ -25,7 +25,7 @@ from megalite.parallel import comm
 from megalite.perfmodel.accounting import tp_bytes_per_step
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
-from megalite.training.step import train_step
+from megalite.training.step import StepContext, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 ATOL = 1e-5
@@ -127,7 +127,8 @@ def test_layers_match_unsharded_reference(dist_world, world: int, sp: bool) -> N
 def _train(model: GPT, state: ParallelState, batches_per_step: list, steps: int) -> list[float]:
     opt = ReferenceOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     tcfg = tiny_train_cfg(steps)
-    return [train_step(model, opt, batches_per_step[i], state, tcfg, i, torch.float32, LossScaler(False)).loss
+    return [train_step(StepContext.build(model, state, torch.float32, tcfg, LossScaler(False)),
+                       opt, batches_per_step[i], i).loss
             for i in range(steps)]
 
 

@@ -29,7 +29,7 @@ from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.training.step import evaluate, train_step
+from megalite.training.step import StepContext, evaluate, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
 
 STEPS, MICRO, M = 5, 2, 2  # 5 optimizer steps of M micro-batches of MICRO sequences per DP rank
@@ -87,14 +87,16 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
     ref = GPT(cfg, ref_state, seed=5)
     ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
-    ref_losses = [train_step(ref, ref_opt, _micro(d), ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
+    ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
+                             ref_opt, _micro(d), i).loss
                   for i, d in enumerate(data)]
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, **HYPER)
     per_rank = global_batch // st.dp
     st.counter.reset()
-    losses = [train_step(model, opt, _micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]), st, tcfg, i,
-                         torch.float32, LossScaler(False)).loss for i, d in enumerate(data)]
+    losses = [train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)),
+                         opt, _micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]), i).loss
+              for i, d in enumerate(data)]
     measured_dp = st.counter.exact_bytes("dp")
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5, f"zero={stage} step {i}: loss {a} != reference {b}"
@@ -146,7 +148,8 @@ def _check_mixed_precision_accounting(rank: int, dtype: torch.dtype) -> None:
         opt = build_distributed_optimizer(model, st, stage, dtype=dtype, **HYPER)
         assert all(p.dtype == dtype for p in model.parameters()) or stage == 3
         st.counter.reset()
-        res = train_step(model, opt, _micro(data[0]), st, tiny_train_cfg(1), 0, dtype, LossScaler(False))
+        res = train_step(StepContext.build(model, st, dtype, tiny_train_cfg(1), LossScaler(False)),
+                         opt, _micro(data[0]), 0)
         assert res.loss == res.loss and not res.skipped, f"zero={stage}: loss {res.loss}"
         psi, padded = _padded_size(model, stage, st.dp)
         assert opt.memory_bytes() == expected_memory(stage, psi, padded, st.dp, 2), f"zero={stage} {dtype}"
@@ -214,10 +217,10 @@ def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
         models.append(GPT(cfg, st, seed=5))
         opts.append(build_distributed_optimizer(models[-1], st, stage, dtype=torch.bfloat16, **HYPER))
     for i in range(2):
-        train_step(models[0], opts[0], mine[i], st, tcfg, i, torch.bfloat16, LossScaler(False))
+        train_step(StepContext.build(models[0], st, torch.bfloat16, tcfg, LossScaler(False)), opts[0], mine[i], i)
     opts[1].load_state_dict(opts[0].state_dict())
-    a = train_step(models[0], opts[0], mine[2], st, tcfg, 2, torch.bfloat16, LossScaler(False))
-    b = train_step(models[1], opts[1], mine[2], st, tcfg, 2, torch.bfloat16, LossScaler(False))
+    a = train_step(StepContext.build(models[0], st, torch.bfloat16, tcfg, LossScaler(False)), opts[0], mine[2], 2)
+    b = train_step(StepContext.build(models[1], st, torch.bfloat16, tcfg, LossScaler(False)), opts[1], mine[2], 2)
     assert a.loss == b.loss and a.grad_norm == b.grad_norm, (a, b)
     fa, fb = opts[0].full_parameters(), opts[1].full_parameters()
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
@@ -240,13 +243,15 @@ def _check_pipeline(rank: int, stage: int, arch: str) -> None:
     ref = GPT(cfg, ref_state, seed=5)
     ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     tcfg = tiny_train_cfg(3)
-    ref_losses = [train_step(ref, ref_opt, _micro(d), ref_state, tcfg, i, torch.float32, LossScaler(False)).loss
+    ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
+                             ref_opt, _micro(d), i).loss
                   for i, d in enumerate(data)]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=1)
     # One chunk per rank (vpp=1): hand the optimizer the stage's GPT itself, as the trainer does.
     opt = build_distributed_optimizer(engine.chunks[0], st, stage, dtype=torch.float32, **HYPER)
-    losses = [train_step(engine, opt, _micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]), st, tcfg, i,
-                         torch.float32, LossScaler(False), "1f1b", 1).loss for i, d in enumerate(data)]
+    losses = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), "1f1b"),
+                         opt, _micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]), i).loss
+              for i, d in enumerate(data)]
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5, f"zero={stage} pp=2 step {i}: loss {a} != reference {b}"
     ref_params = dict(ref.named_parameters(remove_duplicate=False))

@@ -1,9 +1,13 @@
-"""Plot one or several runs' metrics.jsonl on shared axes: loss, learning rate, tokens/s, and the
-communication bytes per step of each process group.
+"""Plot one or several runs' metrics.jsonl on shared axes: training and validation loss, learning
+rate, gradient norm, tokens/s, peak memory, and the communication bytes per step of each process group.
 
+    python tools/plot_metrics.py runs/latest                      # -> runs/latest/metrics.png
     python tools/plot_metrics.py runs/tp2/metrics.jsonl runs/zero3 -o compare.png --labels tp2 zero3
 
-A run directory stands for its metrics.jsonl. Needs matplotlib (`pip install matplotlib`).
+A run directory stands for every run logged there: its metrics.jsonl and the earlier runs' files that
+a fresh run moved aside (metrics.1.jsonl, metrics.2.jsonl, ...). One line per run: a file that holds
+several runs (written before megalite rotated them) is split where the step number goes back.
+Needs matplotlib (`pip install matplotlib`).
 """
 
 from __future__ import annotations
@@ -43,13 +47,41 @@ def load_metrics(path: str | Path) -> Records:
     return records
 
 
+def split_runs(records: Records) -> list[Records]:
+    """Consecutive records with rising steps are one run; a step that goes back starts the next."""
+    runs: list[Records] = [[]]
+    for rec in records:
+        if runs[-1] and rec["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(rec)
+    return runs
+
+
+def run_files(path: str | Path) -> list[Path]:
+    """A metrics.jsonl; for a directory, its rotated files oldest first, then metrics.jsonl."""
+    p = Path(path)
+    if not p.is_dir():
+        return [p]
+    rotated = [f for f in p.glob("metrics.*.jsonl") if f.name.split(".")[1].isdigit()]
+    files = sorted(rotated, key=lambda f: int(f.name.split(".")[1]))
+    return files + [p / "metrics.jsonl"] if (p / "metrics.jsonl").exists() or not files else files
+
+
+def load_runs(path: str | Path, label: str) -> dict[str, Records]:
+    """label -> records for every run found at `path` ("label", or "label #1", "label #2" ...)."""
+    found = [run for f in run_files(path) for run in split_runs(load_metrics(f))]
+    if len(found) == 1:
+        return {label: found[0]}
+    return {f"{label} #{i}": run for i, run in enumerate(found, 1)}
+
+
 def _series(records: Records, key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
     return [s for s, _ in pts], [v for _, v in pts]
 
 
 def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
-    """Write a 2x2 PNG comparing `runs` (label -> records); returns the path written."""
+    """Write a 3x2 PNG comparing `runs` (label -> records); returns the path written."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -58,16 +90,27 @@ def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
     matplotlib.use("Agg")  # files only: no display needed on a cluster login node
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    panels = ((axes[0][0], "loss", "loss"), (axes[0][1], "lr", "learning rate"),
-              (axes[1][0], "tokens_per_s", "tokens / s"))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11), sharex=True)
+    panels = ((axes[0][0], "loss", "loss (dashed: validation)"), (axes[0][1], "lr", "learning rate"),
+              (axes[1][0], "grad_norm", "gradient norm (before clipping)"),
+              (axes[1][1], "tokens_per_s", "tokens / s (whole job)"))
     for ax, key, title in panels:
         for label, recs in runs.items():
             xs, ys = _series(recs, key)
             if xs:
-                ax.plot(xs, ys, label=label)
+                line = ax.plot(xs, ys, label=label)[0]
+                if key == "loss":
+                    vx, vy = _series(recs, "valid_loss")
+                    if vx:
+                        ax.plot(vx, vy, "--o", color=line.get_color(), markersize=3, label=f"{label}: valid")
         ax.set_title(title)
-    ax = axes[1][1]
+    ax = axes[2][0]
+    for label, recs in runs.items():
+        xs, ys = _series(recs, "mem_peak_bytes")
+        if xs:
+            ax.plot(xs, [y / 2**30 for y in ys], label=label)
+    ax.set_title("peak memory (GiB, rank 0's process or device)")
+    ax = axes[2][1]
     for label, recs in runs.items():
         groups = sorted({g for r in recs for g in (r.get("comm_bytes") or {})})
         for g in groups:
@@ -92,7 +135,7 @@ def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("metrics", nargs="+", help="metrics.jsonl files or run directories")
-    ap.add_argument("-o", "--output", default="metrics.png", help="PNG to write")
+    ap.add_argument("-o", "--output", help="PNG to write (default: metrics.png in the first run's folder)")
     ap.add_argument("--labels", nargs="+", help="one legend label per run (default: the run's folder)")
     args = ap.parse_args(argv)
     if args.labels and len(args.labels) != len(args.metrics):
@@ -104,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         for i, path in enumerate(args.metrics):
             p = Path(path)
             label = args.labels[i] if args.labels else (p if p.is_dir() else p.parent).resolve().name
-            while label in runs:
+            while any(k == label or k.startswith(label + " #") for k in runs):
                 label += "'"
-            runs[label] = load_metrics(p)
-        out = plot_runs(runs, args.output)
+            runs.update(load_runs(p, label))
+        first = Path(args.metrics[0])
+        out = plot_runs(runs, args.output or (first if first.is_dir() else first.parent) / "metrics.png")
     except MegaliteError as exc:
         return report(exc)
     print(f"wrote {out}")

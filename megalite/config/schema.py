@@ -79,6 +79,8 @@ class TrainConfig:
     spike_factor: float = _f(0.0, "log a loss spike when loss > this x the running median loss; 0 = off")
     watchdog_factor: float = _f(20.0, "a step longer than this x the median step is a hang: report and exit; 0 = off")
     watchdog_min_s: float = _f(60.0, "never call a step a hang before it has run this many seconds")
+    memory_check: bool = _f(True, "refuse before step 1 when the predicted peak memory exceeds the free RAM "
+                                  "(CPU) or device memory (GPU)")
 
 
 @dataclass

@@ -12,6 +12,11 @@ or glibc's own knobs; `tune_malloc` sets the latter from inside the process (`ma
                              time (glibc's dynamic threshold would otherwise move with every free)
   M_TRIM_THRESHOLD = 1 GiB   freed heap memory stays with the process for the next step
 
+torch allocates with posix_memalign (64-byte alignment): glibc carves the request plus the alignment
+slack and frees the slack at once, so a small allocation landing there can leave a freed buffer just
+too small for the next identical request, and that step grows the heap instead (tests/test_runtime.py
+measures the thresholds with plain malloc for this reason).
+
 The cost is that the process keeps its peak heap resident (a training loop reaches the same peak every
 step anyway). It is skipped when the environment already chose (`MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_`, or jemalloc/tcmalloc/mimalloc in LD_PRELOAD) and where the C library is not

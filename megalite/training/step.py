@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -37,16 +38,48 @@ def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dty
     return PipelineEngine([model], [0], 1, state, (0, 0, 0), dtype)
 
 
-def train_step(model: nn.Module | PipelineEngine, optimizer: DistributedOptimizer, batches: list[Batch],
-               state: ParallelState, tcfg, step: int, dtype: torch.dtype, scaler: LossScaler,
-               schedule: str = "1f1b", vpp: int = 1, poison_grads: bool = False) -> StepResult:
+class StepSettings(Protocol):
+    """The train-config fields one step reads (`TrainConfig` has them; tests pass a small namespace)."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    steps: int
+    clip_grad: float
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What stays the same from step to step. The engine already knows the ParallelState, the compute
+    dtype and the number of virtual stages, so a step is `train_step(ctx, optimizer, batches, step)`."""
+
+    engine: PipelineEngine
+    settings: StepSettings     # learning-rate schedule and clipping
+    scaler: LossScaler         # fp16 dynamic loss scale (disabled otherwise); updated by each step
+    schedule: str = "1f1b"     # pipeline schedule name (megalite.pipeline.schedules)
+
+    @classmethod
+    def build(cls, model: nn.Module | PipelineEngine, state: ParallelState, dtype: torch.dtype,
+              settings: StepSettings, scaler: LossScaler, schedule: str = "1f1b") -> StepContext:
+        """A context for a pipeline engine, or for a whole model on one stage (pp = 1)."""
+        engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
+        return cls(engine, settings, scaler, schedule)
+
+    @property
+    def vpp(self) -> int:
+        return self.engine.num_stages // self.engine.state.pp
+
+
+def train_step(ctx: StepContext,
+               optimizer: DistributedOptimizer,
+               batches: list[Batch], step: int, poison_grads: bool = False) -> StepResult:
     """Run one step over this rank's micro-batches; every rank returns the same StepResult."""
-    engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
+    engine, state, scaler, settings = ctx.engine, ctx.engine.state, ctx.scaler, ctx.settings
     for chunk in engine.chunks:
         chunk.train()
-    lr = lr_at(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
+    lr = lr_at(step, settings.lr, settings.min_lr, settings.warmup_steps, settings.steps)
     optimizer.zero_grad()
-    actions = build_schedule(schedule, len(batches), state.pp, state.pp_rank, vpp)
+    actions = build_schedule(ctx.schedule, len(batches), state.pp, state.pp_rank, ctx.vpp)
     total = engine.run(actions, batches, scaler.scale, optimizer)
     optimizer.finish_grad_sync()  # DP reduction (and a tied embedding's pipeline copies summed), once per step
     if poison_grads:  # fault injection (megalite.runtime.faults): exercise the skip path end to end
@@ -57,7 +90,7 @@ def train_step(model: nn.Module | PipelineEngine, optimizer: DistributedOptimize
     skipped = not math.isfinite(norm)
     scaler.update(found_inf=skipped)
     if not skipped:
-        optimizer.step(lr, tcfg.clip_grad, norm)
+        optimizer.step(lr, settings.clip_grad, norm)
     total /= len(batches)
     # Only the last stage has the loss: sum over pp (others add 0), average over dp.
     comm.all_reduce(total, state, "pp", count_as="metrics")

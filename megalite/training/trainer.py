@@ -2,60 +2,45 @@
 
 Order is deliberate (fail loudly and early): the config is parsed, resolved and validated before any
 process group, dataset or model exists, so a bad flag costs seconds, not a GPU allocation.
+`build_run` makes everything the loop needs; `run` is the loop, one step's story per iteration.
 """
 
 from __future__ import annotations
 
 import math
-import signal
-import statistics
+import os
+import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from megalite import config as config_mod
-from megalite.checkpoint import sharded
-from megalite.data import DataSampler, build_data, make_batch
-from megalite.errors import DataError, MegaliteError, report
-from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
-from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
-from megalite.perfmodel.estimate import count_params
-from megalite.runtime.faults import FaultInjector
-from megalite.pipeline import build_pipeline
-from megalite.optim.adamw import LossScaler
+from megalite.data import DataBundle, DataSampler, build_data, make_batch
+from megalite.errors import ConfigError, DataError, MegaliteError, report
+from megalite.model.ops import resolve_kernels
+from megalite.observability.metrics import MetricsLogger
+from megalite.observability.tracking import Tracker
 from megalite.optim import build_distributed_optimizer
-from megalite.parallel import comm
+from megalite.optim.adamw import LossScaler
+from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
+from megalite.pipeline import build_pipeline
+from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
-from megalite.observability.tracking import Tracker
-from megalite.training.step import evaluate, train_step
 from megalite.runtime.watchdog import Watchdog
+from megalite.training.checkpointing import RunCheckpoints
+from megalite.training.memory_check import check_memory
+from megalite.training.policy import StepHealth
+from megalite.training.preflight import CheckRequest, check_config
+from megalite.training.reporting import DTYPE_NAMES, StepReport
+from megalite.training.step import StepContext, evaluate, train_step
+from megalite.training.stop import StopFlag
 
-
-class StopFlag:
-    """Set by SIGTERM/SIGUSR1 (what Slurm sends before a preemption): finish the step, save, exit 0."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    def agreed(self, state: ParallelState) -> bool:
-        """Stop only when every rank stops at the same step: all-reduce the flag (MAX)."""
-        if state.world_size == 1:
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=state.device)
-        comm.all_reduce(flag, state, "mp", op=dist.ReduceOp.MAX, count_as="metrics")
-        flag_all = torch.tensor([flag.item()], device=state.device)
-        comm.all_reduce(flag_all, state, "dp", op=dist.ReduceOp.MAX, count_as="metrics")
-        return bool(flag_all.item())
 
 
 def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
@@ -66,16 +51,38 @@ def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
     return cfg, world
 
 
-def run(cfg: config_mod.Config) -> dict[str, float]:
-    """Train per `cfg` (resolved and validated); returns the last step's loss and valid loss."""
+def pin_resolved(cfg: config_mod.Config) -> config_mod.Config:
+    """Replace the "auto" choices by what this run uses (device, dtype, kernels), so the saved
+    config.toml describes the run exactly and `tools/estimate.py --config` reads the same run."""
+    device = config_mod.resolved_device(cfg)
+    cfg.train.dtype = DTYPE_NAMES[config_mod.resolved_dtype(cfg, device)]
+    cfg.train.device = device
+    cfg.model.kernels = resolve_kernels(cfg.model.kernels, torch.device(device))
+    return cfg
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once by `build_run`."""
+
+    cfg: config_mod.Config
+    state: ParallelState
+    data: DataBundle
+    ctx: StepContext
+    model: nn.Module                 # this rank's chunks (one unless pp > 1 with vpp > 1)
+    optimizer: DistributedOptimizer
+    sampler: DataSampler
+    checkpoints: RunCheckpoints
+
+
+def build_run(cfg: config_mod.Config) -> Run:
+    """Process group, data, model, optimizer and sampler; the config is resolved and saved (rank 0)."""
     par, tr = cfg.parallel, cfg.train
-    malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
     state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
                              timeout_s=par.timeout_s)
     torch.manual_seed(tr.seed)
-    is_logger = state.rank == 0
     data = build_data(cfg)
     tok_vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size == 0:
@@ -83,136 +90,116 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     elif cfg.model.vocab_size < tok_vocab:
         raise DataError(f"the tokenizer has {tok_vocab} tokens but model.vocab_size={cfg.model.vocab_size}: "
                         f"set model.vocab_size >= {tok_vocab} (or 0 to take the tokenizer's)")
-    if is_logger:
+    pin_resolved(cfg)
+    if state.rank == 0:
         config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng)
-    model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
+    model = nn.ModuleList(engine.chunks)
     # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
-    optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero, tr.lr, tr.weight_decay, (tr.beta1, tr.beta2),
-                                            tr.adam_eps, dtype)
+    optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
+                                            tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps, dtype)
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)
-    start_step = 0
-    resume_from = sharded.find(cfg.checkpoint.load, cfg.checkpoint.dir)
-    if resume_from is not None:
-        # Any layout: each rank reads the slices it needs (ZeRO-3: into temporarily gathered params).
-        with optimizer.gathered():
-            extra = sharded.load_sharded(resume_from, model, optimizer, state)
-        if "sampler" in extra:  # an imported Hugging Face model has no data position
-            sampler.load_state_dict(extra["sampler"])
-        if "scaler" in extra:
-            scaler.load_state_dict(extra["scaler"])
-        if extra["rng"] is not None:  # same layout: restore every rank's streams; else keep the fresh seeds
-            rng.load_state_dict(extra["rng"])
-        start_step = int(extra["step"])
+    checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, sampler, scaler,
+                                 rng, state)
+    ctx = StepContext(engine, tr, scaler, par.schedule)
+    return Run(cfg, state, data, ctx, model, optimizer, sampler, checkpoints)
 
-    def save_checkpoint(step: int) -> None:
-        extra = {"config": config_mod.config_to_dict(cfg), "sampler": sampler.state_dict(),
-                 "scaler": scaler.state_dict(), "rng": rng.state_dict()}
-        path = sharded.save_sharded(cfg.checkpoint.dir, step, model, optimizer, extra, state, cfg.checkpoint.keep)
-        logger.note(f"saved checkpoint {path}")
 
-    m = cfg.model
-    n_params = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                            m.vocab_size, m.seq_len, bool(m.tie_embeddings))
-    flops_per_token = model_flops_per_token(n_params, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_len)
-    device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
-    peak = peak_flops(device_name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+def validation_loss(run: Run, step: int) -> float | None:
+    """The mean loss over `train.eval_steps` fixed validation batches, every `train.eval_interval`
+    steps and at the end; None when not due or there is no validation split."""
+    tr, state = run.cfg.train, run.state
+    if run.data.valid is None or tr.eval_interval <= 0 or not (step % tr.eval_interval == 0 or step == tr.steps):
+        return None
+    # The same batches every time (a fixed seed, a fresh sampler), so successive values compare.
+    sampler = DataSampler(len(run.data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
+                          tr.seed + 1)
+    batches = [make_batch(run.data.valid, idx) for _ in range(tr.eval_steps) for idx in sampler.next_step()]
+    return evaluate(run.ctx.engine, batches, state, run.ctx.engine.dtype)
+
+
+def run(cfg: config_mod.Config) -> dict[str, float]:
+    """Train per `cfg` (resolved and validated); returns the last step's loss and valid loss."""
+    tr = cfg.train
+    malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
+    _, world_size, local_rank = launcher_env()
+    check_memory(cfg, world_size, local_rank)
+    r = build_run(cfg)
+    state, optimizer = r.state, r.optimizer
+    resumed_from, start_step = r.checkpoints.resume()
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
-                      config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=is_logger)
-    logger = MetricsLogger(cfg.logging.dir, is_logger, tracker, tr.steps)
-    tokens_per_step = tr.global_batch_size * cfg.model.seq_len
-    logger.note(f"megalite: {n_params / 1e6:.2f}M params | layout tp={par.tp} pp={par.pp} dp={par.dp} sp={par.sp} | "
-                f"{device} {str(dtype).removeprefix('torch.')} | vocab {cfg.model.vocab_size} | "
-                f"{tokens_per_step} tokens/step | {len(data.train)} train samples"
-                + (f" | resumed from {resume_from} at step {start_step}" if resume_from else "")
-                + f" | {malloc_note}")
-    mem = optimizer.memory_bytes()
-    logger.note("model-state bytes on rank 0 at start: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())
-                + f" (zero={par.zero}; exact, from the tensors; per step in metrics.jsonl mem_bytes)")
-    if start_step >= tr.steps:
-        logger.note(f"checkpoint {resume_from} is already at step {start_step} >= train.steps={tr.steps}: "
-                    "nothing to do (raise train.steps to train further)")
-    stop = StopFlag()
-    faults = FaultInjector(state.rank)
+                      config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=state.rank == 0)
+    logger = MetricsLogger(cfg.logging.dir, state.rank == 0, tracker, tr.steps, resumed_step=start_step)
+    meter = StepReport(cfg, state, r.ctx, optimizer, len(r.data.train))
+    logger.totals.tokens_seen = start_step * meter.tokens_per_step
+    meter.startup(logger, resumed_from, start_step, malloc_note)
+    stop, faults = StopFlag(), FaultInjector(state.rank)
     watchdog = Watchdog(state.rank, state.counter, tr.watchdog_factor, tr.watchdog_min_s)
-    recent_losses: list[float] = []
-    valid_sampler_seed = tr.seed + 1
+    health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
     last: dict[str, float] = {}
-    step_times: list[float] = []
-    consecutive_skips = 0
     try:  # the watchdog thread and the wandb run must end with this function, even on an error
         for step in range(start_step, tr.steps):
-            faults.at_step_start(step + 1)
-            watchdog.begin_step(step + 1)
+            done = step + 1
+            faults.at_step_start(done)
+            watchdog.begin_step(done)
             state.counter.reset()
             t0 = time.perf_counter()
-            batches = [make_batch(data.train, idx) for idx in sampler.next_step()]
-            result = train_step(engine, optimizer, batches, state, tr, step, dtype, scaler, par.schedule, par.vpp,
-                                poison_grads=faults.poison_grads(step + 1))
+            batches = [make_batch(r.data.train, idx) for idx in r.sampler.next_step()]
+            result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
-            dt = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
             step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
-            step_times.append(dt)
-            consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-            if consecutive_skips > tr.max_skipped_steps:
-                raise MegaliteError(f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step "
-                                    f"{step + 1}): the run is diverging; lower train.lr, use bf16 instead of fp16, or "
-                                    f"resume from an earlier checkpoint")
-            spike = False
-            if tr.spike_factor > 0 and not result.skipped:
-                if len(recent_losses) >= 10 and result.loss > tr.spike_factor * statistics.median(recent_losses):
-                    spike = True
-                    logger.note(f"loss spike at step {step + 1}: {result.loss:.4f} > {tr.spike_factor:g} x running "
-                                f"median {statistics.median(recent_losses):.4f}")
-                recent_losses = (recent_losses + [result.loss])[-100:]
-            if result.skipped:
-                logger.note(f"step {step + 1} skipped: non-finite gradient norm ({consecutive_skips} in a row, "
-                            f"limit train.max_skipped_steps={tr.max_skipped_steps})")
-            valid_loss = None
-            done = step + 1
-            if data.valid is not None and tr.eval_interval > 0 and (done % tr.eval_interval == 0 or done == tr.steps):
-                vs = DataSampler(len(data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
-                                 valid_sampler_seed)
-                vb = [make_batch(data.valid, idx) for _ in range(tr.eval_steps) for idx in vs.next_step()]
-                valid_loss = evaluate(engine, vb, state, dtype)
+            spike = health.check(done, result)
+            valid_loss = validation_loss(r, done)
             last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
-            if done % cfg.logging.interval == 0 or done == tr.steps or done == start_step + 1 or valid_loss is not None:
-                tps = tokens_per_step / dt
-                flops = flops_per_token * tps / state.world_size
-                recent = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
-                logger.log({"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                            "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, peak),
-                            "mem_peak_bytes": peak_memory_bytes(state.device), "comm_bytes": step_comm,
-                            "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
-                            "loss_scale": scaler.scale, "spike": spike, "mem_bytes": optimizer.memory_bytes()},
-                           seconds_left=recent * (tr.steps - done))
-            should_save = bool(cfg.checkpoint.dir) and (
-                (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
+            logger.step_done(done, result.loss, result.skipped, seconds, meter.tokens_per_step)
+            if meter.due(done, start_step) or valid_loss is not None:
+                logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike))
             watchdog.end_step()
             stopping = stop.agreed(state)
-            if should_save or (stopping and cfg.checkpoint.dir):
-                save_checkpoint(done)
+            if r.checkpoints.due(done, tr.steps) or stopping:
+                saved = r.checkpoints.save(done)
+                if saved is not None:
+                    logger.note(f"saved checkpoint {saved}")
             if stopping:
                 logger.note(f"stop requested by signal: exiting cleanly after step {done}")
                 break
     finally:
         watchdog.close()
         tracker.finish()
+    last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
+    logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
     if state.world_size > 1:
         dist.destroy_process_group()
     return last
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: a user-fixable problem prints one line and exits with its code, no traceback."""
+    """Entry point: a user-fixable problem prints one line and exits with its code, no traceback.
+
+    Under a launcher a config error is the same on every rank: rank 0 prints it, the others exit
+    with the same code quietly (one line, not one per process)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check = None
     try:
+        check = CheckRequest.take(argv)
+        if check is not None:
+            return check_config(argv, check)
         cfg, _ = setup_config(argv)
         run(cfg)
     except MegaliteError as e:
+        if check is None and isinstance(e, ConfigError) and launcher_rank() != 0:
+            return e.exit_code
         return report(e, "megalite: error")
     return 0
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 when alone or unreadable)."""
+    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(value) if value.isdigit() else 0

@@ -1,0 +1,160 @@
+"""Refuse before step 1 a run that cannot fit: predicted peak bytes vs. the memory the machine has.
+
+The prediction is the estimator's arithmetic for this run's exact layout and dtype
+(`megalite.perfmodel.estimate`: model states by ZeRO stage plus activations after Korthikanti et al.
+2022, for the busiest pipeline stage). On CPU every process of this machine draws on the same RAM, so
+their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each process with its device's free
+memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megalite.config import PRESETS, Config, ModelConfig
+from megalite.config.derive import resolve, resolved_device, resolved_dtype
+from megalite.errors import ConfigError, DataError
+from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
+
+GiB = 2**30
+
+
+def run_precision(dtype: torch.dtype) -> Precision:
+    """Bytes per element as megalite keeps them: fp32 runs hold fp32 weights, grads and Adam moments;
+    16-bit runs hold 16-bit weights, fp32 main grads, an fp32 master copy and fp32 moments."""
+    if dtype == torch.float32:
+        return Precision.for_dtype("fp32")
+    return Precision(param=2, grad=4, master=4, optimizer=8, activation=2)
+
+
+def predicted_bytes(cfg: Config) -> float:
+    """Peak bytes of one process of this run (model states + activations), per the estimator."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                     vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
+                     ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
+                     make_vocab_divisible_by=m.make_vocab_divisible_by)
+    layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
+                    micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
+                    recompute=m.recompute)
+    dtype = resolved_dtype(cfg, resolved_device(cfg))
+    return estimate(dims, layout, run_precision(dtype)).memory.total
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free device memory on CUDA; MemAvailable on Linux CPUs; None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class Alternative:
+    flags: str
+    needed: float
+
+
+def alternatives(cfg: Config, processes: int, available: float) -> list[Alternative]:
+    """Single changes that fit: a smaller micro-batch (same global batch), recompute, a higher ZeRO
+    stage (dp > 1), a smaller preset; cheapest in lost speed first."""
+    tried: list[tuple[str, Config]] = []
+    mb = cfg.train.micro_batch_size // 2
+    while mb >= 1:
+        tried.append((f"--train.micro_batch_size {mb}", _with(cfg, "train", micro_batch_size=mb)))
+        mb //= 2
+    for mode in ("selective", "full"):
+        if cfg.model.recompute != mode and not (mode == "selective" and cfg.model.recompute == "full"):
+            tried.append((f"--model.recompute {mode}", _with(cfg, "model", recompute=mode)))
+    if cfg.parallel.dp > 1:
+        for stage in range(cfg.parallel.zero + 1, 4):
+            tried.append((f"--parallel.zero {stage}", _with(cfg, "parallel", zero=stage)))
+    fits = [Alternative(flags, need) for flags, c in tried
+            if (need := _needed(c, processes)) is not None and need <= available]
+    if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
+        for name, values in PRESETS.items():
+            shape: dict[str, Any] = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
+            model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
+                                        recompute=cfg.model.recompute,
+                                        make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
+            smaller = resolve(dataclasses.replace(cfg, model=model), cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
+            need = _needed(smaller, processes)
+            if need is not None and need <= available:
+                fits.append(Alternative(f"--model.preset {name}", need))
+    return fits[:4]
+
+
+def _needed(cfg: Config, processes: int) -> float | None:
+    """Predicted bytes of `processes` processes; None where the layout cannot run this config (e.g.
+    a preset's layers not divisible by pp, or a micro-batch that does not divide the global batch)."""
+    try:
+        return predicted_bytes(cfg) * processes
+    except ConfigError:
+        return None
+
+
+def _with(cfg: Config, section: str, **values: object) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+
+
+def check_memory(cfg: Config, world_size: int, local_rank: int = 0, available: int | None = None) -> None:
+    """Before any process group exists (so a refusing rank leaves none of the others waiting in a
+    collective): raise ConfigError when the predicted peak exceeds `available` (default: what this
+    machine or this rank's GPU has). The vocabulary is the tokenizer's where the config leaves it
+    at 0; a tokenizer that cannot be read is left for the data loader to report."""
+    device = torch.device(resolved_device(cfg))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+    # CPU: the processes on this machine share its RAM; GPU: one device each.
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
+    try:
+        vocab = tokenizer_vocab_size(cfg)
+    except DataError:
+        return
+    sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    check_memory_of(sized, device, processes, available)
+
+
+def tokenizer_vocab_size(cfg: Config) -> int:
+    """What `model.vocab_size = 0` becomes: the tokenizer's size (the demo tokenizer's without one)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if not cfg.data.tokenizer:
+        return cfg.data.demo_vocab_size
+    import sentencepiece as spm
+
+    try:
+        return int(spm.SentencePieceProcessor(model_file=cfg.data.tokenizer).vocab_size())
+    except (OSError, RuntimeError) as e:
+        raise DataError(f"data.tokenizer {cfg.data.tokenizer!r} cannot be loaded: {e}") from e
+
+
+def check_memory_of(cfg: Config, device: torch.device, processes: int, available: int | None = None) -> None:
+    """`check_memory` for `processes` processes of this config sharing `device`'s memory."""
+    if not cfg.train.memory_check:
+        return
+    available = available_bytes(device) if available is None else available
+    if available is None:
+        return
+    needed = predicted_bytes(cfg) * processes
+    if needed <= available:
+        return
+    where = "free RAM (MemAvailable)" if device.type == "cpu" else f"free memory on {device}"
+    fits = alternatives(cfg, processes, available)
+    hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in fits) if fits
+            else "; no single change fits: use a machine with more memory or more processes (tp/pp/zero)")
+    per = f" ({processes} processes x {needed / processes / GiB:.1f} GiB)" if processes > 1 else ""
+    raise ConfigError(f"this run needs about {needed / GiB:.1f} GiB{per} (model states + activations, as "
+                      f"tools/estimate.py counts them) but {where} is {available / GiB:.1f} GiB{hint}; "
+                      "train.memory_check=false runs it anyway")

@@ -1,0 +1,64 @@
+"""`pretrain.py --check-config`: validate a run in one process before a launcher starts its workers.
+
+Under torchrun every worker would report a bad config (rank 0 prints it, the others exit quietly) and
+torchrun would then add its own traceback of the failed children. `launch/torchrun.sh` and
+`launch/slurm.sbatch` run this check first, with the world size they are about to start, so a bad flag
+costs one clean line and no process group:
+
+    python pretrain.py --check-config --world-size 8 --local-processes 4 --parallel.tp 2 ...
+
+It resolves and validates the config exactly as the workers will, and compares the predicted peak
+memory with this machine's (megalite.training.memory_check), taking the vocabulary size from the
+tokenizer when the config leaves it to the tokenizer.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from megalite import config as config_mod
+from megalite.errors import ConfigError
+from megalite.training.memory_check import check_memory_of, tokenizer_vocab_size
+
+
+@dataclass(frozen=True)
+class CheckRequest:
+    world_size: int
+    local_processes: int
+
+    @classmethod
+    def take(cls, argv: list[str]) -> CheckRequest | None:
+        """Remove `--check-config [--world-size N] [--local-processes N]` from argv (in place)."""
+        if "--check-config" not in argv:
+            return None
+        argv.remove("--check-config")
+        world = _take_int(argv, "--world-size", 1)
+        return cls(world, _take_int(argv, "--local-processes", world))
+
+
+def _take_int(argv: list[str], flag: str, default: int) -> int:
+    if flag not in argv:
+        return default
+    i = argv.index(flag)
+    if i + 1 >= len(argv) or not argv[i + 1].isdigit() or int(argv[i + 1]) < 1:
+        raise ConfigError(f"{flag} needs a positive whole number (the processes the launcher will start)")
+    value = int(argv[i + 1])
+    del argv[i:i + 2]
+    return value
+
+
+def check_config(argv: list[str], request: CheckRequest) -> int:
+    """Resolve and validate as the workers will; print one line; 0 when the run may start."""
+    cfg = config_mod.resolve(config_mod.parse_args(argv), request.world_size)
+    device = config_mod.resolved_device(cfg)
+    config_mod.validate(cfg, request.world_size, device)
+    cfg.model.vocab_size = tokenizer_vocab_size(cfg)
+    processes = request.local_processes if device == "cpu" else 1
+    check_memory_of(cfg, torch.device(device), processes)
+    par = cfg.parallel
+    print(f"megalite: config ok for {request.world_size} processes (tp={par.tp} pp={par.pp} dp={par.dp} "
+          f"zero={par.zero}, {device})", file=sys.stderr)
+    return 0

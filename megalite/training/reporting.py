@@ -1,0 +1,60 @@
+"""What the loop tells the user: the startup lines and each logged step's metrics record."""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.config import Config
+from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
+from megalite.optim.protocol import DistributedOptimizer
+from megalite.parallel.state import ParallelState
+from megalite.perfmodel.estimate import count_params
+from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
+from megalite.training.step import StepContext, StepResult
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class StepReport:
+    """Constants of the run (tokens per step, FLOPs per token, the device's peak) and the record."""
+
+    def __init__(self, cfg: Config, state: ParallelState, ctx: StepContext,
+                 optimizer: DistributedOptimizer, train_samples: int) -> None:
+        self.cfg, self.state, self.ctx, self.optimizer, self.train_samples = cfg, state, ctx, optimizer, train_samples
+        m = cfg.model
+        self.n_params = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads,
+                                     m.ffn_hidden_size, m.vocab_size, m.seq_len, bool(m.tie_embeddings))
+        self.flops_per_token = model_flops_per_token(self.n_params, m.num_layers, m.hidden_size, m.seq_len)
+        device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
+        self.peak = peak_flops(device_name, DTYPE_NAMES[ctx.engine.dtype])
+        self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
+
+    def startup(self, logger: MetricsLogger, resumed_from: str | None, start_step: int, malloc_note: str) -> None:
+        par, st, dtype = self.cfg.parallel, self.state, self.ctx.engine.dtype
+        logger.note(f"megalite: {self.n_params / 1e6:.2f}M params | layout tp={par.tp} pp={par.pp} dp={par.dp} "
+                    f"sp={par.sp} | {st.device.type} {str(dtype).removeprefix('torch.')} | vocab "
+                    f"{self.cfg.model.vocab_size} | {self.tokens_per_step} tokens/step | {self.train_samples} train "
+                    "samples" + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else "")
+                    + f" | {malloc_note}")
+        mem = self.optimizer.memory_bytes()
+        logger.note("model-state bytes on rank 0 at start: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())
+                    + f" (zero={par.zero}; exact, from the tensors; per step in metrics.jsonl mem_bytes)")
+        if start_step >= self.cfg.train.steps:
+            logger.note(f"checkpoint {resumed_from} is already at step {start_step} >= train.steps="
+                        f"{self.cfg.train.steps}: nothing to do (raise train.steps to train further)")
+
+    def due(self, step: int, start_step: int) -> bool:
+        """Log every `logging.interval` steps, the first step of this process and the last."""
+        return step % self.cfg.logging.interval == 0 or step == self.cfg.train.steps or step == start_step + 1
+
+    def record(self, step: int, result: StepResult, seconds: float, comm_bytes: dict[str, float],
+               valid_loss: float | None, spike: bool) -> dict:
+        """One metrics.jsonl line (docs/tracking.md lists the fields and which are per device)."""
+        tps = self.tokens_per_step / seconds
+        flops = self.flops_per_token * tps / self.state.world_size
+        return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, self.peak),
+                "mem_peak_bytes": peak_memory_bytes(self.state.device), "comm_bytes": comm_bytes,
+                "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,
+                "loss_scale": self.ctx.scaler.scale, "spike": spike, "mem_bytes": self.optimizer.memory_bytes(),
+                "tokens_seen": step * self.tokens_per_step}

@@ -1,0 +1,34 @@
+"""Stop signals: SIGTERM/SIGUSR1 (what Slurm sends before a preemption) -> finish the step, save, exit 0."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
+
+
+class StopFlag:
+    """Installs the handlers on construction; `agreed` is polled once per step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self, state: ParallelState) -> bool:
+        """Stop only when every rank stops at the same step: all-reduce the flag (MAX)."""
+        if state.world_size == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=state.device)
+        comm.all_reduce(flag, state, "mp", op=dist.ReduceOp.MAX, count_as="metrics")
+        flag_all = torch.tensor([flag.item()], device=state.device)
+        comm.all_reduce(flag_all, state, "dp", op=dist.ReduceOp.MAX, count_as="metrics")
+        return bool(flag_all.item())
