@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite import config as config_mod
-from megalite.checkpoint import sharded
+from megalite.checkpoint import sharded, storage
 from megalite.data import DataSampler, build_data, make_batch
-from megalite.errors import DataError, MegaliteError, report
+from megalite.errors import DataError, MegaliteError, from_os_error, report
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
 from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.perfmodel.estimate import count_params
@@ -108,6 +108,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         if extra["rng"] is not None:  # same layout: restore every rank's streams; else keep the fresh seeds
             rng.load_state_dict(extra["rng"])
         start_step = int(extra["step"])
+    dir_claim = storage.claim_directory(cfg.checkpoint.dir, start_step, resume_from, state)  # held until run() ends
 
     def save_checkpoint(step: int) -> None:
         extra = {"config": config_mod.config_to_dict(cfg), "sampler": sampler.state_dict(),
@@ -215,4 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg)
     except MegaliteError as e:
         return report(e, "megalite: error")
+    except OSError as e:  # e.g. a full disk for the logs: one line too
+        return report(from_os_error(e), "megalite: error")
     return 0
