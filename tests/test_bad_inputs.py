@@ -12,7 +12,24 @@ from megalite.data import IndexedDatasetWriter, prepare_demo_data
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN
 
-CONFIG, DATA, CKPT, LAUNCH = 2, 3, 4, 5
+CONFIG, DATA, CKPT, LAUNCH, STORAGE = 2, 3, 4, 5, 1
+
+
+def snapshot(root: str | Path) -> dict[str, str]:
+    """sha256 of every file under `root` (by relative path), to prove a failing command changed nothing;
+    the lock file, which only names the directory's current owner, is left out."""
+    root = Path(root)
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".megalite.lock"}
+
+
+def assert_one_line(err: str, got: int, code: int, needle: str) -> None:
+    """Exit code `code`, exactly one line on stderr mentioning `needle`, and no traceback."""
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("\r", "\x1b"))]
+    assert got == code, f"exit {got} (wanted {code}), stderr: {err}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, f"{len(lines)} lines on stderr: {err}"
+    assert needle in lines[0], f"{needle!r} not in: {lines[0]}"
 
 
 @pytest.fixture(scope="module")

@@ -68,9 +68,11 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
         yield tmp
         fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.filename is not None and str(e.filename) == str(tmp):
+            e.filename = str(path)  # name the file the user asked for, not our temporary one
         raise
     fsync_dir(path.parent)
 

@@ -24,6 +24,7 @@ from io import BytesIO
 import sentencepiece as spm
 
 from megalite.data.documents import iter_documents
+from megalite.checkpoint.files import atomic_output
 from megalite.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -163,8 +164,6 @@ def train_tokenizer(files: list[str], model_prefix: str, vocab_size: int, json_k
     path = model_prefix + ".model"
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, path)  # atomic: a reader never sees half a model
+    with atomic_output(path) as tmp:  # temp name + fsync + rename: a reader never sees half a model
+        tmp.write_bytes(model.getvalue())
     return path
