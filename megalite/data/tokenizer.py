@@ -18,6 +18,7 @@ Special ids: unk=0, bos=1, eos=2 (the end-of-document token), no pad piece.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Sequence
 from io import BytesIO
 
@@ -160,6 +161,8 @@ def train_tokenizer(files: list[str], model_prefix: str, vocab_size: int, json_k
         # SentencePiece's own message says e.g. "Vocabulary size too high (50000). Please set it to a value
         # <= 13461." -- keep it, on one line.
         msg = str(e).splitlines()[0] if str(e) else repr(e)
+        # ...but not its advice to pass SentencePiece flags (--character_coverage) that our tool does not have.
+        msg = re.sub(r"\s*(?:or )?decrease character_coverage with --character_coverage option\.?", "", msg)
         raise DataError(f"tokenizer training failed: {msg} (adjust --vocab-size or use more text)") from e
     path = model_prefix + ".model"
     parent = os.path.dirname(os.path.abspath(path))
