@@ -95,7 +95,9 @@ class IndexedDatasetWriter:
         return len(self._lengths)
 
     def finalize(self) -> str:
-        """Write the index and rename both files into place; returns the prefix."""
+        """Write the index and rename both files into place (each fsynced first); returns the prefix."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         if not self._lengths:
             self.abort()
@@ -107,6 +109,8 @@ class IndexedDatasetWriter:
         with open(self._tmp_idx, "wb") as f:
             f.write(header)
             f.write(offsets.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
         # .bin first: a reader that finds the new .idx also finds the .bin it describes.
         os.replace(self._tmp_bin, self.prefix + ".bin")
         os.replace(self._tmp_idx, self.prefix + ".idx")
