@@ -45,6 +45,10 @@ def env(demo_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     (root / "magic.idx").write_bytes(b"NOTMEGA!" + Path(prefix + ".idx").read_bytes()[8:])
     (root / "magic.bin").write_bytes(Path(prefix + ".bin").read_bytes())
     (root / "onlyidx.idx").write_bytes(Path(prefix + ".idx").read_bytes())
+    idx = bytearray(Path(prefix + ".idx").read_bytes())
+    idx[12:16] = (2).to_bytes(4, "little")  # the header claims int32 for a uint16 .bin of the same token count
+    (root / "dtype.idx").write_bytes(bytes(idx))
+    (root / "dtype.bin").write_bytes(Path(prefix + ".bin").read_bytes())
     writer = IndexedDatasetWriter(str(root / "big"), 70000)  # ids beyond the 512-token tokenizer
     writer.add_document([60000, 1, 2] * 200)
     writer.finalize()
@@ -91,6 +95,8 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "missing data": (["--data.path", "/nonexistent/corpus", "--data.tokenizer", "{tok}"], DATA, "/nonexistent/corpus"),
     "truncated .bin": (["--data.path", "{root}/trunc", "--data.tokenizer", "{tok}"], DATA, "trunc"),
     "bad .idx magic": (["--data.path", "{root}/magic", "--data.tokenizer", "{tok}"], DATA, "magic"),
+    ".idx dtype disagrees with the .bin size": (["--data.path", "{root}/dtype", "--data.tokenizer", "{tok}"], DATA,
+                                                "mismatched"),
     ".idx without .bin": (["--data.path", "{root}/onlyidx", "--data.tokenizer", "{tok}"], DATA, ".bin"),
     "missing tokenizer": (["--data.tokenizer", "/nonexistent/tok.model"], DATA, "/nonexistent/tok.model"),
     "data ids beyond the tokenizer": (["--data.path", "{root}/big", "--data.tokenizer", "{tok}"], DATA, "tokenizer"),

@@ -144,6 +144,8 @@ EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "model dim zero": (lambda ix: ix["model"].update(hidden_size=0), "hidden_size=0"),
     "model dim missing": (lambda ix: ix["model"].pop("num_heads"), "num_heads=None"),
     "model dims contradict": (lambda ix: ix["model"].update(num_kv_heads=3), "not divisible by num_kv_heads=3"),
+    "sampler position garbled": (lambda ix: ix["extra"]["sampler"].update(consumed_samples="many"), "extra.sampler"),
+    "loss scale NaN": (lambda ix: ix["extra"].update(scaler={"scale": float("nan"), "good_steps": 0}), "extra.scaler"),
     "tensors not an object": (lambda ix: ix.update(tensors=[]), "'tensors'"),
     "slab beyond the tensor": (lambda ix: next(iter(ix["tensors"].values()))["slabs"][0].update(offset=[10**6, 0]),
                                "slab"),
@@ -254,6 +256,7 @@ HF_EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "kv heads contradict": (lambda c: c.update(num_key_value_heads=3), "num_kv_heads=3"),
     "vocab as a string": (lambda c: c.update(vocab_size="512"), "vocab_size='512'"),
     "not a model": (lambda c: c.update(model_type="bert"), "'bert'"),
+    "no model_type": (lambda c: c.clear() or c.update(x=1), "model_type None"),
 }
 
 
@@ -266,6 +269,15 @@ def test_import_refuses_bad_hf_configs(ck: dict[str, Any], tmp_path: Path, capsy
         assert_one_line(capsys.readouterr().err, got, CKPT, needle)
         assert not out.exists(), case
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name], "temporary directories left behind"
+
+
+def test_import_config_not_utf8_or_json(ck: dict[str, Any], tmp_path: Path, capsys) -> None:
+    hf = _copy(ck["hf"], tmp_path / "hf")
+    for content, needle in ((b"{\"model_type\": \"ll\xe9ma\"}", "cannot read"), (b"{oops", "cannot read")):
+        (hf / "config.json").write_bytes(content)
+        got = import_main(["--input", str(hf), "--output", str(tmp_path / "out"), "--quiet"])
+        assert_one_line(capsys.readouterr().err, got, CKPT, needle)
+    assert not (tmp_path / "out").exists()
 
 
 def test_import_weight_map_cannot_leave_the_directory(ck: dict[str, Any], tmp_path: Path, capsys) -> None:

@@ -287,8 +287,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True) -
     """A megalite checkpoint (step 0, no optimizer state, one file of full tensors) from an HF directory."""
     hf_dir = Path(hf_dir)
     try:
-        cfg = json.loads((hf_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {hf_dir / 'config.json'} ({e}): point --input at an HF model directory") from e
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{hf_dir / 'config.json'} is not a JSON object")

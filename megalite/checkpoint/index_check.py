@@ -73,6 +73,21 @@ def _tensor_problems(index: dict[str, Any]) -> list[str]:
     return []
 
 
+def _extra_problems(extra: dict[str, Any]) -> list[str]:
+    """The training state a resume restores: the sampler position and the fp16 loss scaler."""
+    out: list[str] = []
+    sampler = extra.get("sampler")
+    if sampler is not None and not (isinstance(sampler, dict) and all(
+            _is_int(sampler.get(k)) and sampler[k] >= 0 for k in ("consumed_samples", "seed", "dataset_len"))):
+        out.append(f"extra.sampler={sampler!r} needs integers consumed_samples, seed, dataset_len >= 0")
+    scaler = extra.get("scaler")
+    if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
+                                   and math.isfinite(scaler["scale"]) and scaler["scale"] > 0
+                                   and _is_int(scaler.get("good_steps"))):
+        out.append(f"extra.scaler={scaler!r} needs a positive finite scale and an integer good_steps")
+    return out
+
+
 def check_index(index: dict[str, Any], path: Path) -> None:
     """Raise one CheckpointError listing what makes `index` (a parsed index.json) unusable."""
     problems: list[str] = []
@@ -90,6 +105,8 @@ def check_index(index: dict[str, Any], path: Path) -> None:
     if opt is not None and not (isinstance(opt, (int, float)) and math.isfinite(opt) and opt >= 0):
         problems.append(f"optimizer_step={opt!r} must be a number >= 0")
     problems += [f"model: {p}" for p in model_info_problems(index.get("model"))]
+    if isinstance(index.get("extra"), dict):
+        problems += _extra_problems(index["extra"])
     if not problems:
         problems += _tensor_problems(index)
     if problems:
