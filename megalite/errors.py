@@ -82,7 +82,7 @@ def one_line_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def entry_point(main: Callable[[list[str] | None], int], prefix: str = "error") -> Callable[[list[str] | None], int]:
+def entry_point(main: Callable[[list[str] | None], int], prefix: str = "error") -> Callable[..., int]:
     """Wrap a tool's `main(argv) -> int`: a MegaliteError or an OSError becomes one line and its exit code."""
 
     @functools.wraps(main)

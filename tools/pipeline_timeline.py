@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     vpp = args.vpp if args.schedule == "interleaved" else 1
     try:
         tl = simulate(args.schedule, args.pp, args.micro_batches, vpp, args.t_forward, args.t_backward)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     print(ascii_timeline(tl, args.pp))
     p, m = args.pp, args.micro_batches
     closed = (p - 1) / (vpp * m + p - 1)

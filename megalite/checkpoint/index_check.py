@@ -77,9 +77,11 @@ def _extra_problems(extra: dict[str, Any]) -> list[str]:
     """The training state a resume restores: the sampler position and the fp16 loss scaler."""
     out: list[str] = []
     sampler = extra.get("sampler")
-    if sampler is not None and not (isinstance(sampler, dict) and all(
-            _is_int(sampler.get(k)) and sampler[k] >= 0 for k in ("consumed_samples", "seed", "dataset_len"))):
-        out.append(f"extra.sampler={sampler!r} needs integers consumed_samples, seed, dataset_len >= 0")
+    if sampler is not None and not (
+            isinstance(sampler, dict) and _is_int(sampler.get("consumed_samples")) and sampler["consumed_samples"] >= 0
+            and all(_is_int(sampler[k]) and sampler[k] >= 0 for k in ("seed", "dataset_len") if k in sampler)):
+        out.append(f"extra.sampler={sampler!r} needs an integer consumed_samples >= 0 (and integer seed, "
+                   "dataset_len if given)")
     scaler = extra.get("scaler")
     if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
                                    and math.isfinite(scaler["scale"]) and scaler["scale"] > 0
