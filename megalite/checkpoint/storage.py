@@ -184,7 +184,7 @@ def newest_step(directory: Path) -> int:
              if (m := _STEP_DIR.fullmatch(p.name)) and (p / "index.json").is_file()]
     pointer = directory / LATEST
     if pointer.is_file():
-        m = _STEP_DIR.fullmatch(pointer.read_text().strip())
+        m = _STEP_DIR.fullmatch(pointer.read_text(errors="replace").strip())
         steps += [int(m.group(1))] if m else []
     return max(steps, default=-1)
 
