@@ -83,7 +83,8 @@ def one_line_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def entry_point(main: Callable[[list[str] | None], int], prefix: str = "error") -> Callable[..., int]:
-    """Wrap a tool's `main(argv) -> int`: a MegaliteError or an OSError becomes one line and its exit code."""
+    """Wrap a tool's `main(argv) -> int`: a MegaliteError, an OSError or undecodable text becomes one line
+    and its exit code."""
 
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
@@ -93,5 +94,8 @@ def entry_point(main: Callable[[list[str] | None], int], prefix: str = "error") 
             return report(e, prefix)
         except OSError as e:
             return report(from_os_error(e), prefix)
+        except UnicodeDecodeError as e:  # a text input that is not UTF-8, read by code that did not expect it
+            return report(DataError(f"an input file is not UTF-8 text ({e.reason} at byte {e.start}): convert "
+                                    "it, e.g. `iconv -t utf-8`"), prefix)
 
     return wrapped

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from megalite.data import IndexedDataset, prepare_demo_data
+from megalite.errors import entry_point
 from tests.test_bad_inputs import CONFIG, DATA, STORAGE, assert_one_line, snapshot
 from tools import pipeline_timeline, plot_metrics, preprocess_data, train_tokenizer
 
@@ -136,6 +137,11 @@ def test_plot_metrics_keeps_an_existing_plot(tmp_path: Path, capsys) -> None:
     for argv, code, needle in cases:
         got, err = _run(plot_metrics.main, argv + ["-o", str(png)], capsys)
         assert_one_line(err, got, code, needle)
+    assert png.read_bytes() == b"an earlier plot"
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"step": 1, "loss": 2.0, "note": "caf\xe9"}\n'.encode("latin-1"))
+    got, err = _run(entry_point(plot_metrics.main), [str(latin1), "-o", str(png)], capsys)  # as `__main__` runs it
+    assert_one_line(err, got, DATA, "not UTF-8")
     assert png.read_bytes() == b"an earlier plot"
 
 
