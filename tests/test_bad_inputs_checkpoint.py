@@ -308,3 +308,22 @@ def test_tools_from_the_command_line(ck: dict[str, Any], tmp_path: Path) -> None
         proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
         assert_one_line(proc.stderr, proc.returncode, code, needle)
+
+
+def _claim_on_every_rank(rank: int, directory: str, start_step: int) -> str:
+    state = ParallelState(dp=2, rank=rank)
+    try:
+        storage.claim_directory(directory, start_step, None, state).release()
+    except storage.CheckpointError as e:
+        return f"refused: {e}"
+    return "claimed"
+
+
+def test_refusal_on_rank_0_stops_every_rank(dist_world, tmp_path: Path) -> None:
+    """Rank 0 checks the directory; its verdict reaches every rank (none trains alone, none hangs)."""
+    assert dist_world(2).run(_claim_on_every_rank, str(tmp_path), 0) == ["claimed", "claimed"]
+    (tmp_path / "step_00000005").mkdir()
+    (tmp_path / "step_00000005" / "index.json").write_text("{}")
+    out = dist_world(2).run(_claim_on_every_rank, str(tmp_path), 0)
+    assert out[0].startswith("refused") and "already holds step 5" in out[0], out
+    assert out[1].startswith("refused") and "rank 0 refused" in out[1], out
