@@ -100,6 +100,20 @@ def test_fresh_run_never_rewinds_an_old_directory(ck: dict[str, Any], tmp_path: 
     assert snapshot(old) == before
 
 
+def test_going_back_on_purpose(ck: dict[str, Any], tmp_path: Path, capsys) -> None:
+    """Loading an earlier step of the same directory is the explicit way back: allowed, and pruning never
+    deletes the checkpoint `latest` then names (nor the later steps of the abandoned run)."""
+    run = tmp_path / "run"
+    got, err = _train(ck, tmp_path, capsys, "--checkpoint.dir", str(run), "--train.steps", "3",
+                      "--checkpoint.interval", "1")
+    assert got == 0, err
+    got, err = _train(ck, tmp_path, capsys, "--checkpoint.dir", str(run), "--train.steps", "2", "--checkpoint.load",
+                      str(run / "step_00000001"), "--checkpoint.keep", "1")
+    assert got == 0, err
+    assert (run / "latest").read_text().strip() == "step_00000002" and (run / "step_00000002" / "index.json").is_file()
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
 def test_checkpoint_dir_inside_a_step_directory(ck: dict[str, Any], tmp_path: Path, capsys) -> None:
     before = snapshot(ck["good"])
     for inner in (ck["step"], ck["step"] / "more"):

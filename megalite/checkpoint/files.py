@@ -92,10 +92,13 @@ def inside(root: Path, name: object, what: str) -> Path:
     return path
 
 
-def prune(base: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete step directories."""
+def prune(base: Path, keep: int, current: str | None = None) -> None:
+    """Delete all but the `keep` newest complete step directories up to `current` (the one just published).
+    Steps after `current` exist only when a run went back on purpose (see `storage.claim_directory`); they
+    are left alone, and counting them would delete the checkpoint `latest` now names."""
     if keep <= 0:
         return
-    done = sorted(p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = sorted(p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (current is None or p.name <= current))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

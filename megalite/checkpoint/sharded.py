@@ -104,7 +104,7 @@ def publish(tmp: Path, final: Path, keep: int | None = None) -> None:
     pointer.write_text(final.name + "\n")
     fsync_file(pointer)
     os.replace(pointer, final.parent / LATEST)
-    prune(final.parent, keep)
+    prune(final.parent, keep, final.name)
 
 
 def _json_extra(extra: dict[str, Any]) -> dict[str, Any]:
