@@ -124,6 +124,13 @@ def _size_problems(cfg: Config) -> list[str]:
 _STEP_DIR = re.compile(r"step_\d{8}(\.tmp)?")
 
 
+def _is_saved_checkpoint(path: Path) -> bool:
+    """A step directory by name, or any directory holding a megalite index next to its rank files."""
+    if _STEP_DIR.fullmatch(path.name):
+        return True
+    return (path / "index.json").is_file() and next(path.glob("rank_*.safetensors"), None) is not None
+
+
 def _path_problems(cfg: Config) -> list[str]:
     """Directories that exist as files, outputs under a file, and a checkpoint.dir inside a step directory."""
     out: list[str] = []
@@ -141,8 +148,7 @@ def _path_problems(cfg: Config) -> list[str]:
     ckpt = cfg.checkpoint.dir
     if ckpt:
         path = Path(ckpt).expanduser().absolute()
-        inner = next((q for q in [path, *path.parents] if _STEP_DIR.fullmatch(q.name) or (q / "index.json").is_file()),
-                     None)
+        inner = next((q for q in [path, *path.parents] if _is_saved_checkpoint(q)), None)
         if inner is not None:
             out.append(f"checkpoint.dir {ckpt} is inside the saved checkpoint {inner}: set checkpoint.dir to the "
                        f"directory that holds the step_* directories ({inner.parent}), and use checkpoint.load "
