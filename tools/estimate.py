@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
+from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
 
@@ -243,4 +243,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main)())

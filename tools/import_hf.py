@@ -18,21 +18,19 @@ if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf import import_hf  # noqa: E402
-from megalite.errors import MegaliteError, report  # noqa: E402
+from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "import_hf"]
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     p.add_argument("--input", required=True, metavar="HF_DIR", help="directory with config.json + model.safetensors")
     p.add_argument("--output", required=True, metavar="CKPT", help="new checkpoint directory (must not exist)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    try:
-        out = import_hf(args.input, args.output, show_progress=not args.quiet)
-    except MegaliteError as e:
-        return report(e)
+    out = import_hf(args.input, args.output, show_progress=not args.quiet)
     print(f"wrote {out}: continue with --checkpoint.load {out}", file=sys.stderr)
     return 0
 

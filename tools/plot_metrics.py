@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.errors import DataError, MegaliteError, report  # noqa: E402
+from megalite.checkpoint.files import atomic_output  # noqa: E402
+from megalite.errors import DataError, MegaliteError, entry_point, report  # noqa: E402
 
 Records = list[dict]
 
@@ -127,7 +128,8 @@ def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    with atomic_output(out) as tmp:  # an existing PNG is replaced only by a complete one
+        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".") or "png")
     plt.close(fig)
     return out
 
@@ -159,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main)())

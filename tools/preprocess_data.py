@@ -18,14 +18,14 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.preprocess import preprocess  # noqa: E402
-from megalite.errors import MegaliteError, report  # noqa: E402
+from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "preprocess"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="text files (one document each) or .jsonl files (with --json-key)")
     p.add_argument("--tokenizer", required=True, metavar="MODEL", help="SentencePiece .model file")
@@ -38,14 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
-                            workers=max(1, args.workers), split_paragraphs=args.split_paragraphs,
-                            show_progress=not args.quiet)
-    except MegaliteError as e:
-        return report(e)
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers} must be >= 1")
+    prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
+                        workers=args.workers, split_paragraphs=args.split_paragraphs, show_progress=not args.quiet)
     print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
     return 0
 

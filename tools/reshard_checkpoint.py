@@ -21,14 +21,14 @@ if __package__ in (None, ""):  # run as `python tools/reshard_checkpoint.py`: ma
 
 from megalite.checkpoint.offline import reshard  # noqa: E402
 from megalite.checkpoint.sharded import find, read_index  # noqa: E402
-from megalite.errors import CheckpointError, ConfigError, MegaliteError, report  # noqa: E402
+from megalite.errors import CheckpointError, ConfigError, entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "reshard"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", required=True, metavar="CKPT", help="checkpoint step directory or root")
     p.add_argument("--output", required=True, metavar="DIR", help="new checkpoint directory (must not exist)")
     p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
@@ -40,21 +40,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_pp_layers(text: str) -> list[int] | None:
+    """`--pp-layers 2,2,4` -> [2, 2, 4]; empty -> None (even split)."""
+    if not text.strip():
+        return None
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--pp-layers {text!r} must be comma-separated whole numbers, e.g. 2,2,4") from None
+    if any(n < 1 for n in layers):
+        raise ConfigError(f"--pp-layers {text!r}: every stage needs at least 1 layer")
+    return layers
+
+
+def check_target(info: dict, tp: int, pp: int, vpp: int, pp_layers: list[int] | None) -> None:
+    """The target layout must fit the checkpoint's model, or ConfigError naming the numbers."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    for dim in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if info[dim] % tp:
+            raise ConfigError(f"--tp {tp} does not divide model {dim}={info[dim]}: choose a tp that does")
+    stages, layers = pp * vpp, info["num_layers"]
+    if pp_layers is None and layers % stages:
+        raise ConfigError(f"the model's {layers} layers do not split evenly over --pp {pp} x --vpp {vpp} = {stages} "
+                          "stages: give --pp-layers")
+    if pp_layers is not None and (len(pp_layers) != stages or sum(pp_layers) != layers):
+        raise ConfigError(f"--pp-layers {','.join(map(str, pp_layers))} must have {stages} entries (--pp x --vpp) "
+                          f"summing to the model's {layers} layers")
+
+
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        src = find(args.input, "")
-        if src is None:
-            raise CheckpointError(f"--input {args.input}: give a checkpoint directory, not {args.input!r}")
-        tp, pp, vpp = (1, 1, 1) if args.unsharded else (args.tp, args.pp, args.vpp)
-        info = read_index(src)["model"]
-        for dim in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-            if info[dim] % tp:
-                raise ConfigError(f"--tp {tp} does not divide model {dim}={info[dim]}: choose a tp that does")
-        pp_layers = [int(x) for x in args.pp_layers.split(",") if x] or None
-        out = reshard(src, args.output, tp, pp, vpp, pp_layers, show_progress=not args.quiet)
-    except MegaliteError as e:
-        return report(e)
+    src = find(args.input, "")
+    if src is None:
+        raise CheckpointError(f"--input {args.input}: give a checkpoint directory, not {args.input!r}")
+    tp, pp, vpp = (1, 1, 1) if args.unsharded else (args.tp, args.pp, args.vpp)
+    pp_layers = None if args.unsharded else parse_pp_layers(args.pp_layers)
+    check_target(read_index(src)["model"], tp, pp, vpp, pp_layers)
+    out = reshard(src, args.output, tp, pp, vpp, pp_layers, show_progress=not args.quiet)
     print(f"wrote {out} (tp={tp} pp={pp} vpp={vpp})", file=sys.stderr)
     return 0
 

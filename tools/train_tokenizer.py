@@ -16,14 +16,14 @@ if __package__ in (None, ""):  # run as `python tools/train_tokenizer.py`: make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.tokenizer import train_tokenizer  # noqa: E402
-from megalite.errors import MegaliteError, report  # noqa: E402
+from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "train_tokenizer"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="text files (one document each) or .jsonl files (with --json-key)")
     p.add_argument("--model-prefix", required=True, metavar="P", help="writes P.model")
@@ -34,13 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
-                               max_bytes=args.max_bytes)
-    except MegaliteError as e:
-        return report(e)
+    if args.vocab_size < 300:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 259 ids; use >= 300")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise ConfigError(f"--max-bytes {args.max_bytes} must be >= 1 (or left out for all the text)")
+    path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
+                           max_bytes=args.max_bytes)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

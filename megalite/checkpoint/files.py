@@ -1,16 +1,23 @@
-"""File-level helpers shared by the checkpoint writers: names, fsync, checksums, pruning.
+"""File-level helpers shared by the checkpoint writers and the tools: names, fsync, checksums, atomic
+outputs, pruning, and the check that a name read from a file stays inside its directory.
 
 Atomicity recipe (used by `sharded.py` and `offline.py`): write everything into `step_N.tmp/`,
 fsync each file, rename the directory to `step_N`, and only then rewrite the `latest` pointer
 (write-temp-then-rename). A crash at any point leaves the previous checkpoint as the one found.
+Single files (`atomic_output`) follow the same recipe: a temporary name in the same directory (so the
+rename cannot cross file systems), fsync, rename; on failure only that temporary file is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+
+from megalite.errors import CheckpointError
 
 LATEST = "latest"
 
@@ -24,6 +31,20 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX: the directory entry lives in the directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not supported here (e.g. some network file systems): the rename itself already happened
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -32,10 +53,52 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def prune(base: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete step directories."""
+def temp_name(path: Path) -> Path:
+    """A temporary name next to `path` that no user file and no concurrent writer has: `.name.tmp-<pid>`."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write `path`'s new content to; on success it is fsynced and renamed over
+    `path`, on any error it is removed and `path` is left exactly as it was."""
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError) and e.filename is not None and str(e.filename) == str(tmp):
+            e.filename = str(path)  # name the file the user asked for, not our temporary one
+        raise
+    fsync_dir(path.parent)
+
+
+def inside(root: Path, name: object, what: str) -> Path:
+    """`root / name` for a file name read from a checkpoint's own metadata (index.json, `latest`, an HF
+    weight_map), refusing anything that is not a plain name inside `root`: an absolute path, `..`, or a
+    link that leads out. Such names never come from megalite's writers."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\x00" in name:
+        raise CheckpointError(f"{root}: {what} names {name!r}, which is not a file name inside {root}: the "
+                              "metadata was edited or comes from elsewhere; refusing to read outside the checkpoint")
+    path = root / name
+    if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"{root}: {what} {name!r} is a link to {path.resolve()}, outside the checkpoint: "
+                              "refusing to read it")
+    return path
+
+
+def prune(base: Path, keep: int, current: str | None = None) -> None:
+    """Delete all but the `keep` newest complete step directories up to `current` (the one just published).
+    Steps after `current` exist only when a run went back on purpose (see `storage.claim_directory`); they
+    are left alone, and counting them would delete the checkpoint `latest` now names."""
     if keep <= 0:
         return
-    done = sorted(p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = sorted(p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (current is None or p.name <= current))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from megalite.checkpoint.files import atomic_output, inside
+from megalite.checkpoint.index_check import model_info_problems
 from megalite.checkpoint.offline import write_checkpoint
 from megalite.checkpoint.sharded import find, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
-from megalite.errors import CheckpointError
+from megalite.errors import CheckpointError, one_line
 from megalite.observability.progress import Progress
 
 # (megalite name, HF names, split sizes along megalite dim 0 or None, transposed)
@@ -89,6 +91,11 @@ def rules(info: dict[str, Any]) -> list[Rule]:
                                 "head.weight": "lm_head.weight"}[name]], None, False)
         out.append(rule)
     return out
+
+
+def _dims_text(info: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={info[k]}" for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                                "ffn_hidden_size", "vocab_size"))
 
 
 def _to_hf(t: torch.Tensor, split: list[int] | None, transposed: bool) -> list[torch.Tensor]:
@@ -150,36 +157,89 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     raise CheckpointError(f"HF model_type {kind!r} is not supported: import LlamaForCausalLM or GPT2LMHeadModel")
 
 
+def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The global shape of every megalite parameter (unpadded vocabulary) implied by the model dims."""
+    h, f, v = info["hidden_size"], info["ffn_hidden_size"], info["vocab_size"]
+    q = info["num_heads"] * (h // info["num_heads"])
+    kv = info["num_kv_heads"] * (h // info["num_heads"])
+    gpt2 = info["arch"] == "gpt2"
+    per_layer = {"norm1.weight": (h,), "attn.qkv.weight": (q + 2 * kv, h), "attn.out.weight": (h, q),
+                 "norm2.weight": (h,), "mlp.up.weight": ((1 if gpt2 else 2) * f, h), "mlp.down.weight": (h, f),
+                 "norm1.bias": (h,), "attn.qkv.bias": (q + 2 * kv,), "attn.out.bias": (h,), "norm2.bias": (h,),
+                 "mlp.up.bias": (f,), "mlp.down.bias": (h,)}
+    top = {"embedding.weight": (v, h), "position": (info.get("seq_len", 0), h), "final_norm.weight": (h,),
+           "final_norm.bias": (h,), "head.weight": (v, h)}
+    return {n: per_layer[n.split(".", 2)[2]] if n.startswith("layers.") else top[n] for n in param_names(info)}
+
+
+def _checked_info(info: dict[str, Any], source: str) -> None:
+    problems = model_info_problems(info)
+    problems += [f"{k} is missing" for k in ("seq_len", "norm_eps", "rope_theta") if k not in info]
+    if problems:
+        raise CheckpointError(f"{source}: model dims unusable ({'; '.join(problems)})")
+
+
 def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> Path:
-    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout)."""
+    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout).
+
+    Both files are written under temporary names and renamed into place only when complete: a failing
+    export leaves an existing export in `out` exactly as it was."""
     src = find(str(ckpt), "")
     if src is None:
         raise CheckpointError(f"--input {ckpt}: give a checkpoint directory")
     index = read_index(src)
     info = index["model"]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _checked_info(info, str(src / "index.json"))
+    config = hf_config(info)
     reader = SlabReader(src, index)
     table = rules(info)
     plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for name, hf_names, split, transposed in table:
+        if not reader.has(f"param/{name}"):
+            raise CheckpointError(f"checkpoint {src} has no tensor {name}: it does not match its own model dims")
         shape = reader.shape(f"param/{name}")
+        if shape != expected_shapes(info)[name]:
+            raise CheckpointError(f"checkpoint {src}: {name} has shape {list(shape)} but its model dims imply "
+                                  f"{list(expected_shapes(info)[name])}: index.json is inconsistent")
         for hf_name, n in zip(hf_names, split or [shape[0]]):
             s = (n,) + shape[1:]
             plan.append((hf_name, torch.float32, s[::-1] if transposed else s))
-    config = hf_config(info)
-    writer = StreamingWriter(out / "model.safetensors", plan)
-    with Progress(len(table), "exporting", "tensors", enabled=show_progress) as bar:
-        for name, hf_names, split, transposed in table:
-            shape = reader.shape(f"param/{name}")
-            full = reader.read_region(f"param/{name}", (0,) * len(shape), shape)
-            for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
-                writer.write(hf_name, t)
-            bar.update()
-    writer.close()
-    reader.close()
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    out = Path(out)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise CheckpointError(f"--output {out} is a file or lies under one: give a directory") from e
+    try:
+        with atomic_output(out / "model.safetensors") as tmp_model, atomic_output(out / "config.json") as tmp_cfg:
+            writer = StreamingWriter(tmp_model, plan)
+            try:
+                with Progress(len(table), "exporting", "tensors", enabled=show_progress) as bar:
+                    for name, hf_names, split, transposed in table:
+                        shape = reader.shape(f"param/{name}")
+                        full = reader.read_region(f"param/{name}", (0,) * len(shape), shape)
+                        for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
+                            writer.write(hf_name, t)
+                        bar.update()
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+            tmp_cfg.write_text(json.dumps(config, indent=2))
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # the directory this call made, still empty
+        raise
+    finally:
+        reader.close()
     return out
+
+
+def _opened(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {path} ({one_line(str(e))}): not a complete safetensors file") from e
 
 
 def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Callable[[str], list[int]]]:
@@ -187,9 +247,16 @@ def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Call
     GPT-2 names with or without the `transformer.` prefix."""
     index_file = hf_dir / "model.safetensors.index.json"
     if index_file.exists():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read the weight_map of {index_file} ({e!r})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_file}: weight_map must map tensor names to file names")
+        for file in set(weight_map.values()):
+            inside(hf_dir, file, "weight_map")  # refuse names that leave the directory before reading any
     elif (hf_dir / "model.safetensors").exists():
-        with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+        with _opened(hf_dir / "model.safetensors") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         raise CheckpointError(f"{hf_dir} has no model.safetensors (or its index): export the HF model with "
@@ -202,7 +269,7 @@ def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Call
             raise CheckpointError(f"{hf_dir} has no tensor {name}: the HF model is incomplete or of another kind")
         file = weight_map[key]
         if file not in handles:
-            handles[file] = safe_open(str(hf_dir / file), framework="pt")
+            handles[file] = _opened(inside(hf_dir, file, "weight_map"))
         return handles[file], key
 
     def get(name: str) -> torch.Tensor:
@@ -220,17 +287,31 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True) -
     """A megalite checkpoint (step 0, no optimizer state, one file of full tensors) from an HF directory."""
     hf_dir = Path(hf_dir)
     try:
-        cfg = json.loads((hf_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {hf_dir / 'config.json'} ({e}): point --input at an HF model directory") from e
-    info = info_from_hf(cfg)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{hf_dir / 'config.json'} is not a JSON object")
+    try:
+        info = info_from_hf(cfg)
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{hf_dir / 'config.json'} lacks or garbles a model dimension ({e!r}): it is not a "
+                              "complete LlamaForCausalLM / GPT2LMHeadModel config") from e
+    _checked_info(info, str(hf_dir / "config.json"))
     get, shape_of = _hf_tensor_source(hf_dir)
     table = {name: (hf_names, transposed) for name, hf_names, _, transposed in rules(info)}
+    want = expected_shapes(info)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, (hf_names, transposed) in table.items():
-        first = shape_of(hf_names[0])
-        rows = sum(shape_of(n)[1 if transposed else 0] for n in hf_names)
-        shapes[f"param/{name}"] = (rows, first[0]) if transposed else (rows,) + tuple(first[1:])
+        parts = [shape_of(n) for n in hf_names]
+        if any(len(s) != len(want[name]) for s in parts):
+            raise CheckpointError(f"{hf_dir}: {hf_names[0]} has shape {parts[0]}, not a {len(want[name])}-D tensor")
+        rows = sum(s[1 if transposed else 0] for s in parts)
+        shapes[f"param/{name}"] = (rows, parts[0][0]) if transposed else (rows,) + tuple(parts[0][1:])
+        if shapes[f"param/{name}"] != want[name]:
+            raise CheckpointError(f"{hf_dir}: the tensors of {name} ({', '.join(hf_names)}) have shapes {parts}, which "
+                                  f"disagree with config.json ({_dims_text(info)}): the config does not describe these "
+                                  "weights")
 
     def fetch(key: str) -> torch.Tensor:
         hf_names, transposed = table[key.split("/", 1)[1]]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from megalite.checkpoint.layout import layout_for, local_shape_for, shard_map, stage_of
-from megalite.checkpoint.files import sha256
+from megalite.checkpoint.files import sha256, temp_name
 from megalite.checkpoint.sharded import FORMAT, INDEX, _write_json, publish, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
@@ -31,14 +31,31 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
                      optimizer_step: float | None = None, show_progress: bool = True) -> Path:
     """Write logical tensors `shapes` ("param/<name>", "exp_avg/<name>", ...) as a (tp, pp, vpp) checkpoint.
 
-    The directory is built as `out.tmp` and renamed to `out` when complete (an existing `out` is an error).
+    The directory is built under this process's own temporary name next to `out` (`.out.tmp-<pid>`) and
+    renamed to `out` when complete; on any error only that temporary directory is removed (an existing
+    `out` is an error, never overwritten).
     """
     out = Path(out)
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise CheckpointError(f"output {out} already exists: choose a new directory or delete it first")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temp_name(out)  # this process's own name: a user's `out.tmp` is never touched
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create output {out} ({e.strerror or e}): choose a writable location "
+                              "that is not under a file") from e
+    try:
+        _write_into(tmp, out, shapes, fetch, info, tp, pp, vpp, pp_layers, extra, step, optimizer_step,
+                    show_progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # only what this call created
+        raise
+    return out
+
+
+def _write_into(tmp: Path, out: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],
+                info: dict[str, Any], tp: int, pp: int, vpp: int, pp_layers: list[int] | None,
+                extra: dict[str, Any] | None, step: int, optimizer_step: float | None, show_progress: bool) -> None:
     plan: dict[str, list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]] = {}  # key -> (file, slab, glob, shape)
     files: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for r in range(tp * pp):
@@ -76,8 +93,9 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
                                "slabs": [{"file": f, "key": s, "offset": list(g), "shape": list(n)}
                                          for f, s, g, n in plan[key]]} for key in shapes}}
     _write_json(tmp / INDEX, index)
+    if out.exists():
+        raise CheckpointError(f"output {out} appeared while writing (another command?): left it untouched")
     publish(tmp, out)
-    return out
 
 
 def reshard(src: Path, out: Path, tp: int = 1, pp: int = 1, vpp: int = 1, pp_layers: list[int] | None = None,

@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.checkpoint.layout import ShardMap, logical_name, model_info, shard_map
-from megalite.checkpoint.files import LATEST, fsync_file, prune, sha256, step_dir_name
+from megalite.checkpoint.files import LATEST, fsync_file, inside, prune, sha256, step_dir_name
+from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.optim.protocol import DistributedOptimizer
@@ -113,7 +114,7 @@ def publish(tmp: Path, final: Path, keep: int | None = None) -> None:
     pointer.write_text(final.name + "\n")
     fsync_file(pointer)
     os.replace(pointer, final.parent / LATEST)
-    prune(final.parent, keep)
+    prune(final.parent, keep, final.name)
 
 
 def _json_extra(extra: dict[str, Any]) -> dict[str, Any]:
@@ -176,9 +177,12 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
         _write_json(tmp / f"rank_{state.rank:05d}.json",
                     {"file": file, "sha256": sha256(tmp / file), "tensors": tensors, "optimizer_step": opt_step,
                      "rng": sorted(rng)})
-    except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint under {base}: {e.strerror or e} "
-                              "(check the directory is writable and the disk has space)") from e
+    except BaseException as e:
+        _remove_partial(tmp, file, state)  # a failed save must not keep the disk full
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write checkpoint under {base}: {e.strerror or e} "
+                                  "(check the directory is writable and the disk has space)") from e
+        raise
     _barrier(state)
     if state.rank == 0:
         _merge_index(tmp, state.world_size, {
@@ -187,6 +191,17 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
         publish(tmp, final, keep)
     _barrier(state)
     return final
+
+
+def _remove_partial(tmp: Path, file: str, state: ParallelState) -> None:
+    """Delete this rank's partial files of a failed save; rank 0 also the (megalite-made) step_N.tmp."""
+    for leftover in (tmp / file, tmp / f"rank_{state.rank:05d}.json"):
+        try:
+            leftover.unlink(missing_ok=True)
+        except OSError:
+            pass  # nothing to remove, or the directory itself is gone
+    if state.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _merge_index(tmp: Path, world_size: int, head: dict[str, Any]) -> None:
@@ -221,25 +236,37 @@ def find(load: str, root: str) -> Path | None:
         pointer = Path(root) / LATEST if root else None
         if pointer is None or not pointer.exists():
             return None
-        path = Path(root) / pointer.read_text().strip()
+        path = _follow_latest(Path(root))
     else:
         path = Path(load)
         if (path / LATEST).exists():
-            path = path / (path / LATEST).read_text().strip()
-    if not (path / INDEX).exists():
+            path = _follow_latest(path)
+    if not (path / INDEX).is_file():
         raise CheckpointError(f"{path} is not a complete megalite checkpoint (no {INDEX}); point checkpoint.load "
                               "at a step_* directory, a checkpoint root with a `latest` file, or use 'latest'")
     return path
 
 
-def read_index(path: Path) -> dict[str, Any]:
+def _follow_latest(root: Path) -> Path:
+    """The step directory named by `root/latest`, which must be a name inside `root`."""
     try:
-        index = json.loads((Path(path) / INDEX).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        name = (root / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {root / LATEST} ({e}): point checkpoint.load at a step_* directory") from e
+    return inside(root, name, f"{LATEST} pointer")
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    """index.json of a checkpoint, checked field by field (see `megalite.checkpoint.index_check`)."""
+    try:
+        index = json.loads((Path(path) / INDEX).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {Path(path) / INDEX} ({e}): not a complete megalite checkpoint; "
                               "load an earlier one") from e
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has checkpoint format {index.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(f"{path} has checkpoint format {found!r}, expected {FORMAT!r}")
+    check_index(index, Path(path))
     return index
 
 

@@ -16,18 +16,24 @@ the index once, and copies out only the overlap of each slab with the requested 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import re
+import socket
 import struct
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from megalite.checkpoint.files import sha256
+from megalite.checkpoint.files import LATEST, inside, sha256
 from megalite.errors import CheckpointError
+from megalite.parallel.state import ParallelState
 
 _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
               torch.float16: "F16"}
@@ -94,12 +100,15 @@ class SlabReader:
 
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
-            path = self.root / file
-            if not path.exists():
+            path = inside(self.root, file, "index.json")
+            if not path.is_file():
                 raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; "
                                       "load an earlier one or re-run the save")
             expected = self.index["files"].get(file)
-            if self.verify and expected is not None and sha256(path) != expected:
+            if self.verify and expected is None:
+                raise CheckpointError(f"checkpoint file {path} has no sha256 in index.json, so it cannot be "
+                                      "verified: the index was edited or is incomplete; load an earlier checkpoint")
+            if self.verify and sha256(path) != expected:
                 raise CheckpointError(f"checkpoint file {path} is corrupt (sha256 mismatch with index.json): "
                                       "restore it from a copy or load an earlier checkpoint")
             try:
@@ -121,7 +130,7 @@ class SlabReader:
         if entry is None:
             raise CheckpointError(f"the checkpoint has no tensor {key!r}: it was saved from a different model "
                                   "(check model.* matches the checkpointed run)")
-        out = torch.empty(shape, dtype=getattr(torch, entry.get("dtype", "float32")))
+        out = torch.empty(shape, dtype=torch.float32)  # read_index accepts only float32 entries
         filled = 0
         for slab in entry["slabs"]:
             hit = overlap(tuple(slab["offset"]), tuple(slab["shape"]), start, shape)
@@ -148,3 +157,116 @@ class SlabReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+# ----------------------------------------------------------------------------- owning a checkpoint directory
+
+LOCK_FILE = ".megalite.lock"
+_STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+class DirectoryClaim:
+    """Held for the run's lifetime: the open, `flock`ed lock file. The kernel releases the lock when the
+    process ends, however it ends (a crash or SIGKILL never leaves the directory stuck)."""
+
+    def __init__(self, handle: IO[str] | None) -> None:
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def newest_step(directory: Path) -> int:
+    """The newest complete step saved in `directory` (its `latest` or a step_* with an index.json); -1 if none."""
+    steps = [int(m.group(1)) for p in directory.glob("step_*")
+             if (m := _STEP_DIR.fullmatch(p.name)) and (p / "index.json").is_file()]
+    pointer = directory / LATEST
+    if pointer.is_file():
+        m = _STEP_DIR.fullmatch(pointer.read_text(errors="replace").strip())
+        steps += [int(m.group(1))] if m else []
+    return max(steps, default=-1)
+
+
+def _lock(directory: Path) -> IO[str]:
+    handle = open(directory / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "unknown owner"
+        handle.close()
+        raise CheckpointError(f"checkpoint.dir {directory} is in use by another run ({owner}): two runs would "
+                              "interleave their checkpoints; wait for it to end or choose another checkpoint.dir")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+    handle.flush()
+    return handle
+
+
+def _probe_writable(directory: Path) -> None:
+    probe = directory / f".megalite.write-test-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if probe.exists():
+            probe.unlink()
+
+
+def _claim_on_rank0(directory: Path, start_step: int, resume_from: Path | None) -> DirectoryClaim:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = _lock(directory)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir {directory} cannot be created or written ({e.strerror or e}): "
+                              "choose a writable directory") from e
+    claim = DirectoryClaim(handle)
+    try:
+        _probe_writable(directory)
+        newest = newest_step(directory)
+        rewind_asked = resume_from is not None and resume_from.resolve().parent == directory.resolve()
+        if newest > start_step and not rewind_asked:
+            raise CheckpointError(
+                f"checkpoint.dir {directory} already holds step {newest} but this run starts at step {start_step}: "
+                f"it would overwrite that run's checkpoints and move `latest` back; resume it (checkpoint.load "
+                f"latest), choose another checkpoint.dir, or load an earlier step of it explicitly "
+                f"(checkpoint.load {directory}/step_...) to go back on purpose")
+    except OSError as e:
+        claim.release()
+        raise CheckpointError(f"checkpoint.dir {directory} is not writable ({e.strerror or e}): fix its permissions "
+                              "or free disk space before training, or choose another directory") from e
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def claim_directory(directory: str, start_step: int, resume_from: Path | None,
+                    state: ParallelState) -> DirectoryClaim:
+    """Make `directory` this run's checkpoint directory before step 1, or raise CheckpointError: it must be
+    writable (probed with a real write), not in use by another run (an exclusive lock held until this
+    process ends), and never silently rewound (a run starting at an earlier step than the directory
+    holds is refused unless it loaded that earlier step from this same directory). Every rank calls it;
+    rank 0 checks and the verdict is shared, so no rank trains while another has refused."""
+    if not directory:
+        return DirectoryClaim(None)
+    claim, problem = DirectoryClaim(None), ""
+    if state.rank == 0:
+        try:
+            claim = _claim_on_rank0(Path(directory), start_step, resume_from)
+        except CheckpointError as e:
+            if state.world_size == 1:
+                raise
+            problem = str(e)
+    if state.world_size > 1:
+        flag = torch.tensor([float(bool(problem))], device=state.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise CheckpointError(problem or f"rank 0 refused checkpoint.dir {directory} (its message says why)")
+    return claim

@@ -196,6 +196,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file '{p}' not found: check the path given to --config") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file '{p}' is a directory: give --config a .toml file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{p}' cannot be read ({exc.strerror or exc}): check its permissions") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file '{p}' is not valid TOML ({exc}): fix its syntax") from None
 

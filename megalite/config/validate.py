@@ -6,8 +6,12 @@ Run before any process group, dataset or model exists, so a bad run fails before
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from megalite.config import cli
@@ -69,6 +73,86 @@ def _value_problems(cfg: Config) -> list[str]:
         out.append(f"train.min_lr {cfg.train.min_lr} is above train.lr {cfg.train.lr}: set min_lr <= lr")
     if cfg.train.eval_interval > 0 and cfg.train.eval_steps < 1:
         out.append("train.eval_steps must be >= 1 when eval_interval > 0: raise it or set eval_interval=0")
+    return out
+
+
+def _finite_problems(cfg: Config) -> list[str]:
+    """Every float (and list of floats) must be finite: NaN passes every `<`/`>` check and would train on NaN,
+    and an infinite timeout or learning rate is never what was meant."""
+    out: list[str] = []
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            v = getattr(values, f.name)
+            items = v if isinstance(v, list) else [v]
+            if any(isinstance(x, float) and not math.isfinite(x) for x in items):
+                out.append(f"{section.name}.{f.name} must be a finite number, got {v}")
+    if math.isfinite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s >= 1e7:
+        out.append(f"parallel.timeout_s {cfg.parallel.timeout_s:g} is beyond what torch's stores accept: use < 1e7 "
+                   "seconds (a hung collective should be reported, not waited on for months)")
+    if cfg.train.seed < 0:
+        out.append(f"train.seed must be >= 0 (numpy and torch seeds are unsigned), got {cfg.train.seed}")
+    return out
+
+
+_MAX_RANK_BYTES = 2 ** 41  # 2 TiB: more memory than any single accelerator or host offers
+
+
+def _size_problems(cfg: Config) -> list[str]:
+    """Sizes no run can hold: odd RoPE head dims, and weights alone beyond any device's memory (refused
+    with the numbers instead of allocating until the machine swaps or the OOM killer steps in)."""
+    m, p = cfg.model, cfg.parallel
+    out: list[str] = []
+    if min(m.num_heads, m.hidden_size, p.tp, p.pp) < 1 or m.hidden_size % m.num_heads:
+        return out  # reported elsewhere
+    head_dim = m.hidden_size // m.num_heads
+    if m.arch == "llama" and head_dim % 2:
+        out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
+                   "rotary embeddings rotate pairs of dims: choose an even head dim")
+    from megalite.perfmodel.estimate import count_params
+
+    n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
+                     max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings))
+    weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold
+    if weights > _MAX_RANK_BYTES:
+        out.append(f"the model has {n:.3g} parameters: its fp32 weights alone are {weights / 2**40:.3g} TiB per rank "
+                   f"(tp {p.tp} x pp {p.pp}), beyond any device's memory ({_MAX_RANK_BYTES / 2**40:g} TiB): choose "
+                   "smaller model.* dims or more tp/pp")
+    return out
+
+
+_STEP_DIR = re.compile(r"step_\d{8}(\.tmp)?")
+
+
+def _is_saved_checkpoint(path: Path) -> bool:
+    """A step directory by name, or any directory holding a megalite index next to its rank files."""
+    if _STEP_DIR.fullmatch(path.name):
+        return True
+    return (path / "index.json").is_file() and next(path.glob("rank_*.safetensors"), None) is not None
+
+
+def _path_problems(cfg: Config) -> list[str]:
+    """Directories that exist as files, outputs under a file, and a checkpoint.dir inside a step directory."""
+    out: list[str] = []
+    # checkpoint.dir is checked (exit code 4, with a real write) by megalite.checkpoint.storage.claim_directory
+    dirs = {"logging.dir": cfg.logging.dir, "data.cache_dir": cfg.data.cache_dir}
+    for key, value in dirs.items():
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        blocker = next((q for q in [path, *path.parents] if q.exists() and not q.is_dir()), None)
+        if blocker == path:
+            out.append(f"{key} {value} is an existing file, not a directory: choose a directory path")
+        elif blocker is not None:
+            out.append(f"{key} {value} lies under {blocker}, which is a file: choose a directory path")
+    ckpt = cfg.checkpoint.dir
+    if ckpt:
+        path = Path(ckpt).expanduser().absolute()
+        inner = next((q for q in [path, *path.parents] if _is_saved_checkpoint(q)), None)
+        if inner is not None:
+            out.append(f"checkpoint.dir {ckpt} is inside the saved checkpoint {inner}: set checkpoint.dir to the "
+                       f"directory that holds the step_* directories ({inner.parent}), and use checkpoint.load "
+                       "to pick a step")
     return out
 
 
@@ -190,6 +274,9 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     if world_size < 1:
         problems.append(f"world_size must be >= 1, got {world_size}: check WORLD_SIZE from the launcher")
     problems += _value_problems(cfg)
+    problems += _finite_problems(cfg)
+    problems += _path_problems(cfg)
+    problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     problems += _environment_problems(cfg, device_type)
     cli.raise_if(problems, "invalid config")

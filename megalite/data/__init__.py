@@ -15,7 +15,7 @@ from megalite.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megalite.data.preprocess import preprocess
 from megalite.data.sampler import DataSampler, make_batch
 from megalite.data.tokenizer import Tokenizer, train_tokenizer
-from megalite.errors import ConfigError
+from megalite.errors import ConfigError, DataError
 
 Dataset = Union[GPTDataset, BlendedDataset]
 
@@ -76,4 +76,15 @@ def build_data(cfg: Any) -> DataBundle:
         if len(valid_docs):
             valid_parts.append(GPTDataset(ix, valid_docs, seq_len, seed, name="validation"))
     valid = _blend(valid_parts, weights) if valid_parts else None
-    return DataBundle(train=_blend(train_parts, weights), valid=valid, tokenizer=tokenizer)
+    train = _blend(train_parts, weights)
+    check_batch_fits(len(train), int(getattr(cfg.train, "micro_batch_size", 1)), seq_len)
+    return DataBundle(train=train, valid=valid, tokenizer=tokenizer)
+
+
+def check_batch_fits(num_samples: int, micro_batch_size: int, seq_len: int) -> None:
+    """A micro-batch must not be larger than the whole training set: every sample would repeat within one
+    micro-batch, and a huge value would allocate until the machine runs out of memory."""
+    if micro_batch_size > num_samples:
+        raise DataError(f"train.micro_batch_size {micro_batch_size} is larger than the whole training set "
+                        f"({num_samples} samples of model.seq_len {seq_len} tokens): lower micro_batch_size or "
+                        "seq_len, or use more data")

@@ -19,6 +19,7 @@ from megalite.errors import DataError
 
 # A blank line: a newline, then any number of lines holding only spaces/tabs, then a newline.
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_inputs(paths: Sequence[str], json_key: str | None = None) -> None:
@@ -58,9 +59,15 @@ def _iter_jsonl(path: str, json_key: str) -> Iterator[str]:
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
                 if text:
-                    yield text
+                    yield without_lone_surrogates(text)
     except UnicodeDecodeError as e:
         raise DataError(f"{path!r} is not UTF-8 text (byte {e.start}): convert it, e.g. `iconv -t utf-8`") from e
+
+
+def without_lone_surrogates(text: str) -> str:
+    """`text` with each unpaired UTF-16 surrogate (JSON allows `"\\ud800"`; UTF-8 cannot encode it, so the
+    tokenizer would crash) replaced by U+FFFD, the Unicode replacement character; valid text is unchanged."""
+    return _SURROGATE.sub("\ufffd", text)  # a valid pair is already one code point after json.loads
 
 
 def split_into_paragraphs(text: str) -> list[str]:

@@ -95,7 +95,9 @@ class IndexedDatasetWriter:
         return len(self._lengths)
 
     def finalize(self) -> str:
-        """Write the index and rename both files into place; returns the prefix."""
+        """Write the index and rename both files into place (each fsynced first); returns the prefix."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         if not self._lengths:
             self.abort()
@@ -107,6 +109,8 @@ class IndexedDatasetWriter:
         with open(self._tmp_idx, "wb") as f:
             f.write(header)
             f.write(offsets.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
         # .bin first: a reader that finds the new .idx also finds the .bin it describes.
         os.replace(self._tmp_bin, self.prefix + ".bin")
         os.replace(self._tmp_idx, self.prefix + ".idx")
@@ -130,6 +134,31 @@ class IndexedDatasetWriter:
             self.abort()
 
 
+_SCAN_CHUNK = 1 << 25  # tokens per read while scanning: 64-128 MiB, streamed through the page cache
+
+
+def check_token_range(tokens: np.ndarray, header_max: int, bin_path: str) -> None:
+    """Scan the whole `.bin` once for ids outside [0, header max]: the header's max_token_id is what the
+    tokenizer check trusts, so a hand-edited or foreign header would otherwise surface as an IndexError in
+    the embedding mid-training. Costs one sequential read (about a second per few GB; a progress bar
+    shows for large files); SIGTERM/SIGUSR1 keep their default meaning meanwhile, since nothing has
+    started that would need saving."""
+    from megalite.observability.progress import Progress
+
+    n = len(tokens)
+    with Progress(-(-n // _SCAN_CHUNK), f"checking token ids of {bin_path}", "chunks",
+                  enabled=n > 8 * _SCAN_CHUNK) as bar:
+        for start in range(0, n, _SCAN_CHUNK):
+            chunk = tokens[start:start + _SCAN_CHUNK]
+            lo, hi = int(chunk.min()), int(chunk.max())
+            if lo < 0 or hi > header_max:
+                bad = lo if lo < 0 else hi
+                raise DataError(f"{bin_path!r} holds token id {bad} (near token {start}), outside the range "
+                                f"0..{header_max} its .idx header promises: the pair is corrupt or mismatched; "
+                                f"{_FIX}")
+            bar.update()
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of a `.bin`/`.idx` pair; item i is document i's token ids.
 
@@ -139,6 +168,7 @@ class IndexedDataset:
     def __init__(self, prefix: str, vocab_size: int | None = None) -> None:
         self.prefix = strip_suffix(prefix)
         self._check_vocab = vocab_size
+        self._scanned = False
         self._open()
 
     def _open(self) -> None:
@@ -187,6 +217,9 @@ class IndexedDataset:
             raise DataError(f"dataset {self.prefix!r} holds token id {self.max_token_id} but the tokenizer has only "
                             f"{self._check_vocab} ids: it was made with another tokenizer; pass the one used "
                             "for preprocessing (data.tokenizer) or re-run preprocessing")
+        if self._check_vocab is not None and not self._scanned:
+            check_token_range(self.tokens, self.max_token_id, bin_path)
+            self._scanned = True  # a copy re-opened in another process (pickling) trusts this scan
 
     def __len__(self) -> int:
         return len(self.doc_lengths)
@@ -209,10 +242,11 @@ class IndexedDataset:
 
     # np.memmap pickles as a full in-memory copy: send the prefix and re-open in the other process instead.
     def __getstate__(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "vocab_size": self._check_vocab}
+        return {"prefix": self.prefix, "vocab_size": self._check_vocab, "scanned": self._scanned}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.prefix, self._check_vocab = state["prefix"], state["vocab_size"]
+        self._scanned = state.get("scanned", False)
         self._open()
 
     def __repr__(self) -> str:

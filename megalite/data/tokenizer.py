@@ -18,12 +18,14 @@ Special ids: unk=0, bos=1, eos=2 (the end-of-document token), no pad piece.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Sequence
 from io import BytesIO
 
 import sentencepiece as spm
 
 from megalite.data.documents import iter_documents
+from megalite.checkpoint.files import atomic_output
 from megalite.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -159,12 +161,12 @@ def train_tokenizer(files: list[str], model_prefix: str, vocab_size: int, json_k
         # SentencePiece's own message says e.g. "Vocabulary size too high (50000). Please set it to a value
         # <= 13461." -- keep it, on one line.
         msg = str(e).splitlines()[0] if str(e) else repr(e)
+        # ...but not its advice to pass SentencePiece flags (--character_coverage) that our tool does not have.
+        msg = re.sub(r"\s*(?:or )?decrease character_coverage with --character_coverage option\.?", "", msg)
         raise DataError(f"tokenizer training failed: {msg} (adjust --vocab-size or use more text)") from e
     path = model_prefix + ".model"
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, path)  # atomic: a reader never sees half a model
+    with atomic_output(path) as tmp:  # temp name + fsync + rename: a reader never sees half a model
+        tmp.write_bytes(model.getvalue())
     return path

@@ -173,9 +173,17 @@ def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str =
     if world == 1:
         return state
     if not dist.is_initialized():
+        if not 0 < timeout_s < 10 ** 7:  # timedelta and the C++ stores overflow beyond ~months
+            raise ConfigError(f"parallel.timeout_s={timeout_s} must be a finite number of seconds below 1e7")
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout), rank=rank,
-                                world_size=world, timeout=timeout)
+        try:
+            dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
+        except (RuntimeError, OSError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LaunchError(f"rank {rank} of {world} could not join the job at {os.environ.get('MASTER_ADDR')}:"
+                              f"{os.environ.get('MASTER_PORT')} within parallel.timeout_s={timeout_s:g} ({first}): "
+                              "check that every rank was started and can reach MASTER_ADDR") from e
     create_groups(state)
     return state
 
@@ -221,10 +229,34 @@ def launcher_env() -> tuple[int, int, int]:
         if missing:
             raise LaunchError(f"launcher environment incomplete: {', '.join(missing)} not set "
                               "(launch with torchrun, or unset RANK/WORLD_SIZE to run one process)")
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return _checked_env("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if "SLURM_PROCID" in env and _env_int("SLURM_NTASKS", "1") > 1:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise LaunchError("running under srun with several tasks but MASTER_ADDR/MASTER_PORT are not "
                               "set: use launch/slurm.sbatch, which exports them")
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
+        return _checked_env("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
     return 0, 1, 0
+
+
+def _env_int(name: str, default: str | None = None) -> int:
+    raw = os.environ.get(name, default)
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise LaunchError(f"launcher variable {name}={raw!r} is not an integer: launch with torchrun/srun, "
+                          f"or unset it to run one process") from None
+
+
+def _checked_env(rank_var: str, world_var: str, local_var: str) -> tuple[int, int, int]:
+    """(rank, world, local rank) from the named variables, which must add up."""
+    rank, world, local = _env_int(rank_var), _env_int(world_var), _env_int(local_var, "0")
+    if world < 1:
+        raise LaunchError(f"{world_var}={world} must be >= 1")
+    if not 0 <= rank < world:
+        raise LaunchError(f"{rank_var}={rank} is outside 0..{world - 1} ({world_var}={world}): each process needs "
+                          f"its own rank below the world size")
+    if local < 0:
+        raise LaunchError(f"{local_var}={local} must be >= 0")
+    if "MASTER_PORT" in os.environ and not 0 < _env_int("MASTER_PORT") < 65536:
+        raise LaunchError(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a TCP port (1..65535)")
+    return rank, world, local

@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite import config as config_mod
+from megalite.checkpoint import storage
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
-from megalite.errors import ConfigError, DataError, MegaliteError, report
+from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -131,6 +132,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     r = build_run(cfg)
     state, optimizer = r.state, r.optimizer
     resumed_from, start_step = r.checkpoints.resume()
+    claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
+                                    Path(resumed_from) if resumed_from else None, state)
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
                       config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=state.rank == 0)
     logger = MetricsLogger(cfg.logging.dir, state.rank == 0, tracker, tr.steps, resumed_step=start_step)
@@ -172,6 +175,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     finally:
         watchdog.close()
         tracker.finish()
+        claim.release()
     last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
     logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
     if state.world_size > 1:
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         if check is None and isinstance(e, ConfigError) and launcher_rank() != 0:
             return e.exit_code
         return report(e, "megalite: error")
+    except OSError as e:  # e.g. a full disk for the logs: one line too
+        return report(from_os_error(e), "megalite: error")
     return 0
 
 
