@@ -17,10 +17,11 @@ Where common rules of thumb are wrong this module follows the papers:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
-from megalite.perfmodel.flops import model_flops_per_token
+from megalite.perfmodel.flops import flops_per_token
 
 GB = 1e9
 
@@ -28,15 +29,15 @@ GB = 1e9
 # ---------------------------------------------------------------- parameters
 
 def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 ffn: int, vocab: int, seq_len: int, tie: bool) -> int:
+                 ffn: int, vocab: int, seq_len: int, tie: bool, head_dim: int | None = None) -> int:
     """Parameters of megalite's GPT (unpadded vocabulary, no parallelism).
 
     llama, per layer: q and o h x h each, k and v h x (kv·head_dim) each; SwiGLU 3·h·ffn;
     two RMSNorm weights. Then a final RMSNorm, the V x h embedding and an untied head unless `tie`.
     gpt2 adds biases (qkv, out, both MLP linears), LayerNorm weight+bias, a 2·h·ffn GeLU MLP
-    and learned positions (s x h); its head is normally tied.
+    and learned positions (s x h); its head is normally tied. `head_dim` defaults to hidden/heads.
     """
-    hd = hidden // num_heads
+    hd = hidden // num_heads if head_dim is None else head_dim
     q, kv = num_heads * hd, num_kv_heads * hd
     attn = hidden * (q + 2 * kv) + q * hidden
     if arch == "llama":
@@ -50,7 +51,7 @@ def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv
 
 def dims_params(dims: ModelDims) -> int:
     return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
-                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied)
+                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int) -> StageParams
     norms (and gpt2's row-parallel biases and positions) replicated, the vocabulary padded to a
     multiple of tp x make_vocab_divisible_by. With a tied head and pp > 1 the last stage holds
     its own copy of the embedding shard (synchronised over the 'embedding' group, as Megatron)."""
-    h, t, hd = dims.hidden_size, tp, dims.hidden_size // dims.num_heads
+    h, t, hd = dims.hidden_size, tp, dims.hd
     q, kv, f = dims.num_heads * hd, dims.kv_heads * hd, dims.ffn
     if dims.num_heads % t or dims.kv_heads % t or f % t:
         raise ConfigError(f"tp={t} must divide num_heads ({dims.num_heads}), num_kv_heads "
@@ -164,20 +165,11 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sp: 
 
 
 def microbatches_in_flight(layout: Layout, pp_rank: int, m: int) -> float:
-    """Layers' worth of micro-batch activations a stage holds at peak, in units of its own layers.
-
-    GPipe keeps all m; 1F1B keeps p - r (the warm-up depth), which is the point of 1F1B; interleaved
-    keeps (2(p-r-1) + (v-1)p + 1) chunk-micro-batches of L/(pv) layers, i.e. 1 + (p-1)/(pv) times
-    1F1B's on the first stage (Korthikanti et al. 2022, section 4.2.3)."""
-    p, v = layout.pp, layout.vpp
-    if p == 1:
+    """Layers' worth of micro-batch activations a stage holds at peak, in units of its own layers
+    (the schedule's entry in `SCHEDULES`)."""
+    if layout.pp == 1:
         return 1.0  # gradient accumulation runs micro-batches one after another
-    if layout.schedule == "gpipe":
-        return float(m)
-    if v == 1:
-        return float(min(m, p - pp_rank))
-    chunks = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
-    return chunks / v
+    return schedule(layout.schedule).in_flight(layout.pp, pp_rank, m, layout.vpp)
 
 
 # ---------------------------------------------------------------- communication
@@ -201,7 +193,8 @@ def dp_comm_bytes(psi: float, nd: int, zero: int, prec: Precision = Precision(),
     DDP: one all-reduce of the gradients, 2Ψ(N-1)/N·bytes (ring all-reduce).
     ZeRO-1/2: reduce-scatter of gradients + all-gather of updated parameters: the same 2Ψ(N-1)/N.
     ZeRO-3: parameters all-gathered for the forward and again for the backward, gradients
-    reduce-scattered: 3Ψ(N-1)/N per micro-batch (the full weights are never kept between uses).
+    reduce-scattered: 3Ψ(N-1)/N per micro-batch (the full weights are never kept between uses);
+    with `prec.zero3_reduce_once` (megalite) the gradients are reduce-scattered once per step.
     Flat ZeRO buffers are padded to a multiple of N (`zero_shard`)."""
     if nd <= 1:
         return 0.0
@@ -211,6 +204,8 @@ def dp_comm_bytes(psi: float, nd: int, zero: int, prec: Precision = Precision(),
     padded = zero_shard(psi, nd) * nd
     if zero in (1, 2):
         return all_gather_bytes(padded * (grad_b + param_b), nd)
+    if prec.zero3_reduce_once:
+        return all_gather_bytes(padded * (grad_b + 2 * microbatches * param_b), nd)
     return microbatches * all_gather_bytes(padded * (grad_b + 2 * param_b), nd)
 
 
@@ -281,6 +276,37 @@ def pipeline_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def _interleaved_in_flight(p: int, r: int, m: int, v: int) -> float:
+    """(2(p-r-1) + (v-1)p + 1) chunk-micro-batches of L/(pv) layers, i.e. 1 + (p-1)/(pv) times
+    1F1B's on the first stage (Korthikanti et al. 2022, section 4.2.3)."""
+    return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule as the estimator sees it: the idle fraction of a step, bubble(p, m, v),
+    and the activations a stage holds at peak, in_flight(p, pp_rank, m, v), in units of one
+    micro-batch through the stage's layers. A new schedule is one more `SCHEDULES` entry."""
+
+    bubble: Callable[[int, int, int], float]
+    in_flight: Callable[[int, int, int, int], float]
+
+
+SCHEDULES: dict[str, Schedule] = {
+    # GPipe: all m forwards, then all backwards: every micro-batch's activations at once.
+    "gpipe": Schedule(lambda p, m, v: pipeline_bubble(p, m), lambda p, r, m, v: float(m)),
+    # 1F1B: the same bubble, at most the warm-up depth p - r in flight (the point of 1F1B).
+    "1f1b": Schedule(lambda p, m, v: pipeline_bubble(p, m), lambda p, r, m, v: float(min(m, p - r))),
+    "interleaved": Schedule(pipeline_bubble, _interleaved_in_flight),
+}
+
+
+def schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ConfigError(f"pipeline schedule {name!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
 def bubble_overhead(p: int, m: int, v: int = 1) -> float:
     """Bubble time over ideal compute time: (p-1)/(v·m). Exactly 1/v of the non-interleaved one."""
     return (p - 1) / (v * m) if p > 1 else 0.0
@@ -304,6 +330,7 @@ class Estimate:
     step_seconds_overlapped: float | None = None
     predicted_mfu: float | None = None
     warnings: list[str] = field(default_factory=list)
+    predicted_hfu: float | None = None  # hardware FLOPs (recompute counted) over the same time and peak
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -343,6 +370,13 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     m, p = layout.num_microbatches, layout.pp
     v = layout.vpp if layout.schedule == "interleaved" or layout.vpp > 1 else 1
     layout = replace(layout, vpp=v, schedule="interleaved" if v > 1 else layout.schedule)
+    sched = schedule(layout.schedule)
+    for name, value in (("params", params), ("peak_flops", peak_flops), ("inter_bytes_per_s", inter_bytes_per_s),
+                        ("intra_bytes_per_s", intra_bytes_per_s)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name}={value} must be > 0 (or left out)")
+    if not 0 < efficiency <= 1:
+        raise ConfigError(f"efficiency={efficiency} must be in (0, 1], e.g. 0.5 for half the peak")
     if layout.sp and layout.tp == 1:
         raise ConfigError("parallel.sp needs parallel.tp > 1; turn sp off or raise tp")
     if dims is not None and dims.num_layers % (p * v):
@@ -352,7 +386,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         raise ConfigError("give model dimensions (a preset or --num-layers ...) or --params")
     warnings: list[str] = []
     if p > 1 and m < p:
-        warnings.append(f"{m} micro-batches < pp={p}: stages idle {pipeline_bubble(p, m, v):.0%} of "
+        warnings.append(f"{m} micro-batches < pp={p}: stages idle {sched.bubble(p, m, v):.0%} of "
                         f"the step; raise train.global_batch_size to at least {p} micro-batches")
     if v > 1 and m % p:
         warnings.append(f"interleaved schedule needs micro-batches ({m}) to be a multiple of pp={p}")
@@ -376,7 +410,8 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     assert worst is not None
     comm = {g: nbytes for g, nbytes in comm.items() if nbytes > 0.0 or g == "dp"}
     est = Estimate(params=total, params_per_device=worst[1], memory=worst[0], comm_bytes=comm,
-                   num_microbatches=m, bubble=pipeline_bubble(p, m, v), warnings=warnings)
+                   num_microbatches=m, bubble=sched.bubble(p, m, v) if p > 1 else 0.0,
+                   warnings=warnings)
     inter = inter_bytes_per_s or intra_bytes_per_s
     intra = intra_bytes_per_s or inter_bytes_per_s
     if inter:
@@ -384,10 +419,9 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     if dims is None:
         return est
     tokens = float(m) * layout.micro_batch_size * layout.dp * dims.seq_len
-    est.model_flops_per_step = tokens * model_flops_per_token(
-        int(total), dims.num_layers, dims.hidden_size, dims.seq_len)
-    # Full recompute repeats the forward pass: +1/3 of the model FLOPs (2N + 4Lhs of 6N + 12Lhs).
-    est.hardware_flops_per_step = est.model_flops_per_step * (4 / 3 if layout.recompute == "full" else 1)
+    model_per_token, hardware_per_token = flops_per_token(dims, total, layout.recompute)
+    est.model_flops_per_step = tokens * model_per_token
+    est.hardware_flops_per_step = tokens * hardware_per_token  # what recompute repeats included
     if not peak_flops:
         return est
     ideal = est.hardware_flops_per_step / layout.world / (peak_flops * efficiency)
@@ -398,4 +432,5 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         est.step_seconds = est.compute_seconds + other + dp_s
         est.step_seconds_overlapped = max(est.compute_seconds, dp_s) + other
         est.predicted_mfu = est.model_flops_per_step / layout.world / est.step_seconds / peak_flops
+        est.predicted_hfu = est.hardware_flops_per_step / layout.world / est.step_seconds / peak_flops
     return est
