@@ -261,3 +261,48 @@ def test_bad_values_are_one_line_exit_2(argv: list[str], capsys: pytest.CaptureF
     assert exc.value.code == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: ") and out.err.count("\n") == 1, out.err
+
+
+# ------------------------------------------------------------------ docs/estimator.md's worked examples run as written
+
+def _doc_commands() -> list[tuple[str, list[str], str]]:
+    """(tool, argv, the comment lines after it) for each `python tools/...` command in docs/estimator.md."""
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "estimator.md").read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("python tools/"):
+            text = line
+            while text.rstrip().endswith("\\"):
+                i += 1
+                text = text.rstrip()[:-1] + " " + lines[i].strip()
+            command = text.split("  #")[0].split()
+            comments = []
+            while i + 1 < len(lines) and lines[i + 1].startswith("#"):
+                i += 1
+                comments.append(lines[i][1:].strip())
+            out.append((command[1], command[2:], " ".join(comments)))
+        i += 1
+    return out
+
+
+def test_estimator_doc_examples_run_and_print_what_the_doc_says(capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.plan import main as plan_main
+
+    commands = _doc_commands()
+    assert len(commands) >= 8
+    checked = 0
+    for tool, argv, comment in commands:
+        if "--config" in argv:
+            continue  # needs the user's run.toml; covered by test_cli_reads_a_real_config
+        main = plan_main if tool == "tools/plan.py" else estimate_cli.main
+        assert main(argv) == 0, (tool, argv, capsys.readouterr().err)
+        out = " ".join(capsys.readouterr().out.split())
+        # The doc's comment lines quote the output: each quoted figure must be in it.
+        for quoted in ("57.7 B parameters", "36 layers, 7.548 B parameters", "33.8 days", "34.7 days",
+                       "MFU 35.3%, HFU 35.6%", "45% of the 312 TFLOP/s peak"):
+            if quoted in comment:
+                assert quoted in out, (argv, quoted)
+                checked += 1
+    assert checked == 6  # every quoted figure was found next to its command

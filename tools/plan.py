@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = add_model_args(ap)
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="training dtype (bf16: 16-bit weights with fp32 master and Adam, 16 B/param)")
+    m.add_argument("--memory-layout", choices=["paper", "megalite"], default="paper",
+                   help="paper: 2+2+K=12 bytes/param (default); megalite: what pretrain.py allocates, "
+                        "fp32 main grads (18 bytes/param in bf16)")
     c = ap.add_argument_group("cluster")
     c.add_argument("--nodes", type=positive_int, default=1)
     c.add_argument("--gpus-per-node", type=positive_int, default=8)
@@ -100,6 +103,10 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     return stages
 
 
+def _precision(layout: str, dtype: str) -> Precision:
+    return Precision.megalite(dtype) if layout == "megalite" else Precision.for_dtype(dtype)
+
+
 def render(plan: Plan, top: int) -> str:
     d, c = plan.dims, plan.cluster
     out = [f"{d.arch} L={d.num_layers} h={d.hidden_size} heads={d.num_heads} s={d.seq_len}: "
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dims = resolve_dims(args)
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
-                         Precision.for_dtype(normalize_dtype(args.dtype)), args.max_micro_batch,
+                         _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
                          args.max_vpp, _zero_stages(args.zero_stages))
         plan.comparisons.extend(compare(plan, spec) for spec in args.compare)
     except MegaliteError as exc:
