@@ -12,7 +12,8 @@ import pytest
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import GB, PRESETS, Layout, Precision, estimate
-from megalite.perfmodel.plan import (RULES, TIE_TOLERANCE, Cluster, _rules_key, compare, differences, make_plan,
+from megalite.perfmodel.compare import compare
+from megalite.perfmodel.plan import (RULES, TIE_TOLERANCE, Cluster, _rules_key, differences, make_plan,
                                      worst_stage_memory)
 from tools.plan import main as plan_main
 

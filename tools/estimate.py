@@ -154,7 +154,7 @@ def _split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, theirs
 
 
-def _model_dims_kwargs(model: object, demo_vocab: int) -> dict:
+def _model_dims_kwargs(model: object, demo_vocab: int | None) -> dict:
     """ModelDims keywords from a config `model` section; its "derive me" zeros become None (the
     same defaults), and an unset vocabulary (taken from the tokenizer at run time) the demo one."""
     get = (model.get if isinstance(model, dict) else lambda k, d=None: getattr(model, k, d))
@@ -333,7 +333,7 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
                          f"x pp={lay.pp}): {ans.params / 1e9:.1f} B parameters")
         else:
             ans = largest_num_layers(dims, lay, limit, kw["prec"])
-            est_kw["dims"] = dims = kw["dims"] = replace(dims, num_layers=ans.num_layers)
+            est_kw["dims"] = dims = kw["dims"] = replace(dims, num_layers=int(ans.num_layers or 0))
             lines.append(f"largest model of this shape that fits in {limit / GB:.2f} GB per device (states + "
                          f"activations, worst stage): {ans.num_layers} layers, {ans.params / 1e9:.3f} B parameters")
         sections["largest_model"] = ans.to_dict()

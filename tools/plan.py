@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
-from megalite.perfmodel.plan import Cluster, Plan, compare, make_plan  # noqa: E402
+from megalite.perfmodel.compare import compare  # noqa: E402
+from megalite.perfmodel.plan import Cluster, Plan, make_plan  # noqa: E402
 from tools.estimate import (OneLineParser, add_model_args, fraction, positive_float,  # noqa: E402
                             positive_int, presets)  # (model flags, sizes and argument checks shared)
 
