@@ -306,3 +306,16 @@ def test_estimator_doc_examples_run_and_print_what_the_doc_says(capsys: pytest.C
                 assert quoted in out, (argv, quoted)
                 checked += 1
     assert checked == 6  # every quoted figure was found next to its command
+
+
+def test_every_mode_is_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.plan import main as plan_main
+
+    for main, flags in ((estimate_cli.main, ("--largest-model", "--train-tokens", "--achieved-tflops", "--mfu",
+                                             "--step-seconds", "--memory-layout", "--head-dim", "docs/estimator.md")),
+                        (plan_main, ("--compare", "--memory-layout", "docs/estimator.md"))):
+        with pytest.raises(SystemExit) as exc:
+            main(["--help"])
+        assert exc.value.code == 0
+        text = capsys.readouterr().out
+        assert all(flag in text for flag in flags), [f for f in flags if f not in text]
