@@ -5,6 +5,9 @@ fp32 main grads, fp32 master, Adam: 18 bytes/param before sharding; `Precision.m
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -59,3 +62,25 @@ def test_predicted_equals_measured(dist_world, tp: int, pp: int, sp: bool, zero:
         predicted = zero_memory(stage_params(dims, tp, pp, r["pp_rank"]).total, dp, zero, prec)
         for kind in ("params", "grads", "master", "optimizer"):
             assert r["mem"][kind] == pytest.approx(getattr(predicted, kind), rel=1e-12), kind
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bf16"])
+def test_estimate_of_a_runs_config_equals_its_logged_mem_bytes(dtype: str, demo_cache_dir: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`tools/estimate.py --config <run>/config.toml` predicts the model-state bytes the run logged as
+    `mem_bytes`, exactly: megalite's layout (fp32 main grads) and dtype auto resolved as pretrain.py does."""
+    from megalite.training.trainer import main as pretrain_main
+    from tests.conftest import SMALL_RUN
+    from tools.estimate import main as estimate_main
+
+    run = tmp_path / "run"
+    assert pretrain_main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(run),
+                          "--train.steps", "2", "--train.dtype", dtype]) == 0
+    measured = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["mem_bytes"]
+    capsys.readouterr()
+    assert estimate_main(["--config", str(run / "config.toml"), "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["memory"]
+    for kind in ("params", "grads", "master", "optimizer"):
+        assert predicted[kind] == measured[kind], kind  # integers of bytes: exact
+    if dtype == "bf16":
+        assert predicted["grads"] == 2 * predicted["params"]  # fp32 main grads of bf16 params
