@@ -165,9 +165,10 @@ def test_tie_between_micro_batches_names_the_rule_and_the_memory() -> None:
     assert "mbs" in plan.why and "dp largest" not in plan.why
     assert f"winner vs it: {differences(best.layout, second.layout)}" in plan.why
     assert "the larger micro-batch" in plan.why
-    if best.est.memory.total > second.est.memory.total:  # then the price is spelled out
-        more = (best.est.memory.total - second.est.memory.total) / GB
-        assert f"at {more:.1f} GB more memory per GPU" in plan.why
+    # The larger micro-batch holds more activations: the price is spelled out.
+    assert best.layout.micro_batch_size > second.layout.micro_batch_size
+    more = (best.est.memory.total - second.est.memory.total) / GB
+    assert more > 1 and f"at {more:.1f} GB more memory per GPU" in plan.why
     assert len(RULES) == len(_rules_key(best))
 
 

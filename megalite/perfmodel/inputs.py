@@ -5,6 +5,7 @@ validated on construction.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from megalite.errors import ConfigError
@@ -101,7 +102,7 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= 1):
+            if value is not None and not (isinstance(value, numbers.Integral) and value >= 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer; pass "
                                   f"--{name.replace('_', '-')} 1 or more")
         if self.zero not in (0, 1, 2, 3):
