@@ -192,6 +192,9 @@ def test_compare_explains_the_ranking_against_megatron_tp8_pp8() -> None:
     assert "does not fit" in compare(plan, "tp=2,pp=1,zero=0").explanation
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         compare(plan, "tensor=8")
+    # Published layouts by name: `megatron` is tp=8 x pp=8 and says where it comes from.
+    named = compare(plan, "megatron")
+    assert named.candidate is cand and named.explanation.startswith("megatron (Megatron-LM")
 
 
 @pytest.mark.parametrize("bad", [["--nodes", "0"], ["--gpu-memory-gb", "-80"], ["--top", "0"],

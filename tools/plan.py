@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.errors import ConfigError, MegaliteError, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
-from megalite.perfmodel.compare import compare  # noqa: E402
+from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
 from megalite.perfmodel.plan import Cluster, Plan, make_plan  # noqa: E402
 from tools.estimate import (OneLineParser, add_model_args, fraction, positive_float,  # noqa: E402
                             positive_int, presets)  # (model flags, sizes and argument checks shared)
@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages allowed, comma-separated")
     r.add_argument("--top", type=positive_int, default=10, help="layouts shown")
     r.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE,...",
-                   help="explain the ranking against this layout (e.g. a published one: tp=8,pp=8,recompute=full; "
-                        "keys tp pp dp zero vpp mbs recompute, the rest free); repeatable")
+                   help="explain the ranking against this layout (keys tp pp dp zero vpp mbs recompute, the "
+                        "rest free; e.g. tp=8,pp=8,recompute=full) or a published one by name: "
+                        + ", ".join(f"{k} ({v[0]})" for k, v in PUBLISHED.items()) + "; repeatable")
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return ap
 

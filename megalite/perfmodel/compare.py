@@ -1,5 +1,5 @@
-"""The planner's ranking explained against a layout the user names (e.g. a published one):
-`tools/plan.py --compare tp=8,pp=8,recompute=full`."""
+"""The planner's ranking explained against a layout the user names, or a published one by name:
+`tools/plan.py --compare tp=8,pp=8,recompute=full`, `--compare megatron`."""
 
 from __future__ import annotations
 
@@ -9,19 +9,28 @@ from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import GB, Layout
 from megalite.perfmodel.plan import Candidate, Plan, cost, describe, versus
 
+# Published layouts by name (`--compare megatron`): (the layout's fields, where it comes from).
+PUBLISHED: dict[str, tuple[str, str]] = {
+    "megatron": ("tp=8,pp=8", "Megatron-LM's tp=8 x pp=8 for GPT-3-sized models, Narayanan et al. 2021, Table 1"),
+    "zero3-dp": ("tp=1,pp=1,zero=3", "pure data parallelism with ZeRO-3, Rajbhandari et al. 2020"),
+}
+
 _SPEC = {"tp": "tp", "pp": "pp", "dp": "dp", "zero": "zero", "vpp": "vpp", "mbs": "micro_batch_size",
          "recompute": "recompute"}
 
 
 def parse_layout_spec(text: str) -> dict[str, int | str]:
-    """'tp=8,pp=8,recompute=full' -> {'tp': 8, 'pp': 8, 'recompute': 'full'} (keys of `_SPEC`)."""
+    """'tp=8,pp=8,recompute=full' -> {'tp': 8, 'pp': 8, 'recompute': 'full'} (keys of `_SPEC`), or a
+    `PUBLISHED` name."""
+    if text in PUBLISHED:
+        text = PUBLISHED[text][0]
     out: dict[str, int | str] = {}
     for item in (x.strip() for x in text.split(",") if x.strip()):
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in _SPEC or not value.strip():
-            raise ConfigError(f"--compare {text!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC)}; "
-                              f"e.g. --compare tp=8,pp=8,recompute=full")
+            raise ConfigError(f"--compare {text!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC)}, "
+                              f"nor a published layout ({', '.join(PUBLISHED)}); e.g. --compare tp=8,pp=8")
         if key == "recompute":
             out[key] = value.strip()
             continue
@@ -54,6 +63,8 @@ def compare(plan: Plan, spec: str) -> Comparison:
     variant among the costed layouts, or, when the search did not cost it (it does not fit, or a lower
     ZeRO stage or less recompute fits with the same split), that exact layout costed now."""
     want = parse_layout_spec(spec)
+    if spec in PUBLISHED:
+        spec = f"{spec} ({PUBLISHED[spec][1]}: {PUBLISHED[spec][0]})"
     best = plan.ranked[0]
     for i, cand in enumerate(plan.ranked, 1):
         if all(getattr(cand.layout, _SPEC[k]) == v for k, v in want.items()):
@@ -66,10 +77,13 @@ def compare(plan: Plan, spec: str) -> Comparison:
     if tp * pp * dp != world:
         raise ConfigError(f"--compare {spec!r}: tp x pp x dp must be the {world} GPUs of the cluster")
     vpp = int(want.get("vpp", 1))
-    lay = Layout(tp=tp, pp=pp, dp=dp, zero=int(want.get("zero", 0)), sp=tp > 1, vpp=vpp,
-                 schedule="interleaved" if vpp > 1 else "1f1b", micro_batch_size=int(want.get("mbs", 1)),
-                 global_batch_size=plan.global_batch_size, recompute=str(want.get("recompute", "none")))
-    cand = cost(plan.dims, lay, plan.cluster, plan.prec)
+    try:
+        lay = Layout(tp=tp, pp=pp, dp=dp, zero=int(want.get("zero", 0)), sp=tp > 1, vpp=vpp,
+                     schedule="interleaved" if vpp > 1 else "1f1b", micro_batch_size=int(want.get("mbs", 1)),
+                     global_batch_size=plan.global_batch_size, recompute=str(want.get("recompute", "none")))
+        cand = cost(plan.dims, lay, plan.cluster, plan.prec)
+    except ConfigError as exc:
+        raise ConfigError(f"--compare {spec}: {exc}") from None
     mem = cand.est.memory
     if mem.total > plan.cluster.memory_limit:
         return Comparison(spec, None, False, cand,
