@@ -362,6 +362,11 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
         lines.append(line)
     if args.mfu is not None and not args.train_tokens:
         raise ConfigError("--mfu goes with --train-tokens (how long training takes at that MFU)")
+    if args.mfu is not None and est.model_flops_per_step and est.hardware_flops_per_step:
+        hfu = args.mfu * est.hardware_flops_per_step / est.model_flops_per_step
+        sections["at_mfu"] = {"mfu": args.mfu, "hfu": hfu}
+        lines.append(f"MFU {args.mfu:.1%} is HFU {hfu:.1%} with recompute={lay.recompute} "
+                     f"(hardware / model FLOPs = {hfu / args.mfu:.4f})")
     if args.train_tokens:
         tt = training_time(args.train_tokens, lay.world, est.params, est, dims, lay, x, args.mfu, peak)
         sections["training_time"] = tt.to_dict()
