@@ -273,3 +273,9 @@ def test_cli_reads_a_real_config(tmp_path: Path, capsys: pytest.CaptureFixture[s
     # tiny: h 128, 4 heads, 2 kv heads, ffn round_up(int(8h/3), 64) = 384, demo vocab 2048, untied.
     assert out["params"] == count_params("llama", 2, 128, 4, 2, 384, 2048, 64, False)
     assert out["inputs"]["layout"]["zero"] == 2 and out["inputs"]["layout"]["dp"] == 4
+    # A pretrain config is estimated as pretrain.py runs it: megalite's memory layout (fp32 main grads)
+    # and dtype auto resolved as the trainer does (bf16 on CUDA, fp32 on CPU).
+    torch = pytest.importorskip("torch")
+    assert out["inputs"]["memory_layout"] == "megalite"
+    assert out["inputs"]["dtype"] == ("bf16" if torch.cuda.is_available() else "fp32")
+    assert out["inputs"]["precision"]["grad"] == 4

@@ -12,7 +12,9 @@ import pytest
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import GB, PRESETS, Layout, Precision, estimate
-from megalite.perfmodel.plan import TIE_TOLERANCE, Cluster, make_plan, worst_stage_memory
+from megalite.perfmodel.compare import compare
+from megalite.perfmodel.plan import (RULES, TIE_TOLERANCE, Cluster, _rules_key, differences, make_plan,
+                                     worst_stage_memory)
 from tools.plan import main as plan_main
 
 H100_NODE = dict(gpus_per_node=8, gpu_memory_bytes=80 * GB, intra_bytes_per_s=450 * GB,
@@ -109,3 +111,99 @@ def test_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.startswith("error: the model") and err.count("\n") == 1
     assert plan_main(args + ["--zero-stages", "5"]) == 2
     assert "--zero-stages" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the text table and the JSON agree
+
+_COLUMNS = ("#", "tp", "pp", "dp", "zero", "vpp", "mbs", "M", "recomp", "step s", "MFU", "HFU", "bubble",
+            "mem GB", "states", "acts", "TP GB", "PP GB", "DP GB")
+
+
+def _json_row(i: int, d: dict) -> list[str]:
+    """What the text table must print for JSON layout `d` (rank i), at the table's precision."""
+    lay, mem, cb = d["layout"], d["memory"], d["comm_bytes"]
+    return [str(i), str(lay["tp"]), str(lay["pp"]), str(lay["dp"]), str(lay["zero"]), str(lay["vpp"]),
+            str(lay["micro_batch_size"]), str(d["num_microbatches"]), lay["recompute"],
+            f"{d['step_seconds']:.3f}", f"{d['mfu']:.1%}", f"{d['hfu']:.1%}", f"{d['bubble']:.1%}",
+            f"{mem['total'] / GB:.1f}", f"{mem['model_states'] / GB:.1f}", f"{mem['activations'] / GB:.1f}",
+            f"{cb.get('tp', 0.0) / GB:.2f}", f"{d['pp_bytes_with_embedding'] / GB:.2f}",
+            f"{cb.get('dp', 0.0) / GB:.2f}"]
+
+
+@pytest.mark.parametrize("args", [
+    ["--preset", "llama-1b", "--nodes", "1", "--global-batch-size", "256"],
+    ["--preset", "gpt3-175b", "--nodes", "128", "--global-batch-size", "1536", "--device", "A100",
+     "--intra-gbytes", "300", "--inter-gbps", "200", "--compare", "tp=8,pp=8"],
+])
+def test_json_and_text_agree_on_every_field(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(args + ["--top", "6", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert plan_main(args + ["--top", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "tp"])
+    assert lines[header].split() == " ".join(_COLUMNS).split()  # the columns _json_row fills, in order
+    rows = [line.split() for line in lines[header + 1:header + 7]]
+    assert len(rows) == len(data["layouts"]) == 6
+    for i, (row, d) in enumerate(zip(rows, data["layouts"]), 1):
+        assert row == _json_row(i, d), (row, _json_row(i, d))
+        # The one step time that is ranked: DP overlapped; the other is named as such.
+        assert d["step_seconds"] <= d["step_seconds_no_overlap"]
+        assert d["mfu"] >= d["mfu_no_overlap"]
+    assert f"why: {data['why']}" in lines
+    for comp in data["comparisons"]:
+        assert f"compare {comp['explanation']}" in lines
+
+
+# ------------------------------------------------------------------ explanations name what differs
+
+def test_tie_between_micro_batches_names_the_rule_and_the_memory() -> None:
+    # One node, plain data parallelism wins; layouts differing only in micro-batch size cost the same
+    # time (no bubble, the same FLOPs and traffic), so the tie-break decides, and must say so.
+    plan = make_plan(PRESETS["llama-1b"], Cluster(nodes=1, **H100_NODE), global_batch_size=256)
+    best, second = plan.ranked[0], plan.ranked[1]
+    assert differences(best.layout, second.layout).startswith("mbs ")
+    assert "mbs" in plan.why and "dp largest" not in plan.why
+    assert f"winner vs it: {differences(best.layout, second.layout)}" in plan.why
+    assert "the larger micro-batch" in plan.why
+    # The larger micro-batch holds more activations: the price is spelled out.
+    assert best.layout.micro_batch_size > second.layout.micro_batch_size
+    more = (best.est.memory.total - second.est.memory.total) / GB
+    assert more > 1 and f"at {more:.1f} GB more memory per GPU" in plan.why
+    assert len(RULES) == len(_rules_key(best))
+
+
+def test_compare_explains_the_ranking_against_megatron_tp8_pp8() -> None:
+    # GPT-3 175B on 1024 A100s (80 GB), batch 1536: Megatron-LM trained this size with tp=8 x pp=8.
+    a100 = dict(gpus_per_node=8, gpu_memory_bytes=80 * GB, intra_bytes_per_s=300 * GB,
+                inter_bytes_per_s=25 * GB, peak_flops=312e12)
+    plan = make_plan(PRESETS["gpt3-175b"], Cluster(nodes=128, **a100), global_batch_size=1536)
+    comp = compare(plan, "tp=8,pp=8")
+    assert comp.fits and comp.rank is not None and comp.rank > 1
+    cand = comp.candidate
+    assert (cand.layout.tp, cand.layout.pp) == (8, 8)
+    assert plan.ranked[comp.rank - 1] is cand  # the best tp=8 pp=8 variant the search costed
+    assert all((c.layout.tp, c.layout.pp) != (8, 8) for c in plan.ranked[:comp.rank - 1])
+    slower = cand.step_seconds / plan.ranked[0].step_seconds - 1
+    assert f"{slower:.1%} slower" in comp.explanation and "winner vs it: tp " in comp.explanation
+    # A spelled-out layout the search pruned is costed as given; one that does not fit says so.
+    exact = compare(plan, "tp=8,pp=8,zero=0,recompute=full,mbs=1,vpp=1")
+    assert exact.rank is None and exact.candidate.layout.recompute == "full"
+    assert compare(plan, "tp=2,pp=1,zero=0").fits is False
+    assert "does not fit" in compare(plan, "tp=2,pp=1,zero=0").explanation
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        compare(plan, "tensor=8")
+    # Published layouts by name: `megatron` is tp=8 x pp=8 and says where it comes from.
+    named = compare(plan, "megatron")
+    assert named.candidate is cand and named.explanation.startswith("megatron (Megatron-LM")
+
+
+@pytest.mark.parametrize("bad", [["--nodes", "0"], ["--gpu-memory-gb", "-80"], ["--top", "0"],
+                                 ["--memory-fraction", "1.5"], ["--global-batch-size", "x"],
+                                 ["--compare", "tp=eight"], ["--compare", "tp=3,pp=1"]])
+def test_plan_bad_values_are_one_line_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--preset", "llama-1b", "--nodes", "1", "--global-batch-size", "256"]
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(plan_main(args + bad))
+    assert exc.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: ") and out.err.count("\n") == 1, out.err

@@ -4,6 +4,11 @@
         --global-batch-size 512 --bandwidth-gbps 200 --intra-bandwidth-gbytes 450 --device H100
     python tools/estimate.py --params 7e9 --dp 64 --bandwidth-gbytes 3.1      # 7B on 64 ranks at 25 Gb/s
     python tools/estimate.py --config configs/x.toml --parallel.tp 2 --dp 64 --json
+    python tools/estimate.py --largest-model --gpu-memory-gb 32 --dp 64 --zero 2   # ZeRO paper, Table 2
+    python tools/estimate.py --params 175e9 --dp 1024 --train-tokens 300e9 --achieved-tflops 140   # days
+    python tools/estimate.py --preset llama-7b --dp 8 --memory-layout megalite     # what pretrain.py allocates
+
+Every mode is described, with a worked example, in docs/estimator.md.
 
 The arithmetic lives in `megalite.perfmodel.estimate` (pure functions); this file only parses and prints.
 With `--config`, the model/parallel/train sections of a pretrain config (and its `--section.field`
@@ -14,19 +19,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_params, training_time,  # noqa: E402
+                                          utilizations)
 
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "vocab_size", "seq_len")
+                "vocab_size", "seq_len", "head_dim")
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size", "global_batch_size",
                  "recompute")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag or value is one line on stderr and exit 2 (as a ConfigError)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ConfigError.exit_code, f"error: {message}; see --help\n")
+
+
+def _number(kind: type, low: float, low_ok: bool, high: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` number above `low` (or equal when `low_ok`), at most `high`."""
+    def parse(text: str) -> float:
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        ok = math.isfinite(number) and (number > low or (low_ok and number == low))
+        ok = ok and (high is None or number <= high) and (kind is not int or number.is_integer())
+        if not ok:
+            what = "an integer" if kind is int else "a number"
+            bound = (f">= {low}" if low_ok else f"> {low}") + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {text!r}")
+        return kind(number)
+    return parse
+
+
+positive_int = _number(int, 0, False)
+positive_float = _number(float, 0.0, False)
+fraction = _number(float, 0.0, False, 1.0)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -35,37 +74,62 @@ def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     m.add_argument("--preset", choices=sorted(presets()))
     m.add_argument("--arch", choices=["llama", "gpt2"])
     for name in _MODEL_FLAGS[1:]:
-        m.add_argument("--" + name.replace("_", "-"), type=int)
+        m.add_argument("--" + name.replace("_", "-"), type=positive_int,
+                       help=("attention head dimension Q (default hidden/heads); PaLM's MFU counts "
+                             "12·L·H·Q·s for attention" if name == "head_dim" else None))
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
     return m
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="Modes and worked examples: docs/estimator.md")
     m = add_model_args(ap)
-    m.add_argument("--params", type=float, help="override the parameter count (e.g. 7e9)")
+    m.add_argument("--params", type=positive_float, help="override the parameter count (e.g. 7e9)")
     p = ap.add_argument_group("layout")
-    for name in ("tp", "pp", "dp", "zero", "vpp", "micro_batch_size", "global_batch_size"):
-        p.add_argument("--" + name.replace("_", "-"), type=int)
+    for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "global_batch_size"):
+        p.add_argument("--" + name.replace("_", "-"), type=positive_int)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
-    p.add_argument("--recompute", choices=["none", "selective", "full"])
+    p.add_argument("--recompute", choices=["none", "selective", "full"],
+                   help="selective recomputes the attention core (+4·L·H·Q·s FLOPs/token), full the "
+                        "layers' forward (+2·layer weights + 4·L·H·Q·s); both priced in FLOPs, HFU and time")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="training dtype (default bf16)")
+    p.add_argument("--memory-layout", choices=["paper", "megalite"],
+                   help="paper: the ZeRO paper's 2+2+K=12 bytes/param (default); megalite: what pretrain.py "
+                        "allocates, 16-bit params + fp32 main grads + fp32 master + Adam = 18 bytes/param "
+                        "(16 in fp32), grads reduced in fp32 (default with --config)")
     p.add_argument("--param-dtype", choices=["bf16", "fp16", "fp32"],
-                   help="dtype weights and grads are stored in (default: --dtype, with fp32 master "
-                        "weights; fp32 = megalite's replicated optimizer: 4+4+0+8 bytes/param)")
+                   help="(paper layout) dtype weights and grads are stored in (default: --dtype, with fp32 "
+                        "master weights; fp32: 4+4+0+8 bytes/param)")
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype gradients are communicated in (default: the training dtype)")
     h = ap.add_argument_group("hardware")
-    h.add_argument("--bandwidth-gbps", type=float, help="inter-node bandwidth in Gbit/s (DP, PP)")
-    h.add_argument("--bandwidth-gbytes", type=float, help="inter-node bandwidth in GB/s")
-    h.add_argument("--intra-bandwidth-gbytes", type=float,
+    h.add_argument("--bandwidth-gbps", type=positive_float, help="inter-node bandwidth in Gbit/s (DP, PP)")
+    h.add_argument("--bandwidth-gbytes", type=positive_float, help="inter-node bandwidth in GB/s")
+    h.add_argument("--intra-bandwidth-gbytes", type=positive_float,
                    help="intra-node (NVLink) bandwidth in GB/s for TP (default: the inter-node one)")
-    h.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device")
+    h.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per device")
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
-    h.add_argument("--efficiency", type=float, default=1.0,
+    h.add_argument("--efficiency", type=fraction, default=1.0,
                    help="fraction of peak the matmuls reach (1.0 = ideal lower bound on time)")
+    q = ap.add_argument_group("questions (docs/estimator.md has a worked example of each)")
+    q.add_argument("--largest-model", action="store_true",
+                   help="the largest model that fits in --gpu-memory-gb: from model states alone (ZeRO paper, "
+                        "Table 2), or, with a model shape, its most layers whose states and activations fit")
+    q.add_argument("--gpu-memory-gb", type=positive_float, help="memory per device, GB (1e9 bytes)")
+    q.add_argument("--memory-fraction", type=fraction, default=1.0,
+                   help="usable share of --gpu-memory-gb (default 1.0, as the ZeRO paper)")
+    q.add_argument("--train-tokens", type=positive_float,
+                   help="how long training on this many tokens takes, in days (with --achieved-tflops, "
+                        "--mfu, or a peak for the predicted step time); devices = tp x pp x dp")
+    q.add_argument("--achieved-tflops", type=positive_float,
+                   help="achieved hardware TFLOP/s per device, counted as Megatron does (recompute included)")
+    q.add_argument("--mfu", type=fraction, help="achieved model FLOPs utilization, e.g. 0.45 (needs a peak)")
+    q.add_argument("--step-seconds", type=positive_float,
+                   help="a measured step time: report its MFU and HFU (Korthikanti et al. 2022, Table 5)")
     ap.add_argument("--config", help="a pretrain TOML config (needs megalite.config)")
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return ap
@@ -90,7 +154,7 @@ def _split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, theirs
 
 
-def _model_dims_kwargs(model: object, demo_vocab: int) -> dict:
+def _model_dims_kwargs(model: object, demo_vocab: int | None) -> dict:
     """ModelDims keywords from a config `model` section; its "derive me" zeros become None (the
     same defaults), and an unset vocabulary (taken from the tokenizer at run time) the demo one."""
     get = (model.get if isinstance(model, dict) else lambda k, d=None: getattr(model, k, d))
@@ -135,8 +199,22 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
                global_batch_size=getattr(train, "global_batch_size", None) or None,
                recompute=getattr(model, "recompute", None))
-    dtype = getattr(train, "dtype", None)
-    return dims, lay, None if dtype == "auto" else dtype  # auto = bf16 on GPUs, what we estimate
+    return dims, lay, _config_dtype(getattr(train, "dtype", None), getattr(train, "device", "auto"))
+
+
+def _config_dtype(dtype: str | None, device: str | None) -> str | None:
+    """The dtype the run uses, as pretrain.py resolves `auto`: bf16 on CUDA, fp32 on CPU (for
+    device auto: whichever this machine has)."""
+    if dtype != "auto":
+        return dtype
+    if device == "auto":
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            device = "cuda"
+    return "bf16" if device == "cuda" else "fp32"
 
 
 def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
@@ -164,7 +242,15 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
         dims = ModelDims(**{k: v for k, v in dims_kw.items() if v is not None})
     layout = Layout(**{k: v for k, v in lay_kw.items() if v is not None})
     dtype = normalize_dtype(args.dtype or dtype or "bf16")
-    prec = Precision.for_dtype(dtype, args.param_dtype)
+    if dtype == "tf32":
+        raise ConfigError("--dtype tf32 is not a storage dtype; use fp32 (and --peak-tflops for the TF32 rate)")
+    layout_name = args.memory_layout or ("megalite" if config_argv else "paper")
+    if layout_name == "megalite":
+        if args.param_dtype:
+            raise ConfigError("--param-dtype describes the paper layout; megalite stores params in --dtype")
+        prec = Precision.megalite(dtype)
+    else:
+        prec = Precision.for_dtype(dtype, args.param_dtype)
     if args.grad_reduce_dtype:
         prec = Precision(**{**vars(prec), "grad_comm": 4 if args.grad_reduce_dtype == "fp32" else 2})
     inter = args.bandwidth_gbytes * GB if args.bandwidth_gbytes else None
@@ -178,7 +264,7 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
             raise ConfigError(f"no {dtype} peak known for device {args.device!r}; pass --peak-tflops")
     return dict(dims=dims, layout=layout, prec=prec, params=args.params, peak_flops=peak,
                 inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
-                dtype=dtype)
+                dtype=dtype, memory_layout=layout_name)
 
 
 def _gb(x: float) -> str:
@@ -190,7 +276,10 @@ def render(est: Estimate, kw: dict) -> str:
     lay: Layout = kw["layout"]
     dims: ModelDims | None = kw["dims"]
     name = "custom model" if dims is None else f"{dims.arch} L={dims.num_layers} h={dims.hidden_size}"
-    out = [f"{name}: {est.params / 1e9:.3f} B parameters, {kw['dtype']}",
+    prec: Precision = kw["prec"]
+    bytes_each = f"{prec.param}+{prec.grad}+{prec.master}+{prec.optimizer} bytes/param"
+    out = [f"{name}: {est.params / 1e9:.3f} B parameters, {kw['dtype']}, {kw['memory_layout']} memory layout "
+           f"({bytes_each} before ZeRO)",
            f"layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero} sp={'on' if lay.sp else 'off'} "
            f"vpp={lay.vpp} schedule={lay.schedule} recompute={lay.recompute} "
            f"micro-batch={lay.micro_batch_size} micro-batches/step={est.num_microbatches}",
@@ -208,17 +297,82 @@ def render(est: Estimate, kw: dict) -> str:
         secs = est.comm_seconds.get(group)
         out.append(f"  {group:<22}{_gb(b)}" + (f"   {secs:10.4f}" if secs is not None else ""))
     if est.model_flops_per_step is not None:
-        out += ["", f"model FLOPs per step (PaLM 6N+12Lhs): {est.model_flops_per_step:.3e}",
-                f"hardware FLOPs per step (counting recompute): {est.hardware_flops_per_step:.3e}"]
+        out += ["", f"model FLOPs per step (PaLM 6N + 12·L·H·Q·s): {est.model_flops_per_step:.4e}",
+                f"hardware FLOPs per step (Megatron's count, recompute={lay.recompute}): "
+                f"{est.hardware_flops_per_step:.4e}"]
     if est.compute_seconds is not None:
         out.append(f"compute incl. bubble: {est.compute_seconds:.4g} s")
     if est.step_seconds is not None:
         out += [f"step time: {est.step_seconds:.4g} s no overlap, {est.step_seconds_overlapped:.4g} s "
                 f"with DP traffic hidden behind compute",
-                f"predicted MFU (no overlap): {est.predicted_mfu:.1%}"]
+                f"predicted MFU (no overlap): {est.predicted_mfu:.1%}, HFU {est.predicted_hfu:.1%}"]
     for w in est.warnings:
         out.append(f"WARNING: {w}")
     return "\n".join(out)
+
+
+def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict, list[str]]:
+    """The estimate, plus the answers to the question flags (largest model, training time, a measured
+    or achieved throughput) as JSON sections and text lines."""
+    est_kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_layout")}
+    lay: Layout = kw["layout"]
+    dims: ModelDims | None = kw["dims"]
+    sections: dict = {}
+    lines: list[str] = []
+    if args.largest_model:
+        if not args.gpu_memory_gb:
+            raise ConfigError("--largest-model needs --gpu-memory-gb (memory per device)")
+        if args.params:
+            raise ConfigError("--largest-model finds the parameter count: leave out --params")
+        limit = args.gpu_memory_gb * GB * args.memory_fraction
+        if dims is None:
+            ans = largest_params(limit, lay, kw["prec"])
+            est_kw["params"] = ans.params
+            lines.append(f"largest model that fits in {limit / GB:.2f} GB per device (model states only, "
+                         f"{ans.bytes_per_param:.4g} bytes/param at zero={lay.zero} dp={lay.dp}; x tp={lay.tp} "
+                         f"x pp={lay.pp}): {ans.params / 1e9:.1f} B parameters")
+        else:
+            ans = largest_num_layers(dims, lay, limit, kw["prec"])
+            est_kw["dims"] = dims = kw["dims"] = replace(dims, num_layers=int(ans.num_layers or 0))
+            lines.append(f"largest model of this shape that fits in {limit / GB:.2f} GB per device (states + "
+                         f"activations, worst stage): {ans.num_layers} layers, {ans.params / 1e9:.3f} B parameters")
+        sections["largest_model"] = ans.to_dict()
+    est = estimate(**est_kw)
+    peak = kw["peak_flops"]
+    if args.step_seconds:
+        if not peak:
+            raise ConfigError("--step-seconds needs a peak: pass --peak-tflops or --device")
+        if est.model_flops_per_step is None:
+            raise ConfigError("--step-seconds needs a model shape (a preset or --num-layers ...) for its FLOPs")
+        u = utilizations(est, lay.world, args.step_seconds, peak)
+        sections["measured"] = {"step_seconds": args.step_seconds, **u}
+        lines.append(f"measured step {args.step_seconds:.4g} s: MFU {u['mfu']:.1%}, HFU {u['hfu']:.1%} "
+                     f"({u['achieved_tflops']:.1f} hardware TFLOP/s per device)")
+    x = args.achieved_tflops * 1e12 if args.achieved_tflops else None
+    if x is not None:
+        ach = {"achieved_tflops": x / 1e12, "aggregate_pflops": x * lay.world / 1e15,
+               "percent_of_peak": 100 * x / peak if peak else None,
+               "step_seconds": est.hardware_flops_per_step / lay.world / x if est.hardware_flops_per_step else None}
+        sections["achieved"] = ach
+        line = f"achieved {x / 1e12:.4g} TFLOP/s per device: {ach['aggregate_pflops']:.1f} PFLOP/s over {lay.world} devices"
+        if peak:
+            line += f", {ach['percent_of_peak']:.0f}% of the {peak / 1e12:.0f} TFLOP/s peak"
+        if ach["step_seconds"]:
+            line += f"; a step's hardware FLOPs take {ach['step_seconds']:.4g} s"
+        lines.append(line)
+    if args.mfu is not None and not args.train_tokens:
+        raise ConfigError("--mfu goes with --train-tokens (how long training takes at that MFU)")
+    if args.mfu is not None and est.model_flops_per_step and est.hardware_flops_per_step:
+        hfu = args.mfu * est.hardware_flops_per_step / est.model_flops_per_step
+        sections["at_mfu"] = {"mfu": args.mfu, "hfu": hfu}
+        lines.append(f"MFU {args.mfu:.1%} is HFU {hfu:.1%} with recompute={lay.recompute} "
+                     f"(hardware / model FLOPs = {hfu / args.mfu:.4f})")
+    if args.train_tokens:
+        tt = training_time(args.train_tokens, lay.world, est.params, est, dims, lay, x, args.mfu, peak)
+        sections["training_time"] = tt.to_dict()
+        lines.append(f"training on {tt.tokens:.4g} tokens with {tt.devices} devices:")
+        lines += [f"  {method:<18}{sec / DAY:8.1f} days   ({formula})" for method, formula, sec in tt.rows]
+    return est, sections, lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,18 +381,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(ours)
     try:
         kw = resolve(args, config_argv)
-        est = estimate(**{k: v for k, v in kw.items() if k != "dtype"})
+        est, sections, lines = answer_questions(args, kw)
     except MegaliteError as exc:
         return report(exc)
     if args.json:
         lay = kw["layout"]
-        inputs = {"layout": vars(lay), "dtype": kw["dtype"],
-                  "model": None if kw["dims"] is None else vars(kw["dims"]),
+        inputs = {"layout": vars(lay), "dtype": kw["dtype"], "memory_layout": kw["memory_layout"],
+                  "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else vars(kw["dims"]),
                   "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
                   "peak_flops": kw["peak_flops"]}
-        print(json.dumps({"inputs": inputs, **est.to_dict()}, indent=2))
+        print(json.dumps({"inputs": inputs, **est.to_dict(), **sections}, indent=2))
     else:
-        print(render(est, kw))
+        print("\n".join([render(est, kw)] + (["", *lines] if lines else [])))
     return 0
 
 

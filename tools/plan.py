@@ -22,41 +22,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
 from megalite.perfmodel.plan import Cluster, Plan, make_plan  # noqa: E402
-from tools.estimate import add_model_args, presets  # noqa: E402  (model flags and sizes shared)
+from tools.estimate import (OneLineParser, add_model_args, fraction, positive_float,  # noqa: E402
+                            positive_int, presets)  # (model flags, sizes and argument checks shared)
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-         "seq_len")
+         "seq_len", "head_dim")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="The planner, its ranking rules and a worked --compare: docs/estimator.md")
     m = add_model_args(ap)
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="training dtype (bf16: 16-bit weights with fp32 master and Adam, 16 B/param)")
+    m.add_argument("--memory-layout", choices=["paper", "megalite"], default="paper",
+                   help="paper: 2+2+K=12 bytes/param (default); megalite: what pretrain.py allocates, "
+                        "fp32 main grads (18 bytes/param in bf16)")
     c = ap.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GB (1e9 bytes)")
-    c.add_argument("--memory-fraction", type=float, default=0.9,
+    c.add_argument("--nodes", type=positive_int, default=1)
+    c.add_argument("--gpus-per-node", type=positive_int, default=8)
+    c.add_argument("--gpu-memory-gb", type=positive_float, default=80.0, help="memory per GPU, GB (1e9 bytes)")
+    c.add_argument("--memory-fraction", type=fraction, default=0.9,
                    help="usable share of it (CUDA context, NCCL buffers, fragmentation; default 0.9)")
-    c.add_argument("--intra-gbps", type=float, help="intra-node (NVLink) bandwidth per GPU, Gbit/s")
-    c.add_argument("--intra-gbytes", type=float, default=450.0,
+    c.add_argument("--intra-gbps", type=positive_float, help="intra-node (NVLink) bandwidth per GPU, Gbit/s")
+    c.add_argument("--intra-gbytes", type=positive_float, default=450.0,
                    help="the same in GB/s (default 450: H100 NVLink, one direction)")
-    c.add_argument("--inter-gbps", type=float, default=400.0,
+    c.add_argument("--inter-gbps", type=positive_float, default=400.0,
                    help="inter-node bandwidth per GPU, Gbit/s (default 400: one NDR InfiniBand NIC per GPU)")
-    c.add_argument("--inter-gbytes", type=float, help="the same in GB/s (wins over --inter-gbps)")
-    c.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per GPU (default: --device's)")
+    c.add_argument("--inter-gbytes", type=positive_float, help="the same in GB/s (wins over --inter-gbps)")
+    c.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per GPU (default: --device's)")
     c.add_argument("--device", default="H100", help="GPU name to look the peak up (default H100)")
-    c.add_argument("--efficiency", type=float, default=1.0,
+    c.add_argument("--efficiency", type=fraction, default=1.0,
                    help="share of peak the matmuls reach (1.0: ideal, step times are lower bounds)")
     r = ap.add_argument_group("run and search")
-    r.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
-    r.add_argument("--max-micro-batch", type=int, default=16)
-    r.add_argument("--max-vpp", type=int, default=8, help="most virtual stages per rank (interleaved 1F1B)")
+    r.add_argument("--global-batch-size", type=positive_int, required=True, help="sequences per optimizer step")
+    r.add_argument("--max-micro-batch", type=positive_int, default=16)
+    r.add_argument("--max-vpp", type=positive_int, default=8, help="most virtual stages per rank (interleaved 1F1B)")
     r.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages allowed, comma-separated")
-    r.add_argument("--top", type=int, default=10, help="layouts shown")
+    r.add_argument("--top", type=positive_int, default=10, help="layouts shown")
+    r.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="explain the ranking against this layout (keys tp pp dp zero vpp mbs recompute, the "
+                        "rest free; e.g. tp=8,pp=8,recompute=full) or a published one by name: "
+                        + ", ".join(f"{k} ({v[0]})" for k, v in PUBLISHED.items()) + "; repeatable")
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return ap
 
@@ -95,6 +105,10 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     return stages
 
 
+def _precision(layout: str, dtype: str) -> Precision:
+    return Precision.megalite(dtype) if layout == "megalite" else Precision.for_dtype(dtype)
+
+
 def render(plan: Plan, top: int) -> str:
     d, c = plan.dims, plan.cluster
     out = [f"{d.arch} L={d.num_layers} h={d.hidden_size} heads={d.num_heads} s={d.seq_len}: "
@@ -104,19 +118,20 @@ def render(plan: Plan, top: int) -> str:
            f"{c.efficiency:.0%} of {c.peak_flops / 1e12:.0f} TFLOP/s, DP traffic overlapped with compute",
            "",
            f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'vpp':>3} {'mbs':>3} {'M':>5} {'recomp':>9} "
-           f"{'step s':>8} {'MFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} {'acts':>6} "
+           f"{'step s':>8} {'MFU':>6} {'HFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} {'acts':>6} "
            f"{'TP GB':>8} {'PP GB':>7} {'DP GB':>8}"]
     for i, cand in enumerate(plan.ranked[:top], 1):
         lay, est = cand.layout, cand.est
         cb = est.comm_bytes
-        mfu = est.model_flops_per_step / lay.world / cand.step_seconds / c.peak_flops
         out.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.zero:>4} {lay.vpp:>3} "
                    f"{lay.micro_batch_size:>3} {est.num_microbatches:>5} {lay.recompute:>9} "
-                   f"{cand.step_seconds:>8.3f} {mfu:>6.1%} {est.bubble:>6.1%} {est.memory.total / GB:>7.1f} "
+                   f"{cand.step_seconds:>8.3f} {cand.mfu:>6.1%} {cand.hfu:>6.1%} {est.bubble:>6.1%} "
+                   f"{est.memory.total / GB:>7.1f} "
                    f"{est.memory.model_states / GB:>7.1f} {est.memory.activations / GB:>6.1f} "
-                   f"{cb.get('tp', 0.0) / GB:>8.2f} {(cb.get('pp', 0.0) + cb.get('embedding', 0.0)) / GB:>7.2f} "
+                   f"{cb.get('tp', 0.0) / GB:>8.2f} {cand.to_dict()['pp_bytes_with_embedding'] / GB:>7.2f} "
                    f"{cb.get('dp', 0.0) / GB:>8.2f}")
     out += ["", "why: " + plan.why]
+    out += ["compare " + c.explanation for c in plan.comparisons]
     return "\n".join(out)
 
 
@@ -125,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dims = resolve_dims(args)
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
-                         Precision.for_dtype(normalize_dtype(args.dtype)), args.max_micro_batch,
+                         _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
                          args.max_vpp, _zero_stages(args.zero_stages))
+        plan.comparisons.extend(compare(plan, spec) for spec in args.compare)
     except MegaliteError as exc:
         return report(exc)
     if args.json:

@@ -11,7 +11,7 @@ Where common rules of thumb are wrong this module follows the papers:
 * ZeRO-3 moves 3Ψ(N-1)/N per micro-batch (two parameter all-gathers, forward and backward, plus
   one gradient reduce-scatter; Rajbhandari et al. 2020, section 7.2): with one micro-batch per
   step 1.5x DDP, not "the same as DDP" as often stated.
-* 1F1B does not shrink the pipeline bubble; see `pipeline_bubble`.
+* 1F1B does not shrink the pipeline bubble; see `megalite.perfmodel.schedules.pipeline_bubble`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
-from megalite.perfmodel.flops import model_flops_per_token
+from megalite.perfmodel.flops import flops_per_token
+from megalite.perfmodel.schedules import (SCHEDULES, Schedule, bubble_overhead, microbatches_in_flight,  # noqa: F401
+                                          pipeline_bubble, schedule)  # (re-exported: the public names)
 
 GB = 1e9
 
@@ -28,15 +30,15 @@ GB = 1e9
 # ---------------------------------------------------------------- parameters
 
 def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 ffn: int, vocab: int, seq_len: int, tie: bool) -> int:
+                 ffn: int, vocab: int, seq_len: int, tie: bool, head_dim: int | None = None) -> int:
     """Parameters of megalite's GPT (unpadded vocabulary, no parallelism).
 
     llama, per layer: q and o h x h each, k and v h x (kv·head_dim) each; SwiGLU 3·h·ffn;
     two RMSNorm weights. Then a final RMSNorm, the V x h embedding and an untied head unless `tie`.
     gpt2 adds biases (qkv, out, both MLP linears), LayerNorm weight+bias, a 2·h·ffn GeLU MLP
-    and learned positions (s x h); its head is normally tied.
+    and learned positions (s x h); its head is normally tied. `head_dim` defaults to hidden/heads.
     """
-    hd = hidden // num_heads
+    hd = hidden // num_heads if head_dim is None else head_dim
     q, kv = num_heads * hd, num_kv_heads * hd
     attn = hidden * (q + 2 * kv) + q * hidden
     if arch == "llama":
@@ -50,7 +52,7 @@ def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv
 
 def dims_params(dims: ModelDims) -> int:
     return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
-                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied)
+                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int) -> StageParams
     norms (and gpt2's row-parallel biases and positions) replicated, the vocabulary padded to a
     multiple of tp x make_vocab_divisible_by. With a tied head and pp > 1 the last stage holds
     its own copy of the embedding shard (synchronised over the 'embedding' group, as Megatron)."""
-    h, t, hd = dims.hidden_size, tp, dims.hidden_size // dims.num_heads
+    h, t, hd = dims.hidden_size, tp, dims.hd
     q, kv, f = dims.num_heads * hd, dims.kv_heads * hd, dims.ffn
     if dims.num_heads % t or dims.kv_heads % t or f % t:
         raise ConfigError(f"tp={t} must divide num_heads ({dims.num_heads}), num_kv_heads "
@@ -163,23 +165,6 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sp: 
     return sbh * (10.0 + 24.0 / tp + attn_core) * scale
 
 
-def microbatches_in_flight(layout: Layout, pp_rank: int, m: int) -> float:
-    """Layers' worth of micro-batch activations a stage holds at peak, in units of its own layers.
-
-    GPipe keeps all m; 1F1B keeps p - r (the warm-up depth), which is the point of 1F1B; interleaved
-    keeps (2(p-r-1) + (v-1)p + 1) chunk-micro-batches of L/(pv) layers, i.e. 1 + (p-1)/(pv) times
-    1F1B's on the first stage (Korthikanti et al. 2022, section 4.2.3)."""
-    p, v = layout.pp, layout.vpp
-    if p == 1:
-        return 1.0  # gradient accumulation runs micro-batches one after another
-    if layout.schedule == "gpipe":
-        return float(m)
-    if v == 1:
-        return float(min(m, p - pp_rank))
-    chunks = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
-    return chunks / v
-
-
 # ---------------------------------------------------------------- communication
 
 def all_reduce_bytes(x: float, n: int) -> float:
@@ -201,7 +186,8 @@ def dp_comm_bytes(psi: float, nd: int, zero: int, prec: Precision = Precision(),
     DDP: one all-reduce of the gradients, 2Ψ(N-1)/N·bytes (ring all-reduce).
     ZeRO-1/2: reduce-scatter of gradients + all-gather of updated parameters: the same 2Ψ(N-1)/N.
     ZeRO-3: parameters all-gathered for the forward and again for the backward, gradients
-    reduce-scattered: 3Ψ(N-1)/N per micro-batch (the full weights are never kept between uses).
+    reduce-scattered: 3Ψ(N-1)/N per micro-batch (the full weights are never kept between uses);
+    with `prec.zero3_reduce_once` (megalite) the gradients are reduce-scattered once per step.
     Flat ZeRO buffers are padded to a multiple of N (`zero_shard`)."""
     if nd <= 1:
         return 0.0
@@ -211,6 +197,8 @@ def dp_comm_bytes(psi: float, nd: int, zero: int, prec: Precision = Precision(),
     padded = zero_shard(psi, nd) * nd
     if zero in (1, 2):
         return all_gather_bytes(padded * (grad_b + param_b), nd)
+    if prec.zero3_reduce_once:
+        return all_gather_bytes(padded * (grad_b + 2 * microbatches * param_b), nd)
     return microbatches * all_gather_bytes(padded * (grad_b + 2 * param_b), nd)
 
 
@@ -234,7 +222,7 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     total += m * (first + last) * all_reduce_bytes(x, t)
     total += m * last * all_reduce_bytes(3 * bs * 4, t)
     if layout.sp:
-        partial = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+        partial: float = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
         if layout.zero >= 1:
             # ZeRO >= 1 sums only the partial pieces inside this rank's 1/dp gradient shard (exact when
             # the shard boundaries split them evenly, as for megalite's single-bucket small models).
@@ -268,24 +256,6 @@ def embedding_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_ra
 
 # ---------------------------------------------------------------- pipeline and time
 
-def pipeline_bubble(p: int, m: int, v: int = 1) -> float:
-    """Fraction of a step each stage idles: (p-1)/(v·m + p-1) (Narayanan et al. 2021).
-
-    GPipe and 1F1B have the same bubble, (p-1)/(m+p-1): P=8, M=16 -> 30.4%; P=16, M=32 -> 31.9%.
-    1F1B does NOT halve it (a common claim); what 1F1B changes is memory: at most p
-    micro-batches' activations in flight instead of m. Interleaving v model chunks per stage
-    divides the bubble *time* by v (`bubble_overhead`), at v times the p2p traffic. m < p leaves
-    stages idle most of the time: the most common pipeline config error."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) / (v * m + p - 1)
-
-
-def bubble_overhead(p: int, m: int, v: int = 1) -> float:
-    """Bubble time over ideal compute time: (p-1)/(v·m). Exactly 1/v of the non-interleaved one."""
-    return (p - 1) / (v * m) if p > 1 else 0.0
-
-
 @dataclass
 class Estimate:
     """Everything `tools/estimate.py` reports. Per-device numbers are for the worst pp stage."""
@@ -304,6 +274,7 @@ class Estimate:
     step_seconds_overlapped: float | None = None
     predicted_mfu: float | None = None
     warnings: list[str] = field(default_factory=list)
+    predicted_hfu: float | None = None  # hardware FLOPs (recompute counted) over the same time and peak
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -343,6 +314,13 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     m, p = layout.num_microbatches, layout.pp
     v = layout.vpp if layout.schedule == "interleaved" or layout.vpp > 1 else 1
     layout = replace(layout, vpp=v, schedule="interleaved" if v > 1 else layout.schedule)
+    sched = schedule(layout.schedule)
+    for name, value in (("params", params), ("peak_flops", peak_flops), ("inter_bytes_per_s", inter_bytes_per_s),
+                        ("intra_bytes_per_s", intra_bytes_per_s)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name}={value} must be > 0 (or left out)")
+    if not 0 < efficiency <= 1:
+        raise ConfigError(f"efficiency={efficiency} must be in (0, 1], e.g. 0.5 for half the peak")
     if layout.sp and layout.tp == 1:
         raise ConfigError("parallel.sp needs parallel.tp > 1; turn sp off or raise tp")
     if dims is not None and dims.num_layers % (p * v):
@@ -352,7 +330,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         raise ConfigError("give model dimensions (a preset or --num-layers ...) or --params")
     warnings: list[str] = []
     if p > 1 and m < p:
-        warnings.append(f"{m} micro-batches < pp={p}: stages idle {pipeline_bubble(p, m, v):.0%} of "
+        warnings.append(f"{m} micro-batches < pp={p}: stages idle {sched.bubble(p, m, v):.0%} of "
                         f"the step; raise train.global_batch_size to at least {p} micro-batches")
     if v > 1 and m % p:
         warnings.append(f"interleaved schedule needs micro-batches ({m}) to be a multiple of pp={p}")
@@ -376,18 +354,18 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     assert worst is not None
     comm = {g: nbytes for g, nbytes in comm.items() if nbytes > 0.0 or g == "dp"}
     est = Estimate(params=total, params_per_device=worst[1], memory=worst[0], comm_bytes=comm,
-                   num_microbatches=m, bubble=pipeline_bubble(p, m, v), warnings=warnings)
+                   num_microbatches=m, bubble=sched.bubble(p, m, v) if p > 1 else 0.0,
+                   warnings=warnings)
     inter = inter_bytes_per_s or intra_bytes_per_s
     intra = intra_bytes_per_s or inter_bytes_per_s
-    if inter:
+    if inter and intra:
         est.comm_seconds = {g: nbytes / (intra if g == "tp" else inter) for g, nbytes in comm.items()}
     if dims is None:
         return est
     tokens = float(m) * layout.micro_batch_size * layout.dp * dims.seq_len
-    est.model_flops_per_step = tokens * model_flops_per_token(
-        int(total), dims.num_layers, dims.hidden_size, dims.seq_len)
-    # Full recompute repeats the forward pass: +1/3 of the model FLOPs (2N + 4Lhs of 6N + 12Lhs).
-    est.hardware_flops_per_step = est.model_flops_per_step * (4 / 3 if layout.recompute == "full" else 1)
+    model_per_token, hardware_per_token = flops_per_token(dims, total, layout.recompute)
+    est.model_flops_per_step = tokens * model_per_token
+    est.hardware_flops_per_step = tokens * hardware_per_token  # what recompute repeats included
     if not peak_flops:
         return est
     ideal = est.hardware_flops_per_step / layout.world / (peak_flops * efficiency)
@@ -398,4 +376,5 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         est.step_seconds = est.compute_seconds + other + dp_s
         est.step_seconds_overlapped = max(est.compute_seconds, dp_s) + other
         est.predicted_mfu = est.model_flops_per_step / layout.world / est.step_seconds / peak_flops
+        est.predicted_hfu = est.hardware_flops_per_step / layout.world / est.step_seconds / peak_flops
     return est

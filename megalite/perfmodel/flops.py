@@ -6,9 +6,10 @@ Two different counts, for two different questions:
   This is the numerator of PaLM's *model FLOPs utilization* (MFU, Chowdhery et al. 2022, appendix B),
   the number megalite logs as `mfu`. Recomputation is deliberately NOT counted: a run that trades
   compute for memory does not get credit for the extra work.
-* **Hardware FLOPs** (`megatron_flops_per_iteration`): what the GPUs actually execute, including the
-  forward pass repeated by full activation recomputation (Narayanan et al. 2021, eq. 3). Use it to
-  predict step time, or to compare with papers that report "TFLOP/s per GPU" the Megatron way.
+* **Hardware FLOPs** (`megatron_flops_per_iteration`, generalised by `flops_per_token`): what the
+  GPUs actually execute, including the work repeated by full or selective activation recomputation
+  (Narayanan et al. 2021, the FLOPs equation; Korthikanti et al. 2022). Use it to predict step time
+  (HFU), or to compare with papers that report "TFLOP/s per GPU" the Megatron way.
 
 Peaks are *dense* (no 2:4 sparsity) vendor numbers: quoting the sparse figure would halve every MFU.
 """
@@ -19,6 +20,7 @@ import os
 import re
 
 from megalite.errors import ConfigError
+from megalite.perfmodel.inputs import ModelDims
 
 PEAK_ENV_VAR = "MEGALITE_PEAK_TFLOPS"
 """Set to a number of TFLOP/s to override the table (new GPUs, clocks capped, or a sanity check)."""
@@ -89,6 +91,41 @@ def megatron_flops_per_iteration(
     if recompute:
         return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
     return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+
+
+def matmul_params(dims: ModelDims) -> tuple[int, int]:
+    """(weights of the transformer layers' matmuls, weights of the logits matmul V·h).
+
+    Biases, norms and the embedding / position lookups are not matmuls: Megatron's FLOPs equation
+    leaves them out, and so do the hardware FLOPs here."""
+    h, q, kv = dims.hidden_size, dims.num_heads * dims.hd, dims.kv_heads * dims.hd
+    mlp = (3 if dims.arch == "llama" else 2) * h * dims.ffn
+    return dims.num_layers * (h * (q + 2 * kv) + q * h + mlp), dims.vocab_size * h
+
+
+def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per trained token of `dims` under `recompute`.
+
+    Model FLOPs: PaLM's 6N + 12·L·H·Q·s (`model_flops_per_token`, H·Q = heads x head dimension,
+    N = `num_params`), the MFU numerator, recompute never counted.
+    Hardware FLOPs: what is executed, counted as Megatron does (Narayanan et al. 2021, the FLOPs
+    equation): 6 FLOPs per matmul weight (`matmul_params`) plus the attention core 12·L·H·Q·s, plus
+      full recompute:      one more forward of the layers, 2·(layer weights) + 4·L·H·Q·s (the logits
+                           layer is not recomputed);
+      selective recompute: one more forward of the attention core, 4·L·H·Q·s (Korthikanti et al. 2022:
+                           72·B·s·l·h²·(1 + 2s/(9h) + V/(12·l·h)) per iteration, 4/3 of the s/(6h) term).
+    For a GPT-3-shaped model (4h GeLU MLP, no GQA, head dimension h/heads) this is exactly
+    `megatron_flops_per_iteration` / (B·s) with or without full recompute.
+    """
+    layers, head = matmul_params(dims)
+    attn = float(dims.num_layers) * dims.num_heads * dims.hd * dims.seq_len
+    model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len)
+    hardware = 6.0 * (layers + head) + 12.0 * attn
+    if recompute == "full":
+        hardware += 2.0 * layers + 4.0 * attn
+    elif recompute == "selective":
+        hardware += 4.0 * attn
+    return model, hardware
 
 
 def normalize_dtype(dtype: str) -> str:

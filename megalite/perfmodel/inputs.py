@@ -5,6 +5,7 @@ validated on construction.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from megalite.errors import ConfigError
@@ -24,16 +25,28 @@ class ModelDims:
     ffn_hidden_size: int | None = None  # None: 4h for gpt2, llama's 8h/3 rounded up to 64
     tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
     make_vocab_divisible_by: int = 1  # vocab padded to a multiple of this x tp
+    head_dim: int | None = None  # None: hidden_size / num_heads (megalite's models); PaLM decouples them
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gpt2"):
             raise ConfigError(f"model.arch={self.arch!r} is unknown; use 'llama' or 'gpt2'")
-        if self.hidden_size % self.num_heads:
+        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len", "num_kv_heads",
+                     "ffn_hidden_size", "make_vocab_divisible_by", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"model {name}={value} must be > 0; pass a positive "
+                                  f"--{name.replace('_', '-')}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
                               f"{self.num_heads}; pick sizes with hidden_size = num_heads x head_dim")
         if self.num_heads % self.kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                               f"{self.kv_heads}; each kv head must serve a whole group of query heads")
+
+    @property
+    def hd(self) -> int:
+        """Attention head dimension Q (PaLM's notation); the attention width is num_heads x Q."""
+        return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -86,6 +99,17 @@ class Layout:
     global_batch_size: int | None = None  # None: micro_batch_size x dp (one micro-batch)
     recompute: str = "none"  # none | selective | full
 
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, numbers.Integral) and value >= 1):
+                raise ConfigError(f"{name}={value!r} must be a positive integer; pass "
+                                  f"--{name.replace('_', '-')} 1 or more")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero={self.zero!r} is invalid; use 0, 1, 2 or 3")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"recompute={self.recompute!r} is invalid; use none, selective or full")
+
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
@@ -103,7 +127,8 @@ class Layout:
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element. Default: the ZeRO paper's mixed-precision Adam, 2 param + 2 grad +
-    K=12 (4 fp32 master + 8 moments), 16-bit activations."""
+    K=12 (4 fp32 master + 8 moments), 16-bit activations (`Precision.paper`). megalite's own
+    optimizer keeps fp32 gradients (`Precision.megalite`: 2 + 4 + 4 + 8 = 18 bytes/param in bf16)."""
 
     param: int = 2
     grad: int = 2
@@ -111,6 +136,31 @@ class Precision:
     optimizer: int = 8
     activation: int = 2
     grad_comm: int | None = None  # dtype gradients are reduced in; None: = grad
+    # ZeRO-3 gradient reduce-scatter once per step (megalite: a full fp32 gradient buffer accumulates
+    # the micro-batches) instead of once per micro-batch (the ZeRO paper's accounting).
+    zero3_reduce_once: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("param", "grad", "master", "optimizer", "activation"):
+            if getattr(self, name) < 0 or (name in ("param", "activation") and getattr(self, name) == 0):
+                raise ConfigError(f"bytes per {name} element must be > 0 (master/optimizer >= 0)")
+
+    @classmethod
+    def paper(cls, dtype: str = "bf16") -> "Precision":
+        """The ZeRO paper's layout (K = 12): 16-bit params and grads, fp32 master and Adam moments."""
+        return cls.for_dtype(dtype)
+
+    @classmethod
+    def megalite(cls, dtype: str = "bf16") -> "Precision":
+        """What megalite's ZeRO optimizer allocates (`megalite.optim.zero`): params in `dtype`, fp32
+        main gradients (also reduced in fp32), fp32 master weights unless the params are fp32 already,
+        fp32 Adam moments. bf16/fp16: 2 + 4 + 4 + 8 = 18 bytes/param before sharding; fp32: 16."""
+        sizes = {"bf16": 2, "fp16": 2, "fp32": 4}
+        if dtype not in sizes:
+            raise ConfigError(f"dtype {dtype!r} is unknown; use bf16, fp16 or fp32")
+        b = sizes[dtype]
+        return cls(param=b, grad=4, master=0 if b == 4 else 4, optimizer=8, activation=b, grad_comm=4,
+                   zero3_reduce_once=True)
 
     @classmethod
     def for_dtype(cls, dtype: str, param_dtype: str | None = None) -> "Precision":

@@ -24,11 +24,15 @@ tie or lose against a layout that is enumerated):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import (GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate,
                                stage_activation_bytes, stage_params, zero_memory)
+
+if TYPE_CHECKING:
+    from megalite.perfmodel.compare import Comparison
 
 RECOMPUTE = ("none", "selective", "full")
 # Step times within this of the fastest are a tie: the estimator (ideal peak, ring bandwidths) is
@@ -70,14 +74,31 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One costed layout."""
+    """One costed layout; `peak_flops` is the device peak its utilizations are relative to."""
 
     layout: Layout
     est: Estimate
+    peak_flops: float = 0.0
 
     @property
     def step_seconds(self) -> float:
+        """The ranked step time: DP traffic overlapped with compute (`step_seconds_overlapped`)."""
         return float(self.est.step_seconds_overlapped or 0.0)
+
+    def utilization(self, flops_per_step: float | None) -> float | None:
+        if not flops_per_step or not self.peak_flops or not self.step_seconds:
+            return None
+        return flops_per_step / self.layout.world / self.step_seconds / self.peak_flops
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization at the ranked step time (PaLM's numerator, recompute not counted)."""
+        return self.utilization(self.est.model_flops_per_step)
+
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOPs utilization at the ranked step time (recomputed work counted)."""
+        return self.utilization(self.est.hardware_flops_per_step)
 
     @property
     def dp_exposed_seconds(self) -> float:
@@ -86,7 +107,17 @@ class Candidate:
         return max(0.0, dp - float(self.est.compute_seconds or 0.0))
 
     def to_dict(self) -> dict:
-        return {"layout": asdict(self.layout), "step_seconds": self.step_seconds, **self.est.to_dict()}
+        """The estimate's fields, with the ranked (overlapped) quantities under the plain names the
+        text table prints (`step_seconds`, `mfu`, `hfu`) and the no-overlap ones renamed."""
+        d = self.est.to_dict()
+        d["step_seconds_no_overlap"] = d.pop("step_seconds")
+        d.pop("step_seconds_overlapped")
+        d["mfu_no_overlap"] = d.pop("predicted_mfu")
+        d["hfu_no_overlap"] = d.pop("predicted_hfu")
+        comm = self.est.comm_bytes
+        return {"layout": asdict(self.layout), "step_seconds": self.step_seconds, "mfu": self.mfu,
+                "hfu": self.hfu, "pp_bytes_with_embedding": comm.get("pp", 0.0) + comm.get("embedding", 0.0),
+                **d}
 
 
 @dataclass
@@ -100,13 +131,16 @@ class Plan:
     considered: int  # layouts whose memory was computed
     costed: int  # layouts given a full estimate (fitting, Pareto-optimal)
     why: str
+    prec: Precision = Precision()
+    comparisons: list[Comparison] = field(default_factory=list)  # `megalite.perfmodel.compare`, when asked
 
     def to_dict(self, top: int | None = None) -> dict:
         return {"model": asdict(self.dims), "params": dims_params(self.dims),
                 "cluster": asdict(self.cluster), "world": self.cluster.world,
                 "global_batch_size": self.global_batch_size, "considered": self.considered,
                 "costed": self.costed, "why": self.why,
-                "layouts": [c.to_dict() for c in self.ranked[:top]]}
+                "layouts": [c.to_dict() for c in self.ranked[:top]],
+                "comparisons": [c.to_dict() for c in self.comparisons]}
 
 
 def divisors(n: int) -> list[int]:
@@ -143,13 +177,24 @@ def _model_splits(dims: ModelDims, cluster: Cluster, gbs: int) -> list[tuple[int
     return out
 
 
+# The rules of thumb, in the order they break ties: (what is compared, sort key, the preferred side and why).
+RULES: tuple[tuple[str, Callable[[Candidate], float], str], ...] = (
+    ("dp", lambda c: -c.layout.dp, "the larger dp (its traffic overlaps the backward pass)"),
+    ("pp", lambda c: c.layout.pp, "fewer pipeline stages (no bubble to grow when kernels run below peak)"),
+    ("zero", lambda c: c.layout.zero, "the lower ZeRO stage (fewer collectives per step)"),
+    ("recompute", lambda c: RECOMPUTE.index(c.layout.recompute), "less recompute"),
+    ("vpp", lambda c: c.layout.vpp, "fewer virtual stages (fewer point-to-point sends)"),
+    ("mbs", lambda c: -c.layout.micro_batch_size,
+     "the larger micro-batch (larger matmuls run closer to peak on real kernels, which the estimator "
+     "does not model)"),
+    ("memory", lambda c: c.est.memory.total, "less memory"),
+)
+
+
 def _rules_key(c: Candidate) -> tuple:
-    """The rules of thumb as a tie-break: dp largest, then pp smallest (tp is what remains), then less
-    ZeRO, less recompute, fewer virtual stages, larger micro-batches (real kernels run closer to
-    peak on larger matmuls, which the estimator does not model), less memory."""
-    lay = c.layout
-    return (-lay.dp, lay.pp, lay.zero, RECOMPUTE.index(lay.recompute), lay.vpp, -lay.micro_batch_size,
-            c.est.memory.total)
+    """The rules of thumb as a tie-break (`RULES`): dp largest, then pp smallest (tp is what remains),
+    then less ZeRO, less recompute, fewer virtual stages, larger micro-batches, less memory."""
+    return tuple(key(c) for _, key, _ in RULES)
 
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:
@@ -179,7 +224,6 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
                           f"must divide {cluster.gpus_per_node} GPUs/node and {dims.num_heads} heads, pp "
                           f"{dims.num_layers} layers, dp the global batch {gbs}; use a global batch "
                           f"that is a multiple of the GPU count")
-    inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
     considered = 0
     smallest: tuple[float, Layout] | None = None
     ranked: list[Candidate] = []
@@ -206,11 +250,7 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
                         if smallest is None or mem < smallest[0]:
                             smallest = (mem, lay)
                         if mem <= cluster.memory_limit:
-                            est = estimate(dims, lay, prec, peak_flops=cluster.peak_flops,
-                                           inter_bytes_per_s=inter,
-                                           intra_bytes_per_s=cluster.intra_bytes_per_s,
-                                           efficiency=cluster.efficiency)
-                            ranked.append(Candidate(lay, est))
+                            ranked.append(cost(dims, lay, cluster, prec))
                             best_zero = zi
                             break
                     if best_zero == 0:
@@ -225,7 +265,15 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
             f"but {cluster.memory_limit / GB:.1f} GB is usable; add nodes, use GPUs with more memory, "
             f"or shorten --seq-len")
     ranked = rank(ranked)
-    return Plan(dims, cluster, gbs, ranked, considered, len(ranked), explain(ranked, cluster))
+    return Plan(dims, cluster, gbs, ranked, considered, len(ranked), explain(ranked, cluster), prec)
+
+
+def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -> Candidate:
+    """The full estimate of one layout on `cluster` (one node: everything on NVLink)."""
+    inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
+    est = estimate(dims, lay, prec, peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
+                   intra_bytes_per_s=cluster.intra_bytes_per_s, efficiency=cluster.efficiency)
+    return Candidate(lay, est, cluster.peak_flops)
 
 
 def _parts(c: Candidate) -> dict[str, float]:
@@ -241,9 +289,40 @@ def describe(lay: Layout) -> str:
             f"mbs={lay.micro_batch_size} recompute={lay.recompute}")
 
 
+_FIELDS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("zero", "zero"), ("vpp", "vpp"),
+           ("micro_batch_size", "mbs"), ("recompute", "recompute"))
+
+
+def differences(a: Layout, b: Layout) -> str:
+    """What actually differs between two layouts, e.g. 'mbs 4 vs 2'."""
+    return ", ".join(f"{short} {getattr(a, name)} vs {getattr(b, name)}" for name, short in _FIELDS
+                     if getattr(a, name) != getattr(b, name)) or "nothing"
+
+
+def versus(best: Candidate, other: Candidate) -> str:
+    """Why `best` ranks above `other`: a tie broken by the first rule that differs (named, with the
+    memory it costs when the winner needs more), or where in the step `other` loses its time.
+    Differences are written winner first: 'tp 4 vs 8'."""
+    slower = other.step_seconds / best.step_seconds - 1
+    diff = "winner vs it: " + differences(best.layout, other.layout)
+    mem_a, mem_b = best.est.memory.total, other.est.memory.total
+    if slower < TIE_TOLERANCE:
+        rule = next((why for _, key, why in RULES if key(best) != key(other)), "the enumeration order")
+        line = f"within {TIE_TOLERANCE:.0%} ({slower:+.2%}, a tie; {diff}); the tie goes to {rule}"
+        if mem_a > mem_b:
+            line += (f", at {(mem_a - mem_b) / GB:.1f} GB more memory per GPU ({mem_a / GB:.1f} vs "
+                     f"{mem_b / GB:.1f} GB)")
+        return line
+    a, b = _parts(best), _parts(other)
+    part = max(a, key=lambda k: b[k] - a[k])
+    by_part = ", ".join(f"{k} {a[k]:.3g} vs {b[k]:.3g} s" for k in a if a[k] or b[k])
+    return (f"{slower:.1%} slower ({best.step_seconds:.3g} vs {other.step_seconds:.3g} s/step; {diff}), "
+            f"most of it in {part}; by part, {by_part}; memory {mem_a / GB:.1f} vs {mem_b / GB:.1f} GB")
+
+
 def explain(ranked: list[Candidate], cluster: Cluster) -> str:
-    """One line on why the first layout wins: its time and memory budget, and what the runner-up
-    loses on (the part of the step that grows the most)."""
+    """One line on why the first layout wins: its time and memory budget, and why the runner-up
+    ranks below it (`versus`)."""
     best = ranked[0]
     mem = best.est.memory
     line = (f"{describe(best.layout)} wins at {best.step_seconds:.3g} s/step: it fits in "
@@ -251,14 +330,5 @@ def explain(ranked: list[Candidate], cluster: Cluster) -> str:
             f"{mem.activations / GB:.1f} activations), bubble {best.est.bubble:.1%}, TP traffic "
             f"{best.est.comm_bytes.get('tp', 0.0) / GB:.2f} GB on NVLink")
     if len(ranked) > 1:
-        nxt = ranked[1]
-        a, b = _parts(best), _parts(nxt)
-        part = max(a, key=lambda k: b[k] - a[k])
-        slower = nxt.step_seconds / best.step_seconds - 1
-        if slower < TIE_TOLERANCE:
-            line += (f"; the runner-up ({describe(nxt.layout)}) is within {TIE_TOLERANCE:.0%} (a tie) "
-                     f"and loses on the rules of thumb: dp largest, pp smallest, least ZeRO and recompute")
-        else:
-            line += (f"; the runner-up ({describe(nxt.layout)}) is {slower:.1%} slower, mostly in "
-                     f"{part} ({b[part]:.3g} s vs {a[part]:.3g} s)")
+        line += f"; the runner-up ({describe(ranked[1].layout)}) is " + versus(best, ranked[1])
     return line
