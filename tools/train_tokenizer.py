@@ -4,6 +4,10 @@
     python tools/train_tokenizer.py --input corpus.jsonl --json-key text --model-prefix tok --vocab-size 32000
 
 Writes `<model-prefix>.model`. Ids: unk=0, bos=1, eos=2 (end of document), no pad.
+
+To start from a tokenizer people already use instead (GPT-2's or Llama 3's `tokenizer.json`, a tiktoken
+file such as `cl100k_base.tiktoken`), skip this tool: tools/preprocess_data.py and `--data.tokenizer`
+take those files directly.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class TrainConfig:
 class DataConfig:
     path: list[str] = _lf(".bin/.idx prefixes; empty = the embedded demo corpus")
     weights: list[float] = _lf("blend weights, one per path; empty = proportional to size")
-    tokenizer: str = _f("", "SentencePiece .model file; empty = the demo tokenizer")
+    tokenizer: str = _f("", "SentencePiece .model, HF tokenizer.json or tiktoken file; empty = the demo tokenizer")
     valid_fraction: float = _f(0.02, "share of documents held out for validation")
     cache_dir: str = _f("", "empty = $MEGALITE_CACHE or ~/.cache/megalite")
     demo_max_bytes: int = _f(3_000_000, "bytes of the embedded demo corpus to use")
