@@ -150,8 +150,17 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     raise CheckpointError(f"HF model_type {kind!r} is not supported: import LlamaForCausalLM or GPT2LMHeadModel")
 
 
-def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> Path:
-    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout)."""
+EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+
+
+def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tokenizer: str = "",
+              dtype: str = "fp32") -> Path:
+    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout); with
+    `tokenizer`, also its tokenizer files (see megalite/checkpoint/hf_tokenizer.py) and its BOS/EOS ids in
+    config.json. `dtype` "bf16" stores the weights in bfloat16 (half the size; fp32 is exact)."""
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    torch_dtype, dtype_name = EXPORT_DTYPES[dtype]
     src = find(str(ckpt), "")
     if src is None:
         raise CheckpointError(f"--input {ckpt}: give a checkpoint directory")
@@ -159,6 +168,18 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> 
     info = index["model"]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(info)
+    config["torch_dtype"] = dtype_name
+    if tokenizer:
+        from megalite.checkpoint.hf_tokenizer import export_tokenizer, load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        if tok.vocab_size > info["vocab_size"]:
+            raise CheckpointError(f"--tokenizer {tokenizer} has {tok.vocab_size} ids, more than the model's "
+                                  f"vocab_size {info['vocab_size']}: pass the tokenizer the model was trained with")
+        export_tokenizer(tok, out)
+        config["eos_token_id"] = tok.eod_id
+        config["bos_token_id"] = tok.bos_id if tok.add_bos else None
     reader = SlabReader(src, index)
     table = rules(info)
     plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -166,15 +187,14 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> 
         shape = reader.shape(f"param/{name}")
         for hf_name, n in zip(hf_names, split or [shape[0]]):
             s = (n,) + shape[1:]
-            plan.append((hf_name, torch.float32, s[::-1] if transposed else s))
-    config = hf_config(info)
+            plan.append((hf_name, torch_dtype, s[::-1] if transposed else s))
     writer = StreamingWriter(out / "model.safetensors", plan)
     with Progress(len(table), "exporting", "tensors", enabled=show_progress) as bar:
         for name, hf_names, split, transposed in table:
             shape = reader.shape(f"param/{name}")
             full = reader.read_region(f"param/{name}", (0,) * len(shape), shape)
             for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
-                writer.write(hf_name, t)
+                writer.write(hf_name, t.to(torch_dtype))
             bar.update()
     writer.close()
     reader.close()
