@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from megalite import config as config_mod
 from megalite.checkpoint import sharded
+from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.data import DataSampler, build_data, make_batch
 from megalite.errors import DataError, MegaliteError, report
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
@@ -60,6 +61,7 @@ class StopFlag:
 
 def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
     cfg = config_mod.parse_args(argv)
+    cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
     _, world, _ = launcher_env()
     cfg = config_mod.resolve(cfg, world)
     config_mod.validate(cfg, world, config_mod.resolved_device(cfg))
