@@ -21,6 +21,7 @@ from megalite.checkpoint import sharded
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.data import DataSampler, build_data, make_batch
 from megalite.errors import DataError, MegaliteError, report
+from megalite.inference.samples import TrainingSamples
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
 from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.perfmodel.estimate import count_params
@@ -126,6 +127,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
                       config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=is_logger)
     logger = MetricsLogger(cfg.logging.dir, is_logger, tracker, tr.steps)
+    samples = TrainingSamples(cfg.logging, data.tokenizer, engine.chunks, state, dtype, logger, tracker)
     tokens_per_step = tr.global_batch_size * cfg.model.seq_len
     logger.note(f"megalite: {n_params / 1e6:.2f}M params | layout tp={par.tp} pp={par.pp} dp={par.dp} sp={par.sp} | "
                 f"{device} {str(dtype).removeprefix('torch.')} | vocab {cfg.model.vocab_size} | "
@@ -193,6 +195,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                             "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": dt,
                             "loss_scale": scaler.scale, "spike": spike, "mem_bytes": optimizer.memory_bytes()},
                            seconds_left=recent * (tr.steps - done))
+            samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             should_save = bool(cfg.checkpoint.dir) and (
                 (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0) or done == tr.steps)
             watchdog.end_step()
