@@ -137,3 +137,20 @@ def test_int32_files_of_earlier_megalite_still_load(tmp_path: Path) -> None:
     (tmp_path / "old.bin").write_bytes(tokens.tobytes())
     ds = IndexedDataset(str(tmp_path / "old"))
     assert ds.dtype is np.int32 and [ds[i].tolist() for i in range(2)] == docs
+
+
+def test_train_tokenizer_tool_hf_kind(tmp_path: Path) -> None:
+    from tools.train_tokenizer import main as train_main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 10))
+    args = ["--input", str(corpus), "--json-key", "text", "--vocab-size", "320", "--kind", "hf"]
+    assert train_main(args + ["--model-prefix", str(tmp_path / "a")]) == 0
+    assert train_main(args + ["--model-prefix", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()  # deterministic
+    tok = load_tokenizer(str(tmp_path / "a.json"))
+    assert (tok.kind, tok.eod_id, tok.add_bos, tok.vocab_size) == ("hf", 0, False, 320)
+    for text in ROUND_TRIP:
+        assert tok.decode(tok.encode(text)) == text
+    assert train_main(args[:-2] + ["--kind", "hf", "--model-prefix", str(tmp_path / "c"), "--vocab-size", "10"]) \
+        == DataError.exit_code

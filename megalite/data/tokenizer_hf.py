@@ -86,3 +86,35 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+
+
+def train_hf_tokenizer(files: list[str], output: str, vocab_size: int, json_key: str | None = None,
+                       max_bytes: int | None = None) -> str:
+    """Train a GPT-2-style byte-level BPE `tokenizer.json` on `files` (read like preprocessing inputs);
+    returns the written path. No normalizer and no added prefix space, so `decode(encode(x)) == x` for any
+    text; `<|endoftext|>` (id 0) ends documents. Unlike a SentencePiece model it exports as is for
+    `AutoTokenizer` (tools/export_hf.py --tokenizer)."""
+    import os
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from megalite.data.documents import iter_documents
+    from megalite.data.tokenizer_spm import training_sentences
+
+    if vocab_size < 300:  # 1 special token + 256 byte symbols, plus some merges
+        raise DataError(f"vocab_size={vocab_size} is too small: the byte alphabet alone needs 257 ids; use >= 300")
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    sentences = list(training_sentences(iter_documents(files, json_key), max_bytes))
+    if not sentences:
+        raise DataError(f"no text found in {files}: the tokenizer needs a non-empty corpus")
+    tok.train_from_iterator(sentences, trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp = f"{output}.tmp-{os.getpid()}"
+    tok.save(tmp)
+    os.replace(tmp, output)  # atomic: a reader never sees half a file
+    return output
