@@ -83,14 +83,17 @@ def _export_model(tmp_path: Path, vocab: int) -> tuple[GPT, Path]:
     return model, save_sharded(tmp_path / "ckpt", 1, model, None, {}, ParallelState(), keep=0)
 
 
-@pytest.mark.parametrize("kind", ["gpt2like", "llamalike", "tiktoken"])
+@pytest.mark.parametrize("kind", ["gpt2like", "llamalike", "tiktoken", "sentencepiece"])
 def test_export_with_tokenizer_same_ids_and_logits(tmp_path: Path, kind: str) -> None:
-    from megalite.data import load_tokenizer
+    from megalite.data import load_tokenizer, train_tokenizer
     from tests.tokenizer_utils import TEXTS, train_hf_bpe, write_tiktoken
 
     pytest.importorskip("tiktoken")
     if kind == "tiktoken":
         tok_path = write_tiktoken(tmp_path / "mini.tiktoken")
+    elif kind == "sentencepiece":
+        (tmp_path / "c.txt").write_text("".join(TEXTS) * 20)
+        tok_path = Path(train_tokenizer([str(tmp_path / "c.txt")], str(tmp_path / "spm"), vocab_size=400))
     else:
         tok_path = train_hf_bpe(tmp_path / kind / "tokenizer.json", llama_style=kind == "llamalike")
     tok = load_tokenizer(str(tok_path))
@@ -127,19 +130,21 @@ def test_export_bf16_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[
     # bf16 keeps 8 mantissa bits: each weight moves by <= 2^-9 relative, logits of O(1) by ~1e-2. The
     # bound shows the export is the same model rounded, not another one (a wrong mapping is O(0.1) and up).
     assert (ours - theirs).abs().max().item() < 5e-2
-    # A SentencePiece model cannot be exported for AutoTokenizer: one line, no files half written.
-    spm = tmp_path / "c.txt"
-    from megalite.data import train_tokenizer
+    # A SentencePiece model that normalises text (dummy prefix, NFKC: Llama 2's defaults) has no exact
+    # tokenizer.json here: refused in one line.
+    import sentencepiece as spm
     from tests.tokenizer_utils import TEXTS
 
-    spm.write_text("".join(TEXTS) * 20)
-    model_path = train_tokenizer([str(spm)], str(tmp_path / "spm"), vocab_size=400)
+    (tmp_path / "c.txt").write_text("".join(TEXTS) * 20)
+    model_path = str(tmp_path / "llama2like.model")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=model_path[:-6], vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, minloglevel=2)
     _, big_ckpt = _export_model(tmp_path / "v400", 400)
     capsys.readouterr()
     code = export_main(["--input", str(big_ckpt), "--output", str(tmp_path / "o2"), "--tokenizer", model_path,
                         "--quiet"])
     err = capsys.readouterr().err
-    assert code == CheckpointError.exit_code and "SentencePiece" in err and len(err.strip().splitlines()) == 1
+    assert code == CheckpointError.exit_code and "normalises text" in err and len(err.strip().splitlines()) == 1
     # A tokenizer with more ids than the model: refused, naming the model's vocab_size.
     code = export_main(["--input", str(ckpt), "--output", str(tmp_path / "o3"), "--tokenizer", model_path, "--quiet"])
     err = capsys.readouterr().err

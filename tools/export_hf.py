@@ -4,8 +4,8 @@
     python tools/export_hf.py --input ckpt --output hf_model_bf16 --tokenizer cl100k_base.tiktoken --dtype bf16
 
 Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for LlamaForCausalLM
-(model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2). With --tokenizer (a Hugging Face tokenizer.json or
-a tiktoken file) it also writes tokenizer.json + tokenizer_config.json, so that
+(model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2). With --tokenizer (a Hugging Face tokenizer.json, a
+tiktoken file, or a SentencePiece .model from tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
 `AutoTokenizer.from_pretrained("hf_model")` and `AutoModelForCausalLM.from_pretrained("hf_model")` give
 megalite's token ids and logits.
 """
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", required=True, metavar="CKPT", help="checkpoint step directory or root")
     p.add_argument("--output", required=True, metavar="HF_DIR", help="directory for config.json + model.safetensors")
     p.add_argument("--tokenizer", default="", metavar="FILE",
-                   help="also write this tokenizer (tokenizer.json or tiktoken file) for AutoTokenizer")
+                   help="also write this tokenizer (tokenizer.json, tiktoken or SentencePiece file) for AutoTokenizer")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weight dtype (default fp32: exact)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -7,7 +7,7 @@
 
 --kind sentencepiece writes `<model-prefix>.model` (megalite/data/tokenizer_spm.py; ids: unk=0, bos=1, eos=2 =
 end of document, no pad). --kind hf writes `<model-prefix>.json`, a GPT-2-style byte-level BPE
-(`<|endoftext|>` = 0 ends documents) that tools/export_hf.py --tokenizer exports for `AutoTokenizer` as is.
+(`<|endoftext|>` = 0 ends documents). Both export for `AutoTokenizer` (tools/export_hf.py --tokenizer).
 
 To start from a tokenizer people already use instead (GPT-2's or Llama 3's `tokenizer.json`, a tiktoken
 file such as `cl100k_base.tiktoken`), skip this tool: tools/preprocess_data.py and `--data.tokenizer`
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text files (one document each) or .jsonl files (with --json-key)")
     p.add_argument("--model-prefix", required=True, metavar="P", help="writes P.model (sentencepiece) or P.json (hf)")
     p.add_argument("--kind", default="sentencepiece", choices=("sentencepiece", "hf"),
-                   help="sentencepiece .model (default) or Hugging Face tokenizer.json (exportable to transformers)")
+                   help="sentencepiece .model (default) or Hugging Face tokenizer.json")
     p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="number of ids (>= 300)")
     p.add_argument("--json-key", default=None, metavar="K", help="inputs are JSON lines; documents are obj[K]")
     p.add_argument("--max-bytes", type=int, default=None, metavar="B",

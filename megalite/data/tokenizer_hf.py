@@ -92,8 +92,7 @@ def train_hf_tokenizer(files: list[str], output: str, vocab_size: int, json_key:
                        max_bytes: int | None = None) -> str:
     """Train a GPT-2-style byte-level BPE `tokenizer.json` on `files` (read like preprocessing inputs);
     returns the written path. No normalizer and no added prefix space, so `decode(encode(x)) == x` for any
-    text; `<|endoftext|>` (id 0) ends documents. Unlike a SentencePiece model it exports as is for
-    `AutoTokenizer` (tools/export_hf.py --tokenizer)."""
+    text; `<|endoftext|>` (id 0) ends documents. tools/export_hf.py --tokenizer copies it as is."""
     import os
 
     from tokenizers import Tokenizer as RustTokenizer
