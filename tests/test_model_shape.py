@@ -78,3 +78,12 @@ def test_imported_hf_model_shape(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="rope_theta"):
         setup_config(["--checkpoint.load", str(out), "--model.rope_theta", "10000"])
     assert resolve(cfg, 1).model.rope_theta == 50000.0
+
+
+def test_tokenizer_larger_than_checkpoint_vocab(ckpt: Path, demo_cache_dir: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint's vocab_size (300) is the model's now: the demo tokenizer's 512 ids do not fit."""
+    code = main(["--data.cache_dir", demo_cache_dir, "--data.demo_max_bytes", "300000", "--data.demo_vocab_size",
+                 "512", "--checkpoint.load", str(ckpt), "--logging.dir", str(ckpt.parent / "run")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # (not the demo build note)
+    assert code == 3 and len(errors) == 1 and "512 tokens but model.vocab_size=300" in errors[0]

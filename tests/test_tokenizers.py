@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megalite.data import IndexedDataset, document_ids, load_tokenizer, preprocess, train_tokenizer
+from megalite.data import IndexedDataset, Tokenizer, document_ids, load_tokenizer, preprocess, train_tokenizer
 from megalite.data.indexed import HEADER_SIZE, MAGIC
 from megalite.errors import DataError
 from tests.tokenizer_utils import TEXTS, train_hf_bpe, write_tiktoken
@@ -40,7 +40,7 @@ def tokenizers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_kind_detected_round_trip_and_framing(tokenizers_dir: Path, name: str, kind: str, eod: str,
                                               bos_first: bool) -> None:
     tok = load_tokenizer(str(tokenizers_dir / name))
-    assert tok.kind == kind
+    assert tok.kind == kind and isinstance(tok, Tokenizer)
     for text in ROUND_TRIP:
         ids = tok.encode(text)
         assert all(0 <= i < tok.vocab_size for i in ids)
