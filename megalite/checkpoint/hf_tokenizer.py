@@ -39,8 +39,7 @@ def _tiktoken_to_json(tok: Any, out: Path) -> None:
     ranks = read_ranks(tok.path)
 
     class _FromRanks(TikTokenConverter):  # type: ignore[misc]
-        def load_tiktoken_bpe(self, tiktoken_url: str) -> dict[bytes, int]:  # the ranks we read, not a URL
-            return ranks
+        load_tiktoken_bpe = staticmethod(lambda tiktoken_url: ranks)  # the ranks we read, never a URL
 
     backend = _FromRanks(vocab_file=tok.path, pattern=tok.pattern).converted()
     by_id = {i: text for text, i in tok.special_tokens.items()}
@@ -97,8 +96,9 @@ def export_tokenizer(tok: Tokenizer, out: Path) -> None:
         _tiktoken_to_json(tok, out)
         eod_text, bos_text = "<|endoftext|>", None
     else:
-        _sentencepiece_to_json(tok, out)
-        eod_text, bos_text = tok.processor.id_to_piece(tok.eod_id), None
+        spm_tok: Any = tok
+        _sentencepiece_to_json(spm_tok, out)
+        eod_text, bos_text = spm_tok.processor.id_to_piece(tok.eod_id), None
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod_text,
                               "bos_token": bos_text if tok.add_bos else None, "add_bos_token": tok.add_bos,
                               "add_eos_token": False, "clean_up_tokenization_spaces": False,

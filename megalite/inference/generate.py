@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +44,19 @@ class KVCache:
     """Per layer: keys and values [B, S_max, Hkv, D] preallocated for the model's seq_len."""
 
     def __init__(self, model: GPT, batch: int, dtype: torch.dtype) -> None:
-        attn = next(iter(model.layers.values())).attn
+        attn: Any = next(iter(model.layers.values())).attn
         shape = (batch, model.cfg.seq_len, attn.local_kv, attn.head_dim)
-        device = model.cos.device
+        device = _device(model)
         self.k = {name: torch.zeros(shape, dtype=dtype, device=device) for name in model.layers}
         self.v = {name: torch.zeros(shape, dtype=dtype, device=device) for name in model.layers}
         self.length = 0
 
 
-def _cached_attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _device(model: GPT) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _cached_attention(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
     b, s, _ = x.shape
     q, k, v = attn.qkv(x)
@@ -81,9 +86,10 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.d
     if model.position is not None:
         x = x + model.position[start:start + s].to(x.dtype)
     x = x.to(dtype)
-    for name, block in model.layers.items():
-        x = x + _cached_attention(block.attn, block.norm1(x), model.cos, model.sin, cache.k[name], cache.v[name],
-                                  start)
+    cos, sin = model.get_buffer("cos"), model.get_buffer("sin")
+    for name, module in model.layers.items():
+        block: Any = module
+        x = x + _cached_attention(block.attn, block.norm1(x), cos, sin, cache.k[name], cache.v[name], start)
         x = x + block.mlp(block.norm2(x))
     cache.length = start + s
     (logits,) = model.head(model.final_norm(x))
@@ -119,7 +125,7 @@ def generate_ids(model: GPT, prompt: Sequence[int], cfg: SamplingConfig, use_cac
     """Yield new token ids one at a time (stops at a stop id, after max_new_tokens, or at seq_len)."""
     was_training = model.training
     model.eval()
-    device = model.cos.device
+    device = _device(model)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     budget = min(cfg.max_new_tokens, model.cfg.seq_len - ids.shape[1])
@@ -127,7 +133,10 @@ def generate_ids(model: GPT, prompt: Sequence[int], cfg: SamplingConfig, use_cac
     try:
         step_input = ids
         for _ in range(max(0, budget)):
-            logits = forward_cached(model, step_input, cache, dtype)[:, -1] if cache else full_logits(model, ids, dtype)
+            if cache is not None:
+                logits = forward_cached(model, step_input, cache, dtype)[:, -1]
+            else:
+                logits = full_logits(model, ids, dtype)
             token = pick(logits, cfg, generator)
             ids = torch.cat([ids, token[:, None]], dim=1)
             step_input = token[:, None]
@@ -143,7 +152,9 @@ class TextStream:
     held back while the text ends in U+FFFD (a UTF-8 character split across byte tokens)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
-        self.decode, self.ids, self.shown = decode, [], ""
+        self.decode = decode
+        self.ids: list[int] = []
+        self.shown = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)

@@ -16,12 +16,13 @@ gather is collective). Other layouts log one note and no samples.
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from megalite.data.tokenizer import Tokenizer
 from megalite.inference.generate import SamplingConfig, generate_ids
+from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 
 
@@ -45,7 +46,7 @@ class TrainingSamples:
         self.prompt = str(logging_cfg.sample_prompt)
         self.max_tokens = int(logging_cfg.sample_tokens)
         self.tokenizer, self.state, self.dtype, self.logger, self.tracker = tokenizer, state, dtype, logger, tracker
-        self.model = chunks[0] if len(chunks) == 1 else None
+        self.model = cast(GPT, chunks[0]) if len(chunks) == 1 else None
         self.rows: list[list[Any]] = []
         if self.interval > 0 and (state.tp > 1 or state.pp > 1 or self.model is None):
             logger.note(f"logging.sample_interval={self.interval}: samples need the whole model in one process "
