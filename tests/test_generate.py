@@ -121,3 +121,24 @@ def test_generate_tool_any_layout(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == DataError.exit_code and "model's vocab_size is 64" in err and len(err.strip().splitlines()) == 1
     # Without --tokenizer and nothing in the checkpoint to say which: one line.
     assert generate_main(["--checkpoint", str(small), "--prompt", "x", "--device", "cpu"]) == DataError.exit_code
+
+
+def test_generate_from_imported_hf_model_finds_its_tokenizer(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """export (with tokenizer) -> import: the imported checkpoint remembers its HF directory, whose
+    tokenizer.json tools/generate.py uses when --tokenizer is not given."""
+    pytest.importorskip("transformers")
+    from tools.import_hf import main as import_main
+
+    tok_path = train_hf_bpe(tmp_path / "tok" / "tokenizer.json", vocab_size=300)
+    tok = load_tokenizer(str(tok_path))
+    model = _model("gpt2", vocab=tok.vocab_size)
+    ckpt = save_sharded(tmp_path / "ckpt", 1, model, None, {}, ParallelState(), keep=0)
+    assert export_main(["--input", str(ckpt), "--output", str(tmp_path / "hf"), "--tokenizer", str(tok_path),
+                        "--quiet"]) == 0
+    assert import_main(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert generate_main(["--checkpoint", str(tmp_path / "back"), "--prompt", "import", "--max-tokens", "10",
+                          "--device", "cpu"]) == 0
+    ids = list(generate_ids(model, tok.encode("import"), SamplingConfig(10, stop_ids=(tok.eod_id,))))
+    assert capsys.readouterr().out == "import" + tok.decode(ids) + "\n"
