@@ -15,7 +15,7 @@ from megalite.errors import DataError
 from megalite.inference.generate import KVCache, SamplingConfig, TextStream, forward_cached, generate_ids
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
-from tests.parallel_utils import tiny_model_cfg
+from tests.parallel_utils import layout, tiny_model_cfg
 from tests.tokenizer_utils import train_hf_bpe
 from tools.export_hf import main as export_main
 from tools.generate import main as generate_main
@@ -142,3 +142,21 @@ def test_generate_from_imported_hf_model_finds_its_tokenizer(tmp_path: Path,
                           "--device", "cpu"]) == 0
     ids = list(generate_ids(model, tok.encode("import"), SamplingConfig(10, stop_ids=(tok.eod_id,))))
     assert capsys.readouterr().out == "import" + tok.decode(ids) + "\n"
+
+
+def _tp_generation(rank: int, arch: str) -> list[int]:
+    # init_std 0.5: sharp logits, so the tp run's different fp32 summation order cannot flip an argmax.
+    cfg = tiny_model_cfg(arch, vocab_size=97, seq_len=24, init_std=0.5)
+    model = GPT(cfg, layout(2), seed=3).eval()
+    reference = GPT(cfg, ParallelState(), seed=3).eval()  # the same weights: init is layout-invariant
+    prompt = [5, 17, 3]
+    got = list(generate_ids(model, prompt, SamplingConfig(12)))
+    assert got == list(generate_ids(reference, prompt, SamplingConfig(12), use_cache=False)), rank
+    return got
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cached_generation_tensor_parallel(dist_world, arch: str) -> None:
+    """The decoder in-training samples use at tp=2: both ranks produce the single-process tokens."""
+    first, second = dist_world(2).run(_tp_generation, arch)
+    assert first == second and len(first) == 12

@@ -72,6 +72,6 @@ def test_wandb_table_and_prompt_framing(tmp_path: Path) -> None:
     step, logged = tracker.logged[-1]
     table = logged["samples"]
     assert step == 6 and isinstance(table, wandb.Table) and [r[0] for r in table.data] == [3, 6]
-    # A layout without the whole model in one process: one note, no samples.
-    other = TrainingSamples(cfg, tok, [model], ParallelState(tp=2), torch.float32, logger, tracker)
+    # A pipeline-parallel layout: one note, no samples.
+    other = TrainingSamples(cfg, tok, [model], ParallelState(pp=2), torch.float32, logger, tracker)
     assert other.maybe_sample(3, opt) is None and "no samples will be logged" in logger.notes[-1]

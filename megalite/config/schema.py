@@ -107,7 +107,7 @@ class LoggingConfig:
     wandb_project: str = _f("", "wandb project; empty = no wandb")
     wandb_entity: str = _f("", "wandb entity (team or user)")
     wandb_run_name: str = _f("", "wandb run name; empty = wandb's default")
-    sample_interval: int = _f(0, "steps between greedy text samples (stdout, metrics.jsonl, wandb; tp=1 pp=1); 0 = never")
+    sample_interval: int = _f(0, "steps between greedy text samples (stdout, metrics.jsonl, wandb; pp=1, no sp); 0 = never")
     sample_prompt: str = _f("", "text the samples continue; empty = the start of a new document")
     sample_tokens: int = _f(32, "new tokens per sample at most")
 

@@ -6,7 +6,10 @@ attends to the cached keys: the same numbers (the test holds the generated token
 and the logits to fp32 round-off), O(n) work. The cached forward below reuses the model's own modules
 (norms, qkv/out projections, MLP, head) and differs from `GPT.forward` only in the attention: queries at
 positions [start, start+s) attend to the cached keys [0, start) plus the new ones, causally, and RoPE /
-learned positions are taken at the absolute positions.
+learned positions are taken at the absolute positions. It also runs tensor-parallel (every rank of a tp
+group calls it; without sequence parallelism, whose sequence slices a one-token step cannot have): the
+model's own linears do the collectives, each rank caches its own kv heads, and the vocabulary slices of
+the logits are gathered.
 
 Sampling (Holtzman et al. 2020 for top-p): `temperature == 0` is greedy (argmax); otherwise logits are
 divided by the temperature, cut to the `top_k` largest and to the smallest set whose probability reaches
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.model.gpt import GPT
+from megalite.parallel import comm
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.d
         x = x + block.mlp(block.norm2(x))
     cache.length = start + s
     (logits,) = model.head(model.final_norm(x))
+    # Under tensor parallelism (no SP) each rank holds a vocabulary slice: gather them, so every rank of
+    # the group picks the same token from the same logits (a no-op at tp=1).
+    logits = comm.all_gather(logits, model.state, "tp", dim=-1)
     return logits[..., :model.cfg.vocab_size].float()
 
 

@@ -8,9 +8,10 @@ model returns to training mode: no random stream is drawn from, so the losses of
 with and without samples (tested). An empty prompt starts a new document (after the EOD token, or at
 BOS for tokenizers that begin documents with one).
 
-The KV-cached decoder needs the whole model in one process: samples are taken on runs with tp=1 and
-pp=1 (any dp, any ZeRO stage: ZeRO-3 gathers the parameters for the sample, on every rank, since the
-gather is collective). Other layouts log one note and no samples.
+Samples are taken on runs with pp=1 and no sequence parallelism: any tp (the ranks of the first dp
+replica's tp group decode together, see megalite/inference/generate.py), any dp, any ZeRO stage (ZeRO-3
+gathers the parameters for the sample on every rank, since the gather is collective). Pipeline-parallel
+and SP runs log one note and no samples.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class TrainingSamples:
         self.tokenizer, self.state, self.dtype, self.logger, self.tracker = tokenizer, state, dtype, logger, tracker
         self.model = cast(GPT, chunks[0]) if len(chunks) == 1 else None
         self.rows: list[list[Any]] = []
-        if self.interval > 0 and (state.tp > 1 or state.pp > 1 or self.model is None):
-            logger.note(f"logging.sample_interval={self.interval}: samples need the whole model in one process "
-                        f"(tp=1, pp=1; this run has tp={state.tp} pp={state.pp}): no samples will be logged")
+        if self.interval > 0 and (state.pp > 1 or state.sp or self.model is None):
+            logger.note(f"logging.sample_interval={self.interval}: samples need pp=1 and no sequence parallelism "
+                        f"(this run has pp={state.pp} sp={state.sp}): no samples will be logged")
             self.interval = 0
 
     def prompt_ids(self) -> list[int]:
@@ -66,11 +67,11 @@ class TrainingSamples:
             return None
         text = None
         with optimizer.gathered():  # ZeRO-3: collective on every dp rank; a no-op otherwise
-            if self.logger.enabled:
+            if self.state.dp_rank == 0:  # rank 0's tp group decodes (tp collectives); rank 0 logs
                 sampling = SamplingConfig(self.max_tokens, stop_ids=(self.tokenizer.eod_id,))
                 ids = list(generate_ids(self.model, self.prompt_ids(), sampling, dtype=self.dtype))
                 text = self.tokenizer.decode(ids)
-        if text is not None:
+        if text is not None and self.logger.enabled:
             self._log(step, text)
         return text
 
