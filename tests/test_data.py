@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from megalite.data import (BlendedDataset, DataSampler, GPTDataset, IndexedDataset, IndexedDatasetWriter,
-                           Tokenizer, build_data, make_batch, prepare_demo_data, preprocess, split_documents,
+                           Tokenizer, build_data, load_tokenizer, make_batch, prepare_demo_data, preprocess,
+                           split_documents,
                            train_tokenizer)
 from megalite.data.indexed import HEADER_SIZE
 from megalite.errors import ConfigError, DataError
@@ -70,7 +71,7 @@ def tokenizer_path(corpus_dir: Path) -> str:
 
 @pytest.fixture(scope="session")
 def tok(tokenizer_path: str) -> Tokenizer:
-    return Tokenizer.load(tokenizer_path)
+    return load_tokenizer(tokenizer_path)
 
 
 @pytest.fixture(scope="session")
@@ -113,13 +114,13 @@ def test_tokenizer_training_deterministic_and_errors(corpus_dir: Path, tokenizer
     again = train_tokenizer(files, str(tmp_path / "tok2"), vocab_size=400)
     assert Path(again).read_bytes() == Path(tokenizer_path).read_bytes()
     with pytest.raises(DataError, match="not found.*train_tokenizer"):
-        Tokenizer.load(str(tmp_path / "nope.model"))
+        load_tokenizer(str(tmp_path / "nope.model"))
     with pytest.raises(DataError, match="Vocabulary size too high"):
         train_tokenizer(files[:1], str(tmp_path / "big"), vocab_size=100_000)
     bad = tmp_path / "bad.model"
     bad.write_bytes(b"not a model")
     with pytest.raises(DataError, match="cannot read tokenizer"):
-        Tokenizer.load(str(bad))
+        load_tokenizer(str(bad))
 
 
 # --------------------------------------------------------------------------------------------- preprocess
@@ -205,7 +206,7 @@ def test_indexed_dataset_reads(tmp_path: Path) -> None:
     with pytest.raises(IndexError):
         ds[4]
     big = write_dataset(tmp_path / "big", [[70000, 1]], vocab_size=100_000)
-    assert big.dtype is np.int32 and big[0].tolist() == [70000, 1]
+    assert big.dtype is np.uint32 and big[0].tolist() == [70000, 1]
     import pickle
     assert pickle.loads(pickle.dumps(ds))[3].tolist() == [9, 10, 11, 12]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
@@ -378,7 +379,7 @@ def test_make_batch() -> None:
 def test_demo_deterministic_cached_and_race(demo: tuple[str, str], tmp_path: Path,
                                             capfd: pytest.CaptureFixture[str]) -> None:
     prefix, model = demo
-    tok = Tokenizer.load(model)
+    tok = load_tokenizer(model)
     ds = IndexedDataset(prefix, vocab_size=tok.vocab_size)
     assert tok.vocab_size == DEMO_VOCAB and len(ds) > 3
     assert tok.decode(ds[0][:-1].tolist()).startswith(('"""', "#", "import", "from", "'''"))

@@ -70,3 +70,99 @@ def test_import_refuses_unsupported(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
     assert import_main(["--input", str(tmp_path), "--output", str(tmp_path / "out"), "--quiet"]) == \
         CheckpointError.exit_code
+
+
+# ------------------------------------------------------------------------------- tokenizer and bf16 export
+def _export_model(tmp_path: Path, vocab: int) -> tuple[GPT, Path]:
+    cfg = tiny_model_cfg("llama", vocab_size=vocab, seq_len=16)
+    model = GPT(cfg, ParallelState(), seed=5).eval()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model, save_sharded(tmp_path / "ckpt", 1, model, None, {}, ParallelState(), keep=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2like", "llamalike", "tiktoken", "sentencepiece"])
+def test_export_with_tokenizer_same_ids_and_logits(tmp_path: Path, kind: str) -> None:
+    from megalite.data import load_tokenizer, train_tokenizer
+    from tests.tokenizer_utils import TEXTS, train_hf_bpe, write_tiktoken
+
+    pytest.importorskip("tiktoken")
+    if kind == "tiktoken":
+        tok_path = write_tiktoken(tmp_path / "mini.tiktoken")
+    elif kind == "sentencepiece":
+        (tmp_path / "c.txt").write_text("".join(TEXTS) * 20)
+        tok_path = Path(train_tokenizer([str(tmp_path / "c.txt")], str(tmp_path / "spm"), vocab_size=400))
+    else:
+        tok_path = train_hf_bpe(tmp_path / kind / "tokenizer.json", llama_style=kind == "llamalike")
+    tok = load_tokenizer(str(tok_path))
+    model, ckpt = _export_model(tmp_path, tok.vocab_size)
+    out = tmp_path / "hf"
+    assert export_main(["--input", str(ckpt), "--output", str(out), "--tokenizer", str(tok_path), "--quiet"]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for text in TEXTS + ["tabs\tand\r\nCRLF  end "]:
+        ids = tok.encode(text)
+        assert hf_tok(text, add_special_tokens=False).input_ids == ids, (kind, text)
+        framed = ([tok.bos_id] if tok.add_bos else []) + ids  # AutoTokenizer's default framing = megalite's
+        assert hf_tok(text).input_ids == framed, (kind, text)
+        assert hf_tok.decode(ids) == text
+    assert hf_model.config.eos_token_id == tok.eod_id and hf_tok.eos_token_id == tok.eod_id
+    batch = hf_tok(TEXTS[0], return_tensors="pt").input_ids[:, :16]
+    with torch.no_grad():
+        err = (model(batch)[..., :tok.vocab_size] - hf_model(batch).logits).abs().max().item()
+    assert err <= LOGITS_ATOL, f"{kind}: transformers logits differ from megalite's by {err:.2e}"
+
+
+def test_export_bf16_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors import safe_open
+
+    model, ckpt = _export_model(tmp_path, VOCAB)
+    out = tmp_path / "bf16"
+    assert export_main(["--input", str(ckpt), "--output", str(out), "--dtype", "bf16", "--quiet"]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids)[..., :VOCAB], hf_model(ids).logits
+    # bf16 keeps 8 mantissa bits: each weight moves by <= 2^-9 relative, logits of O(1) by ~1e-2. The
+    # bound shows the export is the same model rounded, not another one (a wrong mapping is O(0.1) and up).
+    assert (ours - theirs).abs().max().item() < 5e-2
+    # A SentencePiece model that normalises text (dummy prefix, NFKC: Llama 2's defaults) has no exact
+    # tokenizer.json here: refused in one line.
+    import sentencepiece as spm
+    from tests.tokenizer_utils import TEXTS
+
+    (tmp_path / "c.txt").write_text("".join(TEXTS) * 20)
+    model_path = str(tmp_path / "llama2like.model")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=model_path[:-6], vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    _, big_ckpt = _export_model(tmp_path / "v400", 400)
+    capsys.readouterr()
+    code = export_main(["--input", str(big_ckpt), "--output", str(tmp_path / "o2"), "--tokenizer", model_path,
+                        "--quiet"])
+    err = capsys.readouterr().err
+    assert code == CheckpointError.exit_code and "normalises text" in err and len(err.strip().splitlines()) == 1
+    # A tokenizer with more ids than the model: refused, naming the model's vocab_size.
+    code = export_main(["--input", str(ckpt), "--output", str(tmp_path / "o3"), "--tokenizer", model_path, "--quiet"])
+    err = capsys.readouterr().err
+    assert code == CheckpointError.exit_code and "vocab_size 67" in err and len(err.strip().splitlines()) == 1
+
+
+def test_lm_eval_constructs_the_export(tmp_path: Path) -> None:
+    """The docs/checkpoints.md recipe: lm-eval's `hf` model type loads the export (model + tokenizer)."""
+    # lm-eval's hf model also needs accelerate: either missing skips, with the reason.
+    hf_models = pytest.importorskip("lm_eval.models.huggingface",
+                                    reason="lm-eval (with accelerate) is not installed: pip install lm-eval")
+
+    from tests.tokenizer_utils import train_hf_bpe
+    from megalite.data import load_tokenizer
+
+    tok_path = train_hf_bpe(tmp_path / "tok" / "tokenizer.json")
+    _, ckpt = _export_model(tmp_path, load_tokenizer(str(tok_path)).vocab_size)
+    out = tmp_path / "hf"
+    assert export_main(["--input", str(ckpt), "--output", str(out), "--tokenizer", str(tok_path), "--quiet"]) == 0
+    lm = hf_models.HFLM(pretrained=str(out), device="cpu", batch_size=1)
+    assert lm.tok_encode("def main") == load_tokenizer(str(tok_path)).encode("def main")

@@ -1,10 +1,13 @@
 """Export a megalite checkpoint (any layout) to a Hugging Face model directory.
 
-    python tools/export_hf.py --input ckpt/step_00001000 --output hf_model
+    python tools/export_hf.py --input ckpt/step_00001000 --output hf_model --tokenizer tokenizer.json
+    python tools/export_hf.py --input ckpt --output hf_model_bf16 --tokenizer cl100k_base.tiktoken --dtype bf16
 
-Writes config.json + model.safetensors (fp32) for LlamaForCausalLM (model.arch=llama) or GPT2LMHeadModel
-(model.arch=gpt2); load it with `AutoModelForCausalLM.from_pretrained("hf_model")`. The tokenizer is
-not part of a checkpoint: copy or convert it separately.
+Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for LlamaForCausalLM
+(model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2). With --tokenizer (a Hugging Face tokenizer.json, a
+tiktoken file, or a SentencePiece .model from tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
+`AutoTokenizer.from_pretrained("hf_model")` and `AutoModelForCausalLM.from_pretrained("hf_model")` give
+megalite's token ids and logits.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     p.add_argument("--input", required=True, metavar="CKPT", help="checkpoint step directory or root")
     p.add_argument("--output", required=True, metavar="HF_DIR", help="directory for config.json + model.safetensors")
+    p.add_argument("--tokenizer", default="", metavar="FILE",
+                   help="also write this tokenizer (tokenizer.json, tiktoken or SentencePiece file) for AutoTokenizer")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weight dtype (default fp32: exact)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    out = export_hf(args.input, args.output, show_progress=not args.quiet)
-    print(f"wrote {out}/config.json and {out}/model.safetensors", file=sys.stderr)
+    out = export_hf(args.input, args.output, show_progress=not args.quiet, tokenizer=args.tokenizer,
+                    dtype=args.dtype)
+    extra = " and the tokenizer" if args.tokenizer else ""
+    print(f"wrote {out}/config.json and {out}/model.safetensors{extra}", file=sys.stderr)
     return 0
 
 

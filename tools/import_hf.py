@@ -1,11 +1,11 @@
 """Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel directory as a megalite checkpoint.
 
     python tools/import_hf.py --input hf_model --output ckpt_from_hf
-    python pretrain.py --checkpoint.load ckpt_from_hf --model.arch llama --model.num_layers ... (same dims)
+    python pretrain.py --checkpoint.load ckpt_from_hf --data.path ... --data.tokenizer hf_model
 
 The checkpoint is at step 0 with no optimizer state (the optimizer starts fresh) and loads under any
-layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"); a run whose
-model.* differ is refused with the differing dims named.
+layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"): pretrain.py takes
+them from there (no model flags needed), and refuses model flags that contradict them, naming each.
 """
 
 from __future__ import annotations

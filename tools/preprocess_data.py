@@ -1,11 +1,14 @@
 """Tokenize text or JSON-lines files into a megalite `.bin`/`.idx` dataset.
 
     python tools/preprocess_data.py --input a.txt b.txt --tokenizer tok.model --output-prefix data/mine
-    python tools/preprocess_data.py --input corpus.jsonl --json-key text --tokenizer tok.model \\
+    python tools/preprocess_data.py --input corpus.jsonl --json-key text --tokenizer tokenizer.json \\
         --output-prefix data/mine --workers 8
 
-Each document is followed by the tokenizer's end-of-document id. The output is byte-identical for any
---workers. Train with `--data.path data/mine --data.tokenizer tok.model`.
+--tokenizer is a SentencePiece .model, a Hugging Face tokenizer.json (or a model directory holding one) or
+a tiktoken encoding file; the kind is read from the file. Each document is followed by the tokenizer's
+end-of-document id (and preceded by BOS where the tokenizer's convention adds one: --add-bos/--no-add-bos
+overrides). Vocabularies above 65,536 ids are stored as uint32. The output is byte-identical for any
+--workers. Train with `--data.path data/mine --data.tokenizer tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="text files (one document each) or .jsonl files (with --json-key)")
-    p.add_argument("--tokenizer", required=True, metavar="MODEL", help="SentencePiece .model file")
+    p.add_argument("--tokenizer", required=True, metavar="FILE",
+                   help="SentencePiece .model, Hugging Face tokenizer.json or tiktoken encoding file")
+    p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepend BOS to every document (default: the tokenizer's convention)")
     p.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin and P.idx")
     p.add_argument("--json-key", default=None, metavar="K", help="inputs are JSON lines; documents are obj[K]")
     p.add_argument("--split-paragraphs", action="store_true",
@@ -44,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers} must be >= 1")
     prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
-                        workers=args.workers, split_paragraphs=args.split_paragraphs, show_progress=not args.quiet)
+                        workers=args.workers, split_paragraphs=args.split_paragraphs, show_progress=not args.quiet,
+                        add_bos=args.add_bos)
     print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
     return 0
 

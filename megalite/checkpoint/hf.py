@@ -26,6 +26,9 @@ Name and layout mapping (megalite's global names on the left; fp32 both ways, te
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -179,11 +182,20 @@ def _checked_info(info: dict[str, Any], source: str) -> None:
         raise CheckpointError(f"{source}: model dims unusable ({'; '.join(problems)})")
 
 
-def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> Path:
-    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout).
+EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
-    Both files are written under temporary names and renamed into place only when complete: a failing
-    export leaves an existing export in `out` exactly as it was."""
+
+def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tokenizer: str = "",
+              dtype: str = "fp32") -> Path:
+    """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout); with
+    `tokenizer`, also its tokenizer files (see megalite/checkpoint/hf_tokenizer.py) and its BOS/EOS ids in
+    config.json. `dtype` "bf16" stores the weights in bfloat16 (half the size; fp32 is exact).
+
+    The weights and config are written under temporary names and renamed into place only when complete: a
+    failing export leaves an existing export in `out` exactly as it was."""
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    torch_dtype, dtype_name = EXPORT_DTYPES[dtype]
     src = find(str(ckpt), "")
     if src is None:
         raise CheckpointError(f"--input {ckpt}: give a checkpoint directory")
@@ -191,6 +203,17 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> 
     info = index["model"]
     _checked_info(info, str(src / "index.json"))
     config = hf_config(info)
+    config["torch_dtype"] = dtype_name
+    tok = None
+    if tokenizer:
+        from megalite.checkpoint.hf_tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        if tok.vocab_size > info["vocab_size"]:
+            raise CheckpointError(f"--tokenizer {tokenizer} has {tok.vocab_size} ids, more than the model's "
+                                  f"vocab_size {info['vocab_size']}: pass the tokenizer the model was trained with")
+        config["eos_token_id"] = tok.eod_id
+        config["bos_token_id"] = tok.bos_id if tok.add_bos else None
     reader = SlabReader(src, index)
     table = rules(info)
     plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -203,14 +226,20 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> 
                                   f"{list(expected_shapes(info)[name])}: index.json is inconsistent")
         for hf_name, n in zip(hf_names, split or [shape[0]]):
             s = (n,) + shape[1:]
-            plan.append((hf_name, torch.float32, s[::-1] if transposed else s))
+            plan.append((hf_name, torch_dtype, s[::-1] if transposed else s))
     out = Path(out)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
         raise CheckpointError(f"--output {out} is a file or lies under one: give a directory") from e
+    # Tokenizer files are built (and checked) in a staging folder first, moved in only after the weights.
+    staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out)) if tok is not None else None
     try:
+        if tok is not None and staged is not None:
+            from megalite.checkpoint.hf_tokenizer import export_tokenizer
+
+            export_tokenizer(tok, staged)
         with atomic_output(out / "model.safetensors") as tmp_model, atomic_output(out / "config.json") as tmp_cfg:
             writer = StreamingWriter(tmp_model, plan)
             try:
@@ -219,19 +248,25 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True) -> 
                         shape = reader.shape(f"param/{name}")
                         full = reader.read_region(f"param/{name}", (0,) * len(shape), shape)
                         for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
-                            writer.write(hf_name, t)
+                            writer.write(hf_name, t.to(torch_dtype))
                         bar.update()
             except BaseException:
                 writer.abort()
                 raise
             writer.close()
             tmp_cfg.write_text(json.dumps(config, indent=2))
+        for f in sorted(staged.iterdir()) if staged is not None else []:
+            os.replace(f, out / f.name)  # same directory: each rename is atomic
     except BaseException:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # the directory this call made, still empty
         raise
     finally:
         reader.close()
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
     return out
 
 

@@ -87,7 +87,7 @@ class TrainConfig:
 class DataConfig:
     path: list[str] = _lf(".bin/.idx prefixes; empty = the embedded demo corpus")
     weights: list[float] = _lf("blend weights, one per path; empty = proportional to size")
-    tokenizer: str = _f("", "SentencePiece .model file; empty = the demo tokenizer")
+    tokenizer: str = _f("", "SentencePiece .model, HF tokenizer.json or tiktoken file; empty = the demo tokenizer")
     valid_fraction: float = _f(0.02, "share of documents held out for validation")
     cache_dir: str = _f("", "empty = $MEGALITE_CACHE or ~/.cache/megalite")
     demo_max_bytes: int = _f(3_000_000, "bytes of the embedded demo corpus to use")
@@ -109,6 +109,9 @@ class LoggingConfig:
     wandb_project: str = _f("", "wandb project; empty = no wandb")
     wandb_entity: str = _f("", "wandb entity (team or user)")
     wandb_run_name: str = _f("", "wandb run name; empty = wandb's default")
+    sample_interval: int = _f(0, "steps between greedy text samples (stdout, metrics.jsonl, wandb; pp=1, no sp); 0 = never")
+    sample_prompt: str = _f("", "text the samples continue; empty = the start of a new document")
+    sample_tokens: int = _f(32, "new tokens per sample at most")
 
 
 def _section(cls: type, doc: str) -> Any:

@@ -14,15 +14,15 @@ from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, split_document
 from megalite.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megalite.data.preprocess import preprocess
 from megalite.data.sampler import DataSampler, make_batch
-from megalite.data.tokenizer import Tokenizer, train_tokenizer
+from megalite.data.tokenizer import Tokenizer, document_ids, load_tokenizer, train_tokenizer
 from megalite.errors import ConfigError, DataError
 
 Dataset = Union[GPTDataset, BlendedDataset]
 
 __all__ = [
     "BlendedDataset", "DataBundle", "DataSampler", "Dataset", "GPTDataset", "IndexedDataset",
-    "IndexedDatasetWriter", "Tokenizer", "build_data", "default_cache_dir", "make_batch", "prepare_demo_data",
-    "preprocess", "split_documents", "train_tokenizer",
+    "IndexedDatasetWriter", "Tokenizer", "build_data", "default_cache_dir", "document_ids", "load_tokenizer",
+    "make_batch", "prepare_demo_data", "preprocess", "split_documents", "train_tokenizer",
 ]
 
 
@@ -54,9 +54,9 @@ def build_data(cfg: Any) -> DataBundle:
         paths = [prefix]
         tokenizer_path = tokenizer_path or demo_tokenizer
     elif not tokenizer_path:
-        raise ConfigError("data.path is set but data.tokenizer is empty: pass the SentencePiece .model that "
-                          "was used to preprocess the data")
-    tokenizer = Tokenizer.load(tokenizer_path)
+        raise ConfigError("data.path is set but data.tokenizer is empty: pass the tokenizer file (SentencePiece "
+                          ".model, tokenizer.json or tiktoken file) that was used to preprocess the data")
+    tokenizer = load_tokenizer(tokenizer_path)
     # vocab_size= makes IndexedDataset reject data holding ids the tokenizer does not have.
     indexed = [IndexedDataset(p, vocab_size=tokenizer.vocab_size) for p in paths]
     for ix in indexed:

@@ -1,7 +1,9 @@
 """The `.bin` + `.idx` token dataset format (in the spirit of Megatron-LM's MMapIndexedDataset).
 
 `PREFIX.bin` holds the token ids of all documents back to back, nothing else: little-endian `uint16`
-when the vocabulary has fewer than 65500 ids (half the disk and page cache of int32), else `int32`.
+when every id fits (vocabulary of at most 65,536 ids: half the disk and page cache of 32 bits), else
+`uint32` (Llama 3's 128,256, o200k's 200,019 ids). Files written with `int32` (dtype code 2, what
+megalite wrote for large vocabularies before uint32) still load.
 
 `PREFIX.idx` is a 48-byte header followed by `num_docs + 1` little-endian int64 document offsets, in
 tokens (document i is `bin[offsets[i]:offsets[i+1]]`, `offsets[0] == 0`, `offsets[-1] == num_tokens`):
@@ -9,7 +11,7 @@ tokens (document i is `bin[offsets[i]:offsets[i+1]]`, `offsets[0] == 0`, `offset
     offset size  field
     0      8     magic          b"MGLTIDX\\0"
     8      4     version        uint32, currently 1
-    12     4     dtype code     uint32: 1 = uint16, 2 = int32
+    12     4     dtype code     uint32: 1 = uint16, 2 = int32 (read only), 3 = uint32
     16     8     num_docs       uint64
     24     8     num_tokens     uint64 (so a .bin/.idx pair from different runs is caught by size)
     32     8     vocab_size     uint64, of the tokenizer that wrote it (0 = unknown)
@@ -37,13 +39,13 @@ MAGIC = b"MGLTIDX\x00"
 VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQq")
 HEADER_SIZE = _HEADER.size  # 48: a multiple of 8, so the int64 offsets are aligned for np.memmap
-_DTYPES: dict[int, type[np.integer[Any]]] = {1: np.uint16, 2: np.int32}
+_DTYPES: dict[int, type[np.integer[Any]]] = {1: np.uint16, 2: np.int32, 3: np.uint32}
 _FIX = "re-run tools/preprocess_data.py to rebuild it"
 
 
 def dtype_for_vocab(vocab_size: int) -> type[np.integer[Any]]:
-    """uint16 while every id fits with room to spare, else int32."""
-    return np.uint16 if vocab_size < 65500 else np.int32
+    """uint16 while every id (< vocab_size) fits in it, else uint32."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
 def _dtype_code(dtype: type[np.integer[Any]]) -> int:

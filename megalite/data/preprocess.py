@@ -1,8 +1,9 @@
 """Tokenize raw documents into a `.bin`/`.idx` dataset (the library side of tools/preprocess_data.py).
 
-Every document is tokenized and followed by the tokenizer's end-of-document id, so that documents can be
-concatenated into training sequences and the model still sees where one ends (GPT-2, Radford et al.
-2019, and Megatron-LM do the same). With `workers > 1`, documents are tokenized by a process pool through
+Every document is tokenized and followed by the tokenizer's end-of-document id (and preceded by its BOS
+when the tokenizer's convention or `add_bos` says so: `megalite.data.tokenizer.document_ids`), so that
+documents can be concatenated into training sequences and the model still sees where one ends (GPT-2,
+Radford et al. 2019, and Megatron-LM do the same). With `workers > 1`, documents are tokenized by a process pool through
 `imap`, which returns results in input order: the output is byte-identical for any number of workers.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from megalite.data.documents import check_inputs, iter_documents
 from megalite.data.indexed import IndexedDatasetWriter
-from megalite.data.tokenizer import Tokenizer
+from megalite.data.tokenizer import Tokenizer, document_ids, load_tokenizer
 from megalite.observability.progress import Progress
 
 # Documents handed to a worker at a time: large enough to amortize pickling, small enough to stream.
@@ -28,19 +29,18 @@ _CHUNKSIZE = 16
 @functools.lru_cache(maxsize=4)
 def _load_cached(tokenizer_path: str) -> Tokenizer:
     """One tokenizer per (worker) process: loaded on the first document, not once per document."""
-    return Tokenizer.load(tokenizer_path)
+    return load_tokenizer(tokenizer_path)
 
 
-def encode_document(tokenizer_path: str, text: str) -> np.ndarray:
-    """Token ids of `text` followed by EOD, as int32 (cheap to send back from a worker)."""
-    tok = _load_cached(tokenizer_path)
-    ids = tok.encode(text)
-    ids.append(tok.eod_id)
-    return np.asarray(ids, dtype=np.int32)
+def encode_document(tokenizer_path: str, add_bos: bool | None, text: str) -> np.ndarray:
+    """[BOS] + ids of `text` + EOD, as int64 (ids of large vocabularies exceed int32's sign bit only
+    beyond 2^31, but int64 keeps the writer's range check honest for any tokenizer)."""
+    return np.asarray(document_ids(_load_cached(tokenizer_path), text, add_bos), dtype=np.int64)
 
 
 def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, json_key: str | None = None,
-               workers: int = 1, split_paragraphs: bool = False, show_progress: bool = True) -> str:
+               workers: int = 1, split_paragraphs: bool = False, show_progress: bool = True,
+               add_bos: bool | None = None) -> str:
     """Tokenize `inputs` into `output_prefix.bin/.idx`; returns the prefix.
 
     Text files are one document each (or one per blank-line-separated paragraph with
@@ -49,9 +49,10 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     check_inputs(inputs, json_key)
-    tok = Tokenizer.load(tokenizer_path)  # fail here, in the parent, if the model is missing
+    tok = load_tokenizer(tokenizer_path)  # fail here, in the parent, if the file is missing or unreadable
+    document_ids(tok, "", add_bos)  # an impossible --add-bos fails here too, not in a worker
     docs = iter_documents(inputs, json_key, split_paragraphs)
-    encode = functools.partial(encode_document, tokenizer_path)
+    encode = functools.partial(encode_document, tokenizer_path, add_bos)
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as writer, \
             Progress(desc=f"tokenizing into {output_prefix}", unit="docs", enabled=show_progress) as bar:
         if workers == 1:

@@ -20,8 +20,10 @@ import torch.nn as nn
 
 from megalite import config as config_mod
 from megalite.checkpoint import storage
+from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
+from megalite.inference.samples import TrainingSamples
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -46,6 +48,7 @@ from megalite.training.stop import StopFlag
 
 def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
     cfg = config_mod.parse_args(argv)
+    cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
     _, world, _ = launcher_env()
     cfg = config_mod.resolve(cfg, world)
     config_mod.validate(cfg, world, config_mod.resolved_device(cfg))
@@ -138,6 +141,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                       config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=state.rank == 0)
     logger = MetricsLogger(cfg.logging.dir, state.rank == 0, tracker, tr.steps, resumed_step=start_step)
     meter = StepReport(cfg, state, r.ctx, optimizer, len(r.data.train))
+    samples = TrainingSamples(cfg.logging, r.data.tokenizer, r.ctx.engine.chunks, state, r.ctx.engine.dtype, logger,
+                              tracker)
     logger.totals.tokens_seen = start_step * meter.tokens_per_step
     meter.startup(logger, resumed_from, start_step, malloc_note)
     stop, faults = StopFlag(), FaultInjector(state.rank)
@@ -163,6 +168,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             logger.step_done(done, result.loss, result.skipped, seconds, meter.tokens_per_step)
             if meter.due(done, start_step) or valid_loss is not None:
                 logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike))
+            samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             watchdog.end_step()
             stopping = stop.agreed(state)
             if r.checkpoints.due(done, tr.steps) or stopping:

@@ -1,0 +1,76 @@
+"""A saved model in one process, at whatever layout it was saved: the resharding loader reads each
+parameter's full tensor (tp=1 view) from any tp/pp/dp/ZeRO checkpoint, or from an imported HF model.
+
+The model's dims come from the checkpoint's index (`model`), so nothing has to be retyped; the tokenizer
+is, in order: the one given, the run's `data.tokenizer` from the saved config, the demo tokenizer when
+the run trained on the demo corpus, or the `tokenizer.json` of the HF directory it was imported from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megalite.checkpoint.sharded import find, load_sharded, read_index
+from megalite.config.schema import DataConfig, ModelConfig
+from megalite.data.tokenizer import Tokenizer, load_tokenizer
+from megalite.errors import CheckpointError, DataError
+from megalite.model.gpt import GPT
+from megalite.parallel.state import ParallelState
+
+
+def model_config_from_info(info: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig with the checkpoint's recorded dims (torch kernels: generation runs the torch ops)."""
+    cfg = ModelConfig()
+    for key, value in info.items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    cfg.kernels, cfg.dropout, cfg.recompute = "torch", 0.0, "none"
+    return cfg
+
+
+def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
+    """(model in eval mode on `device`, the checkpoint's index) from a checkpoint step dir or root."""
+    path = find(str(checkpoint), "")
+    if path is None:
+        raise CheckpointError(f"--checkpoint {checkpoint}: give a checkpoint directory")
+    index = read_index(path)
+    if "model" not in index:
+        raise CheckpointError(f"{path} records no model dims (written by an older megalite): nothing to build")
+    state = ParallelState(device=torch.device(device))
+    model = GPT(model_config_from_info(index["model"]), state, seed=0)
+    load_sharded(path, model, None, state)
+    return model.to(state.device).eval(), index
+
+
+def tokenizer_for(index: dict[str, Any], given: str = "") -> Tokenizer:
+    """The tokenizer of a checkpoint (see the module doc); a DataError saying what to pass if none is found."""
+    if given:
+        return load_tokenizer(given)
+    extra = index.get("extra", {})
+    data = (extra.get("config") or {}).get("data")
+    if data is not None:
+        if data.get("tokenizer"):
+            return load_tokenizer(data["tokenizer"])
+        if not data.get("path"):  # the run trained on the demo corpus: rebuild (or reuse) its cached tokenizer
+            from megalite.data.demo import prepare_demo_data
+
+            defaults = DataConfig()
+            _, tokenizer = prepare_demo_data(data.get("cache_dir", defaults.cache_dir),
+                                             int(data.get("demo_max_bytes", defaults.demo_max_bytes)),
+                                             int(data.get("demo_vocab_size", defaults.demo_vocab_size)))
+            return load_tokenizer(tokenizer)
+    source = extra.get("imported_from")
+    if source and os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return load_tokenizer(source)
+    raise DataError("the checkpoint does not say which tokenizer it was trained with: pass --tokenizer FILE")
+
+
+def check_vocab(model: GPT, tok: Tokenizer) -> None:
+    """A tokenizer with more ids than the model's embedding would index past it: one clear line."""
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise DataError(f"tokenizer {tok.path!r} has {tok.vocab_size} ids but the model's vocab_size is "
+                        f"{model.cfg.vocab_size}: pass the tokenizer the model was trained with")
