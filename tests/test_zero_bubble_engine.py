@@ -22,7 +22,7 @@ from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
 from megalite.optim.distributed import DataParallelOptimizer
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline, build_schedule
+from megalite.pipeline import build_pipeline
 from megalite.pipeline import engine as engine_mod
 from megalite.training.step import single_stage_engine, train_step
 from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
@@ -108,7 +108,7 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
     placement) bitwise against 1F1B; records when the DP reductions start."""
     st = layout(1, pp)
     vpp = 2 if schedule == "zbv" else 1
-    cfg = tiny_model_cfg(arch, num_layers=4, **({"tie_embeddings": False} if schedule == "zbv" else {}))
+    cfg = tiny_model_cfg(arch, num_layers=max(4, pp * vpp), **({"tie_embeddings": False} if schedule == "zbv" else {}))
     per_rank = MICRO * 2 * pp
     data = _data(cfg, STEPS, per_rank * st.dp)
     tcfg = tiny_train_cfg(STEPS)
@@ -162,8 +162,11 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
 ])
 def test_zero_bubble_with_zero_matches_single_process(dist_world, pp: int, stage: int, arch: str,
                                                       schedule: str) -> None:
-    out = dist_world(2 * pp).run(_check_zero_pipeline, pp, stage, arch, schedule)
-    m = 2 * pp
+    _assert_reductions_start_in_last_w(dist_world(2 * pp).run(_check_zero_pipeline, pp, stage, arch, schedule),
+                                       schedule, m=2 * pp)
+
+
+def _assert_reductions_start_in_last_w(out: list[dict], schedule: str, m: int) -> None:
     for rank_out in out:
         timing = rank_out["timing"]
         if schedule == "zb-h1":
@@ -183,9 +186,23 @@ def test_zero_bubble_with_zero_matches_single_process(dist_world, pp: int, stage
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
 def test_zero_bubble_at_pp4_with_zero1(dist_world, schedule: str) -> None:
     """pp=4 x dp=2 on 8 ranks."""
-    dist_world(8).run(_check_zero_pipeline, 4, 1, "llama", schedule)
+    _assert_reductions_start_in_last_w(dist_world(8).run(_check_zero_pipeline, 4, 1, "llama", schedule), schedule, m=8)
 
 
-def test_build_schedule_for_the_engine() -> None:
-    acts = build_schedule("zb-h1", 4, 2, 1)
-    assert [a[0] for a in acts].count("W") == 4
+
+def test_torchrun_zbv_trains_like_one_process(demo_cache_dir: str, tmp_path) -> None:
+    """pretrain.py under torchrun, pp=2 with zbv (the trainer must build the V placement): the same
+    losses as one process (fp32; pp-only runs the same ops: 1e-5 on O(1) losses)."""
+    from megalite.training.trainer import main
+    from tests.test_pretrain import _args, _losses, _run_script
+
+    common = ["--train.steps", "3", "--model.arch", "llama", "--model.num_layers", "4",
+              "--train.global_batch_size", "16"]
+    assert main(_args(demo_cache_dir, tmp_path / "one", *common)) == 0
+    proc = _run_script(_args(demo_cache_dir, tmp_path / "zbv", *common, "--parallel.pp", "2", "--parallel.vpp", "2",
+                             "--parallel.schedule", "zbv"), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, zbv = _losses(tmp_path / "one"), _losses(tmp_path / "zbv")
+    assert one.keys() == zbv.keys()
+    for step in one:
+        assert abs(one[step] - zbv[step]) < 1e-5, f"step {step}: zbv loss {zbv[step]} != {one[step]}"

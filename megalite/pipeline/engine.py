@@ -118,8 +118,7 @@ class PipelineEngine:
                               if cc == c and (k == "W" or (k == "B" and (mb, cc) not in split))), default=-1)
                       for c in range(len(self.chunks))}
         for i, (kind, micro, c) in enumerate(actions):
-            if kind != "F":
-                sync = contextlib.nullcontext() if i == last_grads[c] else optimizer.no_sync()
+            sync = contextlib.nullcontext() if kind == "F" or i == last_grads[c] else optimizer.no_sync()
             if kind == "F":
                 item = self._forward(micro, c, batches[micro], loss_scale / m, total, (micro, c) in split)
                 if item is not None:  # evaluation runs forward-only under no_grad
