@@ -25,8 +25,8 @@ asynchronously, runs the schedule (`engine.py`); the same lists drive the timeli
 - ZB-V (Qi et al. 2024, section 6): 2 chunks per rank placed in a V (rank r holds virtual stages r
   and 2P-1-r, so the first and the last stage, and the loss, share rank 0), the activation memory of
   1F1B's first stage on every rank (2P half-stage chunks in flight) and a bubble that does not grow
-  with M: only the warm-up, about (P-1)/2 stage-forwards for P <= 4 (the least possible: the last
-  rank waits that long for its first input), a little more beyond. The list comes from a greedy
+  with M: only the warm-up, (P-1)/2 stage-forwards for P <= 8 (the least possible: the last rank
+  waits that long for its first input), a little more beyond. The list comes from a greedy
   replay at unit cost (`_zero_bubble_v`): whenever a rank is free it runs a ready B, else a ready F
   that fits the memory bound, else its oldest pending W. Unit costs only fix the order; the lists
   are valid (deadlock-free, exact gradients) for any real costs, and `simulate.py` measures them:
@@ -102,46 +102,60 @@ def zb_h1(num_micro: int, pp: int, pp_rank: int) -> list[Action]:
 def _zero_bubble_v(num_micro: int, pp: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's ZB-V list, from a greedy replay at unit cost (see the module doc).
 
-    Memory bound: a micro-batch entering a rank reserves one slot per chunk it will visit there (so
-    its second chunk always finds room and the bound cannot deadlock); a slot is freed by its W. The
-    bound is 1F1B's peak, P whole stages = 2P half-stage chunks, on every rank."""
+    Memory bound: 1F1B's peak, P whole stages = 2P half-stage chunk activations, on every rank; a
+    forward starts only while the rank holds fewer, and its W frees the slot. That greedy could in
+    principle fill a rank with first-chunk activations whose second chunk then finds no room (it
+    does not for any P <= 16: tests/test_zero_bubble.py); if it ever did, the replay is redone with
+    each entering micro-batch reserving both its slots up front, which cannot get stuck (the second
+    chunk always has its slot) but idles more in the warm-up."""
+    try:
+        return _greedy_v(num_micro, pp, reserve=False)
+    except _Stuck:
+        return _greedy_v(num_micro, pp, reserve=True)
+
+
+class _Stuck(Exception):
+    pass
+
+
+def _greedy_v(num_micro: int, pp: int, reserve: bool) -> tuple[tuple[Action, ...], ...]:
     stages = [chunk_virtual_stages(r, pp, 2, v_shape=True) for r in range(pp)]
-    n_stages = 2 * pp
-    limit = [2 * pp] * pp
+    n_stages, limit = 2 * pp, 2 * pp
     done: set[tuple[Kind, int, int]] = set()  # (kind, micro, virtual stage), finished by the current tick
     lists: list[list[Action]] = [[] for _ in range(pp)]
-    used = [0] * pp                            # reserved memory slots per rank
+    used = [0] * pp                            # memory slots taken (or reserved) per rank
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (micro, chunk), oldest first
     next_entry = [0] * pp                      # the next micro-batch to enter the rank's first chunk
     total = 3 * num_micro * n_stages
     while sum(len(a) for a in lists) < total:
         started: list[tuple[Kind, int, int]] = []
         for r in range(pp):
-            action = _pick(r, stages[r], n_stages, num_micro, done, used[r] < limit[r] - (len(stages[r]) - 1),
-                           next_entry[r], pending_w[r])
+            room = (used[r] + 2 <= limit, True) if reserve else (used[r] < limit, used[r] < limit)
+            action = _pick(stages[r], n_stages, num_micro, done, room, next_entry[r], pending_w[r])
             if action is None:
                 continue
             kind, m, c = action
             lists[r].append(action)
-            if kind == "F" and c == 0:
-                used[r] += len(stages[r])
-                next_entry[r] += 1
+            if kind == "F":
+                used[r] += (2 if c == 0 else 0) if reserve else 1
+                next_entry[r] += c == 0
             elif kind == "B":
                 pending_w[r].append((m, c))
-            elif kind == "W":
+            else:
                 pending_w[r].remove((m, c))
                 used[r] -= 1
             started.append((kind, m, stages[r][c]))
         if not started:
-            raise RuntimeError(f"ZB-V scheduler stuck at P={pp}, M={num_micro}")  # a bug, not input
+            raise _Stuck()
         done.update(started)
     return tuple(tuple(a) for a in lists)
 
 
-def _pick(rank: int, stages: list[int], n_stages: int, num_micro: int, done: set[tuple[Kind, int, int]],
-          room: bool, entry: int, pending_w: list[tuple[int, int]]) -> Action | None:
+def _pick(stages: list[int], n_stages: int, num_micro: int, done: set[tuple[Kind, int, int]],
+          room: tuple[bool, bool], entry: int, pending_w: list[tuple[int, int]]) -> Action | None:
     """One rank's choice at a tick: a ready B (oldest micro-batch, deepest chunk), else a ready F
-    (deepest chunk first: micro-batches already inside go before a new one enters), else a W."""
+    that has room (deepest chunk first: micro-batches already inside go before a new one enters),
+    else its oldest pending W."""
     backwards = []
     for c, vs in enumerate(stages):
         for m in range(num_micro):
@@ -158,7 +172,7 @@ def _pick(rank: int, stages: list[int], n_stages: int, num_micro: int, done: set
         for m in range(num_micro):
             if ("F", m, vs) in done:
                 continue
-            if c == 0 and (m != entry or not room):
+            if not room[c] or (c == 0 and m != entry):
                 break
             if vs == 0 or ("F", m, vs - 1) in done:
                 return ("F", m, c)
