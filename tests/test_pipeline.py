@@ -95,8 +95,10 @@ def test_pipeline_matches_single_process(dist_world, world, tp, pp, sp, schedule
     first_stage = out[0]
     if schedule == "gpipe":
         assert first_stage["peak_in_flight"] == m  # GPipe holds all M micro-batches
-    elif schedule in ("1f1b", "zb-h1"):
-        assert first_stage["peak_in_flight"] == min(pp, m)  # 1F1B caps it at P; ZB-H1 (F until W) too
+    elif schedule == "1f1b":
+        assert first_stage["peak_in_flight"] == min(pp, m)  # 1F1B caps it at P
+    elif schedule == "zb-h1":  # F until W: 1F1B's first-stage peak P, on every rank
+        assert [r["peak_in_flight"] for r in out] == [min(pp, m)] * pp
     elif schedule == "zbv":
         assert max(r["peak_in_flight"] for r in out) <= 2 * pp  # 2P half-stage chunks: 1F1B's bytes
 
@@ -108,6 +110,7 @@ def test_pipeline_matches_single_process(dist_world, world, tp, pp, sp, schedule
     (8, 2, 2, True, "1f1b", 1),        # tp=2 x pp=2 x dp=2 with SP
     (4, 2, 2, True, "zb-h1", 1), (4, 1, 2, False, "zb-h1", 1), (8, 2, 2, True, "zb-h1", 1),
     (4, 2, 2, True, "zbv", 2), (4, 1, 2, False, "zbv", 2), (8, 2, 2, True, "zbv", 2),
+    (8, 2, 4, True, "zb-h1", 1), (8, 2, 4, True, "zbv", 2),   # tp=2 x pp=4 with SP
 ])
 def test_pipeline_composes_with_tp_sp_dp(dist_world, world, tp, pp, sp, schedule, vpp) -> None:
     out = dist_world(world).run(_check_pipeline, tp, pp, sp, "gpt2", schedule, vpp, 4)

@@ -183,10 +183,11 @@ def _assert_reductions_start_in_last_w(out: list[dict], schedule: str, m: int) -
                 assert first >= m, w  # each chunk has M W's; the earliest last-W is the M-th or later
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
-def test_zero_bubble_at_pp4_with_zero1(dist_world, schedule: str) -> None:
+@pytest.mark.parametrize("schedule,stage", [("zb-h1", 1), ("zbv", 1), ("zb-h1", 3)])
+def test_zero_bubble_at_pp4(dist_world, schedule: str, stage: int) -> None:
     """pp=4 x dp=2 on 8 ranks."""
-    _assert_reductions_start_in_last_w(dist_world(8).run(_check_zero_pipeline, 4, 1, "llama", schedule), schedule, m=8)
+    out = dist_world(8).run(_check_zero_pipeline, 4, stage, "llama", schedule)
+    _assert_reductions_start_in_last_w(out, schedule, m=8)
 
 
 

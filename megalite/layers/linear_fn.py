@@ -24,7 +24,10 @@ and records its weight-gradient work instead; the schedule's "W" action runs it 
 is bitwise what the undeferred backward gives. A deferred W holds, per linear call: the linear's
 saved input (the [tokens, in] activation that forward already kept) and the gradients of its
 outputs ([tokens, out] per part), until the W runs. The layer picks the active store up in forward
-(where the caller's context is visible; backward may run on autograd's device threads).
+(where the caller's context is visible; backward may run on autograd's device threads). Under
+activation recompute the recomputed forward runs inside B: on CPU it sees the store the engine
+activates around B and records; on a device thread (CUDA) it sees none, and those linears compute
+their weight gradient in B as usual (still exact, just not deferred).
 """
 
 from __future__ import annotations
