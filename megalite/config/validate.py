@@ -26,7 +26,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "model.arch": ("llama", "gpt2"),
     "model.kernels": ("auto", "torch", "triton"),
     "model.recompute": ("none", "selective", "full"),
-    "parallel.schedule": ("1f1b", "gpipe", "interleaved"),
+    "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -224,8 +224,9 @@ def _batch_problems(cfg: Config) -> list[str]:
                    f"(M = global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
                    f"x dp {p.dp})): the pipeline would idle most of the time; set train.global_batch_size "
                    f">= {per_step * p.pp} (or lower micro_batch_size)")
-    if p.vpp > 1 and p.schedule != "interleaved":
-        out.append(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+    if p.vpp > 1 and p.schedule not in ("interleaved", "zbv"):
+        out.append(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved or zbv (got {p.schedule})")
+    out += _zero_bubble_problems(cfg)
     if p.schedule == "interleaved":
         if p.vpp == 1:
             out.append("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual chunks per rank)")
@@ -235,6 +236,25 @@ def _batch_problems(cfg: Config) -> list[str]:
             out.append(f"parallel.schedule=interleaved needs M={m_count} micro-batches per step to be a "
                        f"multiple of pp={p.pp}: set train.global_batch_size to a multiple of "
                        f"{per_step * p.pp}")
+    return out
+
+
+def _zero_bubble_problems(cfg: Config) -> list[str]:
+    """ZB-H1 and ZB-V (Qi et al. 2024): what each needs (docs/parallelism.md, the schedule table)."""
+    p, m = cfg.parallel, cfg.model
+    out: list[str] = []
+    if p.schedule in ("zb-h1", "zbv") and p.pp == 1:
+        out.append(f"parallel.schedule={p.schedule} needs parallel.pp > 1 (it fills the pipeline's bubble)")
+    if p.schedule == "zb-h1" and p.vpp != 1:
+        out.append(f"parallel.schedule=zb-h1 runs one chunk per rank: set parallel.vpp=1 (got {p.vpp}), "
+                   "or use zbv for two")
+    if p.schedule == "zbv":
+        if p.vpp != 2:
+            out.append(f"parallel.schedule=zbv places exactly 2 chunks per rank in a V: set parallel.vpp=2 "
+                       f"(got {p.vpp})")
+        if m.tie_embeddings and p.pp > 1:
+            out.append("parallel.schedule=zbv puts the embedding and the head on the same rank, which tied "
+                       "embeddings do not support yet: set model.tie_embeddings=false or use zb-h1")
     return out
 
 

@@ -1,4 +1,4 @@
-"""Runs one rank's schedule (a list of ("F"|"B", micro_batch, chunk) actions) for one optimizer step.
+"""Runs one rank's schedule (a list of ("F"|"B"|"W", micro_batch, chunk) actions) for one optimizer step.
 
 Communication rule that makes every schedule deadlock-free on gloo and NCCL alike: a rank never
 blocks on a send (activations and gradients go out with `isend` and are waited on lazily), and it
@@ -8,6 +8,17 @@ to (micro-batch, virtual stage, direction), so out-of-order arrival cannot mix t
 Memory: as soon as a stage's output has been sent, its storage is released (Megatron's
 `deallocate_output_tensor`): only the autograd graph is kept, and backward is started from it with
 the received gradient. So a stage holds each in-flight micro-batch's saved activations, not its output.
+
+Split backwards (ZB-H1, ZB-V; `schedules.py`): for a (micro-batch, chunk) that has a "W", the
+forward and the "B" run under `defer_weight_grads`, so B computes the input gradient (and the small
+non-linear parameters' gradients) and the linears' weight GEMMs wait for W, which holds the
+linears' inputs and output gradients until then (`layers.linear_fn`). The micro-batch stays "in
+flight" (`peak_in_flight`) until its W. Gradient reduction: every B and W runs inside `no_sync()`
+except the chunk's last gradient-producing action (its last W, or its last whole B); and the B
+before that last W holds back *all* its parameter gradients (computed, not accumulated) for the W
+to deliver, so the optimizer sees every gradient of the last micro-batch in one backward pass, the
+last W, and starts each bucket's reduction there as it fills, overlapped with the rest of the W.
+With a V placement (zbv) the stage after P-1 is on the same rank: that hand-off stays local.
 """
 
 from __future__ import annotations
@@ -20,10 +31,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
+from megalite.layers.linear_fn import DeferredWeightGrads, defer_weight_grads, run_weight_grads
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.parallel.state import GroupKind, ParallelState, coords_rank
-from megalite.pipeline.schedules import Action
+from megalite.pipeline.partition import stage_rank
+from megalite.pipeline.schedules import Action, split_backwards
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -32,6 +45,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class _InFlight:
     inp: torch.Tensor | None      # received input (requires grad), None on virtual stage 0
     out: torch.Tensor             # stage output (its storage freed once sent) or the scaled loss
+    wgrad: DeferredWeightGrads | None = None            # split backward: the W's work, recorded in B
+    held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # grads the last W delivers
 
 
 @dataclass
@@ -42,12 +57,14 @@ class PipelineEngine:
     state: ParallelState
     act_shape: tuple[int, int, int]             # [micro_batch, seq (or seq/tp under SP), hidden]
     dtype: torch.dtype
+    v_shape: bool = False                       # ZB-V placement (`partition.chunk_virtual_stages`)
     peak_in_flight: int = 0
     _pending: list[tuple[dist.Work, torch.Tensor | None]] = field(default_factory=list)
+    _local: dict[int, torch.Tensor] = field(default_factory=dict)  # same-rank hand-offs, by tag
 
     def _peer(self, vstage: int) -> int:
         s = self.state
-        return coords_rank(s.tp_rank, s.dp_rank, vstage % s.pp, s.tp, s.dp)
+        return coords_rank(s.tp_rank, s.dp_rank, stage_rank(vstage, s.pp, self.v_shape), s.tp, s.dp)
 
     def _tag(self, micro: int, vstage: int, backward: bool) -> int:
         return (micro * self.num_stages + vstage) * 2 + int(backward)
@@ -58,11 +75,16 @@ class PipelineEngine:
         return "pp_grad" if tag % 2 else "pp"
 
     def _send(self, t: torch.Tensor, to_stage: int, tag: int, release: torch.Tensor | None) -> None:
+        if self._peer(to_stage) == self.state.rank:  # V placement: stage P-1 -> P on one rank
+            self._local[tag] = t  # `release` may go: t is its own reference to the storage
+            return
         work = comm.isend(t, self.state, self._peer(to_stage), self._channel(tag), tag)
         self._pending.append((work, release))
         self._poll()
 
     def _recv(self, from_stage: int, tag: int) -> torch.Tensor:
+        if self._peer(from_stage) == self.state.rank:
+            return self._local.pop(tag)
         buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.state.device)
         comm.irecv(buf, self.state, self._peer(from_stage), self._channel(tag), tag).wait()
         return buf
@@ -93,44 +115,79 @@ class PipelineEngine:
         m = len(batches)
         live: dict[tuple[int, int], _InFlight] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.state.device)
-        last_backward = {c: max((i for i, a in enumerate(actions) if a[0] == "B" and a[2] == c), default=-1)
-                         for c in range(len(self.chunks))}
+        split = split_backwards(actions)
+        # Each chunk's last gradient-producing action (its last W, or its last whole B) reduces over DP.
+        last_grads = {c: max((i for i, (k, mb, cc) in enumerate(actions)
+                              if cc == c and (k == "W" or (k == "B" and (mb, cc) not in split))), default=-1)
+                      for c in range(len(self.chunks))}
         for i, (kind, micro, c) in enumerate(actions):
-            vs, chunk = self.chunk_stages[c], self.chunks[c]
-            first, last = vs == 0, vs == self.num_stages - 1
+            sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if kind != "F" and i != last_grads[c]:  # DP reduction only in the chunk's last gradient action
+                assert optimizer is not None, "a schedule with backward actions needs the optimizer"
+                sync = optimizer.no_sync()
             if kind == "F":
-                ids, labels = (t.to(self.state.device) for t in batches[micro])
-                inp = None if first else self._recv(vs - 1, self._tag(micro, vs, False))
-                if inp is not None and torch.is_grad_enabled():
-                    inp.requires_grad_()
-                out = chunk(ids if first else None, labels if last else None, hidden=inp, dtype=self.dtype)
-                if last:
-                    loss = out.mean()
-                    total += loss.detach().double()
-                    out = loss * (loss_scale / m)
-                else:
-                    self._send(out.detach(), vs + 1, self._tag(micro, vs + 1, False), release=out)
-                if torch.is_grad_enabled():  # evaluation runs forward-only under no_grad
-                    live[(micro, c)] = _InFlight(inp, out)
+                item = self._forward(micro, c, batches[micro], loss_scale / m, total, (micro, c) in split)
+                if item is not None:  # evaluation runs forward-only under no_grad
+                    live[(micro, c)] = item
                     self.peak_in_flight = max(self.peak_in_flight, len(live))
+            elif kind == "B":
+                item = live[(micro, c)] if (micro, c) in split else live.pop((micro, c))
+                # The B before the chunk's last W keeps every gradient for that W (see the module doc).
+                hold = actions[last_grads[c]] == ("W", micro, c)
+                with sync:
+                    self._backward(micro, c, item, hold)
             else:
                 item = live.pop((micro, c))
-                # Gradients are reduced over DP only in each chunk's last backward of the step.
-                assert optimizer is not None, "a schedule with backward actions needs the optimizer"
-                sync = contextlib.nullcontext() if i == last_backward[c] else optimizer.no_sync()
+                assert item.wgrad is not None, f"W{micro} of chunk {c} without a split B"
                 with sync:
-                    if last:
-                        item.out.backward()
-                    else:
-                        grad = self._recv(vs + 1, self._tag(micro, vs, True))
-                        # The output's storage may be freed: bypass backward()'s shape check.
-                        Variable._execution_engine.run_backward(
-                            (item.out,), (grad,), False, False, (), True, True)
-                if not first:
-                    assert item.inp is not None and item.inp.grad is not None
-                    self._send(item.inp.grad, vs - 1, self._tag(micro, vs - 1, True), release=None)
+                    run_weight_grads(item.wgrad, item.held)
+                item.held = []
         self._drain()
+        assert not self._local, "a same-rank hand-off was never received"
         return total
+
+    def _forward(self, micro: int, c: int, batch: Batch, scale: float, total: torch.Tensor,
+                 split: bool) -> _InFlight | None:
+        vs, chunk = self.chunk_stages[c], self.chunks[c]
+        first, last = vs == 0, vs == self.num_stages - 1
+        ids, labels = (t.to(self.state.device) for t in batch)
+        inp = None if first else self._recv(vs - 1, self._tag(micro, vs, False))
+        if inp is not None and torch.is_grad_enabled():
+            inp.requires_grad_()
+        wgrad = DeferredWeightGrads() if split and torch.is_grad_enabled() else None
+        with defer_weight_grads(wgrad):
+            out = chunk(ids if first else None, labels if last else None, hidden=inp, dtype=self.dtype)
+        if last:
+            loss = out.mean()
+            total += loss.detach().double()
+            out = loss * scale
+        else:
+            self._send(out.detach(), vs + 1, self._tag(micro, vs + 1, False), release=out)
+        return _InFlight(inp, out, wgrad) if torch.is_grad_enabled() else None
+
+    def _backward(self, micro: int, c: int, item: _InFlight, hold: bool) -> None:
+        """A whole backward, or a split one's B (the linears record their W into item.wgrad). With
+        `hold`, parameter gradients are returned instead of accumulated, and kept for the W."""
+        vs = self.chunk_stages[c]
+        first, last = vs == 0, vs == self.num_stages - 1
+        if last:
+            grad = torch.ones_like(item.out)
+        else:
+            grad = self._recv(vs + 1, self._tag(micro, vs, True))
+        params = [p for p in self.chunks[c].parameters() if p.requires_grad] if hold else []
+        inputs = ([] if first else [item.inp]) + params
+        with defer_weight_grads(item.wgrad):  # a recomputed forward (model.recompute) records too
+            # The output's storage may be freed: bypass backward()'s shape check.
+            grads = Variable._execution_engine.run_backward(
+                (item.out,), (grad,), False, False, tuple(inputs) if hold else (), True, not hold)
+        if hold:
+            input_grad = None if first else grads[0]
+            item.held = [(p, g) for p, g in zip(params, grads[len(inputs) - len(params):]) if g is not None]
+        else:
+            input_grad = None if first else item.inp.grad  # type: ignore[union-attr]
+        if not first:
+            assert input_grad is not None
+            self._send(input_grad, vs - 1, self._tag(micro, vs - 1, True), release=None)
 
 
 def forward_only_schedule(num_micro: int, vpp: int) -> list[Action]:

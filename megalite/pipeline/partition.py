@@ -2,7 +2,7 @@
 
 With pp = P stages and vpp = v chunks per rank there are V = P*v *virtual* stages in model order.
 Virtual stage s lives on pipeline rank s % P as its chunk s // P (Narayanan et al. 2021, the
-interleaved schedule): rank r holds chunks r, r+P, r+2P, ... so an activation visits every rank v
+interleaved schedule): rank r holds stages r, r+P, r+2P, ... so an activation visits every rank v
 times and each rank's share of the bubble shrinks by v. The embedding is on virtual stage 0, the
 final norm, head and loss on virtual stage V-1.
 """
@@ -32,6 +32,17 @@ def virtual_stage_layers(num_layers: int, pp: int, vpp: int, pp_layers: list[int
     return out
 
 
-def chunk_virtual_stages(pp_rank: int, pp: int, vpp: int) -> list[int]:
-    """The virtual stages rank `pp_rank` holds, as its chunks 0..vpp-1."""
+def chunk_virtual_stages(pp_rank: int, pp: int, vpp: int, v_shape: bool = False) -> list[int]:
+    """The virtual stages rank `pp_rank` holds, as its chunks 0..vpp-1. With `v_shape` (the ZB-V
+    placement, Qi et al. 2024; vpp = 2) rank r holds stages r and 2P-1-r: the model runs down the
+    ranks and back up, so the first and last stage share rank 0 and stage P-1 hands to P locally."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [c * pp + pp_rank for c in range(vpp)]
+
+
+def stage_rank(vstage: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding virtual stage `vstage` (inverse of `chunk_virtual_stages`)."""
+    if v_shape:
+        return vstage if vstage < pp else 2 * pp - 1 - vstage
+    return vstage % pp
