@@ -58,6 +58,15 @@ def test_zigzag_rejects_indivisible_sequence() -> None:
         zigzag_split(torch.zeros(1, 6, 2), 2, 0)
 
 
+@pytest.mark.parametrize("form", list(FORMS))
+def test_attention_rejects_bad_shapes(form: str) -> None:
+    fn = FORMS[form][0]
+    with pytest.raises(ConfigError, match="num_heads 6 is not a multiple of num_kv_heads 4"):
+        fn(torch.zeros(1, 4, 6, 8), torch.zeros(1, 4, 4, 8), torch.zeros(1, 4, 4, 8), ContextGroup())
+    with pytest.raises(ValueError):
+        fn(torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), ContextGroup())
+
+
 def test_rope_at_zigzag_positions_equals_rope_then_split() -> None:
     torch.manual_seed(0)
     seq, cp, heads, kv_heads, d = 24, 4, 4, 2, 8
@@ -117,24 +126,24 @@ def test_single_rank_equals_causal_attention(form: str, heads: int, kv_heads: in
     assert fwd == bwd == 0
 
 
-_RINGS: dict[int, ContextGroup] = {}  # per worker process and cp: process groups are created once
+_RINGS: dict[tuple[int, int], ContextGroup] = {}  # per worker process: process groups are created once
 
 
-def _ring(cp: int) -> ContextGroup:
-    """This rank's cp ring of a dp x cp world, with a fresh counter."""
+def _ring(cp: int, tp: int = 1) -> ContextGroup:
+    """This rank's cp ring of a tp x cp x dp world (4 ranks), with a fresh counter."""
     from megalite.context import new_context_group
 
-    if cp not in _RINGS:
-        _RINGS[cp] = new_context_group(tp=1, cp=cp, pp=1, dp=torch.distributed.get_world_size() // cp)
-    return replace(_RINGS[cp], counter=CommCounter())
+    if (cp, tp) not in _RINGS:
+        dp = torch.distributed.get_world_size() // (cp * tp)
+        _RINGS[(cp, tp)] = new_context_group(tp=tp, cp=cp, pp=1, dp=dp)
+    return replace(_RINGS[(cp, tp)], counter=CommCounter())
 
 
 def _cp_rank_fn(rank: int, form: str, cp: int, heads: int, kv_heads: int,
-                dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    cpg = _ring(cp)
-    ring_index = rank // cp                                   # each ring gets its own problem
+                dtype: torch.dtype = torch.float32, tp: int = 1) -> tuple[float, float]:
+    cpg = _ring(cp, tp)
     batch, seq, d = 3, 2 * cp * 3, 8
-    q, k, v, d_out = _problem(100 + ring_index, batch, seq, heads, kv_heads, d)
+    q, k, v, d_out = _problem(100 + cpg.ranks[0], batch, seq, heads, kv_heads, d)   # a problem per ring
     # bf16: the reference takes the same rounded inputs; the parallel forms compute in fp32 and round once
     # at the end (outputs, and dK/dV after their fp32 sum over the ring): within a few bf16 ulps (2^-8).
     q, k, v, d_out = (t.to(dtype).double() for t in (q, k, v, d_out))
@@ -150,13 +159,14 @@ def _cp_rank_fn(rank: int, form: str, cp: int, heads: int, kv_heads: int,
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp,tp", [(2, 1), (4, 1), (2, 2)])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (3, 3)])
-def test_context_parallel_attention_equals_unsplit(dist_world, form: str, cp: int, heads: int,
+def test_context_parallel_attention_equals_unsplit(dist_world, form: str, cp: int, tp: int, heads: int,
                                                    kv_heads: int) -> None:
-    """4 ranks: two rings of 2 (different problems) or one ring of 4. Output and dq/dk/dv of every rank equal
-    the zigzag split of the unsplit attention's; the cp bytes equal the closed form on every rank."""
-    results = dist_world(4).run(_cp_rank_fn, form, cp, heads, kv_heads)
+    """4 ranks: two rings of 2 (ranks [0, 1], [2, 3]; or [0, 2], [1, 3] beside tp = 2), each with its own
+    problem, or one ring of 4. Output and dq/dk/dv of every rank equal the zigzag split of the unsplit
+    attention's; the cp bytes equal the closed form on every rank."""
+    results = dist_world(4).run(_cp_rank_fn, form, cp, heads, kv_heads, torch.float32, tp)
     assert len(set(results)) == 1 and results[0][0] > 0
 
 
