@@ -13,7 +13,7 @@ the bubble saves; larger layers and more micro-batches move the ratio toward the
 
     python bench/pipeline_compare.py            # a few minutes on 2 cores
     python bench/pipeline_compare.py --smoke    # tiny dims, 1 repeat of 1 step: seconds
-Writes bench/results/pipeline_compare{,_smoke}.{json,md} (or --out DIR).
+Writes runs/bench/pipeline_compare{,_smoke}.{json,md} (--out bench/results to update the published figures).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--pp", default="2,4")
     ns = ap.parse_args(argv)

@@ -60,7 +60,7 @@ def test_every_group_kind_files_its_bytes_under_a_counter_key() -> None:
     assert set(comm.GROUP_COUNT_KEY.values()) <= COUNT_KEYS
     assert comm.GROUP_COUNT_KEY["pp_grad"] == "pp"  # both pipeline communicators are 'pp' in metrics.jsonl
     # The public contract of metrics.jsonl's comm_bytes keys (docs/tracking.md, docs/parallelism.md).
-    assert COUNT_KEYS == {"tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint"}
+    assert COUNT_KEYS == {"tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp"}
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 3), (4, 1, 2), (1, 3, 1)])

@@ -25,7 +25,7 @@ from collections import defaultdict
 from fractions import Fraction
 from typing import Callable, Literal, cast, get_args
 
-CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint"]
+CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp"]
 COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
 

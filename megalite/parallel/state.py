@@ -31,7 +31,9 @@ from megalite.parallel.counter import CommCounter
 #   mp               model parallel (tp x pp): ranks with the same dp_rank (the gradient norm's reduction)
 #   embedding        first and last pipeline stage of each (tp, dp) column: a tied embedding's two copies
 #   pp_grad          a second communicator over the pp ranks, for gradients (see `create_groups`)
-GroupKind = Literal["tp", "dp", "pp", "pp_grad", "mp", "embedding"]
+#   cp               a context-parallel ring (megalite/context). ParallelState has no cp dimension yet: for it
+#                    every ring is the rank alone; `megalite.context.group.ContextGroup` builds real rings.
+GroupKind = Literal["tp", "dp", "pp", "pp_grad", "mp", "embedding", "cp"]
 GROUP_KINDS: frozenset[str] = frozenset(get_args(GroupKind))
 # The kinds `create_groups` builds one family of groups for, in the order every rank creates them.
 _CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_grad")
@@ -72,6 +74,7 @@ def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int) -> list[list[int]]:
         "pp_grad": lambda r: rank_coords(r, tp, pp, dp)[:2],
         "mp": lambda r: rank_coords(r, tp, pp, dp)[1],
         "embedding": lambda r: rank_coords(r, tp, pp, dp)[:2],
+        "cp": lambda r: r,
     }
     groups: dict[object, list[int]] = {}
     for r in range(world):
@@ -140,13 +143,13 @@ class ParallelState:
     def size(self, kind: GroupKind) -> int:
         """Ranks in this rank's group of `kind` (1: every collective over it is a no-op)."""
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "pp_grad": self.pp, "mp": self.tp * self.pp,
-                "embedding": 1 if self.pp == 1 else 2}[check_group(kind)]
+                "embedding": 1 if self.pp == 1 else 2, "cp": 1}[check_group(kind)]
 
     def rank_in(self, kind: GroupKind) -> int:
         """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list)."""
         return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank, "pp_grad": self.pp_rank,
                 "mp": self.pp_rank * self.tp + self.tp_rank,
-                "embedding": 0 if self.is_first_stage else 1}[check_group(kind)]
+                "embedding": 0 if self.is_first_stage else 1, "cp": 0}[check_group(kind)]
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
