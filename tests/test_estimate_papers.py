@@ -342,3 +342,34 @@ def test_korthikanti_530b_selective_recompute_is_29_percent_faster(capsys: pytes
     assert full["at_mfu"]["hfu"] == pytest.approx(0.421 * ratio_full, rel=1e-3)
     assert sel["at_mfu"]["hfu"] == pytest.approx(0.542 * ratio_sel, rel=1e-3)
     assert f"MFU 54.2% is HFU {sel['at_mfu']['hfu']:.1%} with recompute=selective" in text
+
+
+def test_zero_bubble_schedules_match_the_simulator() -> None:
+    """The estimator's zb-h1 / zbv bubbles (equal F, B, W costs) equal what the schedules' own action
+    lists give on the simulator's timeline, and sit below 1F1B's."""
+    from megalite.perfmodel.schedules import schedule
+    from megalite.pipeline.simulate import simulate
+
+    for p, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
+        for name, v in [("zb-h1", 1), ("zbv", 2)]:
+            predicted = schedule(name).bubble(p, m, v)
+            simulated = simulate(name, p, m, v, 1.0, 1.0, 1.0).bubble_fraction
+            assert abs(predicted - simulated) < 1e-9, (name, p, m, predicted, simulated)
+            assert predicted < schedule("1f1b").bubble(p, m, 1)
+
+
+def test_estimate_cli_prices_zero_bubble_schedules() -> None:
+    """`tools/estimate.py --schedule zb-h1|zbv` reports the table's bubble (zbv always runs two chunks per rank)."""
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "tools/estimate.py", "--preset", "llama-7b", "--tp", "8", "--pp", "4", "--dp", "8",
+            "--global-batch-size", "512", "--json"]
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    got = {s: json.loads(subprocess.run(base + ["--schedule", s], cwd=repo, capture_output=True, text=True,
+                                        check=True).stdout)["bubble"] for s in ("1f1b", "zb-h1", "zbv")}
+    m = 512 // 8  # micro-batches per rank at micro-batch size 1
+    assert got["1f1b"] == pytest.approx(3 / (m + 3))
+    assert got["zb-h1"] == pytest.approx(3 / (3 * m + 3))
+    assert got["zbv"] == pytest.approx(3 / (6 * m + 3))

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
 from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_params, training_time,  # noqa: E402
                                           utilizations)
 
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=positive_int)
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
+    p.add_argument("--schedule", choices=list(SCHEDULES),
+                   help="pipeline schedule (zb-h1, zbv: Qi et al. 2024, priced at equal F/B/W costs)")
     p.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="selective recomputes the attention core (+4·L·H·Q·s FLOPs/token), full the "
                         "layers' forward (+2·layer weights + 4·L·H·Q·s); both priced in FLOPs, HFU and time")

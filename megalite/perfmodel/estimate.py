@@ -312,8 +312,11 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     `step_seconds` adds all traffic (no overlap), `step_seconds_overlapped` hides DP traffic
     behind compute (TP and PP traffic sit on the critical path either way)."""
     m, p = layout.num_microbatches, layout.pp
-    v = layout.vpp if layout.schedule == "interleaved" or layout.vpp > 1 else 1
-    layout = replace(layout, vpp=v, schedule="interleaved" if v > 1 else layout.schedule)
+    if layout.schedule == "zbv":  # two chunks per rank in a V, whatever vpp says (Qi et al. 2024)
+        v = 2
+    else:
+        v = layout.vpp if layout.schedule == "interleaved" or layout.vpp > 1 else 1
+    layout = replace(layout, vpp=v, schedule="interleaved" if v > 1 and layout.schedule != "zbv" else layout.schedule)
     sched = schedule(layout.schedule)
     for name, value in (("params", params), ("peak_flops", peak_flops), ("inter_bytes_per_s", inter_bytes_per_s),
                         ("intra_bytes_per_s", intra_bytes_per_s)):
@@ -332,7 +335,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     if p > 1 and m < p:
         warnings.append(f"{m} micro-batches < pp={p}: stages idle {sched.bubble(p, m, v):.0%} of "
                         f"the step; raise train.global_batch_size to at least {p} micro-batches")
-    if v > 1 and m % p:
+    if v > 1 and m % p and layout.schedule == "interleaved":
         warnings.append(f"interleaved schedule needs micro-batches ({m}) to be a multiple of pp={p}")
     total = float(params) if params is not None else float(dims_params(dims))  # type: ignore[arg-type]
     worst: tuple[Memory, float] | None = None

@@ -25,14 +25,20 @@ tie or lose against a layout that is enumerated):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import (GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate,
                                stage_activation_bytes, stage_params, zero_memory)
 
-if TYPE_CHECKING:
-    from megalite.perfmodel.compare import Comparison
+
+class Explained(Protocol):
+    """What a plan carries of a comparison the user asked for (`megalite.perfmodel.compare.Comparison`)."""
+
+    explanation: str
+
+    def to_dict(self) -> dict: ...
+
 
 RECOMPUTE = ("none", "selective", "full")
 # Step times within this of the fastest are a tie: the estimator (ideal peak, ring bandwidths) is
@@ -132,7 +138,7 @@ class Plan:
     costed: int  # layouts given a full estimate (fitting, Pareto-optimal)
     why: str
     prec: Precision = Precision()
-    comparisons: list[Comparison] = field(default_factory=list)  # `megalite.perfmodel.compare`, when asked
+    comparisons: list[Explained] = field(default_factory=list)  # `megalite.perfmodel.compare`, when asked
 
     def to_dict(self, top: int | None = None) -> dict:
         return {"model": asdict(self.dims), "params": dims_params(self.dims),

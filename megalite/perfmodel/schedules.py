@@ -47,6 +47,16 @@ SCHEDULES: dict[str, Schedule] = {
     # 1F1B: the same bubble, at most the warm-up depth p - r in flight (the point of 1F1B).
     "1f1b": Schedule(lambda p, m, v: pipeline_bubble(p, m), lambda p, r, m, v: float(min(m, p - r))),
     "interleaved": Schedule(pipeline_bubble, _interleaved_in_flight),
+    # Zero-bubble schedules (Qi et al. 2024), at equal forward / input-gradient / weight-gradient costs
+    # (t_F = t_B = t_W, a step's work per micro-batch 3 t_F); megalite.pipeline.simulate replays other costs.
+    # ZB-H1: 1F1B's order with W deferred into the cool-down: idle (p-1)(t_F + t_B - t_W) = (p-1) t_F, a third of
+    # 1F1B's; every rank holds up to p micro-batches (F until W).
+    "zb-h1": Schedule(lambda p, m, v: (p - 1) / (3 * m + p - 1) if p > 1 else 0.0,
+                      lambda p, r, m, v: float(min(m, p))),
+    # ZB-V: two chunks per rank in a V; only the warm-up idles, (p-1)/2 forwards; 2p half-stage chunks in
+    # flight, i.e. p micro-batches through the rank's layers.
+    "zbv": Schedule(lambda p, m, v: (p - 1) / (6 * m + p - 1) if p > 1 else 0.0,
+                    lambda p, r, m, v: float(min(m, p))),
 }
 
 
