@@ -122,7 +122,8 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "odd RoPE head dim": (["--model.hidden_size", "60", "--model.num_heads", "4", "--model.num_kv_heads", "4"],
                           CONFIG, "head dim 15 is odd"),
     "micro-batch larger than the dataset": (["--train.micro_batch_size", "1000000", "--train.global_batch_size",
-                                             "1000000"], DATA, "larger than the whole training set"),
+                                             "1000000", "--train.memory_check", "false"],  # (it does not fit either)
+                                            DATA, "larger than the whole training set"),
     # files and directories of the wrong kind
     "config is a directory": (["--config", "{root}/cfgdir.toml"], CONFIG, "is a directory"),
     "config not UTF-8": (["--config", "{root}/latin1.toml"], CONFIG, "not UTF-8"),
@@ -183,9 +184,13 @@ def test_missing_peer_is_a_launch_error(monkeypatch, capsys, tmp_path: Path) -> 
     assert_one_line(capsys.readouterr().err, got, LAUNCH, "could not join the job")
 
 
-def test_full_disk_for_the_logs(demo_cache_dir: str, tmp_path: Path, capsys) -> None:
+def test_full_disk_for_the_logs(demo_cache_dir: str, tmp_path: Path, capsys, monkeypatch) -> None:
     """metrics.jsonl on a full device (/dev/full answers every write with ENOSPC): one line, exit 1."""
+    from megalite.observability import metrics
+
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    # A fresh run would move an existing metrics.jsonl aside (one run per file): keep the link in place.
+    monkeypatch.setattr(metrics, "start_metrics_file", lambda path, resumed_step: None)
     got = main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(tmp_path), "--train.steps", "1"])
     assert_one_line(capsys.readouterr().err, got, STORAGE, "No space left on device")
 

@@ -150,7 +150,9 @@ def test_fresh_run_rotates_metrics_and_resume_appends_from_its_step(demo_cache_d
     common = ["--checkpoint.dir", str(ckpt), "--checkpoint.interval", "1", "--checkpoint.keep", "5"]
     assert main(_args(demo_cache_dir, log, "--train.steps", "3", *common)) == 0
     first = (log / "metrics.jsonl").read_text()
-    assert main(_args(demo_cache_dir, log, "--train.steps", "3", "--checkpoint.load", "none", *common)) == 0
+    # A fresh run (its own checkpoint directory: an old run's is never rewound) in the same logging.dir.
+    fresh = ["--checkpoint.dir", str(tmp_path / "ckpt_fresh"), "--checkpoint.interval", "1"]
+    assert main(_args(demo_cache_dir, log, "--train.steps", "3", "--checkpoint.load", "none", *fresh)) == 0
     assert (log / "metrics.1.jsonl").read_text() == first  # the first run's file, kept whole
     assert _steps(log / "metrics.jsonl") == [1, 2, 3]  # not 1, 2, 3, 1, 2, 3
     capsys.readouterr()

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.vocab_size < 300:
+    if args.kind != "hf" and args.vocab_size < 300:  # SentencePiece with byte fallback
         raise ConfigError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 259 ids; use >= 300")
     if args.max_bytes is not None and args.max_bytes < 1:
         raise ConfigError(f"--max-bytes {args.max_bytes} must be >= 1 (or left out for all the text)")
