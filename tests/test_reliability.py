@@ -100,3 +100,44 @@ def test_loss_spike_is_logged(demo_cache_dir: str, tmp_path: Path) -> None:
     assert main(_args(demo_cache_dir, tmp_path, "--train.steps", "14", "--train.spike_factor", "0.5")) == 0
     rows = _rows(tmp_path)
     assert all("spike" in r for r in rows) and any(r["spike"] for r in rows[10:])  # 0.5 x median: every step spikes
+
+
+def test_signal_before_step_1_is_honoured(demo_cache_dir: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """SIGTERM while the run is still being built (data, model, checkpoint load): a clean exit 0 before
+    step 1, nothing trained, no metrics written; the handlers are restored afterwards by the test."""
+    from megalite.training import trainer
+
+    real_build = trainer.build_run
+
+    def build_then_signal(cfg):  # the signal lands mid-build, as a preemption would
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build(cfg)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    monkeypatch.setattr(trainer, "build_run", build_then_signal)
+    try:
+        assert main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--train.steps", "3",
+                     "--logging.dir", str(tmp_path / "log")]) == 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert "stop requested by signal before step 1" in capsys.readouterr().err
+    assert not (tmp_path / "log" / "metrics.jsonl").exists()
+
+
+def test_second_signal_stops_at_once(monkeypatch) -> None:
+    """A second SIGTERM while the first is honoured restores the default action and re-raises it."""
+    from megalite.training.stop import StopFlag
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    sent: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig))
+    try:
+        flag = StopFlag()
+        flag._handle(signal.SIGTERM, None)
+        assert flag.requested and sent == []
+        flag._handle(signal.SIGTERM, None)
+        assert sent == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

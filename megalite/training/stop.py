@@ -1,7 +1,13 @@
-"""Stop signals: SIGTERM/SIGUSR1 (what Slurm sends before a preemption) -> finish the step, save, exit 0."""
+"""Stop signals: SIGTERM/SIGUSR1 (what Slurm sends before a preemption) -> finish the step, save, exit 0.
+
+The handlers are installed before the run builds anything, so a signal that arrives while data is read, the
+model is built or a checkpoint is loaded is honoured too: the run stops before step 1 (nothing to save yet).
+A second signal while the first is being honoured means "now": the default action runs (the process ends).
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any
 
@@ -21,6 +27,10 @@ class StopFlag:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:  # asked twice: stop at once, as if no handler were installed
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.requested = True
 
     def agreed(self, state: ParallelState) -> bool:

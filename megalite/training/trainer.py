@@ -132,9 +132,16 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     _, world_size, local_rank = launcher_env()
     check_memory(cfg, world_size, local_rank)
+    stop = StopFlag()  # from here on SIGTERM/SIGUSR1 end the run cleanly, even before step 1
     r = build_run(cfg)
     state, optimizer = r.state, r.optimizer
     resumed_from, start_step = r.checkpoints.resume()
+    if stop.agreed(state):
+        print(f"megalite: stop requested by signal before step {start_step + 1}: exiting, nothing trained",
+              file=sys.stderr)
+        if state.world_size > 1:
+            dist.destroy_process_group()
+        return {}
     claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
                                     Path(resumed_from) if resumed_from else None, state)
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
@@ -145,7 +152,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                               tracker)
     logger.totals.tokens_seen = start_step * meter.tokens_per_step
     meter.startup(logger, resumed_from, start_step, malloc_note)
-    stop, faults = StopFlag(), FaultInjector(state.rank)
+    faults = FaultInjector(state.rank)
     watchdog = Watchdog(state.rank, state.counter, tr.watchdog_factor, tr.watchdog_min_s)
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
     last: dict[str, float] = {}
