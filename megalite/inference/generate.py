@@ -63,12 +63,7 @@ def _device(model: GPT) -> torch.device:
 def _cached_attention(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
     b, s, _ = x.shape
-    q, k, v = attn.qkv(x)
-    q = q.view(b, s, attn.local_heads, attn.head_dim)
-    k = k.view(b, s, attn.local_kv, attn.head_dim)
-    v = v.view(b, s, attn.local_kv, attn.head_dim)
-    if attn.rope:
-        q, k = attn.ops.apply_rope(q, k, cos[start:start + s], sin[start:start + s])
+    q, k, v = attn.project(x, cos[start:start + s], sin[start:start + s])
     k_cache[:, start:start + s] = k
     v_cache[:, start:start + s] = v
     keys, values = k_cache[:, :start + s], v_cache[:, :start + s]

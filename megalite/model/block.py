@@ -69,15 +69,23 @@ class Attention(nn.Module):
         self.out = RowParallelLinear(nh * self.head_dim, h, state, name=f"{name}.out", seed=seed,
                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.state)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [b, s, heads, head_dim] (this rank's heads), RoPE applied at the positions whose
+        cos/sin rows are given (one per token of x; the KV-cached decoder passes later positions)."""
         b, s, _ = x.shape
         q, k, v = self.qkv(x)
         q = q.view(b, s, self.local_heads, self.head_dim)
         k = k.view(b, s, self.local_kv, self.head_dim)
         v = v.view(b, s, self.local_kv, self.head_dim)
         if self.rope:
-            q, k = self.ops.apply_rope(q, k, cos[:s], sin[:s])
+            q, k = self.ops.apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.state)
+        b, s, _ = x.shape
+        q, k, v = self.project(x, cos[:s], sin[:s])
         if self.selective and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
             o = checkpoint(self.ops.attention, q, k, v, use_reentrant=False)
