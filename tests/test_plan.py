@@ -207,3 +207,31 @@ def test_plan_bad_values_are_one_line_exit_2(bad: list[str], capsys: pytest.Capt
     assert exc.value.code == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: ") and out.err.count("\n") == 1, out.err
+
+
+def test_zero_bubble_schedules_are_ranked_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --schedules including zb-h1/zbv the planner costs them beside 1F1B/interleaved: a zero-bubble layout
+    is never slower than its 1F1B twin (same split, batch, ZeRO, recompute: a smaller bubble, no less memory),
+    zbv only appears for untied embeddings, and the text names the schedule. Not asked: none appear."""
+    dims = PRESETS["llama-7b"]
+    cluster = Cluster(nodes=4, **H100_NODE)
+    default = make_plan(dims, cluster, global_batch_size=64)
+    assert {c.layout.schedule for c in default.ranked} <= {"1f1b", "interleaved"}
+    plan = make_plan(dims, cluster, global_batch_size=64, schedules=("1f1b", "interleaved", "zb-h1", "zbv"))
+    by_layout = {replace(c.layout, schedule="1f1b"): c for c in plan.ranked if c.layout.schedule == "1f1b"}
+    zb = [c for c in plan.ranked if c.layout.schedule == "zb-h1"]
+    assert zb and any(c.layout.schedule == "zbv" for c in plan.ranked)
+    for c in zb:
+        twin = by_layout.get(replace(c.layout, schedule="1f1b"))
+        if twin is not None:
+            assert c.est.bubble < twin.est.bubble and c.step_seconds <= twin.step_seconds
+            # Every rank holds P micro-batches (1F1B: P - r), so the worst stage holds at least 1F1B's.
+            assert c.est.memory.total >= twin.est.memory.total
+    gpt2 = make_plan(replace(dims, arch="gpt2", tie_embeddings=True), cluster, global_batch_size=64,
+                     schedules=("1f1b", "zbv"))
+    assert all(c.layout.schedule != "zbv" for c in gpt2.ranked)
+    assert plan_main(["--preset", "llama-7b", "--nodes", "4", "--global-batch-size", "64",
+                      "--schedules", "1f1b,zb-h1"]) == 0
+    assert "schedule=zb-h1" in capsys.readouterr().out
+    assert plan_main(["--preset", "llama-7b", "--nodes", "4", "--global-batch-size", "64",
+                      "--schedules", "1f1b,zb"]) == 2

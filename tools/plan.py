@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-micro-batch", type=positive_int, default=16)
     r.add_argument("--max-vpp", type=positive_int, default=8, help="most virtual stages per rank (interleaved 1F1B)")
     r.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages allowed, comma-separated")
+    r.add_argument("--schedules", default="1f1b,interleaved",
+                   help="pipeline schedules tried, comma-separated, from 1f1b, interleaved, zb-h1, zbv (the "
+                        "zero-bubble ones are priced at equal F/B/W costs, their best case)")
     r.add_argument("--top", type=positive_int, default=10, help="layouts shown")
     r.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE,...",
                    help="explain the ranking against this layout (keys tp pp dp zero vpp mbs recompute, the "
@@ -135,13 +138,21 @@ def render(plan: Plan, top: int) -> str:
     return "\n".join(out)
 
 
+def _schedules(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in ("1f1b", "interleaved", "zb-h1", "zbv")]
+    if bad or not names:
+        raise ConfigError(f"--schedules {text!r}: choose from 1f1b, interleaved, zb-h1, zbv (comma-separated)")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         dims = resolve_dims(args)
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
                          _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
-                         args.max_vpp, _zero_stages(args.zero_stages))
+                         args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules))
         plan.comparisons.extend(compare(plan, spec) for spec in args.compare)
     except MegaliteError as exc:
         return report(exc)

@@ -216,8 +216,13 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
 
 def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
               prec: Precision = Precision(), max_micro_batch: int = 16, max_vpp: int = 8,
-              zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> Plan:
+              zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+              schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> Plan:
     """Enumerate, filter by memory, cost and rank the layouts of `dims` on `cluster`.
+
+    `schedules` are the pipeline schedules tried where pp > 1 (1F1B is always the fallback at vpp = 1);
+    the zero-bubble ones (`zb-h1`, `zbv`: Qi et al. 2024) are opt-in, since the estimator prices them at
+    equal forward / input-gradient / weight-gradient costs, their best case.
 
     Raises ConfigError with the smallest memory found when no layout fits, or when the batch and
     the world size admit no split at all."""
@@ -241,9 +246,8 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
                 continue  # stages idle most of the step; fewer, larger micro-batches never help here
             vpps = [v for v in range(1, max_vpp + 1)
                     if (dims.num_layers // pp) % v == 0 and (v == 1 or (pp > 1 and m % pp == 0))]
-            for vpp in vpps:
-                base = Layout(tp=tp, pp=pp, dp=dp, sp=tp > 1, vpp=vpp,
-                              schedule="interleaved" if vpp > 1 else "1f1b",
+            for vpp, sched in ((v, s) for v in vpps for s in _schedules_for(v, pp, dims, schedules)):
+                base = Layout(tp=tp, pp=pp, dp=dp, sp=tp > 1, vpp=vpp, schedule=sched,
                               micro_batch_size=mbs, global_batch_size=gbs)
                 best_zero = len(zero_stages)  # Pareto front: a recompute level must lower the ZeRO stage
                 for rc in RECOMPUTE:
@@ -290,13 +294,25 @@ def _parts(c: Candidate) -> dict[str, float]:
             "exposed DP traffic": c.dp_exposed_seconds}
 
 
+def _schedules_for(vpp: int, pp: int, dims: ModelDims, allowed: tuple[str, ...]) -> list[str]:
+    """The schedules a (pp, vpp) split can run: 1F1B or ZB-H1 at vpp = 1, interleaved at vpp > 1, ZB-V at
+    vpp = 2 with untied embeddings (its V puts the embedding and the head on one rank)."""
+    if pp == 1:
+        return ["1f1b"] if vpp == 1 else []
+    if vpp == 1:
+        return ["1f1b"] + (["zb-h1"] if "zb-h1" in allowed else [])
+    return ([s for s in ("interleaved",) if s in allowed]
+            + (["zbv"] if "zbv" in allowed and vpp == 2 and not dims.tied else []))
+
+
 def describe(lay: Layout) -> str:
+    sched = f" schedule={lay.schedule}" if lay.schedule not in ("1f1b", "interleaved") else ""
     return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero} vpp={lay.vpp} "
-            f"mbs={lay.micro_batch_size} recompute={lay.recompute}")
+            f"mbs={lay.micro_batch_size} recompute={lay.recompute}{sched}")
 
 
 _FIELDS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("zero", "zero"), ("vpp", "vpp"),
-           ("micro_batch_size", "mbs"), ("recompute", "recompute"))
+           ("micro_batch_size", "mbs"), ("recompute", "recompute"), ("schedule", "schedule"))
 
 
 def differences(a: Layout, b: Layout) -> str:
