@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 
 from megalite.parallel.counter import CommCounter
@@ -41,3 +42,18 @@ def tiny_train_cfg(steps: int = 3, lr: float = 1e-2):
     from types import SimpleNamespace
 
     return SimpleNamespace(lr=lr, min_lr=lr, warmup_steps=0, steps=steps, clip_grad=1.0)
+
+
+# Adam hyper-parameters the optimizer parity tests share (the reference and the ZeRO optimizer alike).
+HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def random_steps(cfg, steps: int, rows: int) -> list[torch.Tensor]:
+    """`steps` batches of `rows` random token rows (seq_len + 1: inputs and shifted targets), fixed seed."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=gen) for _ in range(steps)]
+
+
+def micro_batches(d: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) micro-batches of `micro` rows each."""
+    return [(d[i:i + micro, :-1], d[i:i + micro, 1:]) for i in range(0, d.shape[0], micro)]

@@ -30,19 +30,9 @@ from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.training.step import StepContext, evaluate, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
 
 STEPS, MICRO, M = 5, 2, 2  # 5 optimizer steps of M micro-batches of MICRO sequences per DP rank
-HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-
-
-def _data(cfg, steps: int, global_batch: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen) for _ in range(steps)]
-
-
-def _micro(d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(d[i:i + MICRO, :-1], d[i:i + MICRO, 1:]) for i in range(0, d.shape[0], MICRO)]
 
 
 def _pad(n: int, dp: int) -> int:
@@ -82,20 +72,20 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
     st = layout(tp, sp=sp)
     cfg = tiny_model_cfg(arch, recompute=recompute)
     global_batch = MICRO * M * st.dp
-    data = _data(cfg, STEPS, global_batch)
+    data = random_steps(cfg, STEPS, global_batch)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
     ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
     ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
-                             ref_opt, _micro(d), i).loss
+                             ref_opt, micro_batches(d, MICRO), i).loss
                   for i, d in enumerate(data)]
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, **HYPER)
     per_rank = global_batch // st.dp
     st.counter.reset()
     losses = [train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)),
-                         opt, _micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]), i).loss
+                         opt, micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i).loss
               for i, d in enumerate(data)]
     measured_dp = st.counter.exact_bytes("dp")
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -118,7 +108,7 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
         if stage < 3:  # the model's own params hold the updated values (stage 3: only shards)
             assert torch.equal(params[name].detach(), value), name
     # Evaluation (no grad) gathers and frees stage-3 units too; same round-off budget as the losses.
-    val = _micro(data[0][:MICRO * 2])
+    val = micro_batches(data[0][:MICRO * 2], MICRO)
     got, want = evaluate(model, val, st, torch.float32), evaluate(ref, val, ref_state, torch.float32)
     assert abs(got - want) <= 1e-5, f"zero={stage}: eval loss {got} != {want}"
     return mem
@@ -142,14 +132,14 @@ def _check_mixed_precision_accounting(rank: int, dtype: torch.dtype) -> None:
     """bf16/fp16 params with fp32 master, grads and Adam: memory and dp bytes for every stage."""
     st = layout(1)
     cfg = tiny_model_cfg("llama")
-    data = _data(cfg, 1, MICRO * M)
+    data = random_steps(cfg, 1, MICRO * M)
     for stage in range(4):
         model = GPT(cfg, st, seed=5)
         opt = build_distributed_optimizer(model, st, stage, dtype=dtype, **HYPER)
         assert all(p.dtype == dtype for p in model.parameters()) or stage == 3
         st.counter.reset()
         res = train_step(StepContext.build(model, st, dtype, tiny_train_cfg(1), LossScaler(False)),
-                         opt, _micro(data[0]), 0)
+                         opt, micro_batches(data[0], MICRO), 0)
         assert res.loss == res.loss and not res.skipped, f"zero={stage}: loss {res.loss}"
         psi, padded = _padded_size(model, stage, st.dp)
         assert opt.memory_bytes() == expected_memory(stage, psi, padded, st.dp, 2), f"zero={stage} {dtype}"
@@ -169,7 +159,7 @@ def _check_reductions_only_in_last_micro_batch(rank: int, stage: int) -> list[in
     cfg = tiny_model_cfg("gpt2")
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, bucket_bytes=8192, **HYPER)
-    batches = _micro(_data(cfg, 1, 4 * MICRO)[0])
+    batches = micro_batches(random_steps(cfg, 1, 4 * MICRO)[0], MICRO)
     opt.zero_grad()
     st.counter.reset()
     reductions = []
@@ -208,9 +198,9 @@ def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
     """Resume from `state_dict()` into a fresh model+optimizer: the next step is identical."""
     st = layout(1)
     cfg = tiny_model_cfg("llama")
-    data = _data(cfg, 3, MICRO * 2 * st.dp)
+    data = random_steps(cfg, 3, MICRO * 2 * st.dp)
     per_rank = MICRO * 2
-    mine = [_micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]) for d in data]
+    mine = [micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO) for d in data]
     tcfg = tiny_train_cfg(3)
     models, opts = [], []
     for _ in range(2):
@@ -238,19 +228,19 @@ def _check_pipeline(rank: int, stage: int, arch: str) -> None:
     st = layout(1, 2)
     cfg = tiny_model_cfg(arch, num_layers=4)
     per_rank = MICRO * 4
-    data = _data(cfg, 3, per_rank * st.dp)
+    data = random_steps(cfg, 3, per_rank * st.dp)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
     ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     tcfg = tiny_train_cfg(3)
     ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
-                             ref_opt, _micro(d), i).loss
+                             ref_opt, micro_batches(d, MICRO), i).loss
                   for i, d in enumerate(data)]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=1)
     # One chunk per rank (vpp=1): hand the optimizer the stage's GPT itself, as the trainer does.
     opt = build_distributed_optimizer(engine.chunks[0], st, stage, dtype=torch.float32, **HYPER)
     losses = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), "1f1b"),
-                         opt, _micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]), i).loss
+                         opt, micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i).loss
               for i, d in enumerate(data)]
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5, f"zero={stage} pp=2 step {i}: loss {a} != reference {b}"

@@ -25,19 +25,9 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.pipeline import engine as engine_mod
 from megalite.training.step import StepContext, single_stage_engine, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
 
 MICRO, STEPS = 2, 3
-HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-
-
-def _data(cfg, steps: int, rows: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=gen) for _ in range(steps)]
-
-
-def _micro(d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(d[i:i + MICRO, :-1], d[i:i + MICRO, 1:]) for i in range(0, d.shape[0], MICRO)]
 
 
 def test_deferred_w_holds_each_linears_input_and_output_grads() -> None:
@@ -81,7 +71,7 @@ def test_split_backward_is_bitwise_the_whole_backward(arch: str, recompute: str,
     with dp=1) the linears' W adds dW straight into the fp32 main grad (gradient-accumulation fusion)."""
     cfg = tiny_model_cfg(arch, num_layers=2, recompute=recompute)
     st = ParallelState()
-    batches = _micro(_data(cfg, 1, 4 * MICRO)[0])
+    batches = micro_batches(random_steps(cfg, 1, 4 * MICRO)[0], MICRO)
     grads = []
     for actions in (WHOLE, SPLIT):
         model = GPT(cfg, st, seed=5)
@@ -110,15 +100,15 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
     vpp = 2 if schedule == "zbv" else 1
     cfg = tiny_model_cfg(arch, num_layers=max(4, pp * vpp), **({"tie_embeddings": False} if schedule == "zbv" else {}))
     per_rank = MICRO * 2 * pp
-    data = _data(cfg, STEPS, per_rank * st.dp)
+    data = random_steps(cfg, STEPS, per_rank * st.dp)
     tcfg = tiny_train_cfg(STEPS)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
     ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
     ref_ctx = StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False))
-    ref_losses = [train_step(ref_ctx, ref_opt, _micro(d), i).loss
+    ref_losses = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i).loss
                   for i, d in enumerate(data)]
-    mine = [_micro(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]) for d in data]
+    mine = [micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO) for d in data]
     params, timing = {}, []
     for sched in ([schedule, "1f1b"] if schedule == "zb-h1" else [schedule]):
         engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp,
@@ -189,7 +179,6 @@ def test_zero_bubble_at_pp4(dist_world, schedule: str, stage: int) -> None:
     """pp=4 x dp=2 on 8 ranks."""
     out = dist_world(8).run(_check_zero_pipeline, 4, stage, "llama", schedule)
     _assert_reductions_start_in_last_w(out, schedule, m=8)
-
 
 
 def test_torchrun_zbv_trains_like_one_process(demo_cache_dir: str, tmp_path) -> None:
