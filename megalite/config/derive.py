@@ -21,15 +21,15 @@ def _round_up(x: int, multiple: int) -> int:
 def resolve(cfg: Config, world_size: int) -> Config:
     """A copy of `cfg` with the derived values filled in (idempotent; vocab_size stays as is).
 
-    dp = world_size // (tp*pp) (at least 1, so a bad layout is reported by `validate` with its
+    dp = world_size // (tp*cp*pp) (at least 1, so a bad layout is reported by `validate` with its
     numbers rather than as dp=0); num_kv_heads = num_heads; ffn_hidden_size = llama's SwiGLU
     width round_up(int(8h/3), 64) (LLaMA, Touvron et al. 2023) or gpt2's 4h; tie_embeddings = the
     arch default; global_batch_size = micro_batch_size * dp.
     """
     out = copy.deepcopy(cfg)
     m, par, tr = out.model, out.parallel, out.train
-    if par.dp == 0 and par.tp > 0 and par.pp > 0:
-        par.dp = max(1, world_size // (par.tp * par.pp))
+    if par.dp == 0 and par.tp > 0 and par.pp > 0 and par.cp > 0:
+        par.dp = max(1, world_size // (par.tp * par.cp * par.pp))
     if m.num_kv_heads == 0:
         m.num_kv_heads = m.num_heads
     if m.ffn_hidden_size == 0:

@@ -45,7 +45,8 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size (Megatron column/row-parallel linears)")
     pp: int = _f(1, "pipeline-parallel stages")
-    dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*pp)")
+    cp: int = _f(1, "context-parallel size: each sequence split over cp ranks (ring attention, zigzag split)")
+    dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*cp*pp)")
     sp: bool = _f(False, "sequence parallelism: shard norm/dropout activations over the tp ranks")
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved; zbv: 2)")
     schedule: str = _f("1f1b", "pipeline schedule: 1f1b | gpipe | interleaved | zb-h1 | zbv")

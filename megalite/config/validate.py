@@ -45,7 +45,7 @@ def _value_problems(cfg: Config) -> list[str]:
     if cfg.model.preset not in PRESETS:
         out.append(f"model.preset: unknown preset {cfg.model.preset!r}: choose one of {', '.join(PRESETS)}")
     at_least_1 = ["model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
-                  "model.ffn_hidden_size", "model.make_vocab_divisible_by", "parallel.tp", "parallel.pp",
+                  "model.ffn_hidden_size", "model.make_vocab_divisible_by", "parallel.tp", "parallel.cp", "parallel.pp",
                   "parallel.dp", "parallel.vpp", "train.steps", "train.micro_batch_size",
                   "train.global_batch_size", "checkpoint.keep", "logging.interval",
                   "data.demo_max_bytes", "data.demo_vocab_size"]
@@ -172,13 +172,16 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     if m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
         out.append(f"model.num_heads {m.num_heads} is not divisible by model.num_kv_heads {m.num_kv_heads}: "
                    f"each kv head must serve a whole group of query heads")
-    if min(p.tp, p.pp, p.dp, p.vpp) < 1:
+    if min(p.tp, p.cp, p.pp, p.dp, p.vpp) < 1:
         return out  # reported by _value_problems; the arithmetic below would divide by zero
-    if world_size != p.tp * p.pp * p.dp:
-        fix = (f"set parallel.dp={world_size // (p.tp * p.pp)} (or 0 to derive it)"
-               if world_size % (p.tp * p.pp) == 0 else f"launch a multiple of tp*pp = {p.tp * p.pp} processes")
-        out.append(f"world_size {world_size} != tp {p.tp} x pp {p.pp} x dp {p.dp} = {p.tp * p.pp * p.dp}: "
-                   f"{fix} or change tp/pp")
+    model_parallel = p.tp * p.cp * p.pp
+    if world_size != model_parallel * p.dp:
+        names, sizes = ("tp*cp*pp", f"tp {p.tp} x cp {p.cp}") if p.cp > 1 else ("tp*pp", f"tp {p.tp}")
+        fix = (f"set parallel.dp={world_size // model_parallel} (or 0 to derive it)"
+               if world_size % model_parallel == 0 else f"launch a multiple of {names} = {model_parallel} processes")
+        out.append(f"world_size {world_size} != {sizes} x pp {p.pp} x dp {p.dp} = {model_parallel * p.dp}: "
+                   f"{fix} or change {names.replace('*', '/')}")
+    out += _context_problems(cfg)
     stages = p.pp * p.vpp
     if not p.pp_layers:
         if m.num_layers % stages:
@@ -204,6 +207,24 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
         out.append(f"model.seq_len {m.seq_len} is not divisible by parallel.tp {p.tp}, which "
                    f"sequence parallelism needs: change seq_len or tp")
     out += _batch_problems(cfg)
+    return out
+
+
+def _context_problems(cfg: Config) -> list[str]:
+    """Context parallelism: the zigzag split needs 2*cp equal chunks of every sequence."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return []
+    out = []
+    if m.seq_len % (2 * p.cp):
+        out.append(f"model.seq_len {m.seq_len} is not divisible by 2 x parallel.cp = {2 * p.cp}: context "
+                   f"parallelism cuts each sequence into 2*cp chunks (rank r holds chunks r and 2cp-1-r, so every "
+                   f"rank does the same causal attention work); use a multiple of {2 * p.cp}")
+    if p.sp and (m.seq_len // p.cp) % p.tp:
+        out.append(f"model.seq_len / cp = {m.seq_len // p.cp} tokens per cp rank is not divisible by parallel.tp "
+                   f"{p.tp}, which sequence parallelism needs: change seq_len, cp or tp")
+    out.append("parallel.cp > 1 is not wired into the model yet (megalite/context holds the ring attention): "
+               "use parallel.cp=1")
     return out
 
 

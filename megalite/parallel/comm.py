@@ -29,9 +29,11 @@ from megalite.parallel.state import GroupKind, ParallelState, check_group
 
 SEQ_DIM = 1
 
-# The counter key of each group kind's own traffic: the pipeline's second communicator is still 'pp'.
+# The counter key of each group kind's own traffic: the pipeline's second communicator is still 'pp', and the
+# gradient reduction over dp x cp (dp_cp) is still the data-parallel traffic 'dp'.
 GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "pp": "pp", "pp_grad": "pp", "mp": "mp",
-                                              "embedding": "embedding", "cp": "cp"}
+                                              "embedding": "embedding", "cp": "cp",
+                                              "dp_cp": "dp"}
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,12 +1,15 @@
-"""ParallelState: the rank grid and the process groups of a (tp, pp, dp) layout.
+"""ParallelState: the rank grid and the process groups of a (tp, cp, dp, pp) layout.
 
-Rank order (Megatron's): tensor-parallel fastest, then data-parallel, then pipeline:
+Rank order (Megatron's): tensor-parallel fastest, then context-parallel, then data-parallel, then pipeline:
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 so the tp ranks of a group are consecutive global ranks and sit inside one node (TP moves the most
-bytes, twice per layer per micro-batch, and needs NVLink), dp groups stride by tp, and pipeline
-stages are the outermost, cheapest-to-separate dimension (one p2p per micro-batch boundary).
+bytes, twice per layer per micro-batch, and needs NVLink); cp comes next because its ring moves K/V
+(an activation-sized volume) every layer, so it also wants the node's fast links; dp (one gradient
+reduction per step) strides by tp*cp, and pipeline stages are the outermost, cheapest-to-separate
+dimension (one p2p per micro-batch boundary). With cp = 1 the formula is the (tp, dp, pp) one, so
+adding cp moved no existing layout.
 
 The arithmetic is in pure functions (`rank_coords`, `group_ranks`) tested without any process group.
 `ParallelState` is built once in `pretrain.py` and passed to every layer: nothing reads a global.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Literal, cast, get_args
+from typing import Literal, NamedTuple, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -31,12 +34,23 @@ from megalite.parallel.counter import CommCounter
 #   mp               model parallel (tp x pp): ranks with the same dp_rank (the gradient norm's reduction)
 #   embedding        first and last pipeline stage of each (tp, dp) column: a tied embedding's two copies
 #   pp_grad          a second communicator over the pp ranks, for gradients (see `create_groups`)
-#   cp               a context-parallel ring (megalite/context). ParallelState has no cp dimension yet: for it
-#                    every ring is the rank alone; `megalite.context.group.ContextGroup` builds real rings.
-GroupKind = Literal["tp", "dp", "pp", "pp_grad", "mp", "embedding", "cp"]
+#   cp               a context-parallel ring (megalite/context): ranks that differ only in cp_rank, in ring order
+#   dp_cp            dp x cp: ranks holding the same parameters (same tp_rank and pp_rank). The gradients of
+#                    replicated parameters are reduced over it (each cp rank saw other tokens of the same
+#                    sequences) and ZeRO shards over it. At cp = 1 it is the dp group itself (same communicator).
+GroupKind = Literal["tp", "dp", "pp", "pp_grad", "mp", "embedding", "cp", "dp_cp"]
 GROUP_KINDS: frozenset[str] = frozenset(get_args(GroupKind))
 # The kinds `create_groups` builds one family of groups for, in the order every rank creates them.
-_CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_grad")
+_CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_grad", "cp", "dp_cp")
+
+
+class Coords(NamedTuple):
+    """A rank's position in the grid, one coordinate per dimension."""
+
+    tp: int
+    dp: int
+    pp: int
+    cp: int = 0
 
 
 def check_group(kind: str) -> GroupKind:
@@ -46,39 +60,35 @@ def check_group(kind: str) -> GroupKind:
     return cast(GroupKind, kind)
 
 
-def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    if not 0 <= rank < tp * pp * dp:
-        raise ValueError(f"rank {rank} outside world of size {tp * pp * dp}")
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def rank_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> Coords:
+    """(tp_rank, dp_rank, pp_rank, cp_rank) of a global rank."""
+    if not 0 <= rank < tp * cp * pp * dp:
+        raise ValueError(f"rank {rank} outside world of size {tp * cp * pp * dp}")
+    return Coords(rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp)
 
 
-def coords_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+def coords_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
     """Inverse of `rank_coords`."""
-    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int) -> list[list[int]]:
+def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
     """Every group of one kind, as sorted lists of global ranks (each rank in exactly one group).
 
-    tp: ranks that differ only in tp_rank; dp: only in dp_rank; pp and pp_grad: only in pp_rank;
-    mp (model parallel, tp x pp): same dp_rank; embedding: first and last pipeline stage of each
-    (tp, dp) column — the ranks holding the two copies of a tied embedding.
+    A group is the ranks that agree on every coordinate the kind does not span: tp spans tp_rank, cp
+    cp_rank (sorted = ring order), dp dp_rank, dp_cp both dp_rank and cp_rank, pp and pp_grad pp_rank,
+    mp (model parallel, tp x pp: the gradient norm's reduction) tp_rank and pp_rank; embedding is the first
+    and last pipeline stage of each (tp, cp, dp) column — the ranks holding the two copies of a tied embedding.
     """
-    check_group(kind)
-    world = tp * pp * dp
-    key_of = {
-        "tp": lambda r: (rank_coords(r, tp, pp, dp)[1], rank_coords(r, tp, pp, dp)[2]),
-        "dp": lambda r: (rank_coords(r, tp, pp, dp)[0], rank_coords(r, tp, pp, dp)[2]),
-        "pp": lambda r: rank_coords(r, tp, pp, dp)[:2],
-        "pp_grad": lambda r: rank_coords(r, tp, pp, dp)[:2],
-        "mp": lambda r: rank_coords(r, tp, pp, dp)[1],
-        "embedding": lambda r: rank_coords(r, tp, pp, dp)[:2],
-        "cp": lambda r: r,
-    }
-    groups: dict[object, list[int]] = {}
-    for r in range(world):
-        groups.setdefault(key_of[kind](r), []).append(r)
+    spans: dict[GroupKind, tuple[str, ...]] = {
+        "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp"), "pp": ("pp",), "pp_grad": ("pp",),
+        "mp": ("tp", "pp"), "embedding": ("pp",)}
+    spanned = spans[check_group(kind)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(tp * cp * pp * dp):
+        c = rank_coords(r, tp, pp, dp, cp)
+        key = tuple(v for name, v in c._asdict().items() if name not in spanned)
+        groups.setdefault(key, []).append(r)
     result = [sorted(g) for g in groups.values()]
     if kind == "embedding":
         result = [sorted({g[0], g[-1]}) for g in result]
@@ -87,7 +97,7 @@ def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int) -> list[list[int]]:
 
 @dataclass
 class ParallelState:
-    """Who this rank is in the (tp, pp, dp) grid and the process groups it talks over.
+    """Who this rank is in the (tp, cp, dp, pp) grid and the process groups it talks over.
 
     With world size 1 no process group exists and every collective in `megalite.parallel.comm`
     short-circuits, so single-process code pays nothing for being parallel-ready.
@@ -97,6 +107,7 @@ class ParallelState:
     pp: int = 1
     dp: int = 1
     rank: int = 0
+    cp: int = 1
     sp: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict[GroupKind, dist.ProcessGroup] = field(default_factory=dict)
@@ -104,19 +115,27 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def coords(self) -> Coords:
+        return rank_coords(self.rank, self.tp, self.pp, self.dp, self.cp)
 
     @property
     def tp_rank(self) -> int:
-        return rank_coords(self.rank, self.tp, self.pp, self.dp)[0]
+        return self.coords.tp
 
     @property
     def dp_rank(self) -> int:
-        return rank_coords(self.rank, self.tp, self.pp, self.dp)[1]
+        return self.coords.dp
 
     @property
     def pp_rank(self) -> int:
-        return rank_coords(self.rank, self.tp, self.pp, self.dp)[2]
+        return self.coords.pp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -131,25 +150,30 @@ class ParallelState:
         """Global rank of the previous pipeline stage (None on the first)."""
         if self.is_first_stage:
             return None
-        return coords_rank(self.tp_rank, self.dp_rank, self.pp_rank - 1, self.tp, self.dp)
+        return self.stage_rank(self.pp_rank - 1)
 
     @property
     def next_rank(self) -> int | None:
         """Global rank of the next pipeline stage (None on the last)."""
         if self.is_last_stage:
             return None
-        return coords_rank(self.tp_rank, self.dp_rank, self.pp_rank + 1, self.tp, self.dp)
+        return self.stage_rank(self.pp_rank + 1)
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same tp, cp and dp coordinates)."""
+        return coords_rank(self.tp_rank, self.dp_rank, pp_rank, self.tp, self.dp, self.cp_rank, self.cp)
 
     def size(self, kind: GroupKind) -> int:
         """Ranks in this rank's group of `kind` (1: every collective over it is a no-op)."""
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "pp_grad": self.pp, "mp": self.tp * self.pp,
-                "embedding": 1 if self.pp == 1 else 2, "cp": 1}[check_group(kind)]
+                "embedding": 1 if self.pp == 1 else 2, "cp": self.cp, "dp_cp": self.dp * self.cp}[check_group(kind)]
 
     def rank_in(self, kind: GroupKind) -> int:
         """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list)."""
         return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank, "pp_grad": self.pp_rank,
                 "mp": self.pp_rank * self.tp + self.tp_rank,
-                "embedding": 0 if self.is_first_stage else 1, "cp": 0}[check_group(kind)]
+                "embedding": 0 if self.is_first_stage else 1, "cp": self.cp_rank,
+                "dp_cp": self.dp_rank * self.cp + self.cp_rank}[check_group(kind)]
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
@@ -157,22 +181,22 @@ class ParallelState:
 
 
 def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str = "auto",
-                     device: str = "auto", timeout_s: float = 600.0) -> ParallelState:
+                     device: str = "auto", timeout_s: float = 600.0, cp: int = 1) -> ParallelState:
     """Join the job launched by torchrun/srun (or run alone) and build every process group once.
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun) or SLURM_PROCID / SLURM_NTASKS; a partial
     launcher environment is a LaunchError, not a hang.
     """
     rank, world, local_rank = launcher_env()
-    if world != tp * pp * dp:
-        raise ConfigError(f"world size {world} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
+    if world != tp * cp * pp * dp:
+        raise ConfigError(f"world size {world} != tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp}")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp, device=dev)
+    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=sp, device=dev)
     if world == 1:
         return state
     if not dist.is_initialized():
@@ -218,7 +242,10 @@ def create_groups(state: ParallelState) -> None:
     for kind in _CREATION_ORDER:
         if kind == "pp_grad" and state.pp == 1:
             continue
-        for ranks in group_ranks(kind, state.tp, state.pp, state.dp):
+        if kind == "dp_cp" and state.cp == 1:  # the same ranks as dp: share its communicator
+            state.groups["dp_cp"] = state.groups["dp"]
+            continue
+        for ranks in group_ranks(kind, state.tp, state.pp, state.dp, state.cp):
             pg = dist.new_group(ranks)
             if state.rank in ranks:
                 state.groups[kind] = pg

@@ -34,7 +34,7 @@ from torch.autograd import Variable
 from megalite.layers.linear_fn import DeferredWeightGrads, defer_weight_grads, run_weight_grads
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel import comm
-from megalite.parallel.state import GroupKind, ParallelState, coords_rank
+from megalite.parallel.state import GroupKind, ParallelState
 from megalite.pipeline.partition import stage_rank
 from megalite.pipeline.schedules import Action, split_backwards
 
@@ -64,7 +64,7 @@ class PipelineEngine:
 
     def _peer(self, vstage: int) -> int:
         s = self.state
-        return coords_rank(s.tp_rank, s.dp_rank, stage_rank(vstage, s.pp, self.v_shape), s.tp, s.dp)
+        return s.stage_rank(stage_rank(vstage, s.pp, self.v_shape))
 
     def _tag(self, micro: int, vstage: int, backward: bool) -> int:
         return (micro * self.num_stages + vstage) * 2 + int(backward)
