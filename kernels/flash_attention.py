@@ -26,11 +26,12 @@ from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (se
 from ._triton import interpreting, tl, upcast_dots
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453  # 1 / LOG2E
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, scale_log2, S, Hq, GROUP, D,
+    Q, K, V, O, LSE, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -44,7 +45,7 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d[None, :] < D
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
-                mask=(offs_m[:, None] < S) & d_mask, other=0.0)
+                mask=(offs_m[:, None] < SQ) & d_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = K + b * skb + hk * skh
@@ -52,19 +53,19 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = S
-    if CAUSAL:
-        hi = tl.minimum((start_m + 1) * BLOCK_M, S)  # keys after the block's last query are masked
+    hi = SK
+    if CAUSAL:  # SQ == SK: keys after the block's last query are masked
+        hi = tl.minimum((start_m + 1) * BLOCK_M, SK)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < S) & d_mask
+        kv_mask = (offs_n[:, None] < SK) & d_mask
         k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        valid = offs_n[None, :] < S
+        valid = offs_n[None, :] < SK
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
         qk = tl.where(valid, qk, -float("inf"))
@@ -79,8 +80,8 @@ def _attn_fwd_kernel(
         acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PREC)
         m_i = m_new
     acc = acc / l_i[:, None]
-    m_mask = offs_m < S
-    tl.store(LSE + bh * S + offs_m, m_i + tl.log2(l_i), mask=m_mask)
+    m_mask = offs_m < SQ
+    tl.store(LSE + bh * SQ + offs_m, m_i + tl.log2(l_i), mask=m_mask)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], acc.to(O.dtype.element_ty),
              mask=m_mask[:, None] & d_mask)
 
@@ -102,7 +103,7 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdo
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, scale, scale_log2, S, Hq, Hk, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DK, DV, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -114,7 +115,7 @@ def _attn_bwd_dkdv_kernel(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d[None, :] < D
-    kv_mask = (offs_n[:, None] < S) & d_mask
+    kv_mask = (offs_n[:, None] < SK) & d_mask
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
@@ -123,14 +124,14 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo = 0
-    if CAUSAL:
-        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier queries cannot see these keys
+    if CAUSAL:  # SQ == SK: earlier queries cannot see these keys
+        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        row_base = (b * Hq + h) * S
-        for start_m in range(lo, S, BLOCK_M):
+        row_base = (b * Hq + h) * SQ
+        for start_m in range(lo, SQ, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < S
+            m_mask = offs_m < SQ
             q_mask = m_mask[:, None] & d_mask
             q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
             do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=q_mask, other=0.0)
@@ -161,7 +162,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, scale, scale_log2, S, Hq, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DQ, scale, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -174,29 +175,29 @@ def _attn_bwd_dq_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d[None, :] < D
-    m_mask = offs_m < S
+    m_mask = offs_m < SQ
     q_mask = m_mask[:, None] & d_mask
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(LSE + bh * S + offs_m, mask=m_mask, other=0.0)
-    delta = tl.load(DELTA + bh * S + offs_m, mask=m_mask, other=0.0)
+    lse = tl.load(LSE + bh * SQ + offs_m, mask=m_mask, other=0.0)
+    delta = tl.load(DELTA + bh * SQ + offs_m, mask=m_mask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = S
-    if CAUSAL:
-        hi = tl.minimum((start_m + 1) * BLOCK_M, S)
+    hi = SK
+    if CAUSAL:  # SQ == SK
+        hi = tl.minimum((start_m + 1) * BLOCK_M, SK)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < S) & d_mask
+        kv_mask = (offs_n[:, None] < SK) & d_mask
         k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])
-        valid = offs_n[None, :] < S
+        valid = offs_n[None, :] < SK
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
         p = tl.where(valid, p, 0.0)
@@ -235,86 +236,182 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor,
+             causal: bool, scale: float) -> None:
+    """Write O (any dtype and strides, unit last) and the base-2 logsumexp (fp32 [B*Hq, SQ], contiguous)
+    of q [B, SQ, Hq, D] against k/v [B, SK, Hk, D]."""
+    B, SQ, Hq, D = q.shape
+    SK, Hk = k.shape[1], k.shape[2]
+    cfg = _config(D, q.dtype)
+    block_m, block_n, warps, stages = cfg["fwd"]
+    _attn_fwd_kernel[(triton.cdiv(SQ, block_m), B * Hq)](
+        q, k, v, o, lse2, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        CAUSAL=causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
+    )
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor,
+              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
+              scale: float) -> None:
+    """Write dQ, dK, dV given the base-2 logsumexp and delta = rowsum(dO * O) (fp32 [B*Hq, SQ] each)."""
+    B, SQ, Hq, D = q.shape
+    SK, Hk = k.shape[1], k.shape[2]
+    cfg = _config(D, q.dtype)
+    block_m, block_n, warps, stages = cfg["bwd"]
+    common = dict(CAUSAL=causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"],
+                  num_warps=warps, num_stages=stages)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(SK, block_n), B * Hk)](
+        q, k, v, do, lse2, delta, dk, dv, scale, scale * LOG2E, SQ, SK, Hq, Hk, Hq // Hk, D,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+        BLOCK_M=block_m, BLOCK_N=block_n, **common,
+    )
+    # dQ: many query rows per program, few keys at a time (the mirror image of dK/dV).
+    _attn_bwd_dq_kernel[(triton.cdiv(SQ, block_n), B * Hq)](
+        q, k, v, do, lse2, delta, dq, scale, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        BLOCK_M=block_n, BLOCK_N=block_m, **common,
+    )
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,  # type: ignore[override]
                 scale: float) -> torch.Tensor:
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         B, S, Hq, D = q.shape
-        Hk = k.shape[2]
-        cfg = _config(D, q.dtype)
-        block_m, block_n, warps, stages = cfg["fwd"]
         o = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
-        lse = torch.empty((B * Hq, S), dtype=torch.float32, device=q.device)
-        _attn_fwd_kernel[(triton.cdiv(S, block_m), B * Hq)](
-            q, k, v, o, lse, scale * LOG2E, S, Hq, Hq // Hk, D,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            CAUSAL=causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
-        )
-        ctx.save_for_backward(q, k, v, o, lse)
+        lse2 = torch.empty((B * Hq, S), dtype=torch.float32, device=q.device)
+        _forward(q, k, v, o, lse2, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse2)
         ctx.causal, ctx.scale = causal, scale
         return o
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse2 = ctx.saved_tensors
         do = _unit_last(do)
         B, S, Hq, D = q.shape
-        Hk = k.shape[2]
-        cfg = _config(D, q.dtype)
-        block_m, block_n, warps, stages = cfg["bwd"]
-        common = dict(CAUSAL=ctx.causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"],
-                      num_warps=warps, num_stages=stages)
-        delta = torch.empty_like(lse)
+        delta = torch.empty_like(lse2)
         _attn_bwd_preprocess_kernel[(triton.cdiv(S, 64), B * Hq)](
-            o, do, delta, S, Hq, D, *_strides(o), *_strides(do), BLOCK_M=64, BLOCK_D=cfg["BLOCK_D"])
+            o, do, delta, S, Hq, D, *_strides(o), *_strides(do), BLOCK_M=64,
+            BLOCK_D=_config(D, q.dtype)["BLOCK_D"])
         dq = torch.empty_like(q)
-        dk = torch.empty((B, S, Hk, D), dtype=k.dtype, device=k.device)
-        dv = torch.empty((B, S, Hk, D), dtype=v.dtype, device=v.device)
-        scale = ctx.scale
-        _attn_bwd_dkdv_kernel[(triton.cdiv(S, block_n), B * Hk)](
-            q, k, v, do, lse, delta, dk, dv, scale, scale * LOG2E, S, Hq, Hk, Hq // Hk, D,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-            BLOCK_M=block_m, BLOCK_N=block_n, **common,
-        )
-        # dQ: many query rows per program, few keys at a time (the mirror image of dK/dV).
-        _attn_bwd_dq_kernel[(triton.cdiv(S, block_n), B * Hq)](
-            q, k, v, do, lse, delta, dq, scale, scale * LOG2E, S, Hq, Hq // Hk, D,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-            BLOCK_M=block_n, BLOCK_N=block_m, **common,
-        )
+        dk = torch.empty((B, S, k.shape[2], D), dtype=k.dtype, device=k.device)
+        dv = torch.empty((B, S, v.shape[2], D), dtype=v.dtype, device=v.device)
+        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"flash_attention: need q [B,S,Hq,D], k = v [B,S,Hk,D]; got "
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "flash_attention",
+           same_length: bool = True) -> None:
+    if (q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
+            or (same_length and q.shape[1] != k.shape[1]) or k.shape[1] == 0):
+        seq_k = "S" if same_length else "SK"
+        raise ValueError(f"{name}: need q [B,S,Hq,D], k = v [B,{seq_k},Hk,D]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] % k.shape[2]:
-        raise ValueError(f"flash_attention: query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+        raise ValueError(f"{name}: query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     softmax_scale: float | None = None) -> torch.Tensor:
     """softmax(scale * Q K^T [+ causal mask]) V per head, [B,S,Hq,D] out; grouped-query kv heads."""
     _check(q, k, v)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, causal, scale)
+    return _FlashAttention.apply(q, k, v, causal, _scale(q, softmax_scale))
+
+
+# ---------------------------------------------------------------- one block of a longer attention
+# Ring attention (megalite/context/ring.py) splits one softmax over several key blocks. Per block it needs
+# (O_j, LSE_j) to merge the blocks (L = log sum_j exp L_j, O = sum_j exp(L_j - L) O_j), and in backward the
+# FINAL L and D = rowsum(dO * O) of the merged result, from which each block's P = exp(S - L) is exact.
+# Same kernels as above; only the host side differs: no autograd, fp32 outputs (the caller merges and
+# accumulates in fp32), natural-log LSE at the boundary (base 2 stays inside this file).
+
+
+def _check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, name: str) -> None:
+    _check(q, k, v, name, same_length=False)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"{name}: a causal block must be square (SQ == SK), got SQ {q.shape[1]}, SK {k.shape[1]}")
+
+
+def _heads_first(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+    """An fp32 [B, S, H, D] view of contiguous [B, H, S, D] memory (the caller's grouped-head layout)."""
+    B, S, H, D = shape
+    return torch.empty((B, H, S, D), dtype=torch.float32, device=like.device).transpose(1, 2)
+
+
+def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                          softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE) of q [B, SQ, Hq, D] against one block of keys k/v [B, SK, Hk, D] (any strides with a unit
+    last dim; causal needs SQ == SK). O: fp32 [B, SQ, Hq, D], a view of [B, Hq, SQ, D] memory; LSE: fp32
+    [B, Hq, SQ], LSE[b, h, i] = log sum_j exp(scale q_i . k_j) over the unmasked keys of this block.
+    No autograd: see `flash_attention_block_backward`."""
+    _check_block(q, k, v, causal, "flash_attention_block")
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, SQ, Hq, _ = q.shape
+    o = _heads_first(q.shape, q)
+    lse2 = torch.empty((B * Hq, SQ), dtype=torch.float32, device=q.device)
+    _forward(q, k, v, o, lse2, causal, _scale(q, softmax_scale))
+    return o, lse2.view(B, Hq, SQ).mul_(LN2)
+
+
+def flash_attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                                   lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+                                   softmax_scale: float | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This key block's share of the gradients: (dQ [B, SQ, Hq, D], dK, dV [B, SK, Hk, D]), fp32 views of
+    heads-first memory. `lse` and `delta` ([B, Hq, SQ]) are the statistics of the WHOLE softmax the query
+    rows belong to (every block merged), not of this block alone; dQ of the blocks sum to the full dQ.
+    dO is cast to q's dtype (the matmul operands must agree; lossless when the gradient arrived in it)."""
+    _check_block(q, k, v, causal, "flash_attention_block_backward")
+    B, SQ, Hq, _ = q.shape
+    if do.shape != q.shape or lse.shape != (B, Hq, SQ) or delta.shape != (B, Hq, SQ):
+        raise ValueError(f"flash_attention_block_backward: do {tuple(do.shape)}, lse {tuple(lse.shape)}, delta "
+                         f"{tuple(delta.shape)} for q {tuple(q.shape)}; expected do like q, lse/delta [B, Hq, SQ]")
+    q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do.to(q.dtype))
+    lse2 = (lse.float() * LOG2E).contiguous().view(B * Hq, SQ)
+    delta = delta.float().contiguous().view(B * Hq, SQ)
+    dq, dk, dv = (_heads_first(t.shape, t) for t in (q, k, v))
+    _backward(q, k, v, do, lse2, delta, dq, dk, dv, causal, _scale(q, softmax_scale))
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- plain-torch references
+def _reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float | None) -> torch.Tensor:
+    """scale * Q K^T in fp32, [B, Hq, SQ, SK], -inf above the diagonal when causal."""
+    group = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)                                   # [B, Hq, SQ, D]
+    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * _scale(q, softmax_scale)
+    if causal:
+        future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _reference_values(v: torch.Tensor, group: int) -> torch.Tensor:
+    return v.float().repeat_interleave(group, dim=2).transpose(1, 2)
 
 
 def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                               softmax_scale: float | None = None) -> torch.Tensor:
     """Materialised attention in fp32 (S x S scores), output in q.dtype."""
     _check(q, k, v)
-    group = q.shape[2] // k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    qf = q.float().transpose(1, 2)                                   # [B, Hq, S, D]
-    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    scores = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        S = q.shape[1]
-        future = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return (scores.softmax(dim=-1) @ vf).transpose(1, 2).to(q.dtype)
+    scores = _reference_scores(q, k, causal, softmax_scale)
+    return (scores.softmax(dim=-1) @ _reference_values(v, q.shape[2] // k.shape[2])).transpose(1, 2).to(q.dtype)
+
+
+def flash_attention_block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                                    softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention_block` materialised in fp32 (differentiable): (O [B, SQ, Hq, D], LSE [B, Hq, SQ])."""
+    _check_block(q, k, v, causal, "flash_attention_block_reference")
+    scores = _reference_scores(q, k, causal, softmax_scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = (scores - lse.unsqueeze(-1)).exp()
+    return (p @ _reference_values(v, q.shape[2] // k.shape[2])).transpose(1, 2), lse
