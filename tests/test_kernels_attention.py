@@ -64,3 +64,33 @@ def test_rejects_bad_head_counts() -> None:
     q, k, v = _qkv((1, 4, 3, 2, 16), torch.float32)
     with pytest.raises(ValueError, match="multiple"):
         K.flash_attention(q, k, v)
+
+
+# ---------------------------------------------------------------- one block of a longer attention: (O, LSE)
+# (B, SQ, SK, Hq, Hk, D, causal): the three block shapes of ring attention (megalite/context/ring.py) with
+# zigzag chunks of 5 tokens: the diagonal block (causal, square), all queries x the first key chunk, the
+# last query chunk x all keys; grouped-query 4:2, and MQA 3:1 with head_dim 8 and a 17-row query block
+# (two 16-row kernel blocks, the second masked).
+BLOCK_SHAPES = [(2, 10, 10, 4, 2, 16, True), (2, 10, 5, 4, 2, 16, False), (1, 5, 10, 4, 2, 16, False),
+                (1, 17, 6, 3, 1, 8, False)]
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+def test_flash_block_returns_lse(shape: tuple) -> None:
+    """O and the natural-log LSE over this block's keys, fp32, vs the materialised reference. Tolerance as
+    `TOL[fp32]`: the LSE is m + log(l) of the same online softmax, as exact as O."""
+    B, SQ, SK, Hq, Hk, D, causal = shape
+    g = torch.Generator().manual_seed(SQ * SK + Hq)
+    q = 1.5 * torch.randn(B, SQ, Hq, D, generator=g)
+    k, v = 1.5 * torch.randn(B, SK, Hk, D, generator=g), torch.randn(B, SK, Hk, D, generator=g)
+    out, lse = K.flash_attention_block(q, k, v, causal)
+    ref_out, ref_lse = K.flash_attention_block_reference(q, k, v, causal)
+    assert out.dtype == lse.dtype == torch.float32 and lse.shape == (B, Hq, SQ)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_flash_block_rejects_non_square_causal() -> None:
+    q, k = torch.zeros(1, 4, 2, 16), torch.zeros(1, 6, 2, 16)
+    with pytest.raises(ValueError, match="causal block must be square"):
+        K.flash_attention_block(q, k, k, True)

@@ -12,29 +12,52 @@ and the backward needs, per block, only the final L and D = rowsum(dO * O):
 
 Layout: heads first, grouped for GQA. q is [b, hk, rep, sq, d] (query head h = kv_head * rep + i reads
 kv head h // rep, as in megalite.model.ops.attention), k/v are [b, hk, sk, d]; L and D are
-[b, hk, rep, sq]. Everything is computed in fp32 whatever the input dtype. This is the readable
-reference: it materialises the [sq, sk] scores of one block pair (a flash kernel returning its LSE would
-not).
+[b, hk, rep, sq]. Everything is computed in fp32 whatever the input dtype.
+
+Two backends compute a block pair, chosen by the `backend` argument (the model's kernel choice):
+- "torch": the readable reference below; it materialises the [sq, sk] scores of one block pair.
+- "triton": the flash-attention kernel (`kernels.flash_attention_block` and its backward): the scores
+  stay in on-chip tiles, O and L come out in fp32, and the backward takes the final L and D like the
+  math above. It takes the masks ring attention needs, None (every key) and CAUSAL (a square block,
+  key i <= query i), not an arbitrary boolean tensor (the all-gather form's global-position mask).
 """
 
 from __future__ import annotations
 
+from typing import Literal, Optional, Union
+
 import torch
 
 Tensor = torch.Tensor
+Backend = Literal["torch", "triton"]
+CAUSAL = "causal"
+# Which keys each query row sees: None = all of them; CAUSAL = key i <= query i (square blocks: the
+# diagonal block of ring attention); a bool tensor [sq, sk] = any mask (torch backend only).
+Mask = Optional[Union[Tensor, Literal["causal"]]]
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, keep: Tensor | None) -> Tensor:
-    """scale * q k^T in fp32, [b, hk, rep, sq, sk]; -inf where `keep` ([sq, sk] bool) is False."""
+def _is_causal(keep: Mask) -> bool:
+    if isinstance(keep, str) and keep != CAUSAL:
+        raise ValueError(f"block attention mask {keep!r}: expected None, {CAUSAL!r} or a bool tensor")
+    return isinstance(keep, str)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, keep: Mask) -> Tensor:
+    """scale * q k^T in fp32, [b, hk, rep, sq, sk]; -inf where `keep` excludes the key."""
     s = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    if _is_causal(keep):
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
     if keep is not None:
         s.masked_fill_(~keep, float("-inf"))
     return s
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask,
+                  backend: Backend = "torch") -> tuple[Tensor, Tensor]:
     """(O, L) of softmax(scale q k^T, masked to `keep`) v: O fp32 [b, hk, rep, sq, d], L fp32 [b, hk, rep, sq].
     Every query row must keep at least one key (true of the causal blocks ring attention computes)."""
+    if backend == "triton":
+        return _flash_forward(q, k, v, scale, _flash_causal(keep, q, k))
     s = _scores(q, k, scale, keep)
     lse = torch.logsumexp(s, dim=-1)
     p = s.sub_(lse.unsqueeze(-1)).exp_()
@@ -42,9 +65,11 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | 
 
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, scale: float,
-                   keep: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                   keep: Mask, backend: Backend = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dQ [b, hk, rep, sq, d], dK [b, hk, sk, d], dV [b, hk, sk, d]), fp32, of this block's share of the
     attention, given the *final* L and D = rowsum(dO * O) of the query rows (see the module doc)."""
+    if backend == "triton":
+        return _flash_backward(q, k, v, d_out, lse, delta, scale, _flash_causal(keep, q, k))
     s = _scores(q, k, scale, keep)
     p = s.sub_(lse.unsqueeze(-1)).exp_()                                    # masked entries: exp(-inf) = 0
     d_out = d_out.float()
@@ -54,6 +79,46 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, 
     dq = torch.matmul(ds, k.float().unsqueeze(2)).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), q.float()).sum(dim=2).mul_(scale)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------- the Triton backend
+# The kernels take [batch, seq, heads, head_dim] with any strides (unit last): the grouped tensors here
+# are passed as views (query heads hk * rep in kv-head-major order, as the kernels' h // rep expects) and
+# the kernels' heads-first fp32 outputs come back as views too, so no copy is made either way.
+
+
+def _flash_causal(keep: Mask, q: Tensor, k: Tensor) -> bool:
+    if isinstance(keep, Tensor):
+        raise ValueError("the triton block backend takes the masks None and CAUSAL, not a mask tensor; "
+                         "use backend='torch' for arbitrary masks")
+    return _is_causal(keep)
+
+
+def _seq_major(x: Tensor) -> Tensor:
+    """[b, hk, rep, s, d] or [b, hk, s, d] -> a [b, s, heads, d] view."""
+    return (x.flatten(1, 2) if x.dim() == 5 else x).transpose(1, 2)
+
+
+def _grouped(x: Tensor, kv_heads: int) -> Tensor:
+    """A [b, s, hk * rep, ...] view of heads-first memory -> [b, hk, rep, s, ...] (inverse of `_seq_major`)."""
+    return x.transpose(1, 2).unflatten(1, (kv_heads, -1))
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import kernels  # the top-level kernel package; importing it does not import Triton
+
+    out, lse = kernels.flash_attention_block(_seq_major(q), _seq_major(k), _seq_major(v), causal, scale)
+    return _grouped(out, q.shape[1]), lse.unflatten(1, (q.shape[1], -1))
+
+
+def _flash_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, scale: float,
+                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    import kernels
+
+    dq, dk, dv = kernels.flash_attention_block_backward(
+        _seq_major(q), _seq_major(k), _seq_major(v), _seq_major(d_out), lse.flatten(1, 2), delta.flatten(1, 2),
+        causal, scale)
+    return _grouped(dq, q.shape[1]), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.context.blockwise import (block_backward, block_forward, from_grouped, merge_into,
+from megalite.context.blockwise import (CAUSAL, block_backward, block_forward, from_grouped, merge_into,
                                         to_grouped)
 from megalite.context.group import GROUP, ContextGroup
 from megalite.errors import ConfigError
@@ -43,10 +43,6 @@ Tensor = torch.Tensor
 def check_heads(num_heads: int, num_kv_heads: int) -> None:
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-
-
-def _causal(n: int, device: torch.device) -> Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
 
 
 def _wait(works: list[dist.Work]) -> None:
@@ -85,7 +81,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cpg.cp):
             nxt, works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])  # before computing with kv
             rows, keys, causal = _step_blocks((cpg.cp_rank - step) % cpg.cp, cpg.cp_rank, c)
-            keep = _causal(2 * c, q.device) if causal else None
+            keep = CAUSAL if causal else None
             blk_out, blk_lse = block_forward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale, keep)
             if out is None:
                 out, lse = blk_out, blk_lse        # step 0 covers every query row
@@ -113,7 +109,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cpg.cp):
             nxt, kv_works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])
             rows, keys, causal = _step_blocks((cpg.cp_rank - step) % cpg.cp, cpg.cp_rank, c)
-            keep = _causal(2 * c, q.device) if causal else None
+            keep = CAUSAL if causal else None
             dq_blk, dk_blk, dv_blk = block_backward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                                                     dog[:, :, :, rows], lse[:, :, :, rows],
                                                     delta[:, :, :, rows], scale=ctx.scale, keep=keep)
