@@ -24,16 +24,17 @@ Two backends compute a block pair, chosen by the `backend` argument (the model's
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Final, Literal, Optional, Union
 
 import torch
 
 Tensor = torch.Tensor
 Backend = Literal["torch", "triton"]
-CAUSAL = "causal"
+CAUSAL: Final = "causal"
 # Which keys each query row sees: None = all of them; CAUSAL = key i <= query i (square blocks: the
-# diagonal block of ring attention); a bool tensor [sq, sk] = any mask (torch backend only).
-Mask = Optional[Union[Tensor, Literal["causal"]]]
+# diagonal block of ring attention); a bool tensor [sq, sk] = any mask (torch backend only). Any other
+# string is refused at run time (typed `str` so that `CAUSAL if ... else None` passes as it is).
+Mask = Optional[Union[Tensor, str]]
 
 
 def _is_causal(keep: Mask) -> bool:
@@ -46,8 +47,8 @@ def _scores(q: Tensor, k: Tensor, scale: float, keep: Mask) -> Tensor:
     """scale * q k^T in fp32, [b, hk, rep, sq, sk]; -inf where `keep` excludes the key."""
     s = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if _is_causal(keep):
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
-    if keep is not None:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    elif isinstance(keep, Tensor):
         s.masked_fill_(~keep, float("-inf"))
     return s
 
@@ -57,7 +58,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask,
     """(O, L) of softmax(scale q k^T, masked to `keep`) v: O fp32 [b, hk, rep, sq, d], L fp32 [b, hk, rep, sq].
     Every query row must keep at least one key (true of the causal blocks ring attention computes)."""
     if backend == "triton":
-        return _flash_forward(q, k, v, scale, _flash_causal(keep, q, k))
+        return _flash_forward(q, k, v, scale, _flash_causal(keep))
     s = _scores(q, k, scale, keep)
     lse = torch.logsumexp(s, dim=-1)
     p = s.sub_(lse.unsqueeze(-1)).exp_()
@@ -69,7 +70,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, 
     """(dQ [b, hk, rep, sq, d], dK [b, hk, sk, d], dV [b, hk, sk, d]), fp32, of this block's share of the
     attention, given the *final* L and D = rowsum(dO * O) of the query rows (see the module doc)."""
     if backend == "triton":
-        return _flash_backward(q, k, v, d_out, lse, delta, scale, _flash_causal(keep, q, k))
+        return _flash_backward(q, k, v, d_out, lse, delta, scale, _flash_causal(keep))
     s = _scores(q, k, scale, keep)
     p = s.sub_(lse.unsqueeze(-1)).exp_()                                    # masked entries: exp(-inf) = 0
     d_out = d_out.float()
@@ -87,7 +88,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, 
 # the kernels' heads-first fp32 outputs come back as views too, so no copy is made either way.
 
 
-def _flash_causal(keep: Mask, q: Tensor, k: Tensor) -> bool:
+def _flash_causal(keep: Mask) -> bool:
     if isinstance(keep, Tensor):
         raise ValueError("the triton block backend takes the masks None and CAUSAL, not a mask tensor; "
                          "use backend='torch' for arbitrary masks")
