@@ -8,7 +8,7 @@
 | gelu_tanh                      | gelu.py             | tanh-GeLU; backward recomputes tanh                      |
 | cross_entropy (+ vocab-parallel)| cross_entropy.py   | online softmax, grad written into the logits in place    |
 | flash_attention                | flash_attention.py  | causal GQA attention; saves O and logsumexp (FA-2)       |
-| flash_attention_block (+ bwd)  | flash_attention.py  | one key block: (O, LSE) out; backward from the final LSE |
+| flash_attention_block (+ bwd)  | flash_attention_block.py | one key block: (O, LSE) out; backward from the final LSE |
 
 Importing this package never imports Triton: it is imported when the first kernel launches (see
 `_triton.py`), so the `*_reference` functions work everywhere and TRITON_INTERPRET=1 may be set
@@ -26,12 +26,11 @@ from .cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy_reference,
 )
-from .flash_attention import (
-    flash_attention,
+from .flash_attention import flash_attention, flash_attention_reference
+from .flash_attention_block import (
     flash_attention_block,
     flash_attention_block_backward,
     flash_attention_block_reference,
-    flash_attention_reference,
 )
 from .gelu import gelu_tanh, gelu_tanh_reference
 from .norms import (

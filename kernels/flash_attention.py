@@ -12,13 +12,14 @@ dV = P^T dO. Memory is O(sequence): O, lse and delta besides the inputs and grad
 Scores are kept in base 2 (scale * log2(e) folded into QK^T) so that exp2 is used throughout;
 the saved lse is therefore in log2 units (internal to this file).
 Layout is [batch, seq, heads, head_dim]; query head h uses kv head h // (Hq // Hk) (Ainslie et al.
-2023, "GQA").
+2023, "GQA"). The kernels take separate query and key lengths and an optional mask in global token
+positions for `flash_attention_block.py` (one key block of ring / all-gather context-parallel attention).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,9 +32,9 @@ LN2 = 0.6931471805599453  # 1 / LOG2E
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, scale_log2, SQ, SK, Hq, GROUP, D,
+    Q, K, V, O, LSE, QPOS, KPOS, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -48,6 +49,8 @@ def _attn_fwd_kernel(
                 mask=(offs_m[:, None] < SQ) & d_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if POSITIONS:  # key j is visible to query i iff KPOS[j] <= QPOS[i] (causal in global positions)
+        q_pos = tl.load(QPOS + offs_m, mask=offs_m < SQ, other=0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -68,6 +71,8 @@ def _attn_fwd_kernel(
         valid = offs_n[None, :] < SK
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        if POSITIONS:
+            valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
         qk = tl.where(valid, qk, -float("inf"))
         # Online softmax (Milakov & Gimelshein 2018): rescale what was accumulated so far.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -103,9 +108,9 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdo
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0)
@@ -121,6 +126,8 @@ def _attn_bwd_dkdv_kernel(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    if POSITIONS:
+        k_pos = tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo = 0
@@ -145,6 +152,8 @@ def _attn_bwd_dkdv_kernel(
             valid = m_mask[None, :]
             if CAUSAL:
                 valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            if POSITIONS:
+                valid = valid & (tl.load(QPOS + offs_m, mask=m_mask, other=0)[None, :] >= k_pos[:, None])
             p_t = tl.where(valid, p_t, 0.0)
             p_lo = p_t.to(DO.dtype.element_ty)
             if UPCAST:
@@ -162,9 +171,9 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, scale, scale_log2, SQ, SK, Hq, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, scale, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -184,6 +193,8 @@ def _attn_bwd_dq_kernel(
         do = do.to(tl.float32)
     lse = tl.load(LSE + bh * SQ + offs_m, mask=m_mask, other=0.0)
     delta = tl.load(DELTA + bh * SQ + offs_m, mask=m_mask, other=0.0)
+    if POSITIONS:
+        q_pos = tl.load(QPOS + offs_m, mask=m_mask, other=0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = SK
     if CAUSAL:  # SQ == SK
@@ -200,6 +211,8 @@ def _attn_bwd_dq_kernel(
         valid = offs_n[None, :] < SK
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        if POSITIONS:
+            valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
         p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
@@ -236,8 +249,19 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# (query positions [SQ], key positions [SK]): key j is visible to query i iff key[j] <= query[i].
+Positions = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _position_args(positions: Positions, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QPOS, KPOS kernel arguments: the contiguous positions, or a placeholder the kernel never reads."""
+    if positions is None:
+        return placeholder, placeholder
+    return positions[0].contiguous(), positions[1].contiguous()
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor,
-             causal: bool, scale: float) -> None:
+             causal: bool, scale: float, positions: Positions = None) -> None:
     """Write O (any dtype and strides, unit last) and the base-2 logsumexp (fp32 [B*Hq, SQ], contiguous)
     of q [B, SQ, Hq, D] against k/v [B, SK, Hk, D]."""
     B, SQ, Hq, D = q.shape
@@ -245,31 +269,32 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["fwd"]
     _attn_fwd_kernel[(triton.cdiv(SQ, block_m), B * Hq)](
-        q, k, v, o, lse2, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
+        q, k, v, o, lse2, *_position_args(positions, lse2), scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        CAUSAL=causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
+        CAUSAL=causal, POSITIONS=positions is not None, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
     )
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor,
               delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-              scale: float) -> None:
+              scale: float, positions: Positions = None) -> None:
     """Write dQ, dK, dV given the base-2 logsumexp and delta = rowsum(dO * O) (fp32 [B*Hq, SQ] each)."""
     B, SQ, Hq, D = q.shape
     SK, Hk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["bwd"]
-    common = dict(CAUSAL=causal, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"],
-                  num_warps=warps, num_stages=stages)
+    common = dict(CAUSAL=causal, POSITIONS=positions is not None, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"],
+                  BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages)
+    pos = _position_args(positions, lse2)
     _attn_bwd_dkdv_kernel[(triton.cdiv(SK, block_n), B * Hk)](
-        q, k, v, do, lse2, delta, dk, dv, scale, scale * LOG2E, SQ, SK, Hq, Hk, Hq // Hk, D,
+        q, k, v, do, lse2, delta, dk, dv, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hk, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
         BLOCK_M=block_m, BLOCK_N=block_n, **common,
     )
     # dQ: many query rows per program, few keys at a time (the mirror image of dK/dV).
     _attn_bwd_dq_kernel[(triton.cdiv(SQ, block_n), B * Hq)](
-        q, k, v, do, lse2, delta, dq, scale, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
+        q, k, v, do, lse2, delta, dq, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         BLOCK_M=block_n, BLOCK_N=block_m, **common,
     )
@@ -326,65 +351,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _FlashAttention.apply(q, k, v, causal, _scale(q, softmax_scale))
 
 
-# ---------------------------------------------------------------- one block of a longer attention
-# Ring attention (megalite/context/ring.py) splits one softmax over several key blocks. Per block it needs
-# (O_j, LSE_j) to merge the blocks (L = log sum_j exp L_j, O = sum_j exp(L_j - L) O_j), and in backward the
-# FINAL L and D = rowsum(dO * O) of the merged result, from which each block's P = exp(S - L) is exact.
-# Same kernels as above; only the host side differs: no autograd, fp32 outputs (the caller merges and
-# accumulates in fp32), natural-log LSE at the boundary (base 2 stays inside this file).
-
-
-def _check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, name: str) -> None:
-    _check(q, k, v, name, same_length=False)
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"{name}: a causal block must be square (SQ == SK), got SQ {q.shape[1]}, SK {k.shape[1]}")
-
-
-def _heads_first(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
-    """An fp32 [B, S, H, D] view of contiguous [B, H, S, D] memory (the caller's grouped-head layout)."""
-    B, S, H, D = shape
-    return torch.empty((B, H, S, D), dtype=torch.float32, device=like.device).transpose(1, 2)
-
-
-def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                          softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE) of q [B, SQ, Hq, D] against one block of keys k/v [B, SK, Hk, D] (any strides with a unit
-    last dim; causal needs SQ == SK). O: fp32 [B, SQ, Hq, D], a view of [B, Hq, SQ, D] memory; LSE: fp32
-    [B, Hq, SQ], LSE[b, h, i] = log sum_j exp(scale q_i . k_j) over the unmasked keys of this block.
-    No autograd: see `flash_attention_block_backward`."""
-    _check_block(q, k, v, causal, "flash_attention_block")
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    B, SQ, Hq, _ = q.shape
-    o = _heads_first(q.shape, q)
-    lse2 = torch.empty((B * Hq, SQ), dtype=torch.float32, device=q.device)
-    _forward(q, k, v, o, lse2, causal, _scale(q, softmax_scale))
-    return o, lse2.view(B, Hq, SQ).mul_(LN2)
-
-
-def flash_attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                                   lse: torch.Tensor, delta: torch.Tensor, causal: bool,
-                                   softmax_scale: float | None = None
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This key block's share of the gradients: (dQ [B, SQ, Hq, D], dK, dV [B, SK, Hk, D]), fp32 views of
-    heads-first memory. `lse` and `delta` ([B, Hq, SQ]) are the statistics of the WHOLE softmax the query
-    rows belong to (every block merged), not of this block alone; dQ of the blocks sum to the full dQ.
-    dO is cast to q's dtype (the matmul operands must agree; lossless when the gradient arrived in it)."""
-    _check_block(q, k, v, causal, "flash_attention_block_backward")
-    B, SQ, Hq, _ = q.shape
-    if do.shape != q.shape or lse.shape != (B, Hq, SQ) or delta.shape != (B, Hq, SQ):
-        raise ValueError(f"flash_attention_block_backward: do {tuple(do.shape)}, lse {tuple(lse.shape)}, delta "
-                         f"{tuple(delta.shape)} for q {tuple(q.shape)}; expected do like q, lse/delta [B, Hq, SQ]")
-    q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do.to(q.dtype))
-    lse2 = (lse.float() * LOG2E).contiguous().view(B * Hq, SQ)
-    delta = delta.float().contiguous().view(B * Hq, SQ)
-    dq, dk, dv = (_heads_first(t.shape, t) for t in (q, k, v))
-    _backward(q, k, v, do, lse2, delta, dq, dk, dv, causal, _scale(q, softmax_scale))
-    return dq, dk, dv
-
-
 # ---------------------------------------------------------------- plain-torch references
-def _reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float | None) -> torch.Tensor:
-    """scale * Q K^T in fp32, [B, Hq, SQ, SK], -inf above the diagonal when causal."""
+def _reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float | None,
+                      positions: Positions = None) -> torch.Tensor:
+    """scale * Q K^T in fp32, [B, Hq, SQ, SK], -inf where a key is masked."""
     group = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)                                   # [B, Hq, SQ, D]
     kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
@@ -392,6 +362,8 @@ def _reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_sc
     if causal:
         future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if positions is not None:
+        scores = scores.masked_fill(positions[0][:, None] < positions[1][None, :], float("-inf"))
     return scores
 
 
@@ -405,13 +377,3 @@ def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check(q, k, v)
     scores = _reference_scores(q, k, causal, softmax_scale)
     return (scores.softmax(dim=-1) @ _reference_values(v, q.shape[2] // k.shape[2])).transpose(1, 2).to(q.dtype)
-
-
-def flash_attention_block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                                    softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flash_attention_block` materialised in fp32 (differentiable): (O [B, SQ, Hq, D], LSE [B, Hq, SQ])."""
-    _check_block(q, k, v, causal, "flash_attention_block_reference")
-    scores = _reference_scores(q, k, causal, softmax_scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = (scores - lse.unsqueeze(-1)).exp()
-    return (p @ _reference_values(v, q.shape[2] // k.shape[2])).transpose(1, 2), lse

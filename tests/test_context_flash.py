@@ -3,7 +3,8 @@
 The Triton block backend must be interchangeable with the torch block math: forward (O, LSE) per block that
 `merge_into` combines into the full softmax, and a backward that takes the MERGED statistics (final LSE and
 D = rowsum(dO * O)) and returns each block's share of dQ, dK, dV. Checked against autograd through one
-materialised softmax over both blocks, then through the whole `ring_attention` at cp = 2.
+materialised softmax over both blocks, then through the whole `ring_attention` and `allgather_attention`
+(its mask in global token positions) at cp = 2 against unsplit attention.
 
 Tolerance 2e-5 (absolute and relative), as in tests/test_context_parallel.py: every path computes in fp32
 (the interpreter's `tl.dot` is exact fp32, the kernels reorder sums of <= 16 terms and rescale online), the
@@ -24,7 +25,7 @@ import torch
 pytest.importorskip("triton")
 from kernels.testing import use_interpreter  # noqa: E402
 
-from megalite.context import blockwise, ring, zigzag_split  # noqa: E402
+from megalite.context import allgather, blockwise, ring, zigzag_split  # noqa: E402
 from megalite.context.blockwise import CAUSAL, block_backward, block_forward, merge_into  # noqa: E402
 from tests.test_context_parallel import _problem, _reference, _ring, _run_cp  # noqa: E402
 
@@ -90,10 +91,10 @@ def test_triton_backend_refuses_mask_tensors() -> None:
         block_forward(q, kv, kv, 1.0, torch.ones(4, 4, dtype=torch.bool), backend="triton")
 
 
-def _ring_flash_rank_fn(rank: int, heads: int, kv_heads: int) -> int:
-    """ring_attention at cp = 2 (two rings of 2 on 4 ranks) with the ring's block math on the Triton
+def _cp_flash_rank_fn(rank: int, form: str, heads: int, kv_heads: int) -> int:
+    """The ring or all-gather form at cp = 2 (two rings of 2 on 4 ranks) with its block math on the Triton
     kernels, vs unsplit attention: output and dq/dk/dv of this rank's zigzag rows. Returns the number of
-    kernel block launches (forward + backward) so the caller sees the kernels really ran."""
+    kernel block calls (forward + backward) so the caller sees the kernels really ran."""
     use_interpreter()  # this worker may have been started before TRITON_INTERPRET was set
     cpg = _ring(2)
     q, k, v, d_out = _problem(200 + cpg.ranks[0], 2, 8, heads, kv_heads, 8)
@@ -106,22 +107,24 @@ def _ring_flash_rank_fn(rank: int, heads: int, kv_heads: int) -> int:
             return fn(*args, **kwargs)
         return call
 
-    saved = ring.block_forward, ring.block_backward, K.flash_attention_block, K.flash_attention_block_backward
-    # cp-train passes the backend from the model's Ops; until then the ring's block calls are bound here.
-    ring.block_forward = functools.partial(blockwise.block_forward, backend="triton")
-    ring.block_backward = functools.partial(blockwise.block_backward, backend="triton")
+    module = ring if form == "ring" else allgather
+    saved = module.block_forward, module.block_backward, K.flash_attention_block, K.flash_attention_block_backward
+    # The model passes the backend from its kernel choice; here the form's block calls are bound to it.
+    module.block_forward = functools.partial(blockwise.block_forward, backend="triton")
+    module.block_backward = functools.partial(blockwise.block_backward, backend="triton")
     K.flash_attention_block, K.flash_attention_block_backward = counted(saved[2]), counted(saved[3])
     try:
-        got, _, _ = _run_cp("ring", q, k, v, d_out, cpg)
+        got, _, _ = _run_cp(form, q, k, v, d_out, cpg)
     finally:
-        ring.block_forward, ring.block_backward, K.flash_attention_block, K.flash_attention_block_backward = saved
+        module.block_forward, module.block_backward, K.flash_attention_block, K.flash_attention_block_backward = saved
     for name, a, want in zip(["out", "dq", "dk", "dv"], got, _reference(q, k, v, d_out)):
         torch.testing.assert_close(a, zigzag_split(want, 2, cpg.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
     return len(launches)
 
 
-def test_ring_attention_on_triton_blocks_equals_unsplit(dist_world) -> None:
-    """The whole ring (forward merge, dK/dV travelling back to their owner) on the Triton block backend,
-    grouped-query heads 4:2."""
-    launches = dist_world(4).run(_ring_flash_rank_fn, 4, 2)
-    assert launches == [4] * 4  # cp = 2 blocks forward + 2 backward, on every rank
+@pytest.mark.parametrize("form,calls", [("ring", 4), ("allgather", 2)])
+def test_context_parallel_on_triton_blocks_equals_unsplit(dist_world, form: str, calls: int) -> None:
+    """The whole ring (forward merge, dK/dV travelling back to their owner; cp = 2 blocks forward and 2
+    backward per rank) and the all-gather form (one block each way, masked in global positions) on the
+    Triton block backend, grouped-query heads 4:2."""
+    assert dist_world(4).run(_cp_flash_rank_fn, form, 4, 2) == [calls] * 4

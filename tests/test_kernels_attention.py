@@ -90,6 +90,28 @@ def test_flash_block_returns_lse(shape: tuple) -> None:
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+def test_flash_block_mask_in_global_positions() -> None:
+    """The all-gather form's mask: rank 1's zigzag queries of a 12-token sequence at cp = 2 (positions
+    3-8) against every rank's keys in rank order (positions 0 1 2 9 10 11 3 ... 8), key visible iff its
+    position <= the query's; forward (O, LSE) and the backward from the block's own LSE (the whole softmax
+    here) vs autograd through the reference. GQA 4:2; tolerance as above."""
+    g = torch.Generator().manual_seed(5)
+    q_pos, k_pos = torch.arange(3, 9), torch.tensor([0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8])
+    q = torch.randn(2, 6, 4, 16, generator=g)
+    k, v = torch.randn(2, 12, 2, 16, generator=g), torch.randn(2, 12, 2, 16, generator=g)
+    out, lse = K.flash_attention_block(q, k, v, False, positions=(q_pos, k_pos))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = K.flash_attention_block_reference(*leaves, False, positions=(q_pos, k_pos))
+    d_out = torch.randn(ref_out.shape, generator=g)
+    ref_out.backward(d_out)
+    delta = (d_out * ref_out.detach()).sum(-1).transpose(1, 2)
+    grads = K.flash_attention_block_backward(q, k, v, d_out, ref_lse.detach(), delta, False,
+                                             positions=(q_pos, k_pos))
+    for name, got, want in zip(["out", "lse", "dq", "dk", "dv"], [out, lse, *grads],
+                               [ref_out, ref_lse] + [t.grad for t in leaves]):
+        torch.testing.assert_close(got, want.detach(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_flash_block_rejects_non_square_causal() -> None:
     q, k = torch.zeros(1, 4, 2, 16), torch.zeros(1, 6, 2, 16)
     with pytest.raises(ValueError, match="causal block must be square"):

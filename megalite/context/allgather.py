@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from megalite.context.blockwise import block_backward, block_forward, from_grouped, to_grouped
+from megalite.context.blockwise import PositionMask, block_backward, block_forward, from_grouped, to_grouped
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.ring import check_heads, stack_kv
 from megalite.context.zigzag import zigzag_positions
@@ -28,12 +28,12 @@ from megalite.parallel import comm
 Tensor = torch.Tensor
 
 
-def _global_causal_mask(seq_local: int, cpg: ContextGroup, device: torch.device) -> Tensor:
-    """keep[i, j] for local query i against key j of the gathered (rank-ordered) K/V."""
+def _global_causal_mask(seq_local: int, cpg: ContextGroup, device: torch.device) -> PositionMask:
+    """Local query i sees key j of the gathered (rank-ordered) K/V iff key j's position <= query i's."""
     seq = seq_local * cpg.cp
     q_pos = zigzag_positions(seq, cpg.cp, cpg.cp_rank, device)
     k_pos = torch.cat([zigzag_positions(seq, cpg.cp, r, device) for r in range(cpg.cp)])
-    return q_pos[:, None] >= k_pos[None, :]
+    return PositionMask(q_pos, k_pos)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -43,18 +43,18 @@ class _AllGatherAttention(torch.autograd.Function):
         keep = _global_causal_mask(q.shape[1], cpg, q.device)
         out, lse = block_forward(to_grouped(q, k.shape[2]), kv_all[0], kv_all[1], scale, keep)
         result = from_grouped(out).to(q.dtype)
-        ctx.save_for_backward(q, kv_all, result, lse, keep)
+        ctx.save_for_backward(q, kv_all, result, lse, keep.query, keep.key)  # positions: O(S), not the S^2/cp mask
         ctx.cpg, ctx.scale, ctx.kv_dtype = cpg, scale, k.dtype
         return result
 
     @staticmethod
     def backward(ctx, d_out: Tensor):  # type: ignore[override]
-        q, kv_all, out, lse, keep = ctx.saved_tensors
+        q, kv_all, out, lse, q_pos, k_pos = ctx.saved_tensors
         hk = kv_all.shape[2]
         dog = to_grouped(d_out, hk).float()
         delta = (dog * to_grouped(out, hk).float()).sum(dim=-1)
         dq, dk_all, dv_all = block_backward(to_grouped(q, hk), kv_all[0], kv_all[1], dog, lse, delta,
-                                            ctx.scale, keep)
+                                            ctx.scale, PositionMask(q_pos, k_pos))
         dkv = comm.reduce_scatter(torch.stack([dk_all, dv_all]), ctx.cpg, GROUP, dim=3)  # type: ignore[arg-type]
         dk, dv = (t.transpose(1, 2).to(ctx.kv_dtype) for t in dkv)
         return from_grouped(dq).to(q.dtype), dk, dv, None, None

@@ -14,16 +14,17 @@ Layout: heads first, grouped for GQA. q is [b, hk, rep, sq, d] (query head h = k
 kv head h // rep, as in megalite.model.ops.attention), k/v are [b, hk, sk, d]; L and D are
 [b, hk, rep, sq]. Everything is computed in fp32 whatever the input dtype.
 
-Two backends compute a block pair, chosen by the `backend` argument (the model's kernel choice):
+Two backends compute a block pair, chosen by the `backend` argument (the resolved `model.kernels`):
 - "torch": the readable reference below; it materialises the [sq, sk] scores of one block pair.
 - "triton": the flash-attention kernel (`kernels.flash_attention_block` and its backward): the scores
   stay in on-chip tiles, O and L come out in fp32, and the backward takes the final L and D like the
-  math above. It takes the masks ring attention needs, None (every key) and CAUSAL (a square block,
-  key i <= query i), not an arbitrary boolean tensor (the all-gather form's global-position mask).
+  math above. It takes the masks context parallelism needs: None, CAUSAL and a PositionMask (not an
+  arbitrary boolean tensor).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final, Literal, Optional, Union
 
 import torch
@@ -31,15 +32,29 @@ import torch
 Tensor = torch.Tensor
 Backend = Literal["torch", "triton"]
 CAUSAL: Final = "causal"
+
+
+@dataclass(frozen=True)
+class PositionMask:
+    """Causal attention in global token positions: key j is visible to query i iff key[j] <= query[i].
+    The all-gather form's mask, whose keys are every rank's zigzag chunks (not in position order)."""
+
+    query: Tensor  # [sq] integer positions of the query rows
+    key: Tensor    # [sk] integer positions of the keys
+
+    def keep(self) -> Tensor:
+        return self.query[:, None] >= self.key[None, :]
+
+
 # Which keys each query row sees: None = all of them; CAUSAL = key i <= query i (square blocks: the
-# diagonal block of ring attention); a bool tensor [sq, sk] = any mask (torch backend only). Any other
-# string is refused at run time (typed `str` so that `CAUSAL if ... else None` passes as it is).
-Mask = Optional[Union[Tensor, str]]
+# diagonal block of ring attention); a PositionMask; a bool tensor [sq, sk] = any mask (torch backend only).
+# Any other string is refused at run time (typed `str` so that `CAUSAL if ... else None` passes as it is).
+Mask = Optional[Union[Tensor, str, PositionMask]]
 
 
 def _is_causal(keep: Mask) -> bool:
     if isinstance(keep, str) and keep != CAUSAL:
-        raise ValueError(f"block attention mask {keep!r}: expected None, {CAUSAL!r} or a bool tensor")
+        raise ValueError(f"block attention mask {keep!r}: expected None, {CAUSAL!r}, a PositionMask or a bool tensor")
     return isinstance(keep, str)
 
 
@@ -48,6 +63,8 @@ def _scores(q: Tensor, k: Tensor, scale: float, keep: Mask) -> Tensor:
     s = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if _is_causal(keep):
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    elif isinstance(keep, PositionMask):
+        s.masked_fill_(~keep.keep(), float("-inf"))
     elif isinstance(keep, Tensor):
         s.masked_fill_(~keep, float("-inf"))
     return s
@@ -56,9 +73,9 @@ def _scores(q: Tensor, k: Tensor, scale: float, keep: Mask) -> Tensor:
 def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask,
                   backend: Backend = "torch") -> tuple[Tensor, Tensor]:
     """(O, L) of softmax(scale q k^T, masked to `keep`) v: O fp32 [b, hk, rep, sq, d], L fp32 [b, hk, rep, sq].
-    Every query row must keep at least one key (true of the causal blocks ring attention computes)."""
+    Every query row must keep at least one key (true of the causal blocks context parallelism computes)."""
     if backend == "triton":
-        return _flash_forward(q, k, v, scale, _flash_causal(keep))
+        return _flash_forward(q, k, v, scale, keep)
     s = _scores(q, k, scale, keep)
     lse = torch.logsumexp(s, dim=-1)
     p = s.sub_(lse.unsqueeze(-1)).exp_()
@@ -70,7 +87,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, 
     """(dQ [b, hk, rep, sq, d], dK [b, hk, sk, d], dV [b, hk, sk, d]), fp32, of this block's share of the
     attention, given the *final* L and D = rowsum(dO * O) of the query rows (see the module doc)."""
     if backend == "triton":
-        return _flash_backward(q, k, v, d_out, lse, delta, scale, _flash_causal(keep))
+        return _flash_backward(q, k, v, d_out, lse, delta, scale, keep)
     s = _scores(q, k, scale, keep)
     p = s.sub_(lse.unsqueeze(-1)).exp_()                                    # masked entries: exp(-inf) = 0
     d_out = d_out.float()
@@ -88,11 +105,13 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, 
 # the kernels' heads-first fp32 outputs come back as views too, so no copy is made either way.
 
 
-def _flash_causal(keep: Mask) -> bool:
+def _flash_mask(keep: Mask) -> tuple[bool, Optional[tuple[Tensor, Tensor]]]:
+    """The kernels' mask arguments (`causal`, `positions`) for `keep`."""
     if isinstance(keep, Tensor):
-        raise ValueError("the triton block backend takes the masks None and CAUSAL, not a mask tensor; "
-                         "use backend='torch' for arbitrary masks")
-    return _is_causal(keep)
+        raise ValueError("the triton block backend takes the masks None, CAUSAL and PositionMask, not a mask "
+                         "tensor; use backend='torch' for arbitrary masks")
+    positions = (keep.query, keep.key) if isinstance(keep, PositionMask) else None
+    return _is_causal(keep), positions
 
 
 def _seq_major(x: Tensor) -> Tensor:
@@ -105,20 +124,22 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
     return x.transpose(1, 2).unflatten(1, (kv_heads, -1))
 
 
-def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask) -> tuple[Tensor, Tensor]:
     import kernels  # the top-level kernel package; importing it does not import Triton
 
-    out, lse = kernels.flash_attention_block(_seq_major(q), _seq_major(k), _seq_major(v), causal, scale)
+    causal, positions = _flash_mask(keep)
+    out, lse = kernels.flash_attention_block(_seq_major(q), _seq_major(k), _seq_major(v), causal, scale, positions)
     return _grouped(out, q.shape[1]), lse.unflatten(1, (q.shape[1], -1))
 
 
 def _flash_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, scale: float,
-                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    keep: Mask) -> tuple[Tensor, Tensor, Tensor]:
     import kernels
 
+    causal, positions = _flash_mask(keep)
     dq, dk, dv = kernels.flash_attention_block_backward(
         _seq_major(q), _seq_major(k), _seq_major(v), _seq_major(d_out), lse.flatten(1, 2), delta.flatten(1, 2),
-        causal, scale)
+        causal, scale, positions)
     return _grouped(dq, q.shape[1]), dk.transpose(1, 2), dv.transpose(1, 2)
 
 

@@ -1,0 +1,89 @@
+"""One key block of a longer attention, for ring attention: (O, LSE) out, the merged LSE in.
+
+Ring attention (megalite/context/ring.py; Liu et al. 2023) splits one softmax over several key blocks.
+Per block it needs (O_j, LSE_j) to merge the blocks (L = log sum_j exp L_j, O = sum_j exp(L_j - L) O_j,
+the online softmax of Milakov & Gimelshein 2018 lifted to whole blocks), and in backward the FINAL L and
+D = rowsum(dO * O) of the merged result, from which each block's P = exp(S - L) is exact, so the
+FlashAttention-2 backward gives exactly this block's share of dQ, dK, dV.
+
+Same Triton kernels as `flash_attention.py` (they take separate query/key lengths and, for the all-gather
+form, a mask in global token positions); only the host side differs: no autograd, fp32 outputs (the
+caller merges and accumulates in fp32), natural-log LSE at the boundary (base 2 stays inside the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flash_attention import (LN2, LOG2E, Positions, _backward, _check, _forward, _reference_scores,
+                              _reference_values, _scale, _unit_last)
+
+
+def _check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, positions: Positions,
+                 name: str) -> None:
+    _check(q, k, v, name, same_length=False)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"{name}: a causal block must be square (SQ == SK), got SQ {q.shape[1]}, SK {k.shape[1]}")
+    if positions is not None and (causal or positions[0].shape != q.shape[1:2] or positions[1].shape != k.shape[1:2]
+                                  or positions[0].is_floating_point() or positions[1].is_floating_point()):
+        raise ValueError(f"{name}: positions must be integer vectors [SQ], [SK] (got "
+                         f"{tuple(positions[0].shape)}, {tuple(positions[1].shape)} for SQ {q.shape[1]}, "
+                         f"SK {k.shape[1]}) and exclude causal")
+
+
+def _heads_first(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+    """An fp32 [B, S, H, D] view of contiguous [B, H, S, D] memory (the caller's grouped-head layout)."""
+    B, S, H, D = shape
+    return torch.empty((B, H, S, D), dtype=torch.float32, device=like.device).transpose(1, 2)
+
+
+def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                          softmax_scale: float | None = None, positions: Positions = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE) of q [B, SQ, Hq, D] against one block of keys k/v [B, SK, Hk, D] (any strides with a unit
+    last dim). Mask: `causal` (key j <= query i; needs SQ == SK), or `positions` = (query positions [SQ],
+    key positions [SK]) for causal attention in global token positions (key j visible to query i iff
+    key[j] <= query[i]: the all-gather form of context parallelism), or neither. Every query row must
+    see at least one key. O: fp32 [B, SQ, Hq, D], a view of [B, Hq, SQ, D] memory; LSE: fp32 [B, Hq, SQ],
+    LSE[b, h, i] = log sum_j exp(scale q_i . k_j) over the visible keys of this block.
+    No autograd: see `flash_attention_block_backward`."""
+    _check_block(q, k, v, causal, positions, "flash_attention_block")
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, SQ, Hq, _ = q.shape
+    o = _heads_first(q.shape, q)
+    lse2 = torch.empty((B * Hq, SQ), dtype=torch.float32, device=q.device)
+    _forward(q, k, v, o, lse2, causal, _scale(q, softmax_scale), positions)
+    return o, lse2.view(B, Hq, SQ).mul_(LN2)
+
+
+def flash_attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                                   lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+                                   softmax_scale: float | None = None, positions: Positions = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This key block's share of the gradients: (dQ [B, SQ, Hq, D], dK, dV [B, SK, Hk, D]), fp32 views of
+    heads-first memory. `lse` and `delta` ([B, Hq, SQ]) are the statistics of the WHOLE softmax the query
+    rows belong to (every block merged), not of this block alone; dQ of the blocks sum to the full dQ.
+    dO is cast to q's dtype (the matmul operands must agree; lossless when the gradient arrived in it).
+    The mask (`causal` / `positions`) must be the forward's."""
+    _check_block(q, k, v, causal, positions, "flash_attention_block_backward")
+    B, SQ, Hq, _ = q.shape
+    if do.shape != q.shape or lse.shape != (B, Hq, SQ) or delta.shape != (B, Hq, SQ):
+        raise ValueError(f"flash_attention_block_backward: do {tuple(do.shape)}, lse {tuple(lse.shape)}, delta "
+                         f"{tuple(delta.shape)} for q {tuple(q.shape)}; expected do like q, lse/delta [B, Hq, SQ]")
+    q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do.to(q.dtype))
+    lse2 = (lse.float() * LOG2E).contiguous().view(B * Hq, SQ)
+    delta = delta.float().contiguous().view(B * Hq, SQ)
+    dq, dk, dv = (_heads_first(t.shape, t) for t in (q, k, v))
+    _backward(q, k, v, do, lse2, delta, dq, dk, dv, causal, _scale(q, softmax_scale), positions)
+    return dq, dk, dv
+
+
+def flash_attention_block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                                    softmax_scale: float | None = None, positions: Positions = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention_block` materialised in fp32 (differentiable): (O [B, SQ, Hq, D], LSE [B, Hq, SQ])."""
+    _check_block(q, k, v, causal, positions, "flash_attention_block_reference")
+    scores = _reference_scores(q, k, causal, softmax_scale, positions)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = (scores - lse.unsqueeze(-1)).exp()
+    return (p @ _reference_values(v, q.shape[2] // k.shape[2])).transpose(1, 2), lse
