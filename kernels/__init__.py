@@ -8,7 +8,8 @@
 | gelu_tanh                      | gelu.py             | tanh-GeLU; backward recomputes tanh                      |
 | cross_entropy (+ vocab-parallel)| cross_entropy.py   | online softmax, grad written into the logits in place    |
 | flash_attention                | flash_attention.py  | causal GQA attention; saves O and logsumexp (FA-2)       |
-| flash_attention_block (+ bwd)  | flash_attention_block.py | one key block: (O, LSE) out; backward from the final LSE |
+| flash_attention_block (+ bwd)  | flash_attention_block.py | one key block of a longer softmax: (O, LSE) out;     |
+|                                |                     | backward from the merged LSE (context parallelism)       |
 
 Importing this package never imports Triton: it is imported when the first kernel launches (see
 `_triton.py`), so the `*_reference` functions work everywhere and TRITON_INTERPRET=1 may be set
