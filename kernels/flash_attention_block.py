@@ -1,4 +1,4 @@
-"""One key block of a longer attention, for ring attention: (O, LSE) out, the merged LSE in.
+"""One key block of a longer attention, for context parallelism: (O, LSE) out, the merged LSE in.
 
 Ring attention (megalite/context/ring.py; Liu et al. 2023) splits one softmax over several key blocks.
 Per block it needs (O_j, LSE_j) to merge the blocks (L = log sum_j exp L_j, O = sum_j exp(L_j - L) O_j,

@@ -85,10 +85,14 @@ def test_two_blocks_merge_and_backward_with_global_lse(other: str) -> None:
         torch.testing.assert_close(got, want.float(), **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def test_triton_backend_refuses_mask_tensors() -> None:
+def test_block_math_refuses_what_it_cannot_do() -> None:
     q, kv = torch.zeros(1, 1, 1, 4, 8), torch.zeros(1, 1, 4, 8)
     with pytest.raises(ValueError, match="not a mask tensor"):
         block_forward(q, kv, kv, 1.0, torch.ones(4, 4, dtype=torch.bool), backend="triton")
+    with pytest.raises(ValueError, match="backend 'auto'"):
+        block_forward(q, kv, kv, 1.0, None, backend="auto")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mask 'causal!'"):
+        block_forward(q, kv, kv, 1.0, "causal!")
 
 
 def _cp_flash_rank_fn(rank: int, form: str, heads: int, kv_heads: int) -> int:

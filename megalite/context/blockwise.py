@@ -58,6 +58,12 @@ def _is_causal(keep: Mask) -> bool:
     return isinstance(keep, str)
 
 
+def _use_flash(backend: Backend) -> bool:
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"block attention backend {backend!r}: expected 'torch' or 'triton' (resolve 'auto' first)")
+    return backend == "triton"
+
+
 def _scores(q: Tensor, k: Tensor, scale: float, keep: Mask) -> Tensor:
     """scale * q k^T in fp32, [b, hk, rep, sq, sk]; -inf where `keep` excludes the key."""
     s = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)).mul_(scale)
@@ -74,7 +80,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask,
                   backend: Backend = "torch") -> tuple[Tensor, Tensor]:
     """(O, L) of softmax(scale q k^T, masked to `keep`) v: O fp32 [b, hk, rep, sq, d], L fp32 [b, hk, rep, sq].
     Every query row must keep at least one key (true of the causal blocks context parallelism computes)."""
-    if backend == "triton":
+    if _use_flash(backend):
         return _flash_forward(q, k, v, scale, keep)
     s = _scores(q, k, scale, keep)
     lse = torch.logsumexp(s, dim=-1)
@@ -86,7 +92,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, 
                    keep: Mask, backend: Backend = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dQ [b, hk, rep, sq, d], dK [b, hk, sk, d], dV [b, hk, sk, d]), fp32, of this block's share of the
     attention, given the *final* L and D = rowsum(dO * O) of the query rows (see the module doc)."""
-    if backend == "triton":
+    if _use_flash(backend):
         return _flash_backward(q, k, v, d_out, lse, delta, scale, keep)
     s = _scores(q, k, scale, keep)
     p = s.sub_(lse.unsqueeze(-1)).exp_()                                    # masked entries: exp(-inf) = 0
