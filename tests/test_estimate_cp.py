@@ -203,3 +203,25 @@ def test_measured_cp_run_equals_estimate(flags: tuple[str, ...], demo_cache_dir:
     assert last["comm_bytes"]["cp"] > 0
     for kind in ("params", "grads", "master", "optimizer"):
         assert last["mem_bytes"][kind] == predicted["memory"][kind], kind  # integers of bytes: exact
+
+
+def test_memory_check_counts_cp_and_suggests_it() -> None:
+    """The check before step 1 sizes a cp run's S/cp activations, and on the same processes suggests cp
+    (dp halves, each rank holds half of every sequence) when that is what fits."""
+    import torch
+
+    from megalite.config import parse_args, resolve
+    from megalite.errors import ConfigError
+    from megalite.training.memory_check import alternatives, check_memory_of, predicted_bytes
+
+    # ZeRO-3 and full recompute already: the only single change left is cp (states sharded over dp·cp = 4).
+    cfg = resolve(parse_args(["--model.preset", "llama-160m", "--model.vocab_size", "32000", "--model.seq_len",
+                              "8192", "--train.micro_batch_size", "1", "--train.global_batch_size", "4",
+                              "--parallel.zero", "3", "--model.recompute", "full"]), 4)
+    need = [4 * predicted_bytes(replace(cfg, parallel=replace(cfg.parallel, cp=cp, dp=4 // cp))) for cp in (1, 2, 4)]
+    assert need[0] - need[1] == pytest.approx(2 * (need[1] - need[2]), rel=1e-9)  # activations: A, A/2, A/4
+    assert [(a.flags, a.needed) for a in alternatives(cfg, 4, int(need[1]) + 1)] == [
+        ("--parallel.cp 2", need[1]), ("--parallel.cp 4", need[2])]
+    assert [a.flags for a in alternatives(cfg, 4, int(need[2]) + 1)] == ["--parallel.cp 4"]
+    with pytest.raises(ConfigError, match="these fit: --parallel.cp 2 "):
+        check_memory_of(cfg, torch.device("cpu"), 4, available=int(need[1]) + 1)
