@@ -225,3 +225,59 @@ def test_memory_check_counts_cp_and_suggests_it() -> None:
     assert [a.flags for a in alternatives(cfg, 4, int(need[2]) + 1)] == ["--parallel.cp 4"]
     with pytest.raises(ConfigError, match="these fit: --parallel.cp 2 "):
         check_memory_of(cfg, torch.device("cpu"), 4, available=int(need[1]) + 1)
+
+
+# ------------------------------------------------------------------ bench/cp_memory.py
+
+def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "bench/cp_memory.py", "--out", str(tmp_path), "--port", str(free_port()),
+                           *args], capture_output=True, text=True, cwd=str(REPO), env=env, timeout=900)
+
+
+def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path) -> None:
+    """What the benchmark predicts (no runs): activations per rank 1/cp of cp = 1's, fused and unfused; the
+    same model states; cp bytes = the ring's closed form x 4 layers (one micro-batch, fp32). Bad sizes: exit 2."""
+    proc = _bench(tmp_path, "--estimate-only")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "cp_memory_estimate.json").read_text())["rows"]
+    assert [r["cp"] for r in rows] == [1, 2, 4] and [r["tokens_per_rank"] for r in rows] == [4096, 2048, 1024]
+    one = rows[0]["predicted"]
+    for r in rows:
+        p = r["predicted"]
+        for kind in ("activations", "activations_fused"):
+            assert p[kind] == pytest.approx(one[kind] / r["cp"], rel=1e-12), kind
+        assert p["model_states"] == one["model_states"]
+        assert p["cp_bytes"] == 4 * ring_attention_bytes(1, 4096, 4, 64, r["cp"], 4).total  # 4 kv heads of 512/8
+    assert "| 4 | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
+    for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"]):
+        out = _bench(tmp_path, "--estimate-only", *bad)
+        assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, bad
+
+
+def test_cp_memory_bench_names_the_sizes_that_fit_a_budget(tmp_path: Path) -> None:
+    """`--render` re-reads a run's JSON: a row fits when its largest rank's peak RSS is within the budget."""
+    rows = [{"cp": cp, "tokens_per_rank": 4096 // cp, "tokens_per_s": 100.0, "cp_bytes_measured": 0.0,
+             "peak_rss_bytes_per_rank": [rss] * cp,
+             "predicted": {"model_states": 1.0, "activations": 2.0, "activations_fused": 1.0, "cp_bytes": 0.0}}
+            for cp, rss in ((1, 1.3e9), (2, 0.9e9), (4, 0.7e9))]
+    res = tmp_path / "cp_memory.json"
+    res.write_text(json.dumps({"date": "-", "cores": 2, "model_desc": "-", "fixed_rss_bytes": 2e8, "rows": rows}))
+    proc = _bench(tmp_path, "--render", str(res), "--max-memory-gb", "1.1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Budget 1.1 GB per rank (measured peak RSS): cp = 2, 4 fit." in proc.stdout
+    assert "| 1 | 4096 | 1240 | 1049 |" in proc.stdout and proc.stdout.count(" no |") == 1
+
+
+def test_cp_memory_bench_smoke_runs_cp_1_and_2(tmp_path: Path) -> None:
+    """Needs the model wired for cp (until then the cp = 2 run is refused: fails by design). The smoke run's
+    measured cp bytes equal the estimator's, and both sizes train."""
+    proc = _bench(tmp_path, "--smoke", "--max-memory-gb", "100")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "cp_memory_smoke.json").read_text())["rows"]
+    for r in rows:
+        assert "skipped" not in r, r.get("stderr_tail")
+        assert r["tokens_per_s"] > 0 and len(r["peak_rss_bytes_per_rank"]) == r["cp"]
+        assert r["cp_bytes_measured"] == pytest.approx(r["predicted"]["cp_bytes"], rel=1e-12)

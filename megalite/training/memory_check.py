@@ -19,7 +19,7 @@ import torch
 from megalite.config import PRESETS, Config, ModelConfig
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.errors import ConfigError, DataError
-from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
+from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 
 GiB = 2**30
 
@@ -34,6 +34,11 @@ def run_precision(dtype: torch.dtype) -> Precision:
 
 def predicted_bytes(cfg: Config) -> float:
     """Peak bytes of one process of this run (model states + activations), per the estimator."""
+    return run_estimate(cfg).memory.total
+
+
+def run_estimate(cfg: Config) -> Estimate:
+    """The estimator's view of this run: its model, layout and dtype (a vocabulary of 0 must be resolved)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
@@ -43,7 +48,7 @@ def predicted_bytes(cfg: Config) -> float:
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp)
     dtype = resolved_dtype(cfg, resolved_device(cfg))
-    return estimate(dims, layout, run_precision(dtype)).memory.total
+    return estimate(dims, layout, run_precision(dtype))
 
 
 def available_bytes(device: torch.device) -> int | None:
