@@ -395,6 +395,9 @@ def explain(ranked: list[Candidate], cluster: Cluster) -> str:
             f"{mem.total / GB:.1f} of {cluster.memory_limit / GB:.1f} GB ({mem.model_states / GB:.1f} states + "
             f"{mem.activations / GB:.1f} activations), bubble {best.est.bubble:.1%}, TP traffic "
             f"{best.est.comm_bytes.get('tp', 0.0) / GB:.2f} GB on NVLink")
+    if best.layout.cp > 1:
+        line += (f", cp ring {best.est.comm_bytes.get('cp', 0.0) / GB:.2f} GB "
+                 f"({float(best.est.cp_exposed_seconds or 0.0):.3g} s of it not hidden behind attention)")
     if len(ranked) > 1:
         line += f"; the runner-up ({describe(ranked[1].layout)}) is " + versus(best, ranked[1])
     return line
