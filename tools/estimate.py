@@ -7,6 +7,7 @@
     python tools/estimate.py --largest-model --gpu-memory-gb 32 --dp 64 --zero 2   # ZeRO paper, Table 2
     python tools/estimate.py --params 175e9 --dp 1024 --train-tokens 300e9 --achieved-tflops 140   # days
     python tools/estimate.py --preset llama-7b --dp 8 --memory-layout megalite     # what pretrain.py allocates
+    python tools/estimate.py --preset llama-7b --seq-len 32768 --tp 8 --sp --cp 4   # context parallel (--parallel.cp)
 
 Every mode is described, with a worked example, in docs/estimator.md.
 
