@@ -68,7 +68,8 @@ def model_flags(a: argparse.Namespace) -> list[str]:
             "--model.hidden_size", str(a.hidden), "--model.num_heads", str(a.heads), "--model.num_kv_heads",
             str(a.kv_heads), "--model.seq_len", str(a.seq), "--train.micro_batch_size", "1",
             "--train.global_batch_size", "1", "--train.steps", str(a.steps), "--train.warmup_steps", "1",
-            "--logging.interval", "1", "--train.eval_interval", "0", "--model.kernels", "torch", "--train.device", "cpu",
+            "--logging.interval", "1", "--train.eval_interval", "0", "--model.kernels", "torch",
+            "--train.device", "cpu",
             "--train.memory_check", "false"]  # measured here, not refused: the unfused prediction is far above
 
 
@@ -127,7 +128,8 @@ def to_markdown(res: dict) -> str:
             continue
         peak = max(r["peak_rss_bytes_per_rank"])
         fits = f" {'yes' if peak <= budget * 1e9 else 'no'} |" if budget else ""
-        lines.append(f"| {r['cp']} | {r['tokens_per_rank']} | {peak / MiB:.0f} | {(peak - res['fixed_rss_bytes']) / MiB:.0f} "
+        above = (peak - res["fixed_rss_bytes"]) / MiB
+        lines.append(f"| {r['cp']} | {r['tokens_per_rank']} | {peak / MiB:.0f} | {above:.0f} "
                      f"| {pred} | {r['cp_bytes_measured'] / 1e6:.3f} | {p['cp_bytes'] / 1e6:.3f} "
                      f"| {r['tokens_per_s']:.0f} |{fits}")
     lines.append(f"\nFixed part of a rank's RSS (interpreter, torch, megalite imported, nothing trained): "
@@ -137,7 +139,8 @@ def to_markdown(res: dict) -> str:
     if budget:
         fit = [r["cp"] for r in res["rows"] if "peak_rss_bytes_per_rank" in r
                and max(r["peak_rss_bytes_per_rank"]) <= budget * 1e9]
-        lines.append(f"Budget {budget:g} GB per rank (measured peak RSS): cp = {', '.join(map(str, fit)) or 'none'} fit.")
+        names = ", ".join(map(str, fit)) or "none"
+        lines.append(f"Budget {budget:g} GB per rank (measured peak RSS): cp = {names} fit.")
     return "\n".join(lines) + "\n"
 
 

@@ -130,7 +130,8 @@ def _json_row(i: int, d: dict) -> list[str]:
             str(lay["micro_batch_size"]), str(d["num_microbatches"]), lay["recompute"],
             f"{d['step_seconds']:.3f}", f"{d['mfu']:.1%}", f"{d['hfu']:.1%}", f"{d['bubble']:.1%}",
             f"{mem['total'] / GB:.1f}", f"{mem['model_states'] / GB:.1f}", f"{mem['activations'] / GB:.1f}",
-            f"{cb.get('tp', 0.0) / GB:.2f}", f"{cb.get('cp', 0.0) / GB:.2f}", f"{d['pp_bytes_with_embedding'] / GB:.2f}",
+            f"{cb.get('tp', 0.0) / GB:.2f}", f"{cb.get('cp', 0.0) / GB:.2f}",
+            f"{d['pp_bytes_with_embedding'] / GB:.2f}",
             f"{cb.get('dp', 0.0) / GB:.2f}"]
 
 

@@ -2,9 +2,9 @@
 
 The prediction is the estimator's arithmetic for this run's exact layout and dtype
 (`megalite.perfmodel.estimate`: model states by ZeRO stage over dp x cp plus activations after Korthikanti
-et al. 2022 for the S/cp tokens a rank holds, for the busiest pipeline stage). On CPU every process of this machine draws on the same RAM, so
-their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each process with its device's free
-memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
+et al. 2022 for the S/cp tokens a rank holds, for the busiest pipeline stage). On CPU every process of this
+machine draws on the same RAM, so their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each
+process with its device's free memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
 """
 
 from __future__ import annotations
