@@ -7,6 +7,7 @@
     python tools/estimate.py --largest-model --gpu-memory-gb 32 --dp 64 --zero 2   # ZeRO paper, Table 2
     python tools/estimate.py --params 175e9 --dp 1024 --train-tokens 300e9 --achieved-tflops 140   # days
     python tools/estimate.py --preset llama-7b --dp 8 --memory-layout megalite     # what pretrain.py allocates
+    python tools/estimate.py --preset llama-7b --seq-len 32768 --tp 8 --sp --cp 4   # context parallel (--parallel.cp)
 
 Every mode is described, with a worked example, in docs/estimator.md.
 
@@ -37,7 +38,7 @@ from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_param
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "seq_len", "head_dim")
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size", "global_batch_size",
-                 "recompute")
+                 "recompute", "cp")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ap.add_argument_group("layout")
     for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "global_batch_size"):
         p.add_argument("--" + name.replace("_", "-"), type=positive_int)
+    p.add_argument("--cp", type=positive_int,
+                   help="context parallel size (also --parallel.cp): each sequence split over cp ranks, ring "
+                        "attention; devices = tp x cp x pp x dp")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--schedule", choices=list(SCHEDULES),
@@ -196,7 +200,7 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     data = getattr(cfg, "data", None)
     demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
     dims = _model_dims_kwargs(model, demo_vocab)
-    lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp")}
+    lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp")}
     lay["zero"] = getattr(par, "zero", 0)
     lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
                global_batch_size=getattr(train, "global_batch_size", None) or None,
@@ -226,8 +230,8 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     dtype = None
     if config_argv:
         dims_kw, lay_kw, dtype = _from_config(config_argv)
-    elif args.preset:
-        dims_kw = presets()[args.preset]
+    if args.preset:  # an explicit flag: wins over a config's model too (`--preset X --parallel.cp 2`)
+        dims_kw = dict(presets()[args.preset])
     for k in _MODEL_FLAGS + ("tie_embeddings",):
         if getattr(args, k) is not None:
             dims_kw[k] = getattr(args, k)
@@ -282,7 +286,8 @@ def render(est: Estimate, kw: dict) -> str:
     bytes_each = f"{prec.param}+{prec.grad}+{prec.master}+{prec.optimizer} bytes/param"
     out = [f"{name}: {est.params / 1e9:.3f} B parameters, {kw['dtype']}, {kw['memory_layout']} memory layout "
            f"({bytes_each} before ZeRO)",
-           f"layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero} sp={'on' if lay.sp else 'off'} "
+           f"layout: tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} zero={lay.zero} "
+           f"sp={'on' if lay.sp else 'off'} "
            f"vpp={lay.vpp} schedule={lay.schedule} recompute={lay.recompute} "
            f"micro-batch={lay.micro_batch_size} micro-batches/step={est.num_microbatches}",
            f"pipeline bubble: {est.bubble:.1%}", "",
@@ -304,9 +309,16 @@ def render(est: Estimate, kw: dict) -> str:
                 f"{est.hardware_flops_per_step:.4e}"]
     if est.compute_seconds is not None:
         out.append(f"compute incl. bubble: {est.compute_seconds:.4g} s")
+    if lay.cp > 1 and dims is not None:
+        out.append(f"context parallel: {dims.seq_len // lay.cp} of {dims.seq_len} tokens per rank; the cp ring "
+                   f"(K/V forward, K/V + fp32 dK/dV backward) moves {est.comm_bytes.get('cp', 0.0) / GB:.4g} GB")
+    if est.cp_exposed_seconds is not None:
+        out.append(f"cp ring: {est.comm_seconds.get('cp', 0.0):.4g} s of transfers, {est.cp_exposed_seconds:.4g} s "
+                   f"exposed (each ring step overlaps one block's transfer with one block's attention)")
     if est.step_seconds is not None:
+        hidden = "DP traffic" + (" and the cp ring" if lay.cp > 1 else "")
         out += [f"step time: {est.step_seconds:.4g} s no overlap, {est.step_seconds_overlapped:.4g} s "
-                f"with DP traffic hidden behind compute",
+                f"with {hidden} hidden behind compute",
                 f"predicted MFU (no overlap): {est.predicted_mfu:.1%}, HFU {est.predicted_hfu:.1%}"]
     for w in est.warnings:
         out.append(f"WARNING: {w}")

@@ -5,6 +5,7 @@
     python tools/plan.py --preset llama-1b --nodes 1 --gpus-per-node 8 --global-batch-size 256 --json
     python tools/plan.py --num-layers 32 --hidden-size 4096 --num-heads 32 --vocab-size 32000 \\
         --seq-len 4096 --nodes 4 --gpus-per-node 8 --global-batch-size 1024 --top 5
+    python tools/plan.py --preset llama-7b --seq-len 131072 --nodes 4 --global-batch-size 16 --cp 1,2,4,8
 
 The arithmetic lives in `megalite.perfmodel.plan` (enumeration) and `megalite.perfmodel.estimate` (the cost of one
 layout); this file only parses and prints. Exit code 2 with one line when nothing fits.
@@ -65,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--schedules", default="1f1b,interleaved",
                    help="pipeline schedules tried, comma-separated, from 1f1b, interleaved, zb-h1, zbv (the "
                         "zero-bubble ones are priced at equal F/B/W costs, their best case)")
+    r.add_argument("--cp", default="auto",
+                   help="context-parallel sizes tried, comma-separated (e.g. 1,2,4); auto (default): cp = 1, and "
+                        "when no layout fits, the powers of two that split the sequence")
     r.add_argument("--top", type=positive_int, default=10, help="layouts shown")
     r.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE,...",
-                   help="explain the ranking against this layout (keys tp pp dp zero vpp mbs recompute, the "
+                   help="explain the ranking against this layout (keys tp cp pp dp zero vpp mbs recompute, the "
                         "rest free; e.g. tp=8,pp=8,recompute=full) or a published one by name: "
                         + ", ".join(f"{k} ({v[0]})" for k, v in PUBLISHED.items()) + "; repeatable")
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -120,18 +124,19 @@ def render(plan: Plan, top: int) -> str:
            f"{plan.considered} layouts sized, {plan.costed} fit and were costed; times assume "
            f"{c.efficiency:.0%} of {c.peak_flops / 1e12:.0f} TFLOP/s, DP traffic overlapped with compute",
            "",
-           f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'vpp':>3} {'mbs':>3} {'M':>5} {'recomp':>9} "
-           f"{'step s':>8} {'MFU':>6} {'HFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} {'acts':>6} "
-           f"{'TP GB':>8} {'PP GB':>7} {'DP GB':>8}"]
+           f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'vpp':>3} {'mbs':>3} {'M':>5} "
+           f"{'recomp':>9} {'step s':>8} {'MFU':>6} {'HFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} "
+           f"{'acts':>6} {'TP GB':>8} {'CP GB':>7} {'PP GB':>7} {'DP GB':>8}"]
     for i, cand in enumerate(plan.ranked[:top], 1):
         lay, est = cand.layout, cand.est
         cb = est.comm_bytes
-        out.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.zero:>4} {lay.vpp:>3} "
+        out.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>5} {lay.zero:>4} {lay.vpp:>3} "
                    f"{lay.micro_batch_size:>3} {est.num_microbatches:>5} {lay.recompute:>9} "
                    f"{cand.step_seconds:>8.3f} {cand.mfu:>6.1%} {cand.hfu:>6.1%} {est.bubble:>6.1%} "
                    f"{est.memory.total / GB:>7.1f} "
                    f"{est.memory.model_states / GB:>7.1f} {est.memory.activations / GB:>6.1f} "
-                   f"{cb.get('tp', 0.0) / GB:>8.2f} {cand.to_dict()['pp_bytes_with_embedding'] / GB:>7.2f} "
+                   f"{cb.get('tp', 0.0) / GB:>8.2f} {cb.get('cp', 0.0) / GB:>7.2f} "
+                   f"{cand.to_dict()['pp_bytes_with_embedding'] / GB:>7.2f} "
                    f"{cb.get('dp', 0.0) / GB:>8.2f}")
     out += ["", "why: " + plan.why]
     out += ["compare " + c.explanation for c in plan.comparisons]
@@ -146,13 +151,26 @@ def _schedules(text: str) -> tuple[str, ...]:
     return names
 
 
+def _cp_sizes(text: str) -> tuple[int, ...] | None:
+    if text.strip() == "auto":
+        return None
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--cp {text!r}: give auto or comma-separated sizes >= 1, e.g. --cp 1,2,4")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         dims = resolve_dims(args)
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
                          _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
-                         args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules))
+                         args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules),
+                         _cp_sizes(args.cp))
         plan.comparisons.extend(compare(plan, spec) for spec in args.compare)
     except MegaliteError as exc:
         return report(exc)

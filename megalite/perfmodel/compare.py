@@ -15,7 +15,7 @@ PUBLISHED: dict[str, tuple[str, str]] = {
     "zero3-dp": ("tp=1,pp=1,zero=3", "pure data parallelism with ZeRO-3, Rajbhandari et al. 2020"),
 }
 
-_SPEC = {"tp": "tp", "pp": "pp", "dp": "dp", "zero": "zero", "vpp": "vpp", "mbs": "micro_batch_size",
+_SPEC = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "zero": "zero", "vpp": "vpp", "mbs": "micro_batch_size",
          "recompute": "recompute"}
 
 
@@ -71,16 +71,16 @@ def compare(plan: Plan, spec: str) -> Comparison:
             why = "it is the planner's pick" if i == 1 else "it is " + versus(best, cand)
             return Comparison(spec, i, True, cand, f"{spec}: best variant {describe(cand.layout)} ranks #{i} of "
                                                    f"{len(plan.ranked)} at {cand.step_seconds:.3g} s/step; {why}")
-    tp, pp = int(want.get("tp", 1)), int(want.get("pp", 1))
+    tp, pp, cp = int(want.get("tp", 1)), int(want.get("pp", 1)), int(want.get("cp", 1))
     world = plan.cluster.world
-    dp = int(want.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0))
-    if tp * pp * dp != world:
-        raise ConfigError(f"--compare {spec!r}: tp x pp x dp must be the {world} GPUs of the cluster")
+    dp = int(want.get("dp", world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0))
+    if tp * cp * pp * dp != world:
+        raise ConfigError(f"--compare {spec!r}: tp x cp x pp x dp must be the {world} GPUs of the cluster")
     vpp = int(want.get("vpp", 1))
     try:
         lay = Layout(tp=tp, pp=pp, dp=dp, zero=int(want.get("zero", 0)), sp=tp > 1, vpp=vpp,
                      schedule="interleaved" if vpp > 1 else "1f1b", micro_batch_size=int(want.get("mbs", 1)),
-                     global_batch_size=plan.global_batch_size, recompute=str(want.get("recompute", "none")))
+                     global_batch_size=plan.global_batch_size, recompute=str(want.get("recompute", "none")), cp=cp)
         cand = cost(plan.dims, lay, plan.cluster, plan.prec)
     except ConfigError as exc:
         raise ConfigError(f"--compare {spec}: {exc}") from None

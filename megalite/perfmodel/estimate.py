@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
+from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
+from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.flops import flops_per_token
 from megalite.perfmodel.schedules import (SCHEDULES, Schedule, bubble_overhead, microbatches_in_flight,  # noqa: F401
                                           pipeline_bubble, schedule)  # (re-exported: the public names)
@@ -139,32 +141,6 @@ def zero_memory(psi: float, nd: int, stage: int, prec: Precision = Precision()) 
     )
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
-                               recompute: str = "none", act_bytes: int = 2) -> float:
-    """Activation memory of one transformer layer, Korthikanti et al. 2022 ("Reducing Activation
-    Recomputation in Large Transformer Models"), table 2, for 16-bit activations:
-        no parallelism             sbh(34 + 5as/h)
-        TP t                       sbh(10 + 24/t + 5as/(ht))
-        TP t + SP                  sbh(34/t + 5as/(ht))
-        TP t + SP + selective      34·sbh/t          (the 5as²b attention terms are recomputed)
-        full recompute             2·sbh (only the layer input; /t with SP)
-    The paper's layer is GPT-3's (LayerNorm, GeLU 4h MLP, dropout masks): for SwiGLU models it is an
-    estimate. `act_bytes` = 4 scales linearly, which over-counts the 1-byte dropout masks slightly.
-    """
-    sbh = float(s) * b * h
-    scale = act_bytes / 2.0
-    if recompute == "full":
-        return 2.0 * sbh / (tp if sp else 1) * scale
-    attn_core = 5.0 * a * s / (h * tp)
-    if recompute == "selective":
-        attn_core = 0.0
-    if tp == 1:
-        return sbh * (34.0 + attn_core) * scale
-    if sp:
-        return sbh * (34.0 / tp + attn_core) * scale
-    return sbh * (10.0 + 24.0 / tp + attn_core) * scale
-
-
 # ---------------------------------------------------------------- communication
 
 def all_reduce_bytes(x: float, n: int) -> float:
@@ -210,11 +186,13 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     volume (Korthikanti et al. 2022). Full recompute repeats the 2 forward ones. The first stage
     adds the vocab-parallel embedding's reduction, the last the head's input (one b·s·h each way)
     and the cross-entropy's 3 fp32 all-reduces of b·s. Under SP the grads of replicated, sequence-
-    partial parameters (norms, gpt2 row biases and positions) are all-reduced once per step."""
+    partial parameters (norms, gpt2 row biases and positions) are all-reduced once per step.
+    Under context parallelism every activation term is for this rank's S/cp tokens; the partial
+    gradients are parameter-sized (gpt2's learned positions stay S x h)."""
     t = layout.tp
     if t == 1:
         return 0.0
-    bs = float(layout.micro_batch_size) * dims.seq_len
+    bs = float(layout.micro_batch_size) * layout.local_seq_len(dims.seq_len)
     x = bs * dims.hidden_size * prec.activation
     per_layer = (6 if layout.recompute == "full" else 4) * all_reduce_bytes(x, t)
     total = m * dims.num_layers // layout.pp * per_layer
@@ -224,9 +202,9 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     if layout.sp:
         partial: float = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
         if layout.zero >= 1:
-            # ZeRO >= 1 sums only the partial pieces inside this rank's 1/dp gradient shard (exact when
-            # the shard boundaries split them evenly, as for megalite's single-bucket small models).
-            partial = partial / layout.dp
+            # ZeRO >= 1 sums only the partial pieces inside this rank's 1/(dp·cp) gradient shard (exact
+            # when the shard boundaries split them evenly, as for megalite's single-bucket small models).
+            partial = partial / layout.replicas
         total += all_reduce_bytes(partial * prec.reduce_bytes, t)
     return total
 
@@ -234,11 +212,12 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
 def pp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int, m: int) -> float:
     """Bytes one rank sends point-to-point per step: per micro-batch, its activations b·s·h forward
     (unless it holds the last model chunk) and their gradient backward (unless the first). SP
-    sends the sequence-sharded b·s·h/t. Interleaving sends v times, one per model chunk."""
+    sends the sequence-sharded b·s·h/t. Interleaving sends v times, one per model chunk. Under context
+    parallelism s is this rank's S/cp tokens."""
     p, v = layout.pp, layout.vpp
     if p == 1:
         return 0.0
-    x = float(layout.micro_batch_size) * dims.seq_len * dims.hidden_size * prec.activation
+    x = float(layout.micro_batch_size) * layout.local_seq_len(dims.seq_len) * dims.hidden_size * prec.activation
     if layout.sp:
         x /= layout.tp
     sends = 2 * m * v - m * (pp_rank == p - 1) - m * (pp_rank == 0)
@@ -275,6 +254,7 @@ class Estimate:
     predicted_mfu: float | None = None
     warnings: list[str] = field(default_factory=list)
     predicted_hfu: float | None = None  # hardware FLOPs (recompute counted) over the same time and peak
+    cp_exposed_seconds: float | None = None  # the cp ring's transfers not hidden behind attention compute
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -283,34 +263,20 @@ class Estimate:
         return d
 
 
-def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
-                           m: int) -> float:
-    """Peak activation bytes on one stage: per-layer bytes x its layers x micro-batches in flight,
-    plus (full recompute) one layer's full activations while it is recomputed, plus (last stage)
-    one micro-batch's fp32 logits [b, s, V/t] held for the loss."""
-    b, s, h, a = layout.micro_batch_size, dims.seq_len, dims.hidden_size, dims.num_heads
-    per_layer = activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, layout.recompute,
-                                           prec.activation)
-    acts = per_layer * dims.num_layers / layout.pp * microbatches_in_flight(layout, pp_rank, m)
-    if layout.recompute == "full":
-        acts += activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, "none", prec.activation)
-    if pp_rank == layout.pp - 1:
-        acts += float(b) * s * dims.padded_vocab(layout.tp) / layout.tp * 4
-    return acts
-
-
 def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision(),
              params: float | None = None, peak_flops: float | None = None,
              inter_bytes_per_s: float | None = None, intra_bytes_per_s: float | None = None,
-             efficiency: float = 1.0) -> Estimate:
+             efficiency: float = 1.0, cp_bytes_per_s: float | None = None) -> Estimate:
     """Memory, communication, FLOPs, bubble and step time of one layout.
 
     `params` overrides the count from `dims` (Ψ per device then = params/(tp·pp)); with `dims`
     None only model-state memory and DP traffic are computed (the classic DDP example). TP traffic uses
-    `intra_bytes_per_s` (NVLink), PP/DP/embedding traffic `inter_bytes_per_s` (defaults to each other).
+    `intra_bytes_per_s` (NVLink), PP/DP/embedding traffic `inter_bytes_per_s` (defaults to each other),
+    the cp ring `cp_bytes_per_s` (default: intra-node, where the rank order tp, cp, dp, pp puts it).
     `compute_seconds` is the hardware FLOPs at `efficiency` x peak, stretched by the bubble;
     `step_seconds` adds all traffic (no overlap), `step_seconds_overlapped` hides DP traffic
-    behind compute (TP and PP traffic sit on the critical path either way)."""
+    behind compute and the cp ring's transfers behind attention compute, step by step of the ring
+    (`cp_exposed_seconds`; TP and PP traffic sit on the critical path either way)."""
     m, p = layout.num_microbatches, layout.pp
     if layout.schedule == "zbv":  # two chunks per rank in a V, whatever vpp says (Qi et al. 2024)
         v = 2
@@ -319,7 +285,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     layout = replace(layout, vpp=v, schedule="interleaved" if v > 1 and layout.schedule != "zbv" else layout.schedule)
     sched = schedule(layout.schedule)
     for name, value in (("params", params), ("peak_flops", peak_flops), ("inter_bytes_per_s", inter_bytes_per_s),
-                        ("intra_bytes_per_s", intra_bytes_per_s)):
+                        ("intra_bytes_per_s", intra_bytes_per_s), ("cp_bytes_per_s", cp_bytes_per_s)):
         if value is not None and not value > 0:
             raise ConfigError(f"{name}={value} must be > 0 (or left out)")
     if not 0 < efficiency <= 1:
@@ -331,6 +297,8 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
                           f"change parallel.pp/parallel.vpp or model.num_layers")
     if params is None and dims is None:
         raise ConfigError("give model dimensions (a preset or --num-layers ...) or --params")
+    if dims is not None:
+        layout.local_seq_len(dims.seq_len)  # the zigzag split's 2·cp chunks: one clear error, up front
     warnings: list[str] = []
     if p > 1 and m < p:
         warnings.append(f"{m} micro-batches < pp={p}: stages idle {sched.bubble(p, m, v):.0%} of "
@@ -343,13 +311,14 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     for r in range(p) if dims is not None else [0]:
         psi = (total / (layout.tp * p) if params is not None or dims is None
                else float(stage_params(dims, layout.tp, p, r).total))
-        mem = zero_memory(psi, layout.dp, layout.zero, prec)
-        groups = {"dp": dp_comm_bytes(psi, layout.dp, layout.zero, prec, m)}
+        mem = zero_memory(psi, layout.replicas, layout.zero, prec)  # dp·cp ranks hold these parameters
+        groups = {"dp": dp_comm_bytes(psi, layout.replicas, layout.zero, prec, m)}
         if dims is not None:
             mem = replace(mem, activations=stage_activation_bytes(dims, layout, prec, r, m))
             groups.update(tp=tp_comm_bytes(dims, layout, prec, r, m),
                           pp=pp_comm_bytes(dims, layout, prec, r, m),
-                          embedding=embedding_comm_bytes(dims, layout, prec, r))
+                          embedding=embedding_comm_bytes(dims, layout, prec, r),
+                          cp=cp_comm_bytes(dims, layout, prec, m))
         for g, nbytes in groups.items():
             comm[g] = max(comm.get(g, 0.0), nbytes)
         if worst is None or mem.total > worst[0].total:
@@ -361,8 +330,10 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
                    warnings=warnings)
     inter = inter_bytes_per_s or intra_bytes_per_s
     intra = intra_bytes_per_s or inter_bytes_per_s
-    if inter and intra:
-        est.comm_seconds = {g: nbytes / (intra if g == "tp" else inter) for g, nbytes in comm.items()}
+    ring = cp_bytes_per_s or intra
+    if inter and intra and ring:
+        speed = {"tp": intra, "cp": ring}
+        est.comm_seconds = {g: nbytes / speed.get(g, inter) for g, nbytes in comm.items()}
     if dims is None:
         return est
     tokens = float(m) * layout.micro_batch_size * layout.dp * dims.seq_len
@@ -374,10 +345,12 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     ideal = est.hardware_flops_per_step / layout.world / (peak_flops * efficiency)
     est.compute_seconds = ideal / (1.0 - est.bubble)
     if est.comm_seconds or not any(comm.values()):
-        other = sum(sec for g, sec in est.comm_seconds.items() if g != "dp")
-        dp_s = est.comm_seconds.get("dp", 0.0)
-        est.step_seconds = est.compute_seconds + other + dp_s
-        est.step_seconds_overlapped = max(est.compute_seconds, dp_s) + other
+        other = sum(sec for g, sec in est.comm_seconds.items() if g not in ("dp", "cp"))
+        dp_s, cp_s = est.comm_seconds.get("dp", 0.0), est.comm_seconds.get("cp", 0.0)
+        if "cp" in comm and ring:
+            est.cp_exposed_seconds = ring_exposed_seconds(dims, layout, prec, m, peak_flops * efficiency, ring)
+        est.step_seconds = est.compute_seconds + other + dp_s + cp_s
+        est.step_seconds_overlapped = max(est.compute_seconds, dp_s) + other + (est.cp_exposed_seconds or 0.0)
         est.predicted_mfu = est.model_flops_per_step / layout.world / est.step_seconds / peak_flops
         est.predicted_hfu = est.hardware_flops_per_step / layout.world / est.step_seconds / peak_flops
     return est

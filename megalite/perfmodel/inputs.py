@@ -98,9 +98,10 @@ class Layout:
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size x dp (one micro-batch)
     recompute: str = "none"  # none | selective | full
+    cp: int = 1  # context parallel: every sequence split over cp ranks (S/cp tokens each, ring attention)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "global_batch_size"):
+        for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, numbers.Integral) and value >= 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer; pass "
@@ -112,7 +113,20 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, dp x cp: gradients are reduced, and ZeRO shards, over them
+        (each cp rank saw other tokens of the same sequences)."""
+        return self.dp * self.cp
+
+    def local_seq_len(self, seq_len: int) -> int:
+        """Tokens of each sequence on one rank: S/cp (the zigzag split needs 2·cp equal chunks)."""
+        if seq_len % (2 * self.cp) and self.cp > 1:
+            raise ConfigError(f"seq_len {seq_len} is not divisible by 2 x cp = {2 * self.cp}: context parallelism "
+                              f"cuts each sequence into 2·cp chunks; use a multiple of {2 * self.cp}")
+        return seq_len // self.cp
 
     @property
     def num_microbatches(self) -> int:

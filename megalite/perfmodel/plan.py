@@ -3,7 +3,7 @@
 The usual rules of thumb: tensor parallelism inside a node (its 4 all-reduces per
 layer need NVLink), pipeline parallelism next (only point-to-point sends, but a bubble), data
 parallelism as large as memory allows (its traffic overlaps the backward pass). This module turns
-those rules into arithmetic: every (tp, pp, dp, zero, vpp, micro-batch, recompute) that is legal is
+those rules into arithmetic: every (tp, cp, pp, dp, zero, vpp, micro-batch, recompute) that is legal is
 costed with `megalite.perfmodel.estimate` (memory per device, bytes per group, step time), layouts that
 exceed the memory limit are dropped, and the rest are ranked by predicted step time. The rules
 then only break ties, i.e. they are followed exactly where the arithmetic agrees with them.
@@ -20,6 +20,11 @@ tie or lose against a layout that is enumerated):
   recompute only adds FLOPs and traffic. Only the Pareto front of (zero, recompute) is costed.
   (Under SP, ZeRO>=1 also shrinks the tiny TP sum of norm gradients by 1/dp: a < 0.1% effect,
   far inside TIE_TOLERANCE, where the rules would prefer the lower stage anyway.)
+
+Context parallelism (cp) is opt-in, like the zero-bubble schedules: `cp_sizes` lists the sizes tried, and the
+default (None) tries cp = 1 and, only when no layout fits, the powers of two that split the sequence into
+2·cp chunks. A cp ring whose tp·cp ranks fit in a node (the rank order is tp, cp, dp, pp) runs at the
+intra-node bandwidth, a larger one at the inter-node bandwidth.
 """
 
 from __future__ import annotations
@@ -162,31 +167,47 @@ def worst_stage_memory(dims: ModelDims, layout: Layout, prec: Precision) -> floa
     worst = 0.0
     for r in {0, layout.pp - 1}:
         psi = float(stage_params(dims, layout.tp, layout.pp, r).total)
-        states = zero_memory(psi, layout.dp, layout.zero, prec).model_states
+        states = zero_memory(psi, layout.replicas, layout.zero, prec).model_states
         worst = max(worst, states + stage_activation_bytes(dims, layout, prec, r, m))
     return worst
 
 
-def _model_splits(dims: ModelDims, cluster: Cluster, gbs: int) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) with tp inside a node dividing the heads and the MLP, pp dividing the layers,
-    dp = world / (tp·pp) dividing the global batch."""
+def _model_splits(dims: ModelDims, cluster: Cluster, gbs: int,
+                  cp_sizes: tuple[int, ...] = (1,)) -> list[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) with tp inside a node dividing the heads and the MLP, cp splitting the sequence
+    into 2·cp chunks (S/cp tokens divisible by tp for SP), pp dividing the layers, dp = world / (tp·cp·pp)
+    dividing the global batch."""
     out = []
     for tp in divisors(cluster.gpus_per_node):
         if dims.num_heads % tp or dims.kv_heads % tp or dims.ffn % tp:
             continue
-        for pp in divisors(dims.num_layers):
-            if cluster.world % (tp * pp):
+        for cp in cp_sizes:
+            if cp > 1 and (dims.seq_len % (2 * cp) or (dims.seq_len // cp) % tp):
                 continue
-            dp = cluster.world // (tp * pp)
-            if gbs % dp == 0:
-                out.append((tp, pp, dp))
+            for pp in divisors(dims.num_layers):
+                if cluster.world % (tp * cp * pp):
+                    continue
+                dp = cluster.world // (tp * cp * pp)
+                if gbs % dp == 0:
+                    out.append((tp, cp, pp, dp))
     return out
+
+
+def auto_cp_sizes(dims: ModelDims, cluster: Cluster) -> tuple[int, ...]:
+    """The cp sizes tried when nothing fits at cp = 1: powers of two up to the world size whose 2·cp
+    chunks split the sequence evenly."""
+    sizes, cp = [], 2
+    while cp <= cluster.world and dims.seq_len % (2 * cp) == 0:
+        sizes.append(cp)
+        cp *= 2
+    return tuple(sizes)
 
 
 # The rules of thumb, in the order they break ties: (what is compared, sort key, the preferred side and why).
 RULES: tuple[tuple[str, Callable[[Candidate], float], str], ...] = (
     ("dp", lambda c: -c.layout.dp, "the larger dp (its traffic overlaps the backward pass)"),
     ("pp", lambda c: c.layout.pp, "fewer pipeline stages (no bubble to grow when kernels run below peak)"),
+    ("cp", lambda c: c.layout.cp, "the smaller cp (no K/V ring whose transfers must hide behind attention)"),
     ("zero", lambda c: c.layout.zero, "the lower ZeRO stage (fewer collectives per step)"),
     ("recompute", lambda c: RECOMPUTE.index(c.layout.recompute), "less recompute"),
     ("vpp", lambda c: c.layout.vpp, "fewer virtual stages (fewer point-to-point sends)"),
@@ -198,7 +219,7 @@ RULES: tuple[tuple[str, Callable[[Candidate], float], str], ...] = (
 
 
 def _rules_key(c: Candidate) -> tuple:
-    """The rules of thumb as a tie-break (`RULES`): dp largest, then pp smallest (tp is what remains),
+    """The rules of thumb as a tie-break (`RULES`): dp largest, then pp smallest, then cp (tp is what remains),
     then less ZeRO, less recompute, fewer virtual stages, larger micro-batches, less memory."""
     return tuple(key(c) for _, key, _ in RULES)
 
@@ -217,28 +238,48 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
 def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
               prec: Precision = Precision(), max_micro_batch: int = 16, max_vpp: int = 8,
               zero_stages: tuple[int, ...] = (0, 1, 2, 3),
-              schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> Plan:
+              schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+              cp_sizes: tuple[int, ...] | None = None) -> Plan:
     """Enumerate, filter by memory, cost and rank the layouts of `dims` on `cluster`.
 
     `schedules` are the pipeline schedules tried where pp > 1 (1F1B is always the fallback at vpp = 1);
     the zero-bubble ones (`zb-h1`, `zbv`: Qi et al. 2024) are opt-in, since the estimator prices them at
-    equal forward / input-gradient / weight-gradient costs, their best case.
+    equal forward / input-gradient / weight-gradient costs, their best case. `cp_sizes` are the context-
+    parallel sizes tried; None: cp = 1, then `auto_cp_sizes` if no layout fits (the plan's `why` says so).
 
     Raises ConfigError with the smallest memory found when no layout fits, or when the batch and
     the world size admit no split at all."""
     gbs = global_batch_size
     if gbs < 1:
         raise ConfigError(f"global batch size must be >= 1, got {gbs}; pass --global-batch-size")
-    splits = _model_splits(dims, cluster, gbs)
+    if cp_sizes is None:
+        try:
+            return make_plan(dims, cluster, gbs, prec, max_micro_batch, max_vpp, zero_stages, schedules, (1,))
+        except ConfigError as exc:
+            longer = auto_cp_sizes(dims, cluster)
+            if not longer or "fits on no layout" not in str(exc):
+                raise
+            try:
+                plan = make_plan(dims, cluster, gbs, prec, max_micro_batch, max_vpp, zero_stages, schedules, longer)
+            except ConfigError as again:
+                raise ConfigError(f"{again} (context parallelism tried too: cp = "
+                                  f"{', '.join(map(str, longer))})") from None
+            plan.why = (f"no layout fits at cp = 1, so context parallelism was tried (cp = "
+                        f"{', '.join(map(str, longer))}); " + plan.why)
+            return plan
+    if any(cp < 1 for cp in cp_sizes):
+        raise ConfigError(f"cp sizes must be >= 1, got {cp_sizes}; e.g. --cp 1,2,4")
+    splits = _model_splits(dims, cluster, gbs, cp_sizes)
     if not splits:
         raise ConfigError(f"no (tp, pp, dp) split of {cluster.world} GPUs fits the model and batch: tp "
                           f"must divide {cluster.gpus_per_node} GPUs/node and {dims.num_heads} heads, pp "
-                          f"{dims.num_layers} layers, dp the global batch {gbs}; use a global batch "
-                          f"that is a multiple of the GPU count")
+                          f"{dims.num_layers} layers, dp the global batch {gbs}, cp (sizes "
+                          f"{', '.join(map(str, cp_sizes))}) split the {dims.seq_len}-token sequence into 2·cp "
+                          f"chunks; use a global batch that is a multiple of the GPU count")
     considered = 0
     smallest: tuple[float, Layout] | None = None
     ranked: list[Candidate] = []
-    for tp, pp, dp in splits:
+    for tp, cp, pp, dp in splits:
         per_replica = gbs // dp
         for mbs in (b for b in divisors(per_replica) if b <= max_micro_batch):
             m = per_replica // mbs
@@ -248,11 +289,11 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
                     if (dims.num_layers // pp) % v == 0 and (v == 1 or (pp > 1 and m % pp == 0))]
             for vpp, sched in ((v, s) for v in vpps for s in _schedules_for(v, pp, dims, schedules)):
                 base = Layout(tp=tp, pp=pp, dp=dp, sp=tp > 1, vpp=vpp, schedule=sched,
-                              micro_batch_size=mbs, global_batch_size=gbs)
+                              micro_batch_size=mbs, global_batch_size=gbs, cp=cp)
                 best_zero = len(zero_stages)  # Pareto front: a recompute level must lower the ZeRO stage
                 for rc in RECOMPUTE:
                     for zi, zero in enumerate(zero_stages[:best_zero]):
-                        if dp == 1 and zero > 0:
+                        if dp * cp == 1 and zero > 0:
                             break  # ZeRO over one rank shards nothing
                         lay = replace(base, zero=zero, recompute=rc)
                         mem = worst_stage_memory(dims, lay, prec)
@@ -270,8 +311,7 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
         mem, lay = smallest
         raise ConfigError(
             f"the model ({dims_params(dims) / 1e9:.1f} B parameters) fits on no layout of "
-            f"{cluster.world} GPUs: the smallest needs {mem / GB:.1f} GB per GPU (tp={lay.tp} pp={lay.pp} "
-            f"dp={lay.dp} zero={lay.zero} recompute={lay.recompute} micro-batch {lay.micro_batch_size}) "
+            f"{cluster.world} GPUs: the smallest needs {mem / GB:.1f} GB per GPU ({describe(lay)}) "
             f"but {cluster.memory_limit / GB:.1f} GB is usable; add nodes, use GPUs with more memory, "
             f"or shorten --seq-len")
     ranked = rank(ranked)
@@ -279,10 +319,13 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
 
 
 def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -> Candidate:
-    """The full estimate of one layout on `cluster` (one node: everything on NVLink)."""
+    """The full estimate of one layout on `cluster` (one node: everything on NVLink; a cp ring of tp·cp ranks
+    that fits in a node, too)."""
     inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
+    ring = cluster.intra_bytes_per_s if cluster.gpus_per_node % (lay.tp * lay.cp) == 0 else inter
     est = estimate(dims, lay, prec, peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
-                   intra_bytes_per_s=cluster.intra_bytes_per_s, efficiency=cluster.efficiency)
+                   intra_bytes_per_s=cluster.intra_bytes_per_s, efficiency=cluster.efficiency,
+                   cp_bytes_per_s=ring)
     return Candidate(lay, est, cluster.peak_flops)
 
 
@@ -291,7 +334,7 @@ def _parts(c: Candidate) -> dict[str, float]:
     sec = c.est.comm_seconds
     return {"compute and bubble": float(c.est.compute_seconds or 0.0), "TP traffic": sec.get("tp", 0.0),
             "PP sends": sec.get("pp", 0.0) + sec.get("embedding", 0.0),
-            "exposed DP traffic": c.dp_exposed_seconds}
+            "exposed DP traffic": c.dp_exposed_seconds, "exposed cp ring": float(c.est.cp_exposed_seconds or 0.0)}
 
 
 def _schedules_for(vpp: int, pp: int, dims: ModelDims, allowed: tuple[str, ...]) -> list[str]:
@@ -307,11 +350,12 @@ def _schedules_for(vpp: int, pp: int, dims: ModelDims, allowed: tuple[str, ...])
 
 def describe(lay: Layout) -> str:
     sched = f" schedule={lay.schedule}" if lay.schedule not in ("1f1b", "interleaved") else ""
-    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero} vpp={lay.vpp} "
+    cp = f" cp={lay.cp}" if lay.cp > 1 else ""
+    return (f"tp={lay.tp}{cp} pp={lay.pp} dp={lay.dp} zero={lay.zero} vpp={lay.vpp} "
             f"mbs={lay.micro_batch_size} recompute={lay.recompute}{sched}")
 
 
-_FIELDS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("zero", "zero"), ("vpp", "vpp"),
+_FIELDS = (("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero", "zero"), ("vpp", "vpp"),
            ("micro_batch_size", "mbs"), ("recompute", "recompute"), ("schedule", "schedule"))
 
 
@@ -351,6 +395,9 @@ def explain(ranked: list[Candidate], cluster: Cluster) -> str:
             f"{mem.total / GB:.1f} of {cluster.memory_limit / GB:.1f} GB ({mem.model_states / GB:.1f} states + "
             f"{mem.activations / GB:.1f} activations), bubble {best.est.bubble:.1%}, TP traffic "
             f"{best.est.comm_bytes.get('tp', 0.0) / GB:.2f} GB on NVLink")
+    if best.layout.cp > 1:
+        line += (f", cp ring {best.est.comm_bytes.get('cp', 0.0) / GB:.2f} GB "
+                 f"({float(best.est.cp_exposed_seconds or 0.0):.3g} s of it not hidden behind attention)")
     if len(ranked) > 1:
         line += f"; the runner-up ({describe(ranked[1].layout)}) is " + versus(best, ranked[1])
     return line

@@ -49,7 +49,7 @@ def largest_params(memory_bytes: float, layout: Layout, prec: Precision = Precis
     Ψ x tp x pp for the model (model parallelism splits the parameters, ZeRO their states over dp)."""
     if not memory_bytes > 0:
         raise ConfigError(f"device memory must be > 0, got {memory_bytes}; pass --gpu-memory-gb")
-    per = bytes_per_param(layout.dp, layout.zero, prec)
+    per = bytes_per_param(layout.replicas, layout.zero, prec)
     psi = memory_bytes / per
     return LargestModel(params=psi * layout.tp * layout.pp, params_per_device=psi, bytes_per_param=per,
                         memory_bytes=memory_bytes)
@@ -79,7 +79,7 @@ def largest_num_layers(dims: ModelDims, layout: Layout, memory_bytes: float,
         lo, hi = (mid, hi) if cost(mid).memory.total <= memory_bytes else (lo, mid)
     est = cost(lo)
     return LargestModel(params=est.params, params_per_device=est.params_per_device,
-                        bytes_per_param=bytes_per_param(layout.dp, layout.zero, prec),
+                        bytes_per_param=bytes_per_param(layout.replicas, layout.zero, prec),
                         memory_bytes=memory_bytes, num_layers=lo * step, estimate=est)
 
 

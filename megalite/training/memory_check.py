@@ -1,10 +1,10 @@
 """Refuse before step 1 a run that cannot fit: predicted peak bytes vs. the memory the machine has.
 
 The prediction is the estimator's arithmetic for this run's exact layout and dtype
-(`megalite.perfmodel.estimate`: model states by ZeRO stage plus activations after Korthikanti et al.
-2022, for the busiest pipeline stage). On CPU every process of this machine draws on the same RAM, so
-their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each process with its device's free
-memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
+(`megalite.perfmodel.estimate`: model states by ZeRO stage over dp x cp plus activations after Korthikanti
+et al. 2022 for the S/cp tokens a rank holds, for the busiest pipeline stage). On CPU every process of this
+machine draws on the same RAM, so their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each
+process with its device's free memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from megalite.config import PRESETS, Config, ModelConfig
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.errors import ConfigError, DataError
-from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
+from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 
 GiB = 2**30
 
@@ -34,6 +34,11 @@ def run_precision(dtype: torch.dtype) -> Precision:
 
 def predicted_bytes(cfg: Config) -> float:
     """Peak bytes of one process of this run (model states + activations), per the estimator."""
+    return run_estimate(cfg).memory.total
+
+
+def run_estimate(cfg: Config) -> Estimate:
+    """The estimator's view of this run: its model, layout and dtype (a vocabulary of 0 must be resolved)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
@@ -41,9 +46,9 @@ def predicted_bytes(cfg: Config) -> float:
                      make_vocab_divisible_by=m.make_vocab_divisible_by)
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
-                    recompute=m.recompute)
+                    recompute=m.recompute, cp=par.cp)
     dtype = resolved_dtype(cfg, resolved_device(cfg))
-    return estimate(dims, layout, run_precision(dtype)).memory.total
+    return estimate(dims, layout, run_precision(dtype))
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -68,7 +73,8 @@ class Alternative:
 
 def alternatives(cfg: Config, processes: int, available: float) -> list[Alternative]:
     """Single changes that fit: a smaller micro-batch (same global batch), recompute, a higher ZeRO
-    stage (dp > 1), a smaller preset; cheapest in lost speed first."""
+    stage (dp > 1), context parallelism on the same processes (dp halves, cp doubles: each rank holds
+    half the tokens of every sequence), a smaller preset; cheapest in lost speed first."""
     tried: list[tuple[str, Config]] = []
     mb = cfg.train.micro_batch_size // 2
     while mb >= 1:
@@ -80,6 +86,10 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
     if cfg.parallel.dp > 1:
         for stage in range(cfg.parallel.zero + 1, 4):
             tried.append((f"--parallel.zero {stage}", _with(cfg, "parallel", zero=stage)))
+    cp, dp = cfg.parallel.cp, cfg.parallel.dp
+    while dp % 2 == 0 and cfg.model.seq_len % (4 * cp) == 0:
+        cp, dp = 2 * cp, dp // 2
+        tried.append((f"--parallel.cp {cp}", _with(cfg, "parallel", cp=cp, dp=dp)))
     fits = [Alternative(flags, need) for flags, c in tried
             if (need := _needed(c, processes)) is not None and need <= available]
     if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
@@ -88,7 +98,8 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
                                         recompute=cfg.model.recompute,
                                         make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
-            smaller = resolve(dataclasses.replace(cfg, model=model), cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
+            par = cfg.parallel
+            smaller = resolve(dataclasses.replace(cfg, model=model), par.dp * par.tp * par.cp * par.pp)
             need = _needed(smaller, processes)
             if need is not None and need <= available:
                 fits.append(Alternative(f"--model.preset {name}", need))

@@ -1,0 +1,66 @@
+"""Context parallelism in the cost model: the ring's bytes per step and the part of its transfers that
+attention compute does not hide.
+
+Ring attention (Liu et al. 2023; megalite/context/ring.py) over cp ranks, per attention layer call, per
+micro-batch, in the counter's wire bytes (what one rank sends): with kv = 2·b·(S/cp)·hk·d elements of this
+rank's K and V (hk = num_kv_heads/tp: each tp rank runs its own ring on its own heads) and e their element
+size (the compute dtype),
+
+    forward   (cp-1)·kv·e          the K/V go once around the ring
+    backward  (cp-1)·kv·(e + 4)    the K/V again, plus the fp32 dK/dV accumulator travelling back
+
+and a recomputed forward (selective or full recompute re-runs the attention) sends the forward again.
+These are `megalite/context/costs.py`'s closed forms (restated here so the estimator stays torch-free;
+tests/test_estimate_cp.py holds the two equal).
+
+Overlap: at each of the cp-1 ring steps that transfer, a rank posts the next block's send/receive and then
+computes its queries against the block it holds, so a step lasts max(transfer, compute); only the excess
+of the transfer is exposed. With the zigzag split every step after the first computes a c x 2c block of
+scores (c = S/(2cp)), half of a full (S/cp)² block: 2·b·(S/cp)²·hq·d/tp FLOPs forward (two matmuls,
+QKᵀ and PV, 2 FLOPs per multiply-add), twice that in backward.
+"""
+
+from __future__ import annotations
+
+from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+
+GRAD_BYTES = 4  # dK/dV partial sums travel in fp32 (megalite/context/costs.py)
+
+
+def ring_bytes_per_call(dims: ModelDims, layout: Layout, elem_bytes: int) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends in one ring attention call of one micro-batch."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    kv = 2.0 * layout.micro_batch_size * layout.local_seq_len(dims.seq_len) * (dims.kv_heads // layout.tp) * dims.hd
+    return (cp - 1) * kv * elem_bytes, (cp - 1) * kv * (elem_bytes + GRAD_BYTES)
+
+
+def ring_passes(layout: Layout) -> tuple[int, int]:
+    """(forward passes, backward passes) of the ring per layer and micro-batch: recompute re-runs the forward."""
+    return (1 if layout.recompute == "none" else 2), 1
+
+
+def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int) -> float:
+    """Bytes one rank sends over its cp ring in one optimizer step: per layer of its stage and micro-batch,
+    the forward (twice under recompute) and the backward ring."""
+    fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
+    n_fwd, n_bwd = ring_passes(layout)
+    return float(m) * dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd)
+
+
+def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: int, flops_per_s: float,
+                         bytes_per_s: float) -> float:
+    """Seconds per step the ring's transfers add to the critical path: per ring step, max(0, transfer -
+    compute of the block), summed over the cp-1 transferring steps, the passes, the layers of the stage
+    and the micro-batches. `flops_per_s` is the achieved rate (efficiency x peak)."""
+    if layout.cp == 1:
+        return 0.0
+    s_local = layout.local_seq_len(dims.seq_len)
+    block_flops = 2.0 * layout.micro_batch_size * s_local * s_local * dims.num_heads * dims.hd / layout.tp
+    fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
+    steps = layout.cp - 1
+    exposed_fwd = max(0.0, fwd / steps / bytes_per_s - block_flops / flops_per_s)
+    exposed_bwd = max(0.0, bwd / steps / bytes_per_s - 2.0 * block_flops / flops_per_s)
+    n_fwd, n_bwd = ring_passes(layout)
+    return float(m) * dims.num_layers / layout.pp * steps * (n_fwd * exposed_fwd + n_bwd * exposed_bwd)
