@@ -36,6 +36,7 @@ from megalite.context.blockwise import (block_backward, block_forward, from_grou
 from megalite.context.group import GROUP, ContextGroup
 from megalite.errors import ConfigError
 from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
 
@@ -62,7 +63,7 @@ def stack_kv(k: Tensor, v: Tensor) -> Tensor:
 def _pass_on(t: Tensor, cpg: ContextGroup) -> tuple[Tensor, list[dist.Work]]:
     """Post the send of `t` to our successor and the receive of the predecessor's into a new buffer."""
     received = torch.empty_like(t)
-    works = comm.send_recv_async([t], [received], cpg, GROUP, cpg.next_rank, cpg.prev_rank)  # type: ignore[arg-type]
+    works = comm.send_recv_async([t], [received], cpg.state, GROUP, cpg.next_rank, cpg.prev_rank)
     return received, works
 
 
@@ -136,15 +137,16 @@ class _RingAttention(torch.autograd.Function):
         return from_grouped(dq).to(q.dtype), dk, dv, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, cpg: ContextGroup, scale: float | None = None) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, scale: float | None = None) -> Tensor:
     """Causal GQA attention of this rank's zigzag-split queries against the whole sequence's keys/values.
 
     q [b, S/cp, hq, d], k/v [b, S/cp, hk, d] (this rank's two chunks, `zigzag_split`) -> [b, S/cp, hq, d],
-    equal to the matching rows of causal attention over the unsplit sequence. Collective over `cpg`:
-    every rank of the ring must call it with the same shapes.
+    equal to the matching rows of causal attention over the unsplit sequence. Collective over the state's
+    'cp' ring (bytes counted under 'cp'): every rank of the ring must call it with the same shapes.
     """
     check_heads(q.shape[2], k.shape[2])
     if q.shape[1] % 2 or k.shape[1] != q.shape[1] or v.shape != k.shape:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          "expected equal local lengths, even (two zigzag chunks)")
-    return _RingAttention.apply(q, k, v, cpg, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ContextGroup.of(state), scale)
