@@ -1,0 +1,139 @@
+"""Context-parallel training against the single-process run: losses over several optimizer steps, every
+parameter after them, the evaluation loss, and the bytes each group moved (gloo ranks, fp32).
+
+Each cp rank holds the zigzag split of every sequence (`megalite.data.sampler.cp_split`), attends over
+the whole sequence through the ring (`megalite.context.ring`), and the gradients are averaged over
+dp x cp (`megalite.optim.grads.GRAD_GROUP`).
+
+Tolerances (as in tests/test_tensor_parallel.py and tests/test_zero.py): the cp run sums the same terms in
+another order (the ring merges per-block softmaxes by their log-sum-exp, each rank's loss is the mean of
+its S/cp tokens, the gradient sum over dp x cp is another order of the same sum), so losses (O(1) values)
+agree to 1e-5 absolute, observed ~1e-7, and so do the gradient norms (relative). Parameters after 3 AdamW steps at lr 1e-2 are compared to 1e-4:
+Adam's first steps are ~lr * g/|g|, so the ~1e-7 relative round-off of a near-zero gradient becomes up to
+~1e-5 there, while a wrong position, mask, split or scaling moves parameters by O(lr) = 1e-2 (checked by
+breaking the positions on purpose). A gradient scaled by a constant barely moves Adam's steps, which is
+why the gradient norm is compared too (dividing by dp instead of dp x cp fails there). gpt2's key bias has a true gradient
+of 0 (softmax is shift-invariant), so Adam amplifies pure round-off there into O(lr) steps: excluded,
+as in the other parity tests.
+
+Bytes are integers and asserted exactly: 'cp' holds exactly the ring's K/V (+ dK/dV) traffic
+(`megalite.context.costs` x layers x micro-batches, x 2 forwards under full recompute), 'dp' the gradient
+reduction over N = dp x cp ranks (the ZeRO formulas of tests/test_zero.py with dp -> N).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megalite.context import ring_attention_bytes
+from megalite.data.sampler import cp_split
+from megalite.errors import ConfigError
+from megalite.model.gpt import GPT
+from megalite.optim import build_distributed_optimizer
+from megalite.optim.adamw import LossScaler
+from megalite.optim.reference import ReferenceOptimizer
+from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.sharding import unshard
+from megalite.parallel.state import ParallelState
+from megalite.pipeline import build_pipeline
+from megalite.training.step import StepContext, evaluate, train_step
+from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.test_zero import _padded_size, expected_dp_bytes
+
+STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
+LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-4
+
+
+def local_batches(data: torch.Tensor, st: ParallelState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of one step: its dp slice of the rows, its cp split of the tokens."""
+    per_rank = data.shape[0] // st.dp
+    rows = data[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]
+    return [(cp_split(ids, st.cp, st.cp_rank), cp_split(labels, st.cp, st.cp_rank))
+            for ids, labels in micro_batches(rows, MICRO)]
+
+
+def reference_run(cfg, data: list[torch.Tensor]) -> tuple[GPT, list[tuple[float, float]]]:
+    """The single-process run: the model after the steps and each step's (loss, gradient norm)."""
+    ref_state = ParallelState()
+    ref = GPT(cfg, ref_state, seed=5)
+    opt = ReferenceOptimizer(ref, ref_state, **HYPER)
+    tcfg = tiny_train_cfg(STEPS)
+    results = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)), opt,
+                          micro_batches(d, MICRO), i) for i, d in enumerate(data)]
+    return ref, [(r.loss, r.grad_norm) for r in results]
+
+
+def assert_params_match(opt, st: ParallelState, chunks: list[nn.Module], ref: GPT, what: str) -> None:
+    """Every parameter this rank's stage holds, gathered over ZeRO shards and tp, equals the reference's."""
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    specs = {}
+    for chunk in chunks:
+        specs.update(named_param_specs(chunk, ConfigError))
+    full = opt.full_parameters()
+    assert full, what
+    for name, value in full.items():
+        name = name.split(".", 1)[1] if name.split(".", 1)[0].isdigit() else name  # a ModuleList's chunk prefix
+        got, want = unshard(value, specs[name].layout, st), ref_params[name].detach()
+        if name.endswith("attn.qkv.bias"):  # zero true gradient (module doc): compare q and v only
+            h = got.shape[0] // 3
+            got, want = torch.cat([got[:h], got[-h:]]), torch.cat([want[:h], want[-h:]])
+        err = (got - want).abs().max().item()
+        assert err <= PARAM_ATOL, f"{what}: parameter {name} off by {err:.2e} after {STEPS} steps"
+
+
+def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, arch: str,
+                       recompute: str = "none") -> dict[str, float]:
+    st = layout(tp, pp, sp=sp, cp=cp)
+    what = f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute}"
+    cfg = tiny_model_cfg(arch, seq_len=SEQ, recompute=recompute, num_layers=2 * pp)
+    data = random_steps(cfg, STEPS, MICRO * M * st.dp)
+    ref, ref_results = reference_run(cfg, data)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
+    (chunk,) = engine.chunks
+    opt = build_distributed_optimizer(chunk, st, zero, dtype=torch.float32, **HYPER)
+    tcfg = tiny_train_cfg(STEPS)
+    st.counter.reset()
+    results = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False)), opt,
+                          local_batches(d, st), i) for i, d in enumerate(data)]
+    counted = st.counter.bytes()
+    cp_bytes, dp_bytes = st.counter.exact_bytes("cp"), st.counter.exact_bytes("dp")
+    for i, (got, (loss, norm)) in enumerate(zip(results, ref_results)):
+        assert abs(got.loss - loss) <= LOSS_ATOL, f"{what}: step {i} loss {got.loss} != single-process {loss}"
+        # Adam is nearly blind to a gradient's scale; the norm is not (a wrong average over cp doubles it).
+        assert abs(got.grad_norm - norm) <= 1e-5 * norm, f"{what}: step {i} grad norm {got.grad_norm} != {norm}"
+    assert_params_match(opt, st, [chunk], ref, what)
+    # 'cp' is exactly the ring's traffic: each layer of this stage, each micro-batch, each step (full
+    # recompute runs each block's forward, and so its ring, twice).
+    ring = ring_attention_bytes(MICRO, SEQ, cfg.num_kv_heads // tp, cfg.hidden_size // cfg.num_heads, cp, 4)
+    per_call = ring.total + (ring.forward if recompute == "full" else 0)
+    assert cp_bytes == STEPS * M * len(chunk.layers) * per_call, f"{what}: cp bytes {cp_bytes}"
+    # 'dp' is exactly the gradient reduction over N = dp x cp (ZeRO shards over N as well).
+    n = st.dp * cp
+    psi, padded = _padded_size(chunk, zero if n > 1 else 0, n)
+    expected = expected_dp_bytes(zero if n > 1 else 0, psi, padded, n, 4, M) * STEPS
+    assert dp_bytes == expected, f"{what}: dp bytes {dp_bytes} != {expected}"
+    val = evaluate(engine, local_batches(data[0], st), st, torch.float32)
+    want = evaluate(ref, micro_batches(data[0], MICRO), ParallelState(), torch.float32)
+    assert abs(val - want) <= LOSS_ATOL, f"{what}: eval loss {val} != {want}"
+    return counted
+
+
+CASES = [  # world, tp, cp, pp, sp, zero, arch, recompute
+    (2, 1, 2, 1, False, 2, "llama", "none"),      # cp alone; ZeRO-2 shards over the 2 cp ranks (dp = 1)
+    (4, 1, 4, 1, False, 0, "gpt2", "none"),       # cp = 4, learned positions, tied embeddings
+    (4, 2, 2, 1, True, 0, "llama", "none"),       # cp x tp with sequence parallelism
+    (4, 1, 2, 2, False, 0, "llama", "none"),      # cp x pp (1F1B)
+    (4, 1, 2, 1, False, 1, "gpt2", "none"),       # cp x dp, ZeRO-1 over dp x cp
+    (4, 1, 2, 1, False, 3, "llama", "none"),      # cp x dp, ZeRO-3 over dp x cp
+    (2, 1, 2, 1, False, 0, "llama", "full"),      # full recompute re-runs the ring
+    (2, 1, 2, 1, False, 0, "gpt2", "selective"),  # selective: the ring already saves only q, k, v, out, lse
+]
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,sp,zero,arch,recompute", CASES)
+def test_cp_training_matches_single_process(dist_world, world: int, tp: int, cp: int, pp: int, sp: bool,
+                                            zero: int, arch: str, recompute: str) -> None:
+    counted = dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, recompute)
+    assert all(c.get("cp", 0) > 0 for c in counted)
