@@ -84,18 +84,20 @@ def assert_params_match(opt, st: ParallelState, chunks: list[nn.Module], ref: GP
 
 
 def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, arch: str,
-                       recompute: str = "none") -> dict[str, float]:
+                       recompute: str = "none", schedule: str = "1f1b") -> dict[str, float]:
     st = layout(tp, pp, sp=sp, cp=cp)
-    what = f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute}"
+    what = f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute} {schedule}"
+    vpp = 2 if schedule == "zbv" else 1
     cfg = tiny_model_cfg(arch, seq_len=SEQ, recompute=recompute, num_layers=2 * pp)
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
     ref, ref_results = reference_run(cfg, data)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
-    (chunk,) = engine.chunks
-    opt = build_distributed_optimizer(chunk, st, zero, dtype=torch.float32, **HYPER)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
+    chunks = engine.chunks
+    model = chunks[0] if vpp == 1 else nn.ModuleList(chunks)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
     st.counter.reset()
-    results = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False)), opt,
+    results = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), schedule), opt,
                           local_batches(d, st), i) for i, d in enumerate(data)]
     counted = st.counter.bytes()
     cp_bytes, dp_bytes = st.counter.exact_bytes("cp"), st.counter.exact_bytes("dp")
@@ -103,21 +105,26 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
         assert abs(got.loss - loss) <= LOSS_ATOL, f"{what}: step {i} loss {got.loss} != single-process {loss}"
         # Adam is nearly blind to a gradient's scale; the norm is not (a wrong average over cp doubles it).
         assert abs(got.grad_norm - norm) <= 1e-5 * norm, f"{what}: step {i} grad norm {got.grad_norm} != {norm}"
-    assert_params_match(opt, st, [chunk], ref, what)
+    assert_params_match(opt, st, chunks, ref, what)
     # 'cp' is exactly the ring's traffic: each layer of this stage, each micro-batch, each step (full
     # recompute runs each block's forward, and so its ring, twice).
     ring = ring_attention_bytes(MICRO, SEQ, cfg.num_kv_heads // tp, cfg.hidden_size // cfg.num_heads, cp, 4)
     per_call = ring.total + (ring.forward if recompute == "full" else 0)
-    assert cp_bytes == STEPS * M * len(chunk.layers) * per_call, f"{what}: cp bytes {cp_bytes}"
+    layers = sum(len(c.layers) for c in chunks)
+    assert cp_bytes == STEPS * M * layers * per_call, f"{what}: cp bytes {cp_bytes}"
     # 'dp' is exactly the gradient reduction over N = dp x cp (ZeRO shards over N as well).
     n = st.dp * cp
-    psi, padded = _padded_size(chunk, zero if n > 1 else 0, n)
+    psi, padded = _padded_size(model, zero if n > 1 else 0, n) if vpp == 1 else (_numel(model), _numel(model))
     expected = expected_dp_bytes(zero if n > 1 else 0, psi, padded, n, 4, M) * STEPS
     assert dp_bytes == expected, f"{what}: dp bytes {dp_bytes} != {expected}"
     val = evaluate(engine, local_batches(data[0], st), st, torch.float32)
     want = evaluate(ref, micro_batches(data[0], MICRO), ParallelState(), torch.float32)
     assert abs(val - want) <= LOSS_ATOL, f"{what}: eval loss {val} != {want}"
     return counted
+
+
+def _numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 CASES = [  # world, tp, cp, pp, sp, zero, arch, recompute
@@ -137,3 +144,27 @@ def test_cp_training_matches_single_process(dist_world, world: int, tp: int, cp:
                                             zero: int, arch: str, recompute: str) -> None:
     counted = dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, recompute)
     assert all(c.get("cp", 0) > 0 for c in counted)
+
+
+def test_cp_with_zero_bubble_v_schedule(dist_world) -> None:
+    """ZB-V (two chunks per rank in a V, backward split into input- and weight-gradient actions) at cp = 2."""
+    dist_world(4).run(_check_cp_training, 1, 2, 2, False, 0, "llama", "none", "zbv")
+
+
+def test_validation_accepts_cp_layouts_and_names_bad_splits() -> None:
+    """cp composes with tp + sp (no refusal); a sequence that does not split is one clear line."""
+    from megalite.config import parse_args, resolve, validate
+
+    def problems(world: int, *flags: str) -> str:
+        try:
+            validate(resolve(parse_args(list(flags)), world), world)
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    assert problems(4, "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "true", "--model.seq_len", "32") == ""
+    assert problems(8, "--parallel.cp", "2", "--parallel.pp", "2", "--parallel.zero", "3", "--model.seq_len", "32",
+                    "--train.global_batch_size", "32") == ""
+    assert "not divisible by 2 x parallel.cp = 8" in problems(4, "--parallel.cp", "4", "--model.seq_len", "36")
+    assert "tokens per cp rank is not divisible by parallel.tp 4" in problems(
+        8, "--parallel.cp", "2", "--parallel.tp", "4", "--parallel.sp", "true", "--model.seq_len", "20")
