@@ -88,7 +88,8 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
                                         recompute=cfg.model.recompute,
                                         make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
-            smaller = resolve(dataclasses.replace(cfg, model=model), cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
+            par = cfg.parallel
+            smaller = resolve(dataclasses.replace(cfg, model=model), par.dp * par.tp * par.cp * par.pp)
             need = _needed(smaller, processes)
             if need is not None and need <= available:
                 fits.append(Alternative(f"--model.preset {name}", need))
