@@ -168,3 +168,24 @@ def test_validation_accepts_cp_layouts_and_names_bad_splits() -> None:
     assert "not divisible by 2 x parallel.cp = 8" in problems(4, "--parallel.cp", "4", "--model.seq_len", "36")
     assert "tokens per cp rank is not divisible by parallel.tp 4" in problems(
         8, "--parallel.cp", "2", "--parallel.tp", "4", "--parallel.sp", "true", "--model.seq_len", "20")
+
+
+def _check_stop_flag(rank: int) -> bool:
+    """A stop signal seen by one cp rank stops every rank (the flag is reduced over mp, then dp x cp)."""
+    import signal
+
+    from megalite.training.stop import StopFlag
+
+    st = layout(1, cp=2)  # dp = 2: rank 1 is cp rank 1 of the first ring
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        flag = StopFlag()
+        flag.requested = rank == 1
+        return flag.agreed(st)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_stop_flag_reaches_every_cp_rank(dist_world) -> None:
+    assert dist_world(4).run(_check_stop_flag) == [True] * 4
