@@ -18,8 +18,8 @@ rank of that stage (its own slice), a replicated one (norms, biases of row layer
 rank 0 only. Within a dp x cp group (the ranks holding the same parameters) the tensors are dealt out
 round-robin (tensor j by its rank j % (dp*cp)), so all ranks write at once and every byte is written exactly
 once. Nothing stored depends on cp (every cp rank holds the same parameters; ZeRO's shards over dp x cp are
-gathered into whole tensors first), so a checkpoint saved at any cp loads at any other. A tied head on the last pipeline stage
-is a copy of `embedding.weight` and is not written. Every rank's file also holds its RNG states.
+gathered into whole tensors first), so a checkpoint saved at any cp loads at any other. A tied head on the
+last pipeline stage is a copy of `embedding.weight` and is not written. Every rank's file also holds its RNG states.
 
 `extra` (config, sampler position, loss scaler...) is JSON and comes from rank 0; `extra["rng"]` is
 per rank (tensors) and restored only when the layout (tp, cp, pp, dp, sp, vpp) is unchanged: on another
