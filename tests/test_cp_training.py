@@ -131,7 +131,7 @@ CASES = [  # world, tp, cp, pp, sp, zero, arch, recompute
     (2, 1, 2, 1, False, 2, "llama", "none"),      # cp alone; ZeRO-2 shards over the 2 cp ranks (dp = 1)
     (4, 1, 4, 1, False, 0, "gpt2", "none"),       # cp = 4, learned positions, tied embeddings
     (4, 2, 2, 1, True, 0, "llama", "none"),       # cp x tp with sequence parallelism
-    (4, 1, 2, 2, False, 0, "llama", "none"),      # cp x pp (1F1B)
+    (4, 1, 2, 2, False, 0, "gpt2", "none"),       # cp x pp (1F1B), tied embeddings summed over the stages
     (4, 1, 2, 1, False, 1, "gpt2", "none"),       # cp x dp, ZeRO-1 over dp x cp
     (4, 1, 2, 1, False, 3, "llama", "none"),      # cp x dp, ZeRO-3 over dp x cp
     (2, 1, 2, 1, False, 0, "llama", "full"),      # full recompute re-runs the ring
