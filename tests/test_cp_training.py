@@ -18,7 +18,8 @@ as in the other parity tests.
 
 Bytes are integers and asserted exactly: 'cp' holds exactly the ring's K/V (+ dK/dV) traffic
 (`megalite.context.costs` x layers x micro-batches, x 2 forwards under full recompute), 'dp' the gradient
-reduction over N = dp x cp ranks (the ZeRO formulas of tests/test_zero.py with dp -> N).
+reduction over N = dp x cp ranks, and the optimizer's memory is sharded 1/N (the ZeRO formulas of
+tests/test_zero.py with dp -> N).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, evaluate, train_step
 from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
-from tests.test_zero import _padded_size, expected_dp_bytes
+from tests.test_zero import _padded_size, expected_dp_bytes, expected_memory
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
 LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-4
@@ -117,6 +118,9 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
     psi, padded = _padded_size(model, zero if n > 1 else 0, n) if vpp == 1 else (_numel(model), _numel(model))
     expected = expected_dp_bytes(zero if n > 1 else 0, psi, padded, n, 4, M) * STEPS
     assert dp_bytes == expected, f"{what}: dp bytes {dp_bytes} != {expected}"
+    if vpp == 1:  # and each rank holds 1/N of the sharded state
+        mem = opt.memory_bytes()
+        assert mem == expected_memory(zero if n > 1 else 0, psi, padded, n, 4), f"{what}: memory {mem}"
     val = evaluate(engine, local_batches(data[0], st), st, torch.float32)
     want = evaluate(ref, micro_batches(data[0], MICRO), ParallelState(), torch.float32)
     assert abs(val - want) <= LOSS_ATOL, f"{what}: eval loss {val} != {want}"
