@@ -193,3 +193,19 @@ def _check_stop_flag(rank: int) -> bool:
 
 def test_stop_flag_reaches_every_cp_rank(dist_world) -> None:
     assert dist_world(4).run(_check_stop_flag) == [True] * 4
+
+
+def test_batches_keep_each_cp_ranks_zigzag_split() -> None:
+    """Every cp rank builds its split of the same samples; the splits of inputs and labels put back
+    together are the unsplit batch (labels stay aligned with their inputs: next-token targets)."""
+    from megalite.context import zigzag_merge
+    from megalite.data.sampler import make_batch
+
+    samples = [torch.arange(i * 100, i * 100 + SEQ + 1).numpy() for i in range(3)]
+    ids, labels = make_batch(samples, [2, 0])
+    for cp in (2, 4):
+        parts = [make_batch(samples, [2, 0], cp, r) for r in range(cp)]
+        assert all(p[0].shape == (2, SEQ // cp) and p[0].is_contiguous() for p in parts)
+        assert torch.equal(zigzag_merge([p[0] for p in parts]), ids)
+        assert torch.equal(zigzag_merge([p[1] for p in parts]), labels)
+        assert all(torch.equal(p[1], p[0] + 1) for p in parts)
