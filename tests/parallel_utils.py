@@ -10,16 +10,16 @@ import torch.distributed as dist
 from megalite.parallel.counter import CommCounter
 from megalite.parallel.state import ParallelState, create_groups
 
-_GROUPS: dict[tuple[int, int, int], ParallelState] = {}  # per worker process: groups are expensive
+_GROUPS: dict[tuple[int, int, int, int], ParallelState] = {}  # per worker process: groups are expensive
 
 
-def layout(tp: int, pp: int = 1, dp: int | None = None, sp: bool = False) -> ParallelState:
+def layout(tp: int, pp: int = 1, dp: int | None = None, sp: bool = False, cp: int = 1) -> ParallelState:
     """A ParallelState for this rank (groups created once per layout per worker, then reused)."""
     world = dist.get_world_size()
-    dp = dp if dp is not None else world // (tp * pp)
-    key = (tp, pp, dp)
+    dp = dp if dp is not None else world // (tp * cp * pp)
+    key = (tp, pp, dp, cp)
     if key not in _GROUPS:
-        state = ParallelState(tp=tp, pp=pp, dp=dp, rank=dist.get_rank())
+        state = ParallelState(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), cp=cp)
         create_groups(state)
         _GROUPS[key] = state
     return replace(_GROUPS[key], sp=sp, counter=CommCounter())

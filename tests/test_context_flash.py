@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("triton")
 from kernels.testing import use_interpreter  # noqa: E402
 
-from megalite.context import allgather, blockwise, ring, zigzag_split  # noqa: E402
+from megalite.context import zigzag_split  # noqa: E402
 from megalite.context.blockwise import CAUSAL, block_backward, block_forward, merge_into  # noqa: E402
 from tests.test_context_parallel import _problem, _reference, _ring, _run_cp  # noqa: E402
 
@@ -111,16 +111,12 @@ def _cp_flash_rank_fn(rank: int, form: str, heads: int, kv_heads: int) -> int:
             return fn(*args, **kwargs)
         return call
 
-    module = ring if form == "ring" else allgather
-    saved = module.block_forward, module.block_backward, K.flash_attention_block, K.flash_attention_block_backward
-    # The model passes the backend from its kernel choice; here the form's block calls are bound to it.
-    module.block_forward = functools.partial(blockwise.block_forward, backend="triton")
-    module.block_backward = functools.partial(blockwise.block_backward, backend="triton")
-    K.flash_attention_block, K.flash_attention_block_backward = counted(saved[2]), counted(saved[3])
+    saved = K.flash_attention_block, K.flash_attention_block_backward
+    K.flash_attention_block, K.flash_attention_block_backward = counted(saved[0]), counted(saved[1])
     try:
-        got, _, _ = _run_cp(form, q, k, v, d_out, cpg)
+        got, _, _ = _run_cp(form, q, k, v, d_out, cpg, backend="triton")
     finally:
-        module.block_forward, module.block_backward, K.flash_attention_block, K.flash_attention_block_backward = saved
+        K.flash_attention_block, K.flash_attention_block_backward = saved
     for name, a, want in zip(["out", "dq", "dk", "dv"], got, _reference(q, k, v, d_out)):
         torch.testing.assert_close(a, zigzag_split(want, 2, cpg.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
     return len(launches)

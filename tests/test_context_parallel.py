@@ -10,7 +10,6 @@ errors of order 0.1-1 (checked by breaking the mask and the dK/dV return on purp
 
 from __future__ import annotations
 
-from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -22,7 +21,7 @@ from megalite.context import (ContextGroup, allgather_attention, allgather_atten
 from megalite.errors import ConfigError
 from megalite.model.gpt import rope_tables
 from megalite.model.ops import apply_rope, attention
-from megalite.parallel.counter import CommCounter
+from megalite.parallel.state import ParallelState
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 FORMS = {"ring": (ring_attention, ring_attention_bytes), "allgather": (allgather_attention, allgather_attention_bytes)}
@@ -62,9 +61,9 @@ def test_zigzag_rejects_indivisible_sequence() -> None:
 def test_attention_rejects_bad_shapes(form: str) -> None:
     fn = FORMS[form][0]
     with pytest.raises(ConfigError, match="num_heads 6 is not a multiple of num_kv_heads 4"):
-        fn(torch.zeros(1, 4, 6, 8), torch.zeros(1, 4, 4, 8), torch.zeros(1, 4, 4, 8), ContextGroup())
+        fn(torch.zeros(1, 4, 6, 8), torch.zeros(1, 4, 4, 8), torch.zeros(1, 4, 4, 8), ParallelState())
     with pytest.raises(ValueError):
-        fn(torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), ContextGroup())
+        fn(torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), ParallelState())
 
 
 def test_rope_at_zigzag_positions_equals_rope_then_split() -> None:
@@ -102,17 +101,17 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.T
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def _run_cp(form: str, q, k, v, d_out, cpg: ContextGroup, dtype: torch.dtype = torch.float32
-            ) -> tuple[list[torch.Tensor], Fraction, Fraction]:
+def _run_cp(form: str, q, k, v, d_out, st: ParallelState, dtype: torch.dtype = torch.float32,
+            backend: str = "torch") -> tuple[list[torch.Tensor], Fraction, Fraction]:
     """This rank's output and input gradients (zigzag-local) and the cp bytes of forward, backward."""
     fn = FORMS[form][0]
-    local = [zigzag_split(t, cpg.cp, cpg.cp_rank).to(dtype) for t in (q, k, v)]
+    local = [zigzag_split(t, st.cp, st.cp_rank).to(dtype) for t in (q, k, v)]
     for t in local:
         t.requires_grad_()
-    out = fn(*local, cpg)
-    fwd = cpg.counter.exact_bytes("cp")
-    out.backward(zigzag_split(d_out, cpg.cp, cpg.cp_rank).to(dtype))
-    return [out.detach()] + [t.grad for t in local], fwd, cpg.counter.exact_bytes("cp") - fwd
+    out = fn(*local, st, backend=backend)
+    fwd = st.counter.exact_bytes("cp")
+    out.backward(zigzag_split(d_out, st.cp, st.cp_rank).to(dtype))
+    return [out.detach()] + [t.grad for t in local], fwd, st.counter.exact_bytes("cp") - fwd
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -120,38 +119,32 @@ def _run_cp(form: str, q, k, v, d_out, cpg: ContextGroup, dtype: torch.dtype = t
 def test_single_rank_equals_causal_attention(form: str, heads: int, kv_heads: int) -> None:
     """cp = 1 (no process group): the block attention and its hand-written backward alone."""
     q, k, v, d_out = _problem(1, 3, 10, heads, kv_heads, 8)
-    got, fwd, bwd = _run_cp(form, q, k, v, d_out, ContextGroup())
+    got, fwd, bwd = _run_cp(form, q, k, v, d_out, ParallelState())
     for a, b in zip(got, _reference(q, k, v, d_out)):
         torch.testing.assert_close(a, b.float(), **TOL)
     assert fwd == bwd == 0
 
 
-_RINGS: dict[tuple[int, int], ContextGroup] = {}  # per worker process: process groups are created once
+def _ring(cp: int, tp: int = 1) -> ParallelState:
+    """This rank's ParallelState in a tp x cp x dp world (4 ranks), with a fresh counter."""
+    from tests.parallel_utils import layout
 
-
-def _ring(cp: int, tp: int = 1) -> ContextGroup:
-    """This rank's cp ring of a tp x cp x dp world (4 ranks), with a fresh counter."""
-    from megalite.context import new_context_group
-
-    if (cp, tp) not in _RINGS:
-        dp = torch.distributed.get_world_size() // (cp * tp)
-        _RINGS[(cp, tp)] = new_context_group(tp=tp, cp=cp, pp=1, dp=dp)
-    return replace(_RINGS[(cp, tp)], counter=CommCounter())
+    return layout(tp, cp=cp)
 
 
 def _cp_rank_fn(rank: int, form: str, cp: int, heads: int, kv_heads: int,
                 dtype: torch.dtype = torch.float32, tp: int = 1) -> tuple[float, float]:
-    cpg = _ring(cp, tp)
+    st = _ring(cp, tp)
     batch, seq, d = 3, 2 * cp * 3, 8
-    q, k, v, d_out = _problem(100 + cpg.ranks[0], batch, seq, heads, kv_heads, d)   # a problem per ring
+    q, k, v, d_out = _problem(100 + ContextGroup.of(st).ranks[0], batch, seq, heads, kv_heads, d)  # one per ring
     # bf16: the reference takes the same rounded inputs; the parallel forms compute in fp32 and round once
     # at the end (outputs, and dK/dV after their fp32 sum over the ring): within a few bf16 ulps (2^-8).
     q, k, v, d_out = (t.to(dtype).double() for t in (q, k, v, d_out))
     tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    got, fwd, bwd = _run_cp(form, q, k, v, d_out, cpg, dtype)
+    got, fwd, bwd = _run_cp(form, q, k, v, d_out, st, dtype)
     for name, a, b in zip(["out", "dq", "dk", "dv"], got, _reference(q, k, v, d_out)):
         assert a.dtype == dtype
-        torch.testing.assert_close(a.float(), zigzag_split(b, cp, cpg.cp_rank).float(), **tol,
+        torch.testing.assert_close(a.float(), zigzag_split(b, cp, st.cp_rank).float(), **tol,
                                    msg=lambda m: f"{name}: {m}")
     expected = FORMS[form][1](batch, seq, kv_heads, d, cp, elem_bytes=torch.finfo(dtype).bits // 8)
     assert (fwd, bwd) == (expected.forward, expected.backward), (fwd, bwd, expected)
@@ -181,17 +174,17 @@ def _overlap_rank_fn(rank: int, cp: int) -> list[int]:
     """The number of K/V sends this rank had posted when each forward block started computing."""
     from megalite.context import ring
 
-    cpg, seen = _ring(cp), []
+    st, seen = _ring(cp), []
     compute = ring.block_forward
 
     def spy(*args, **kwargs):
-        seen.append(cpg.counter.calls().get("cp", 0))
+        seen.append(st.counter.calls().get("cp", 0))
         return compute(*args, **kwargs)
 
     q, k, v, _ = _problem(7, 1, 2 * cp, 2, 1, 4)
     ring.block_forward = spy
     try:
-        ring_attention(*(zigzag_split(t, cp, cpg.cp_rank).float() for t in (q, k, v)), cpg)
+        ring_attention(*(zigzag_split(t, cp, st.cp_rank).float() for t in (q, k, v)), st)
     finally:
         ring.block_forward = compute
     return seen

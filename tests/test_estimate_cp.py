@@ -42,7 +42,7 @@ def test_cp_bytes_are_the_ring_closed_form_times_layers_and_micro_batches(dims: 
     est = estimate(dims, layout, prec)
     per_call = ring_attention_bytes(layout.micro_batch_size, dims.seq_len, dims.kv_heads // layout.tp, dims.hd,
                                     layout.cp, prec.activation)
-    reruns = 0 if layout.recompute == "none" else 1  # recompute runs the ring forward once more
+    reruns = 1 if layout.recompute == "full" else 0  # full recompute runs the ring forward once more (not selective)
     per_layer = per_call.total + reruns * per_call.forward
     expected = per_layer * dims.num_layers // layout.pp * est.num_microbatches
     assert est.comm_bytes["cp"] == expected  # integers of bytes: exact

@@ -15,12 +15,14 @@ load). Names are the model's global, layout-independent parameter names.
 
 Who writes what: a logical tensor lives on one pipeline stage; a TP-split tensor is written by every tp
 rank of that stage (its own slice), a replicated one (norms, biases of row layers, positions) by tp
-rank 0 only. Within a dp group the tensors are dealt out round-robin (tensor j by dp rank j % dp), so
-all ranks write at once and every byte is written exactly once. A tied head on the last pipeline stage
-is a copy of `embedding.weight` and is not written. Every rank's file also holds its RNG states.
+rank 0 only. Within a dp x cp group (the ranks holding the same parameters) the tensors are dealt out
+round-robin (tensor j by its rank j % (dp*cp)), so all ranks write at once and every byte is written exactly
+once. Nothing stored depends on cp (every cp rank holds the same parameters; ZeRO's shards over dp x cp are
+gathered into whole tensors first), so a checkpoint saved at any cp loads at any other. A tied head on the
+last pipeline stage is a copy of `embedding.weight` and is not written. Every rank's file also holds its RNG states.
 
 `extra` (config, sampler position, loss scaler...) is JSON and comes from rank 0; `extra["rng"]` is
-per rank (tensors) and restored only when the layout (tp, pp, dp, sp, vpp) is unchanged: on another
+per rank (tensors) and restored only when the layout (tp, cp, pp, dp, sp, vpp) is unchanged: on another
 layout the ranks hold different pieces and draw different masks anyway, so the freshly seeded RNG
 streams of the new run are kept (load returns `rng=None`). This only matters with dropout > 0.
 
@@ -53,14 +55,15 @@ from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
-from megalite.parallel.state import ParallelState
+from megalite.parallel.state import GroupKind, ParallelState
 
+SAME_PARAMS: GroupKind = "dp_cp"  # the ranks holding the same parameters, among which the writes are dealt
 INDEX = "index.json"
 FORMAT = "megalite-sharded-1"
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 MODEL_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
               "tie_embeddings")
-LAYOUT_KEYS = ("tp", "pp", "dp", "sp", "vpp")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "sp", "vpp")
 
 
 def _chunks(model_chunks: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -89,7 +92,8 @@ def _params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter, str, Param
 
 def _layout(state: ParallelState, chunks: list[nn.Module],
             optimizer: DistributedOptimizer | None) -> dict[str, Any]:
-    return {"tp": state.tp, "pp": state.pp, "dp": state.dp, "sp": bool(state.sp), "vpp": len(chunks),
+    return {"tp": state.tp, "cp": state.cp, "pp": state.pp, "dp": state.dp, "sp": bool(state.sp),
+            "vpp": len(chunks),
             "zero": optimizer.stage if optimizer is not None else 0}
 
 
@@ -148,7 +152,7 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
         items += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
         if "step" in st:
             opt_step = float(st["step"])
-    mine = items[state.dp_rank::state.dp]
+    mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)]
     rng: dict[str, torch.Tensor] = extra.get("rng") or {}
     file = f"rank_{state.rank:05d}.safetensors"
     plan = [(f"{key}/{i}", torch.float32, pc.shape) for key, smap, _ in mine for i, pc in enumerate(smap.pieces)]
@@ -321,7 +325,8 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     saved = index.get("layout", {})
     now = _layout(state, chunks, optimizer)
     rng = None
-    if all(saved.get(k) == now[k] for k in LAYOUT_KEYS) and str(state.rank) in index.get("rng_files", {}):
+    same_layout = all(saved.get(k, 1 if k == "cp" else None) == now[k] for k in LAYOUT_KEYS)  # no "cp": 1
+    if same_layout and str(state.rank) in index.get("rng_files", {}):
         file = index["rng_files"][str(state.rank)]
         rng = {k: reader.read_file_tensor(file, f"rng/{k}") for k in index["rng_keys"]}
     reader.close()

@@ -211,7 +211,9 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
 
 
 def _context_problems(cfg: Config) -> list[str]:
-    """Context parallelism: the zigzag split needs 2*cp equal chunks of every sequence."""
+    """Context parallelism: the zigzag split needs 2*cp equal chunks of every sequence, and SP cuts each
+    rank's S/cp tokens over tp. It composes with tp (+sp), pp (every schedule), dp and ZeRO 0-3 (sharded over
+    dp x cp); the attention runs the ring in torch block math with either kernel backend."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return []
@@ -223,8 +225,6 @@ def _context_problems(cfg: Config) -> list[str]:
     if p.sp and (m.seq_len // p.cp) % p.tp:
         out.append(f"model.seq_len / cp = {m.seq_len // p.cp} tokens per cp rank is not divisible by parallel.tp "
                    f"{p.tp}, which sequence parallelism needs: change seq_len, cp or tp")
-    out.append("parallel.cp > 1 is not wired into the model yet (megalite/context holds the ring attention): "
-               "use parallel.cp=1")
     return out
 
 

@@ -31,11 +31,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.context.blockwise import (CAUSAL, block_backward, block_forward, from_grouped, merge_into,
+from megalite.context.blockwise import (CAUSAL, Backend, block_backward, block_forward, from_grouped, merge_into,
                                         to_grouped)
 from megalite.context.group import GROUP, ContextGroup
 from megalite.errors import ConfigError
 from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
 
@@ -58,7 +59,7 @@ def stack_kv(k: Tensor, v: Tensor) -> Tensor:
 def _pass_on(t: Tensor, cpg: ContextGroup) -> tuple[Tensor, list[dist.Work]]:
     """Post the send of `t` to our successor and the receive of the predecessor's into a new buffer."""
     received = torch.empty_like(t)
-    works = comm.send_recv_async([t], [received], cpg, GROUP, cpg.next_rank, cpg.prev_rank)  # type: ignore[arg-type]
+    works = comm.send_recv_async([t], [received], cpg.state, GROUP, cpg.next_rank, cpg.prev_rank)
     return received, works
 
 
@@ -73,7 +74,8 @@ def _step_blocks(owner: int, cp_rank: int, c: int) -> tuple[slice, slice, bool]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cpg: ContextGroup, scale: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cpg: ContextGroup, scale: float,  # type: ignore[override]
+                backend: Backend) -> Tensor:
         hk, c = k.shape[2], q.shape[1] // 2
         qg = to_grouped(q, hk)
         kv = stack_kv(k, v)
@@ -82,7 +84,8 @@ class _RingAttention(torch.autograd.Function):
             nxt, works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])  # before computing with kv
             rows, keys, causal = _step_blocks((cpg.cp_rank - step) % cpg.cp, cpg.cp_rank, c)
             keep = CAUSAL if causal else None
-            blk_out, blk_lse = block_forward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale, keep)
+            blk_out, blk_lse = block_forward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale, keep,
+                                             backend)
             if out is None:
                 out, lse = blk_out, blk_lse        # step 0 covers every query row
             else:
@@ -92,7 +95,7 @@ class _RingAttention(torch.autograd.Function):
         assert out is not None and lse is not None
         result = from_grouped(out).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.cpg, ctx.scale = cpg, scale
+        ctx.cpg, ctx.scale, ctx.backend = cpg, scale, backend
         return result
 
     @staticmethod
@@ -112,7 +115,8 @@ class _RingAttention(torch.autograd.Function):
             keep = CAUSAL if causal else None
             dq_blk, dk_blk, dv_blk = block_backward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                                                     dog[:, :, :, rows], lse[:, :, :, rows],
-                                                    delta[:, :, :, rows], scale=ctx.scale, keep=keep)
+                                                    delta[:, :, :, rows], scale=ctx.scale, keep=keep,
+                                                    backend=ctx.backend)
             dq[:, :, :, rows] += dq_blk
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             dkv[0][:, :, keys], dkv[1][:, :, keys] = dk_blk, dv_blk
@@ -129,18 +133,21 @@ class _RingAttention(torch.autograd.Function):
         if acc_in is not None:
             own.add_(acc_in)
         dk, dv = own[0].transpose(1, 2).to(k.dtype), own[1].transpose(1, 2).to(v.dtype)
-        return from_grouped(dq).to(q.dtype), dk, dv, None, None
+        return from_grouped(dq).to(q.dtype), dk, dv, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, cpg: ContextGroup, scale: float | None = None) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, scale: float | None = None,
+                   backend: Backend = "torch") -> Tensor:
     """Causal GQA attention of this rank's zigzag-split queries against the whole sequence's keys/values.
 
     q [b, S/cp, hq, d], k/v [b, S/cp, hk, d] (this rank's two chunks, `zigzag_split`) -> [b, S/cp, hq, d],
-    equal to the matching rows of causal attention over the unsplit sequence. Collective over `cpg`:
-    every rank of the ring must call it with the same shapes.
+    equal to the matching rows of causal attention over the unsplit sequence. Collective over the state's
+    'cp' ring (bytes counted under 'cp'): every rank of the ring must call it with the same shapes.
+    `backend` computes each block pair: the torch block math or the Triton flash kernel (the model's kernels).
     """
     check_heads(q.shape[2], k.shape[2])
     if q.shape[1] % 2 or k.shape[1] != q.shape[1] or v.shape != k.shape:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          "expected equal local lengths, even (two zigzag chunks)")
-    return _RingAttention.apply(q, k, v, cpg, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ContextGroup.of(state), scale, backend)

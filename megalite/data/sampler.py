@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError, DataError
 
 
@@ -102,10 +103,18 @@ class DataSampler:
         self.consumed_samples = int(d["consumed_samples"])
 
 
-def make_batch(dataset: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(dataset: SampleSource, indices: Sequence[int], cp: int = 1,
+               cp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack samples of `seq_len + 1` tokens into (input_ids[B, S], labels[B, S]), both int64.
 
     Labels are the inputs shifted by one: position t predicts token t+1 (next-token prediction).
+    Context parallelism (cp > 1): every cp rank of a ring reads the same samples (the sampler is indexed
+    by the dp rank) and keeps its zigzag split of inputs and labels alike, [B, S/cp] each, here, once.
     """
     x = torch.from_numpy(np.stack([np.asarray(dataset[int(i)], dtype=np.int64) for i in indices]))
-    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    return cp_split(x[:, :-1], cp, cp_rank), cp_split(x[:, 1:], cp, cp_rank)
+
+
+def cp_split(tokens: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """This context-parallel rank's zigzag split of [B, S] tokens (the tokens themselves at cp = 1)."""
+    return (zigzag_split(tokens, cp, cp_rank) if cp > 1 else tokens).contiguous()

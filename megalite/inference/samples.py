@@ -49,9 +49,10 @@ class TrainingSamples:
         self.tokenizer, self.state, self.dtype, self.logger, self.tracker = tokenizer, state, dtype, logger, tracker
         self.model = cast(GPT, chunks[0]) if len(chunks) == 1 else None
         self.rows: list[list[Any]] = []
-        if self.interval > 0 and (state.pp > 1 or state.sp or self.model is None):
-            logger.note(f"logging.sample_interval={self.interval}: samples need pp=1 and no sequence parallelism "
-                        f"(this run has pp={state.pp} sp={state.sp}): no samples will be logged")
+        if self.interval > 0 and (state.pp > 1 or state.sp or state.cp > 1 or self.model is None):
+            logger.note(f"logging.sample_interval={self.interval}: samples need pp=1, cp=1 and no sequence "
+                        f"parallelism (this run has pp={state.pp} cp={state.cp} sp={state.sp}): no samples will be "
+                        "logged")
             self.interval = 0
 
     def prompt_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from megalite.context import ring_attention
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
@@ -86,7 +87,13 @@ class Attention(nn.Module):
         x = enter_tp_region(x, self.state)
         b, s, _ = x.shape
         q, k, v = self.project(x, cos[:s], sin[:s])
-        if self.selective and torch.is_grad_enabled():
+        if self.state.cp > 1:
+            # Context parallelism: this rank's queries against the whole sequence's K/V passed around the
+            # cp ring (each block pair on the torch block math or the Triton flash kernel). Its backward keeps only q, k, v, the output
+            # and the log-sum-exp and recomputes the scores block by block, which is what selective
+            # recompute saves, so it is not checkpointed again (no second forward, no extra cp bytes).
+            o = ring_attention(q, k, v, self.state, backend=self.ops.block_backend)
+        elif self.selective and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
             o = checkpoint(self.ops.attention, q, k, v, use_reentrant=False)
         else:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from megalite.context import zigzag_positions
 from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
@@ -73,6 +74,13 @@ class GPT(nn.Module):
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
         cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
+        # Context parallelism: this rank holds the tokens at `positions` (its zigzag split) of every
+        # sequence, from embedding to loss; RoPE and learned positions are indexed there.
+        positions = zigzag_positions(cfg.seq_len, state.cp, state.cp_rank) if state.cp > 1 else None
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        self.positions: torch.Tensor | None
+        self.register_buffer("positions", positions, persistent=False)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -92,11 +100,19 @@ class GPT(nn.Module):
         """ZeRO-3 gathers each transformer block just before it runs (the rest of the stage is one unit)."""
         return list(self.layers.values())
 
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence this rank holds: seq_len / cp (its zigzag split) under context parallelism."""
+        return self.cfg.seq_len // self.state.cp
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.embedding is not None
+        if self.positions is not None and ids.shape[1] != self.local_seq_len():
+            raise ValueError(f"context parallel: got {ids.shape[1]} tokens per sequence, expected this rank's "
+                             f"zigzag split of seq_len {self.cfg.seq_len}: {self.local_seq_len()}")
         x = self.embedding(ids)  # [B, S/tp, H] under SP (reduce-scattered), else [B, S, H]
         if self.position is not None:
-            pos = self.position[: ids.shape[1]].to(x.dtype)
+            rows = self.position[: ids.shape[1]] if self.positions is None else self.position[self.positions]
+            pos = rows.to(x.dtype)
             x = x + (comm.split(pos, self.state, "tp", dim=0) if self.state.sp else pos)
         return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite.context.blockwise import Backend
 from megalite.errors import ConfigError
 from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel import comm
@@ -161,6 +162,7 @@ class Ops:
     gelu_tanh: Callable[[Tensor], Tensor]
     attention: Callable[..., Tensor]
     cross_entropy: VocabParallelLoss
+    block_backend: Backend = "torch"  # the context-parallel ring's per-block attention (megalite/context)
 
 
 TORCH_OPS = Ops(rms_norm, layer_norm, add_rms_norm, add_layer_norm, apply_rope, swiglu, gelu_tanh, attention,
@@ -198,7 +200,7 @@ def get_ops(kind: str) -> Ops:
                               "use model.kernels=torch")
         return Ops(kernels.rms_norm, kernels.layer_norm, kernels.add_rms_norm, kernels.add_layer_norm,
                    kernels.apply_rope, kernels.swiglu, kernels.gelu_tanh, kernels.flash_attention,
-                   _kernel_loss(kernels.vocab_parallel_cross_entropy))
+                   _kernel_loss(kernels.vocab_parallel_cross_entropy), block_backend="triton")
     raise ConfigError(f"model.kernels={kind!r}: expected torch, triton or auto")
 
 

@@ -16,9 +16,14 @@ import torch.nn as nn
 
 from megalite.parallel import comm
 from megalite.parallel.param_spec import ParamSpec, Tied
-from megalite.parallel.state import ParallelState
+from megalite.parallel.state import GroupKind, ParallelState
 
 Specs = Mapping[nn.Parameter, ParamSpec]
+
+# The ranks holding the same parameters: dp x cp (at cp = 1 the dp group, one communicator). Gradients are
+# averaged over it (cp ranks saw other tokens of the same sequences, each its own mean over S/cp of them)
+# and ZeRO shards over it. Its traffic is counted under 'dp' (megalite.parallel.comm).
+GRAD_GROUP: GroupKind = "dp_cp"
 
 
 class GradSyncSwitch:
@@ -56,11 +61,11 @@ def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> No
         flat = torch.cat([p.grad.reshape(-1) for p in partial])
         comm.all_reduce(flat, state, "tp")
         _unflatten_into(flat, [p.grad for p in partial])
-    if state.dp > 1:
+    if state.size(GRAD_GROUP) > 1:
         grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, state, "dp")
-        flat /= state.dp
+        comm.all_reduce(flat, state, GRAD_GROUP)
+        flat /= state.size(GRAD_GROUP)
         _unflatten_into(flat, grads)
 
 

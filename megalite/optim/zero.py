@@ -18,7 +18,7 @@ starts asynchronously, overlapping the rest of the backward; `finish_grad_sync()
 
 Exact bytes held per rank, measured by `memory_bytes()` after a step (Psi = elements of this rank's TP
 shard of the model, each shared parameter once; P = Psi padded: sum over buckets of ceil(n_b/N)*N,
-P = Psi for stage 0; N = dp; b = 4 for fp32, 2 for bf16/fp16):
+P = Psi for stage 0; N = dp x cp, GRAD_GROUP; b = 4 for fp32, 2 for bf16/fp16):
 
                params     grads (fp32)   master (fp32)    Adam m, v (fp32)
     stage 0    b Psi      4 Psi          4 Psi or 0       8 Psi
@@ -66,7 +66,7 @@ import torch.nn as nn
 
 from megalite.errors import CheckpointError, ConfigError
 from megalite.optim import zero_state
-from megalite.optim.grads import GradSyncSwitch, unique_params
+from megalite.optim.grads import GRAD_GROUP, GradSyncSwitch, unique_params
 from megalite.optim.protocol import FoldsWeightGrad, ShardableModel
 from megalite.optim.zero3 import Zero3Gatherer
 from megalite.optim.zero_buckets import Bucket, adamw_flat, make_bucket, split_by_size
@@ -87,7 +87,7 @@ class ZeroOptimizer(GradSyncSwitch):
             raise ConfigError(f"parallel.zero={stage} is not a ZeRO stage: use 0, 1, 2 or 3")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ConfigError(f"train.dtype {dtype} unsupported: use fp32, bf16 or fp16")
-        if stage > 0 and state.dp == 1:
+        if stage > 0 and state.size(GRAD_GROUP) == 1:
             warnings.warn(f"parallel.zero={stage} with dp=1 has nothing to shard: using zero=0 "
                           "(plain data parallel). Set parallel.zero=0 to silence this.", stacklevel=2)
             stage = 0
@@ -156,7 +156,8 @@ class ZeroOptimizer(GradSyncSwitch):
 
     def _build_bucket(self, params: list[nn.Parameter]) -> Bucket:
         st = self.state
-        b, full32 = make_bucket(params, self.specs, st.dp, st.dp_rank, pad=self.stage > 0)
+        b, full32 = make_bucket(params, self.specs, st.size(GRAD_GROUP), st.rank_in(GRAD_GROUP),
+                                pad=self.stage > 0)
         b.param_flat = full32.to(self.dtype)
         for p, off in zip(params, b.offsets):
             p.data = b.param_flat[off:off + p.numel()].view(p.shape)
@@ -227,10 +228,10 @@ class ZeroOptimizer(GradSyncSwitch):
             b.grad_flat = torch.zeros(b.padded, dtype=torch.float32, device=self.state.device)
         b.launched = True
         if self.stage == 0:
-            b.work = comm.all_reduce_async(b.grad_flat, self.state, "dp")
+            b.work = comm.all_reduce_async(b.grad_flat, self.state, GRAD_GROUP)
         else:
             b.scatter_out = torch.empty(b.shard_numel, dtype=torch.float32, device=self.state.device)
-            b.work = comm.reduce_scatter_async(b.scatter_out, b.grad_flat, self.state, "dp")
+            b.work = comm.reduce_scatter_async(b.scatter_out, b.grad_flat, self.state, GRAD_GROUP)
 
     # ------------------------------------------------------------ the optimizer interface
     def zero_grad(self) -> None:
@@ -247,6 +248,7 @@ class ZeroOptimizer(GradSyncSwitch):
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's reduction (starting any that never filled), average over dp, then
         sum the SP-partial pieces over TP (DP average and TP sum commute: both are linear)."""
+        n = self.state.size(GRAD_GROUP)
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
@@ -258,8 +260,8 @@ class ZeroOptimizer(GradSyncSwitch):
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            if self.state.dp > 1:  # the DP average (a full pass over the gradients: skip it when alone)
-                b.grad_shard.div_(self.state.dp)
+            if n > 1:  # the average over dp x cp (a full pass over the gradients: skip it when alone)
+                b.grad_shard.div_(n)
             if self.stage >= 2:
                 b.grad_flat = None  # ZeRO-2: only the reduced shard is kept
         for b in self._shared_buckets:  # Megatron's tied-embedding sync (first and last stage)
@@ -288,7 +290,7 @@ class ZeroOptimizer(GradSyncSwitch):
         sq = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
               else torch.zeros(1, dtype=torch.float64, device=self.state.device))
         if self.stage >= 1:
-            comm.all_reduce(sq, self.state, "dp", count_as="norm")
+            comm.all_reduce(sq, self.state, GRAD_GROUP, count_as="norm")
         comm.all_reduce(sq, self.state, "mp")
         return math.sqrt(sq.item())
 
@@ -311,8 +313,8 @@ class ZeroOptimizer(GradSyncSwitch):
             if own is not b.master and own.data_ptr() != b.master.data_ptr():
                 own.copy_(b.master)
         if self.stage in (1, 2):
-            works = [comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state, "dp")
-                     for b in self.buckets]
+            works = [comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state,
+                                           GRAD_GROUP) for b in self.buckets]
             for w in works:
                 if w is not None:
                     w.wait()
@@ -320,7 +322,7 @@ class ZeroOptimizer(GradSyncSwitch):
     # ------------------------------------------------------------ checkpoints and accounting
     def state_dict(self) -> dict:
         """Everything this rank needs to resume the same layout: its master and Adam shards, the step."""
-        return {"stage": self.stage, "dp": self.state.dp, "step": self.step_count,
+        return {"stage": self.stage, "dp": self.state.size(GRAD_GROUP), "step": self.step_count,
                 "buckets": [{"numel": b.numel, "lo": b.lo, "hi": b.hi, "master": b.master.clone(),
                              "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
                             for b in self.buckets]}
@@ -328,9 +330,10 @@ class ZeroOptimizer(GradSyncSwitch):
     def load_state_dict(self, d: dict) -> None:
         mine = [(b.numel, b.lo, b.hi) for b in self.buckets]
         theirs = [(x["numel"], x["lo"], x["hi"]) for x in d.get("buckets", [])]
-        if d.get("stage") != self.stage or d.get("dp") != self.state.dp or mine != theirs:
+        n = self.state.size(GRAD_GROUP)
+        if d.get("stage") != self.stage or d.get("dp") != n or mine != theirs:
             raise CheckpointError(f"optimizer state is for zero={d.get('stage')} dp={d.get('dp')} with another "
-                                  f"bucket layout, this run is zero={self.stage} dp={self.state.dp}: resume with "
+                                  f"bucket layout, this run is zero={self.stage} dp={n}: resume with "
                                   "the same parallel layout and ZeRO stage (or reshard the checkpoint)")
         self.step_count = int(d["step"])
         with torch.no_grad():
@@ -369,7 +372,7 @@ class ZeroOptimizer(GradSyncSwitch):
         for b in self.buckets:
             if self.zero3 is not None:
                 full = torch.empty(b.padded, dtype=b.param_flat.dtype, device=self.state.device)
-                w = comm.all_gather_async(full, b.param_shard, self.state, "dp")  # type: ignore[arg-type]
+                w = comm.all_gather_async(full, b.param_shard, self.state, GRAD_GROUP)  # type: ignore[arg-type]
                 if w is not None:
                     w.wait()
             else:

@@ -14,6 +14,7 @@ from typing import Mapping
 
 import torch
 
+from megalite.optim.grads import GRAD_GROUP
 from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -29,7 +30,7 @@ def _full(b: Bucket, shard: torch.Tensor, sharded: bool, state: ParallelState) -
     if not sharded:
         return shard
     full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-    work = comm.all_gather_async(full, shard.contiguous(), state, "dp", count_as="checkpoint")
+    work = comm.all_gather_async(full, shard.contiguous(), state, GRAD_GROUP, count_as="checkpoint")
     if work is not None:
         work.wait()
     return full

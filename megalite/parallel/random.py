@@ -26,9 +26,11 @@ class RNGStreams:
     """This rank's two dropout generators, on the rank's device."""
 
     def __init__(self, seed: int, state: ParallelState) -> None:
-        self.replicated = torch.Generator(device=state.device).manual_seed(seed + 100 * state.pp_rank)
-        self.tp_local = torch.Generator(device=state.device).manual_seed(
-            seed + 2718 + 100 * state.pp_rank + state.tp_rank)
+        # Context-parallel ranks hold other tokens of the same sequences: their masks must differ too (the
+        # cp term is 0 at cp_rank 0, so layouts without cp draw what they always drew).
+        base = seed + 100 * state.pp_rank + 7919 * state.cp_rank
+        self.replicated = torch.Generator(device=state.device).manual_seed(base)
+        self.tp_local = torch.Generator(device=state.device).manual_seed(base + 2718 + state.tp_rank)
 
     def dropout(self, x: torch.Tensor, p: float, training: bool, tp_local: bool) -> torch.Tensor:
         """Inverted dropout drawing from the right stream."""

@@ -9,7 +9,9 @@ size (the compute dtype),
     forward   (cp-1)·kv·e          the K/V go once around the ring
     backward  (cp-1)·kv·(e + 4)    the K/V again, plus the fp32 dK/dV accumulator travelling back
 
-and a recomputed forward (selective or full recompute re-runs the attention) sends the forward again.
+and full recompute re-runs the block's forward, ring included, so it sends the forward again. Selective recompute
+does not: the ring's backward already keeps only q, k, v, the output and the log-sum-exp (megalite/model/block.py),
+so the model does not checkpoint it a second time.
 These are `megalite/context/costs.py`'s closed forms (restated here so the estimator stays torch-free;
 tests/test_estimate_cp.py holds the two equal).
 
@@ -37,13 +39,13 @@ def ring_bytes_per_call(dims: ModelDims, layout: Layout, elem_bytes: int) -> tup
 
 
 def ring_passes(layout: Layout) -> tuple[int, int]:
-    """(forward passes, backward passes) of the ring per layer and micro-batch: recompute re-runs the forward."""
-    return (1 if layout.recompute == "none" else 2), 1
+    """(forward passes, backward passes) of the ring per layer and micro-batch: full recompute re-runs the forward."""
+    return (2 if layout.recompute == "full" else 1), 1
 
 
 def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int) -> float:
     """Bytes one rank sends over its cp ring in one optimizer step: per layer of its stage and micro-batch,
-    the forward (twice under recompute) and the backward ring."""
+    the forward (twice under full recompute) and the backward ring."""
     fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
     n_fwd, n_bwd = ring_passes(layout)
     return float(m) * dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd)

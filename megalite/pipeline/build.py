@@ -26,6 +26,7 @@ def build_pipeline(model_cfg, state: ParallelState, seed: int, micro_batch_size:
     stages = chunk_virtual_stages(state.pp_rank, state.pp, vpp, v_shape)
     chunks = [GPT(model_cfg, state, seed, rng=rng, layers=ranges[vs], pre_process=vs == 0,
                   post_process=vs == num_stages - 1).to(state.device) for vs in stages]
-    seq = model_cfg.seq_len // state.tp if state.sp else model_cfg.seq_len
+    seq = model_cfg.seq_len // state.cp  # this rank's zigzag split of each sequence (context parallel)
+    seq = seq // state.tp if state.sp else seq
     return PipelineEngine(chunks, stages, num_stages, state, (micro_batch_size, seq, model_cfg.hidden_size), dtype,
                           v_shape=v_shape)

@@ -31,7 +31,8 @@ class StepReport:
 
     def startup(self, logger: MetricsLogger, resumed_from: str | None, start_step: int, malloc_note: str) -> None:
         par, st, dtype = self.cfg.parallel, self.state, self.ctx.engine.dtype
-        logger.note(f"megalite: {self.n_params / 1e6:.2f}M params | layout tp={par.tp} pp={par.pp} dp={par.dp} "
+        logger.note(f"megalite: {self.n_params / 1e6:.2f}M params | layout tp={par.tp} "
+                    + (f"cp={par.cp} " if par.cp > 1 else "") + f"pp={par.pp} dp={par.dp} "
                     f"sp={par.sp} | {st.device.type} {str(dtype).removeprefix('torch.')} | vocab "
                     f"{self.cfg.model.vocab_size} | {self.tokens_per_step} tokens/step | {self.train_samples} train "
                     "samples" + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else "")

@@ -2,7 +2,11 @@
 
 Gradient accumulation: each micro-batch's mean token loss is divided by the number of micro-batches
 M, so the accumulated gradient is that of the mean loss over the global batch (every micro-batch
-has the same token count in pretraining). The DP average is taken in `reduce_gradients`.
+has the same token count in pretraining). The DP average is taken by the optimizer's gradient reduction.
+
+Context parallelism: each cp rank's loss is the mean over its S/cp tokens of each sequence, so its
+gradient is cp times its share of the sequence's; the optimizer sums the gradients over dp x cp and divides
+by dp x cp (`megalite.optim.grads.GRAD_GROUP`), which gives the single-process gradient.
 """
 
 from __future__ import annotations
@@ -92,21 +96,27 @@ def train_step(ctx: StepContext,
     if not skipped:
         optimizer.step(lr, settings.clip_grad, norm)
     total /= len(batches)
-    # Only the last stage has the loss: sum over pp (others add 0), average over dp.
+    return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped)
+
+
+def mean_over_ranks(total: torch.Tensor, state: ParallelState) -> float:
+    """The global mean token loss from this rank's mean over its tokens. Only the last stage has the loss:
+    sum over pp (others add 0), then average over dp x cp. Every cp rank holds the same number of tokens
+    (S/cp of each sequence, no token ignored in pretraining), so the mean of the cp ranks' means is the sum
+    of all token losses divided once by the token count. Filed under 'metrics': 'dp' holds exactly the
+    gradient reduction and 'cp' exactly the attention's K/V traffic."""
     comm.all_reduce(total, state, "pp", count_as="metrics")
-    comm.all_reduce(total, state, "dp", count_as="metrics")
-    return StepResult(loss=total.item() / state.dp, grad_norm=norm, lr=lr, skipped=skipped)
+    comm.all_reduce(total, state, "dp_cp", count_as="metrics")
+    return total.item() / state.size("dp_cp")
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module | PipelineEngine, batches: list[Batch], state: ParallelState,
              dtype: torch.dtype) -> float:
-    """Mean token loss over the given micro-batches, averaged over DP ranks (forward only)."""
+    """Mean token loss over the given micro-batches, averaged over dp x cp ranks (forward only)."""
     engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
     for chunk in engine.chunks:
         chunk.eval()
     total = engine.run(forward_only_schedule(len(batches), len(engine.chunks)), batches, 1.0, None)
     total /= max(1, len(batches))
-    comm.all_reduce(total, state, "pp", count_as="metrics")
-    comm.all_reduce(total, state, "dp", count_as="metrics")
-    return total.item() / state.dp
+    return mean_over_ranks(total, state)

@@ -40,5 +40,5 @@ class StopFlag:
         flag = torch.tensor([float(self.requested)], device=state.device)
         comm.all_reduce(flag, state, "mp", op=dist.ReduceOp.MAX, count_as="metrics")
         flag_all = torch.tensor([flag.item()], device=state.device)
-        comm.all_reduce(flag_all, state, "dp", op=dist.ReduceOp.MAX, count_as="metrics")
+        comm.all_reduce(flag_all, state, "dp_cp", op=dist.ReduceOp.MAX, count_as="metrics")  # mp x dp_cp: all
         return bool(flag_all.item())

@@ -122,7 +122,8 @@ def validation_loss(run: Run, step: int) -> float | None:
     # The same batches every time (a fixed seed, a fresh sampler), so successive values compare.
     sampler = DataSampler(len(run.data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed + 1)
-    batches = [make_batch(run.data.valid, idx) for _ in range(tr.eval_steps) for idx in sampler.next_step()]
+    batches = [make_batch(run.data.valid, idx, state.cp, state.cp_rank)
+               for _ in range(tr.eval_steps) for idx in sampler.next_step()]
     return evaluate(run.ctx.engine, batches, state, run.ctx.engine.dtype)
 
 
@@ -163,7 +164,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             watchdog.begin_step(done)
             state.counter.reset()
             t0 = time.perf_counter()
-            batches = [make_batch(r.data.train, idx) for idx in r.sampler.next_step()]
+            batches = [make_batch(r.data.train, idx, state.cp, state.cp_rank) for idx in r.sampler.next_step()]
             result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
