@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("triton")
 from kernels.testing import use_interpreter  # noqa: E402
 
-from megalite.context import zigzag_split  # noqa: E402
+from megalite.context import ContextGroup, zigzag_split  # noqa: E402
 from megalite.context.blockwise import CAUSAL, block_backward, block_forward, merge_into  # noqa: E402
 from tests.test_context_parallel import _problem, _reference, _ring, _run_cp  # noqa: E402
 
@@ -100,8 +100,8 @@ def _cp_flash_rank_fn(rank: int, form: str, heads: int, kv_heads: int) -> int:
     kernels, vs unsplit attention: output and dq/dk/dv of this rank's zigzag rows. Returns the number of
     kernel block calls (forward + backward) so the caller sees the kernels really ran."""
     use_interpreter()  # this worker may have been started before TRITON_INTERPRET was set
-    cpg = _ring(2)
-    q, k, v, d_out = _problem(200 + cpg.ranks[0], 2, 8, heads, kv_heads, 8)
+    state = _ring(2)
+    q, k, v, d_out = _problem(200 + ContextGroup.of(state).ranks[0], 2, 8, heads, kv_heads, 8)
     launches = []
 
     def counted(fn):  # noqa: ANN001, ANN202 - a spy with the kernel's signature
@@ -114,11 +114,11 @@ def _cp_flash_rank_fn(rank: int, form: str, heads: int, kv_heads: int) -> int:
     saved = K.flash_attention_block, K.flash_attention_block_backward
     K.flash_attention_block, K.flash_attention_block_backward = counted(saved[0]), counted(saved[1])
     try:
-        got, _, _ = _run_cp(form, q, k, v, d_out, cpg, backend="triton")
+        got, _, _ = _run_cp(form, q, k, v, d_out, state, backend="triton")
     finally:
         K.flash_attention_block, K.flash_attention_block_backward = saved
     for name, a, want in zip(["out", "dq", "dk", "dv"], got, _reference(q, k, v, d_out)):
-        torch.testing.assert_close(a, zigzag_split(want, 2, cpg.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, zigzag_split(want, 2, state.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
     return len(launches)
 
 
