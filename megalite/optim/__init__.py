@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.overlap import (DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, EventSink, OverlapEvent,
-                                    OverlapSettings)
+                                    OverlapSettings, mib_to_bytes)
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.state import ParallelState
@@ -35,4 +35,4 @@ def build_distributed_optimizer(model: nn.Module, state: ParallelState, zero: in
 
 
 __all__ = ["build_distributed_optimizer", "DistributedOptimizer", "ZeroOptimizer", "OverlapSettings",
-           "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
+           "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "mib_to_bytes"]

@@ -36,6 +36,11 @@ DEFAULT_BUCKET_BYTES = 25 * MiB       # PyTorch DDP's default: big enough to amo
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB  # PyTorch DDP's first bucket: the output layer's reduction starts early
 
 
+def mib_to_bytes(mib: float) -> int:
+    """A bucket size from its config value in MiB (at least one byte)."""
+    return max(1, round(mib * MiB))
+
+
 @dataclass(frozen=True)
 class OverlapSettings:
     """How the ZeRO optimizer schedules its DP collectives (`parallel.bucket_mb`, `first_bucket_mb`,
