@@ -17,6 +17,10 @@ its bucket, so there bucket sizes change results by round-off (not tested here).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,11 +28,18 @@ import pytest
 import torch
 import torch.nn as nn
 
+from megalite.config import parse_args, validate
+from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import OverlapEvent, build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
+from megalite.optim.zero_buckets import split_by_size
 from megalite.training.step import StepContext, train_step
+from tests.conftest import free_port
 from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.test_pretrain import _args, _run_script
+
+REPO = Path(__file__).resolve().parents[1]
 
 MICRO, M, STEPS = 2, 2, 3
 # The tiny llama's head (64 x 32 fp32 = 8 KiB) exceeds a 4 KiB first bucket, so it is alone in bucket 0;
@@ -106,8 +117,6 @@ def test_bucket_sizes_change_nothing_computed(dist_world, stage: int) -> None:
 
 
 def test_first_bucket_is_the_output_layer_alone() -> None:
-    from megalite.optim.zero_buckets import split_by_size
-
     params = [nn.Parameter(torch.zeros(n)) for n in (2048, 16, 1024, 1024, 1024, 4096)]  # fp32: x4 bytes
     sizes = [[p.numel() for p in g] for g in split_by_size(params, bucket_bytes=8192, first_bucket_bytes=4096)]
     assert sizes == [[2048], [16, 1024], [1024, 1024], [4096]]  # 8 KiB later buckets; 16 KiB alone
@@ -210,9 +219,6 @@ def test_overlap_event_is_typed() -> None:
 
 # ------------------------------------------------------------ the settings, end to end
 def test_settings_are_validated() -> None:
-    from megalite.config import parse_args, validate
-    from megalite.errors import ConfigError
-
     cfg = parse_args(["--parallel.bucket_mb", "0", "--parallel.first_bucket_mb", "-1", "--parallel.zero3_prefetch", "-1"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=1)
@@ -221,14 +227,10 @@ def test_settings_are_validated() -> None:
         assert needle in str(err.value)
 
 
-def test_pretrain_overlapped_equals_waited(demo_cache_dir: str, tmp_path) -> None:
+def test_pretrain_overlapped_equals_waited(demo_cache_dir: str, tmp_path: Path) -> None:
     """torchrun, dp = 2, ZeRO-2, small buckets, with a checkpoint save, validation and a text sample
     between steps (each reads the parameters: `finish_param_sync`): overlapping the gathers and
     switching it off give bitwise the same losses, validation losses and samples."""
-    import json
-
-    from tests.test_pretrain import _args, _run_script
-
     extra = ["--train.steps", "4", "--parallel.zero", "2", "--parallel.first_bucket_mb", "0.01",
              "--parallel.bucket_mb", "0.05", "--train.eval_interval", "2", "--logging.sample_interval", "2",
              "--checkpoint.interval", "2"]
@@ -242,3 +244,14 @@ def test_pretrain_overlapped_equals_waited(demo_cache_dir: str, tmp_path) -> Non
                          for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     assert any("sample" in r for r in rows["true"]) and any("valid_loss" in r for r in rows["true"])
     assert rows["true"] == rows["false"]
+
+
+def test_overlap_bench_smoke(tmp_path: Path) -> None:
+    """bench/overlap_compare.py runs end to end (it checks each pair's losses equal before timing)."""
+    proc = subprocess.run([sys.executable, "bench/overlap_compare.py", "--smoke", "--out", str(tmp_path), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=600,
+                          cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "overlap_compare_smoke.json").read_text())
+    assert {r["variant"] for r in res["ratios"]} >= {"z1 gathers overlapped", "z3 prefetch 2"}
+    assert all(q["min"] <= q["median"] <= q["max"] for q in res["ratios"])
