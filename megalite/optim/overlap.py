@@ -93,7 +93,10 @@ class ParamGatherOverlap:
     def launch(self) -> None:
         """All-gather every bucket's updated shard into its full buffer (async when overlapping)."""
         self.finish()
-        for i, b in enumerate(self.buckets):
+        # In forward order (buckets are in backward order): collectives on one communicator complete in
+        # the order they were launched, so the first module's bucket must not queue behind the head's.
+        for i in reversed(range(len(self.buckets))):
+            b = self.buckets[i]
             # A copy of the own range: the gather's output buffer contains it, and an input must not alias it.
             work = comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state, "dp")
             self._emit("gather", i)
