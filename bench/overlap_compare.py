@@ -91,25 +91,29 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) 
         runs[name] = (StepContext.build(model, state, dtype, tcfg, LossScaler(False)), opt, len(opt.buckets))
     step = iter(range(10**9))
 
-    def run(name: str, steps: int) -> tuple[float, list[float]]:
+    def run(name: str, steps: int) -> tuple[float, float, list[float]]:
+        """Wall seconds, this process's CPU seconds (all its threads, gloo's included), losses."""
         ctx, opt, _ = runs[name]
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses = [train_step(ctx, opt, batches, next(step)).loss for _ in range(steps)]
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
-        return time.perf_counter() - t0, losses
+        return time.perf_counter() - t0, time.process_time() - c0, losses
 
     # Equal losses first (warm-up too): two steps of each variant from the same initial weights.
-    losses = {name: run(name, 2)[1] for name in VARIANTS}
+    losses = {name: run(name, 2)[2] for name in VARIANTS}
     names = list(VARIANTS)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(d.repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(run(name, d.steps)[0])
+            wall, cpu_s, _ = run(name, d.steps)
+            times[name].append(wall)
+            cpu[name].append(cpu_s)
     if rank == 0:
-        queue.put({"times": times, "losses": losses, "buckets": {n: runs[n][2] for n in names},
+        queue.put({"times": times, "cpu": cpu, "losses": losses, "buckets": {n: runs[n][2] for n in names},
                    "params": sum(p.numel() for p in runs[names[0]][0].engine.chunks[0].parameters())})
     dist.destroy_process_group()
 
@@ -132,7 +136,8 @@ def measure(args: dict[str, Any], port: int) -> dict[str, Any]:
     tokens = args["micro_batches"] * args["micro_batch"] * args["seq"] * args["steps"] * 2  # both ranks
     t = result["times"]
     rows = [{"variant": n, "buckets": result["buckets"][n], "tokens_per_s": tokens / statistics.median(t[n]),
-             "step_s_median": statistics.median(t[n]) / args["steps"]} for n in VARIANTS]
+             "step_s_median": statistics.median(t[n]) / args["steps"],
+             "cpu_s_per_step": statistics.median(result["cpu"][n]) / args["steps"]} for n in VARIANTS]
     ratios = []
     for variant, base in PAIRS:
         r = [b / a for a, b in zip(t[variant], t[base])]
@@ -150,9 +155,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['params'] * 4 / MiB:.1f} MiB of fp32 grads), M={a['micro_batches']} micro-batches of "
              f"{a['micro_batch']} per rank, {a['threads']} thread(s) per rank; {a['repeats']} repeats x "
              f"{a['steps']} steps, order rotated; losses of each pair checked equal (bitwise) before timing.", "",
-             "| variant | buckets | tokens/s (both ranks) | step s |", "|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['buckets']} | {r['tokens_per_s']:.0f} | {r['step_s_median']:.3f} |"
-              for r in res["rows"]]
+             "| variant | buckets | tokens/s (both ranks) | step s | CPU s per step (rank 0) |", "|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['buckets']} | {r['tokens_per_s']:.0f} | {r['step_s_median']:.3f} | "
+              f"{r['cpu_s_per_step']:.3f} |" for r in res["rows"]]
     lines += ["", "| variant / baseline (tokens/s, paired per repeat) | min | median | max |", "|---|---|---|---|"]
     lines += [f"| {q['variant']} / {q['baseline']} | {q['min']:.3f} | {q['median']:.3f} | {q['max']:.3f} |"
               for q in res["ratios"]]
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
     ap.add_argument("--port", type=int, default=29531)
-    ap.add_argument("--repeats", type=int, default=0, help="0 = 5 (1 with --smoke)")
+    ap.add_argument("--repeats", type=int, default=0, help="0 = 7 on CPU, 3 on CUDA, 1 with --smoke")
     ns = ap.parse_args(argv)
     if ns.device == "cuda" and not torch.cuda.is_available():
         print("overlap_compare: --device cuda but no CUDA device", file=sys.stderr)
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     repeats=3, steps=1)
     else:
         args = dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, micro_batch=4, micro_batches=2,
-                    repeats=5, steps=1)
+                    repeats=7, steps=2)
     args["repeats"] = ns.repeats or args["repeats"]
     # NCCL needs one GPU per rank; with one GPU the two ranks share it and talk through gloo (host copies).
     args.update(device=ns.device, threads=1 if ns.device == "cpu" else 4,
