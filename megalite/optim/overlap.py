@@ -81,14 +81,13 @@ class ParamGatherOverlap:
                  on_event: EventSink | None) -> None:
         self.buckets, self.state, self.overlap, self.on_event = buckets, state, overlap, on_event
         self._pending: dict[int, dist.Work] = {}
-        self._handles: list[Any] = []
         if not overlap:
             return
         index = {id(p): i for i, b in enumerate(buckets) for p in b.params}
         for m in model.modules():
             mine = sorted({index[id(p)] for p in m.parameters(recurse=False) if id(p) in index})
             if mine:
-                self._handles.append(m.register_forward_pre_hook(functools.partial(self._before_forward, mine)))
+                m.register_forward_pre_hook(functools.partial(self._before_forward, mine))
 
     def launch(self) -> None:
         """All-gather every bucket's updated shard into its full buffer (async when overlapping)."""
@@ -124,10 +123,6 @@ class ParamGatherOverlap:
     def _emit(self, kind: EventKind, bucket: int) -> None:
         if self.on_event is not None:
             self.on_event(OverlapEvent(kind, bucket))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def ahead(units: list[Bucket], i: int, step: int, depth: int) -> list[Bucket]:
