@@ -112,6 +112,8 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) 
             wall, cpu_s, _ = run(name, d.steps)
             times[name].append(wall)
             cpu[name].append(cpu_s)
+    for _, opt, _ in runs.values():
+        opt.finish_param_sync()  # no gather in flight when the process group goes
     if rank == 0:
         queue.put({"times": times, "cpu": cpu, "losses": losses, "buckets": {n: runs[n][2] for n in names},
                    "params": sum(p.numel() for p in runs[names[0]][0].engine.chunks[0].parameters())})
