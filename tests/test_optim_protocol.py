@@ -38,7 +38,8 @@ def _optimizers() -> list[object]:
 
 def test_protocol_lists_what_the_step_engine_and_checkpoint_use() -> None:
     assert MEMBERS == sorted(["stage", "zero_grad", "no_sync", "finish_grad_sync", "scale_grads", "grad_norm",
-                              "step", "gathered", "param_states", "load_param_states", "memory_bytes"])
+                              "step", "finish_param_sync", "gathered", "param_states", "load_param_states",
+                              "memory_bytes"])
 
 
 def test_both_optimizers_satisfy_the_protocol() -> None:

@@ -51,6 +51,13 @@ class ParallelConfig:
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved; zbv: 2)")
     schedule: str = _f("1f1b", "pipeline schedule: 1f1b | gpipe | interleaved | zb-h1 | zbv")
     zero: int = _f(0, "ZeRO stage 0..3: shard optimizer state (1), + grads (2), + params (3) over dp")
+    bucket_mb: float = _f(25.0, "gradient bucket size in MiB (fp32 grads): one dp reduction per bucket, launched "
+                                "in the backward as soon as the bucket is complete")
+    first_bucket_mb: float = _f(1.0, "size of the first bucket in MiB (the output layer's grads, ready first): small, "
+                                     "so its reduction starts early in the backward")
+    overlap_param_gather: bool = _f(True, "ZeRO-1/2: wait for each bucket's parameter all-gather in the next forward, "
+                                          "just before its first module; false = at the end of the step")
+    zero3_prefetch: int = _f(1, "ZeRO-3: blocks whose parameters are gathered ahead of the one computing; 0 = none")
     pp_layers: list[int] = _lf("layers per (virtual) stage in model order; empty = even split")
     timeout_s: float = _f(600.0, "collective timeout in seconds before a hung rank is reported")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo")

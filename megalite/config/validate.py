@@ -52,9 +52,11 @@ def _value_problems(cfg: Config) -> list[str]:
     out += [f"{k} must be >= 1, got {_get(cfg, k)}" for k in at_least_1 if _get(cfg, k) < 1]
     at_least_0 = ["model.vocab_size", "train.warmup_steps", "train.eval_interval", "train.eval_steps",
                   "train.max_skipped_steps", "checkpoint.interval", "train.weight_decay", "train.clip_grad",
-                  "train.min_lr", "train.spike_factor", "train.watchdog_factor", "train.watchdog_min_s"]
+                  "train.min_lr", "train.spike_factor", "train.watchdog_factor", "train.watchdog_min_s",
+                  "parallel.zero3_prefetch"]
     out += [f"{k} must be >= 0, got {_get(cfg, k)}" for k in at_least_0 if _get(cfg, k) < 0]
-    positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "train.adam_eps", "parallel.timeout_s"]
+    positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "train.adam_eps", "parallel.timeout_s",
+                "parallel.bucket_mb", "parallel.first_bucket_mb"]
     out += [f"{k} must be > 0, got {_get(cfg, k)}" for k in positive if not _get(cfg, k) > 0]
     if cfg.parallel.zero not in (0, 1, 2, 3):
         out.append(f"parallel.zero must be 0, 1, 2 or 3 (ZeRO stage), got {cfg.parallel.zero}")

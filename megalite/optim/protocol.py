@@ -34,10 +34,12 @@ class DistributedOptimizer(Protocol):
         finish_grad_sync()        gradients reduced over dp exactly once per step (and SP / tied sums)
         scale_grads(1 / scale)    undo the loss scale (fp16)
         norm = grad_norm()        the global norm, each parameter once; the same on every rank
-        step(lr, clip, norm)      clip by `norm`, AdamW, publish the new parameters
+        step(lr, clip, norm)      clip by `norm`, AdamW, publish the new parameters (the publishing
+                                  may still be in flight: the next forward waits for it)
 
-    and around the loop: `gathered()` while a checkpoint is loaded into the model, `param_states()` /
-    `load_param_states()` for the sharded checkpoint, `memory_bytes()` for the log.
+    and around the loop: `finish_param_sync()` before reading the parameters outside a forward,
+    `gathered()` while a checkpoint is loaded into the model, `param_states()` / `load_param_states()`
+    for the sharded checkpoint, `memory_bytes()` for the log.
     """
 
     @property
@@ -59,6 +61,12 @@ class DistributedOptimizer(Protocol):
     def grad_norm(self) -> float: ...
 
     def step(self, lr: float, clip: float, norm: float) -> None: ...
+
+    def finish_param_sync(self) -> None:
+        """Wait until every parameter is whole and current: `step` may leave parameter all-gathers in
+        flight (ZeRO-1/2 overlaps them with the next forward, whose modules wait for theirs). Anything
+        that reads the parameters outside a forward (checkpoint save, generation, export) calls this first."""
+        ...
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

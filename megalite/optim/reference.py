@@ -43,6 +43,9 @@ class ReferenceOptimizer(GradSyncSwitch):
         """Parameters are always whole here (the ZeRO-3 optimizer gathers them)."""
         yield
 
+    def finish_param_sync(self) -> None:
+        """Nothing is ever in flight here: the parameters are updated in place."""
+
     def finish_grad_sync(self) -> None:
         reduce_gradients(self.model, self.state, self.specs)
         sync_tied_embeddings(self.model, self.state, self.specs)

@@ -30,7 +30,9 @@ P = Psi for stage 0; N = dp x cp, GRAD_GROUP; b = 4 for fp32, 2 for bf16/fp16):
 is (4+4+8) = 16 bytes/element before sharding, bf16 (2+4+4+8) = 18: megalite keeps fp32 gradients
 (accumulation over micro-batches in bf16 loses bits), where the ZeRO paper's K=12 formula has 2-byte
 gradients. While a stage-2/3 backward runs, a bucket's full fp32 grad buffer exists until it is reduced,
-and stage 3 holds the full params of the units being computed (and one prefetched unit).
+and stage 3 holds the full params of the units being computed (and `parallel.zero3_prefetch` prefetched
+units). When each collective runs (bucket sizes, the parameter-gather overlap, ZeRO-3's prefetch) is
+`megalite.optim.overlap`'s business; the results do not depend on it.
 
 DP bytes per step (the `CommCounter` convention, M micro-batches):
     stage 0      all-reduce of the fp32 grads:          2 (N-1)/N * 4 Psi   (one all-reduce per bucket)
@@ -67,14 +69,13 @@ import torch.nn as nn
 from megalite.errors import CheckpointError, ConfigError
 from megalite.optim import zero_state
 from megalite.optim.grads import GRAD_GROUP, GradSyncSwitch, unique_params
+from megalite.optim.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
 from megalite.optim.protocol import FoldsWeightGrad, ShardableModel
-from megalite.optim.zero3 import Zero3Gatherer
+from megalite.optim.zero3 import Zero3Gatherer, stage3_units
 from megalite.optim.zero_buckets import Bucket, adamw_flat, make_bucket, split_by_size
 from megalite.parallel import comm
 from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
-
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default: big enough to amortise latency
 
 
 class ZeroOptimizer(GradSyncSwitch):
@@ -82,7 +83,7 @@ class ZeroOptimizer(GradSyncSwitch):
 
     def __init__(self, model: nn.Module, state: ParallelState, stage: int, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float, dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 settings: OverlapSettings = OverlapSettings(), on_event: EventSink | None = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero={stage} is not a ZeRO stage: use 0, 1, 2 or 3")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -94,6 +95,7 @@ class ZeroOptimizer(GradSyncSwitch):
         self.model, self.state, self.stage, self.dtype = model, state, stage, dtype
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.step_count = 0
+        self.settings, self._on_event = settings, on_event
         self._sync = True
         self._callback_queued = False
         self.specs = spec_table(model, ConfigError)
@@ -109,25 +111,29 @@ class ZeroOptimizer(GradSyncSwitch):
         self._names = {id(p): n for n, p in reversed(list(model.named_parameters()))}
         units: list[tuple[nn.Module, list[nn.Parameter]]] = []
         if isinstance(model, ShardableModel) and stage == 3:
-            groups, outer = self._stage3_units(model, model.zero3_units(), params)
+            groups, outer = stage3_units(model, model.zero3_units(), params)
             units = groups
         else:
             # Reverse registration order ~ the order gradients become ready in backward.
             # A tied embedding's two pipeline copies each get a bucket of their own, so both stages
             # shard them identically and their reduced grads can be summed over the embedding group.
             rest = [p for p in params if all(p is not q for q in shared)]
-            groups_p = [[p] for p in shared] + split_by_size(rest[::-1], bucket_bytes)
+            groups_p = [[p] for p in shared] + split_by_size(rest[::-1], settings.bucket_bytes,
+                                                             settings.first_bucket_bytes)
             units = [(model, g) for g in groups_p]
             outer = None
         self.buckets: list[Bucket] = [self._build_bucket(g) for _, g in ([outer] if outer else []) + units]
         self._shared_buckets = self.buckets[:len(shared)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._position = {id(b): i for i, b in enumerate(self.buckets)}
         self.zero3: Zero3Gatherer | None = None
         if stage == 3:
             it = iter(self.buckets)
             outer_pair = (outer[0], next(it)) if outer else None
             self.zero3 = Zero3Gatherer([(m, next(it)) for m, _ in units], outer_pair, state,
-                                       self._queue_end_of_backward)
+                                       self._queue_end_of_backward, settings.zero3_prefetch)
+        self._param_sync = (ParamGatherOverlap(model, self.buckets, state, settings.param_gather, on_event)
+                            if stage in (1, 2) else None)
         folded = self._register_folds(model)
         for p in params:
             p.register_post_accumulate_grad_hook(self._check_folded if id(p) in folded else self._on_grad)
@@ -144,15 +150,6 @@ class ZeroOptimizer(GradSyncSwitch):
                 m.set_wgrad_fold(functools.partial(self._fold, m.weight))
                 folded.add(id(m.weight))
         return folded
-
-    @staticmethod
-    def _stage3_units(model: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[
-            list[tuple[nn.Module, list[nn.Parameter]]], tuple[nn.Module, list[nn.Parameter]] | None]:
-        """One unit per module the model names (`blocks` = `zero3_units()`), plus the rest as the outer unit."""
-        in_block = {id(p) for blk in blocks for p in blk.parameters()}
-        units = [(blk, [p for p in params if id(p) in {id(q) for q in blk.parameters()}]) for blk in blocks]
-        rest = [p for p in params if id(p) not in in_block]
-        return [u for u in units if u[1]], ((model, rest) if rest else None)
 
     def _build_bucket(self, params: list[nn.Parameter]) -> Bucket:
         st = self.state
@@ -227,6 +224,8 @@ class ZeroOptimizer(GradSyncSwitch):
         if b.grad_flat is None:  # no parameter of the bucket got a gradient this step
             b.grad_flat = torch.zeros(b.padded, dtype=torch.float32, device=self.state.device)
         b.launched = True
+        if self._on_event is not None:
+            self._on_event(OverlapEvent("reduce", self._position[id(b)]))
         if self.stage == 0:
             b.work = comm.all_reduce_async(b.grad_flat, self.state, GRAD_GROUP)
         else:
@@ -295,7 +294,9 @@ class ZeroOptimizer(GradSyncSwitch):
         return math.sqrt(sq.item())
 
     def step(self, lr: float, clip: float, norm: float) -> None:
-        """Clip by the global norm, AdamW on this rank's shard, then publish the new params."""
+        """Clip by the global norm, AdamW on this rank's shard, then publish the new params (ZeRO-1/2:
+        their all-gathers are launched, and waited on in the next forward unless the overlap is off)."""
+        self.finish_param_sync()
         if clip > 0 and math.isfinite(norm) and norm > clip:
             scale = clip / (norm + 1e-6)  # the same factor as `grads.clip_gradients`
             for b in self.buckets:
@@ -303,25 +304,31 @@ class ZeroOptimizer(GradSyncSwitch):
         self.step_count += 1
         for b in self.buckets:
             adamw_flat(b, lr, self.weight_decay, self.betas, self.eps, self.step_count)
-        self._publish_params()
+        self._publish_params(wait=False)
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers still in flight (ZeRO-1/2 overlaps them with the next
+        forward); call before reading the parameters outside a forward."""
+        if self._param_sync is not None:
+            self._param_sync.finish()
 
     @torch.no_grad()
-    def _publish_params(self) -> None:
+    def _publish_params(self, wait: bool = True) -> None:
         """Copy the master shard into the model params (cast), and all-gather them at stages 1-2."""
+        self.finish_param_sync()
         for b in self.buckets:
             own = b.param_shard if self.stage == 3 else b.param_flat[b.lo:b.hi]
             if own is not b.master and own.data_ptr() != b.master.data_ptr():
                 own.copy_(b.master)
-        if self.stage in (1, 2):
-            works = [comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state,
-                                           GRAD_GROUP) for b in self.buckets]
-            for w in works:
-                if w is not None:
-                    w.wait()
+        if self._param_sync is not None:
+            self._param_sync.launch()
+            if wait:
+                self._param_sync.finish()
 
     # ------------------------------------------------------------ checkpoints and accounting
     def state_dict(self) -> dict:
         """Everything this rank needs to resume the same layout: its master and Adam shards, the step."""
+        self.finish_param_sync()  # fp32: the master shard is a view of the (being gathered) params
         return {"stage": self.stage, "dp": self.state.size(GRAD_GROUP), "step": self.step_count,
                 "buckets": [{"numel": b.numel, "lo": b.lo, "hi": b.hi, "master": b.master.clone(),
                              "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
@@ -335,6 +342,7 @@ class ZeroOptimizer(GradSyncSwitch):
             raise CheckpointError(f"optimizer state is for zero={d.get('stage')} dp={d.get('dp')} with another "
                                   f"bucket layout, this run is zero={self.stage} dp={n}: resume with "
                                   "the same parallel layout and ZeRO stage (or reshard the checkpoint)")
+        self.finish_param_sync()  # nothing may still be writing the parameters we overwrite
         self.step_count = int(d["step"])
         with torch.no_grad():
             for b, x in zip(self.buckets, d["buckets"]):
@@ -345,15 +353,19 @@ class ZeroOptimizer(GradSyncSwitch):
 
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """Checkpoint protocol: global name -> {"master", "exp_avg", "exp_avg_sq", "step"} (see zero_state)."""
+        self.finish_param_sync()
         return zero_state.param_states(self.buckets, self._names, self.stage > 0, self.step_count, self.state)
 
     def load_param_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.finish_param_sync()
         self.step_count = zero_state.load_param_states(self.buckets, self._names, states)
         self._publish_params()
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Stage 3: hold every unit's full parameters (e.g. while a checkpoint is loaded into them)."""
+        """Hold every parameter whole and current (stage 3 gathers every unit, stages 1-2 wait for their
+        pending gathers), e.g. while a checkpoint is loaded into them or a sample is generated."""
+        self.finish_param_sync()
         if self.zero3 is None:
             yield
             return
@@ -365,21 +377,10 @@ class ZeroOptimizer(GradSyncSwitch):
         finally:
             self.zero3.free_all()
 
-    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered over dp (still TP-sharded), by name; for tests and checkpoints."""
-        out: dict[str, torch.Tensor] = {}
-        for b in self.buckets:
-            if self.zero3 is not None:
-                full = torch.empty(b.padded, dtype=b.param_flat.dtype, device=self.state.device)
-                w = comm.all_gather_async(full, b.param_shard, self.state, GRAD_GROUP)  # type: ignore[arg-type]
-                if w is not None:
-                    w.wait()
-            else:
-                full = b.param_flat
-            for p, off in zip(b.params, b.offsets):
-                out[self._names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
-        return out
+        self.finish_param_sync()
+        return zero_state.full_parameters(self.buckets, self._names, self.zero3 is not None, self.state)
 
     def memory_bytes(self) -> dict[str, int]:
         """Exact bytes this rank holds now, by kind (from the tensors; see the table in the module doc)."""

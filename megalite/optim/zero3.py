@@ -10,8 +10,11 @@ autograd saved (e.g. the weight of a linear) share that storage, so re-gathering
 makes them valid again — the model code needs no change.
 
 Forward: pre-hook gathers the unit (waiting on a prefetch if one is in flight) and prefetches the
-next block; post-hook frees it and registers a hook on the output's gradient, which fires just before
-the unit's backward: gather again (prefetching the previous block). When every parameter of the unit
+next `prefetch` blocks (`parallel.zero3_prefetch`, default 1; 0 = gather each unit only when it is
+needed); post-hook frees it and registers a hook on the output's gradient, which fires just before
+the unit's backward: gather again (prefetching the previous `prefetch` blocks). The depth changes only
+when gathers start, never what is gathered: the bytes and the results are the same for every depth;
+the memory held grows by one unit per step of depth. When every parameter of the unit
 has its gradient (counted by the optimizer's grad hooks), the unit is freed and its gradients are
 reduce-scattered. A callback at the end of the backward frees anything left.
 
@@ -29,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.grads import GRAD_GROUP
+from megalite.optim.overlap import ahead
 from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -38,30 +42,31 @@ class Zero3Gatherer:
     """Installs the gather/free hooks for `units` = [(module, bucket)] in forward order."""
 
     def __init__(self, units: list[tuple[nn.Module, Bucket]], outer: tuple[nn.Module, Bucket] | None,
-                 state: ParallelState, queue_end_of_backward: Callable[[], None]) -> None:
+                 state: ParallelState, queue_end_of_backward: Callable[[], None], prefetch: int = 1) -> None:
         self.state = state
         self.blocks = units
         self.outer = outer
+        self.prefetch = prefetch  # units gathered ahead of the one computing
         self.in_backward = False
         self._queue_end = queue_end_of_backward
         self._handles: list[Any] = []
         all_units = ([outer] if outer else []) + units
-        for i, (module, bucket) in enumerate(all_units):
-            nxt = self._neighbour(bucket, +1)
-            prev = self._neighbour(bucket, -1)
+        for module, bucket in all_units:
+            nxt = self._neighbours(bucket, +1)
+            prev = self._neighbours(bucket, -1)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(bucket, nxt)))
             self._handles.append(module.register_forward_hook(self._make_post_forward(bucket, prev)))
         for _, bucket in all_units:
             self.free(bucket)
 
-    def _neighbour(self, bucket: Bucket, step: int) -> Bucket | None:
-        """The block that runs after (+1, forward) or before (-1, backward order) `bucket`'s unit."""
+    def _neighbours(self, bucket: Bucket, step: int) -> list[Bucket]:
+        """The blocks that run next after `bucket`'s unit, `prefetch` of them: +1 in forward order,
+        -1 in backward order."""
         blocks = [b for _, b in self.blocks]
         if self.outer is not None and bucket is self.outer[1]:
             # The outer unit wraps the stage: forward starts at the first block, backward at the last.
-            return (blocks[0] if step > 0 else blocks[-1]) if blocks else None
-        i = blocks.index(bucket) + step
-        return blocks[i] if 0 <= i < len(blocks) else None
+            return ahead(blocks, -1 if step > 0 else len(blocks), step, self.prefetch)
+        return ahead(blocks, blocks.index(bucket), step, self.prefetch)
 
     # ------------------------------------------------------------ gather / free
     def is_gathered(self, b: Bucket) -> bool:
@@ -88,14 +93,15 @@ class Zero3Gatherer:
             self.free(b)
 
     # ------------------------------------------------------------ hooks
-    def _make_pre_forward(self, b: Bucket, nxt: Bucket | None) -> Callable[..., None]:
+    def _make_pre_forward(self, b: Bucket, nxt: list[Bucket]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self.gather(b)
-            if nxt is not None and not self.in_backward:  # not while recomputing (full recompute)
-                self.gather(nxt, wait=False)
+            if not self.in_backward:  # no prefetch while recomputing (full recompute)
+                for n in nxt:
+                    self.gather(n, wait=False)
         return hook
 
-    def _make_post_forward(self, b: Bucket, prev: Bucket | None) -> Callable[..., None]:
+    def _make_post_forward(self, b: Bucket, prev: list[Bucket]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.in_backward:  # a recomputed forward inside backward: its backward follows at once
                 return
@@ -105,14 +111,14 @@ class Zero3Gatherer:
                 out.register_hook(self._make_pre_backward(b, prev))
         return hook
 
-    def _make_pre_backward(self, b: Bucket, prev: Bucket | None) -> Callable[[torch.Tensor], None]:
+    def _make_pre_backward(self, b: Bucket, prev: list[Bucket]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if not self.in_backward:
                 self.in_backward = True
                 self._queue_end()
             self.gather(b)
-            if prev is not None:
-                self.gather(prev, wait=False)
+            for p in prev:
+                self.gather(p, wait=False)
         return hook
 
     def end_of_backward(self) -> None:
@@ -122,3 +128,15 @@ class Zero3Gatherer:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+Unit = tuple[nn.Module, list[nn.Parameter]]
+
+
+def stage3_units(model: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[
+        list[Unit], Unit | None]:
+    """One unit per module the model names (`blocks` = `zero3_units()`), plus the rest as the outer unit."""
+    in_block = {id(p) for blk in blocks for p in blk.parameters()}
+    units = [(blk, [p for p in params if id(p) in {id(q) for q in blk.parameters()}]) for blk in blocks]
+    rest = [p for p in params if id(p) not in in_block]
+    return [u for u in units if u[1]], ((model, rest) if rest else None)

@@ -92,15 +92,24 @@ def make_bucket(params: list[nn.Parameter], specs: Mapping[nn.Parameter, ParamSp
     return bucket, full32
 
 
-def split_by_size(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of at most `bucket_bytes` of fp32 gradient (a larger parameter is alone)."""
+def split_by_size(params: list[nn.Parameter], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[list[nn.Parameter]]:
+    """Consecutive groups of at most `bucket_bytes` of fp32 gradient (a larger parameter is alone); the
+    first group holds at most `first_bucket_bytes` (when smaller than `bucket_bytes`).
+
+    `params` come in the order their gradients become ready (the output layer first), so a small first
+    bucket is complete, and its reduction starts, while most of the backward is still ahead (PyTorch
+    DDP caps its first bucket at 1 MiB for this reason); the later, larger buckets amortise each
+    collective's fixed latency.
+    """
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
+    limit = min(bucket_bytes, first_bucket_bytes or bucket_bytes)
     for p in params:
         nbytes = p.numel() * 4
-        if groups[-1] and size + nbytes > bucket_bytes:
+        if groups[-1] and size + nbytes > limit:
             groups.append([])
-            size = 0
+            size, limit = 0, bucket_bytes
         groups[-1].append(p)
         size += nbytes
     return [g for g in groups if g]

@@ -73,3 +73,23 @@ def load_param_states(buckets: list[Bucket], names: Names, states: dict[str, dic
         b.exp_avg.copy_(flats["exp_avg"][b.lo:b.hi])  # zeros for parameters that start fresh
         b.exp_avg_sq.copy_(flats["exp_avg_sq"][b.lo:b.hi])
     return max(steps) if steps else 0
+
+
+@torch.no_grad()
+def full_parameters(buckets: list[Bucket], names: Names, sharded_params: bool,
+                    state: ParallelState) -> dict[str, torch.Tensor]:
+    """Every parameter, whole over dp, by its model name; `sharded_params`: ZeRO-3, where each rank
+    keeps only its 1/(dp·cp) (`param_shard`), gathered here (counted under "dp", the dp x cp group's traffic)."""
+    out: dict[str, torch.Tensor] = {}
+    for b in buckets:
+        if sharded_params:
+            assert b.param_shard is not None
+            full = torch.empty(b.padded, dtype=b.param_flat.dtype, device=b.param_shard.device)
+            work = comm.all_gather_async(full, b.param_shard, state, GRAD_GROUP)
+            if work is not None:
+                work.wait()
+        else:
+            full = b.param_flat
+        for p, off in zip(b.params, b.offsets):
+            out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
+    return out

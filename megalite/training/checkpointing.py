@@ -56,6 +56,7 @@ class RunCheckpoints:
         """Write step `step`'s checkpoint (no-op without `checkpoint.dir`); returns its directory."""
         if not self.settings.dir:
             return None
+        self.optimizer.finish_param_sync()  # the model's parameters are read: none may still be in flight
         extra = {"config": self.config, "sampler": self.sampler.state_dict(),
                  "scaler": self.scaler.state_dict(), "rng": self.rng.state_dict()}
         self.last_saved = Path(sharded.save_sharded(self.settings.dir, step, self.model, self.optimizer, extra,

@@ -27,7 +27,7 @@ from megalite.inference.samples import TrainingSamples
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
-from megalite.optim import build_distributed_optimizer
+from megalite.optim import build_distributed_optimizer, mib_to_bytes
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
@@ -103,7 +103,11 @@ def build_run(cfg: config_mod.Config) -> Run:
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
     optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
-                                            tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps, dtype)
+                                            tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps, dtype,
+                                            bucket_bytes=mib_to_bytes(par.bucket_mb),
+                                            first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
+                                            overlap_param_gather=par.overlap_param_gather,
+                                            zero3_prefetch=par.zero3_prefetch)
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)
@@ -119,6 +123,7 @@ def validation_loss(run: Run, step: int) -> float | None:
     tr, state = run.cfg.train, run.state
     if run.data.valid is None or tr.eval_interval <= 0 or not (step % tr.eval_interval == 0 or step == tr.steps):
         return None
+    run.optimizer.finish_param_sync()  # explicit, although the forward's hooks would wait too
     # The same batches every time (a fixed seed, a fresh sampler), so successive values compare.
     sampler = DataSampler(len(run.data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed + 1)
@@ -190,6 +195,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         watchdog.close()
         tracker.finish()
         claim.release()
+    optimizer.finish_param_sync()  # no parameter gather left in flight when the process group goes
     last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
     logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
     if state.world_size > 1:
