@@ -20,7 +20,6 @@ Every optimizer is torch's AdamW with megalite's groups (decay on matrices only)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,24 +27,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bench.cpu_compare import Dims  # the same Llama dims as the single-process comparison (batch: the job's)
+
 LR, WD, BETAS, EPS, CLIP = 1e-3, 0.1, (0.9, 0.95), 1e-8, 1.0
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[list[Batch]], float]  # this rank's micro-batches -> the job's mean loss
-
-
-@dataclass(frozen=True)
-class Dims:
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    seq: int = 128
-    batch: int = 8  # sequences per step, the whole job
-    vocab: int = 2048
-
-    @property
-    def ffn(self) -> int:  # llama's SwiGLU width round_up(int(8h/3), 64), as megalite resolves it
-        return -(-int(8 * self.hidden / 3) // 64) * 64
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -322,7 +308,7 @@ def build_deepspeed(model: Llama, stage: int, micro_batch: int) -> StepFn:
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP,
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model, fused=False), config=config,
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model), config=config,
                                            dist_init_required=False)
 
     def step(batches: list[Batch]) -> float:
