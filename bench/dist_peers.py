@@ -193,12 +193,13 @@ def clip_mixed(params: list[nn.Parameter]) -> None:
     replicated, and torch's clip refuses the mix): the squared norms of both kinds, summed."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
-    kinds = [[g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]]
+    with_grad = [p for p in params if p.grad is not None]
+    kinds = [[p for p in with_grad if isinstance(p.grad, DTensor)],
+             [p for p in with_grad if not isinstance(p.grad, DTensor)]]
     sq = torch.zeros(())
     for kind in kinds:
         if kind:
-            n = torch.nn.utils.get_total_norm(kind)
+            n = torch.nn.utils.get_total_norm([p.grad for p in kind])
             sq = sq + (n.full_tensor() if isinstance(n, DTensor) else n) ** 2
     for kind in kinds:
         if kind:
