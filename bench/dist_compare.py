@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -54,7 +55,8 @@ SEED, CHECK_STEPS = 1234, 3
 # fp32 on both sides, the same math in other summation orders (fused vs separate projections, a vocab-parallel
 # vs a gathered softmax, another reduction order): the first loss agrees to ~1e-6; AdamW then turns round-off in
 # the smallest gradients into relative update differences, which after 3 steps move an O(7) loss by ~1e-5.
-# A missing gradient reduction or a different init moves it by > 1e-3 at lr 1e-3.
+# Real differences are far larger: DDP without its gradient reduction parted by 3e-2 (smoke dims), a clip that
+# did not clip by 4.5e-3 (full dims), both at step 3 with lr 1e-3.
 LOSS_TOL = 2e-4
 
 
@@ -272,7 +274,9 @@ def to_markdown(res: dict) -> str:
              f"step, vocab {d['vocab']}, fp32, AdamW + clip; {res['repeats']} paired repeats x {res['steps']} steps, "
              f"order rotated; losses equal within {LOSS_TOL} for {CHECK_STEPS} steps before timing. "
              "Ratio = megalite tokens/s / peer tokens/s in the same repeat (min / median / max). CPU s, bytes "
-             "written (MB = 1e6, `/proc/self/io` wchar) and peak RSS per rank (rank 0, rank 1).", "",
+             "written (MB = 1e6, `/proc/self/io` wchar) and peak RSS per rank (rank 0, rank 1). Peers: torch "
+             f"{res['torch']}, DeepSpeed {res.get('deepspeed') or 'not run'}. `python bench/dist_compare.py "
+             f"{'--smoke ' if res['smoke'] else ''}--out DIR` took {res['runtime_s']:.0f} s.", "",
              "| layout | peer | ratio min / median / max | megalite tok/s | peer tok/s | CPU s/step megalite | "
              "CPU s/step peer | MB written megalite (counted) | MB written peer | peak MiB megalite | peak MiB peer |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -286,11 +290,19 @@ def to_markdown(res: dict) -> str:
         lines.append(
             f"| {row['layout']['name']} | {row['layout']['peer']} | {q['min']:.3f} / **{q['median']:.3f}** / "
             f"{q['max']:.3f} | {m['tokens_per_s']['median']:.0f} | {p['tokens_per_s']['median']:.0f} | "
-            f"{pair(m['cpu_s_per_step'])} | {pair(p['cpu_s_per_step'])} | {pair(m['written_bytes_per_step'], 1e6, '.2f')}"
-            f" ({pair(m['counted_bytes_per_step'], 1e6, '.2f')}) | {pair(p['written_bytes_per_step'], 1e6, '.2f')} | "
+            f"{pair(m['cpu_s_per_step'])} | {pair(p['cpu_s_per_step'])} | "
+            f"{pair(m['written_bytes_per_step'], 1e6, '.2f')} ({pair(m['counted_bytes_per_step'], 1e6, '.2f')}) | "
+            f"{pair(p['written_bytes_per_step'], 1e6, '.2f')} | "
             f"{pair(mem.get('megalite', []), 1, '.0f') or '-'} | {pair(mem.get('peer', []), 1, '.0f') or '-'} |")
     lines += [f"\nNote: {n}" for n in res["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="peak RSS per implementation in its own processes (default: on, off with --smoke)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
                     help="output directory (default runs/bench, untracked; bench/results: the published figures)")
+    ap.add_argument("--render", type=Path, help="only rewrite the markdown next to this results JSON")
     a = ap.parse_args(argv)
+    if a.render:
+        res = json.loads(a.render.read_text())
+        res.setdefault("deepspeed", _version("deepspeed"))
+        a.render.with_suffix(".md").write_text(to_markdown(res))
+        return 0
     unknown = [n for n in a.layouts.split(",") if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; choose from {', '.join(BY_NAME)}")
@@ -330,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": a.smoke,
            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpu_count": os.cpu_count(),
-           "torch": torch.__version__, "dims": asdict(d), "repeats": repeats, "steps": steps,
+           "torch": torch.__version__, "dims": asdict(d),
+           "deepspeed": _version("deepspeed") if any(n.startswith("ds-") for n in names) else None,
+           "repeats": repeats, "steps": steps,
            "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in load_after],
            "runtime_s": round(time.perf_counter() - started, 1), "rows": rows, "memory": mem, "notes": notes}
     a.out.mkdir(parents=True, exist_ok=True)
