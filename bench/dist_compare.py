@@ -179,9 +179,30 @@ def run_layout(d: peers.Dims, lay: Layout, rank: int, repeats: int, steps: int) 
     return out
 
 
+def import_everything(with_deepspeed: bool) -> None:
+    """Load what any contender imports and touch the lazily loaded CPU kernels, so that a memory probe counts
+    the implementation, not the libraries it happens to import first (the same for megalite and its peer)."""
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.optim  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    import torch.nn.functional as F
+
+    if with_deepspeed:
+        import deepspeed  # noqa: F401
+    w = torch.randn(1, 2, 8, 8, requires_grad=True)
+    att = F.scaled_dot_product_attention(w, w, w, is_causal=True).view(-1, 8)
+    F.cross_entropy(att, torch.zeros(16, dtype=torch.long)).backward()
+    torch.optim.AdamW([w], fused=True).step()
+
+
 def memory_probe(d: peers.Dims, lay: Layout, impl: str, rank: int, steps: int) -> dict:
-    """Peak RSS of one implementation alone: the kernel's high-water mark reset after the imports
-    (/proc/self/clear_refs, Linux >= 4.0), then build and train `steps` steps."""
+    """Peak RSS of one implementation alone: every library imported, the kernel's high-water mark reset
+    (/proc/self/clear_refs, Linux >= 4.0), then build and train `steps` steps. `peak_mib` is the process's
+    (python + torch + the model, its gradients, optimizer states and activations); `delta_mib` the peak over the
+    resident size after the imports. The peer's figure includes megalite's tp=1 model built for its initial
+    weights (freed before training: one model copy, 16 MB at the default dims)."""
+    import_everything(lay.name.startswith("ds-"))
     Path("/proc/self/clear_refs").write_text("5")
     base = _status_kib("VmRSS")
     fn = build_megalite(d, lay, rank)[0] if impl == "megalite" else build_peer(d, lay)
@@ -264,6 +285,13 @@ def summarize(d: peers.Dims, lay: Layout, per_rank: list[dict], steps: int) -> d
             "check_losses": r0["check_losses"], **impl}
 
 
+def _mem(mem: dict[str, list[float]], impl: str) -> str:
+    if impl not in mem:
+        return "-"
+    return (", ".join(f"{x:.0f}" for x in mem[impl])
+            + (" (" + ", ".join(f"{x:.0f}" for x in mem[impl + "_delta"]) + ")" if impl + "_delta" in mem else ""))
+
+
 def to_markdown(res: dict) -> str:
     d = res["dims"]
     smoke = " (SMOKE: tiny dims, not a measurement)" if res["smoke"] else ""
@@ -274,7 +302,9 @@ def to_markdown(res: dict) -> str:
              f"step, vocab {d['vocab']}, fp32, AdamW + clip; {res['repeats']} paired repeats x {res['steps']} steps, "
              f"order rotated; losses equal within {LOSS_TOL} for {CHECK_STEPS} steps before timing. "
              "Ratio = megalite tokens/s / peer tokens/s in the same repeat (min / median / max). CPU s, bytes "
-             "written (MB = 1e6, `/proc/self/io` wchar) and peak RSS per rank (rank 0, rank 1). Peers: torch "
+             "written (MB = 1e6, `/proc/self/io` wchar) and peak RSS per rank (rank 0, rank 1; in parentheses: over "
+             "the RSS after importing every contender's libraries, i.e. what the implementation itself costs). "
+             "Peers: torch "
              f"{res['torch']}, DeepSpeed {res.get('deepspeed') or 'not run'}. `python bench/dist_compare.py "
              f"{'--smoke ' if res['smoke'] else ''}--out DIR` took {res['runtime_s']:.0f} s.", "",
              "| layout | peer | ratio min / median / max | megalite tok/s | peer tok/s | CPU s/step megalite | "
@@ -293,7 +323,7 @@ def to_markdown(res: dict) -> str:
             f"{pair(m['cpu_s_per_step'])} | {pair(p['cpu_s_per_step'])} | "
             f"{pair(m['written_bytes_per_step'], 1e6, '.2f')} ({pair(m['counted_bytes_per_step'], 1e6, '.2f')}) | "
             f"{pair(p['written_bytes_per_step'], 1e6, '.2f')} | "
-            f"{pair(mem.get('megalite', []), 1, '.0f') or '-'} | {pair(mem.get('peer', []), 1, '.0f') or '-'} |")
+            f"{_mem(mem, 'megalite')} | {_mem(mem, 'peer')} |")
     lines += [f"\nNote: {n}" for n in res["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -345,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         for impl in ("megalite", "peer"):
             probe = launch({"mode": "memory", "dims": asdict(d), "layout": n, "impl": impl, "steps": 2})
             mem.setdefault(n, {})[impl] = [p["peak_mib"] for p in probe]
+            mem[n][impl + "_delta"] = [p["delta_mib"] for p in probe]
     load_after = os.getloadavg()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": a.smoke,
            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpu_count": os.cpu_count(),
