@@ -38,7 +38,8 @@ from megalite.config import ModelConfig  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
-from megalite.pipeline import build_pipeline  # noqa: E402
+from megalite.optim.zero import ZeroOptimizer  # noqa: E402
+from megalite.pipeline import PipelineEngine, build_pipeline  # noqa: E402
 from megalite.pipeline.simulate import simulate  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 
@@ -47,6 +48,15 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 
 def _vpp(schedule: str) -> int:
     return 2 if schedule in ("interleaved", "zbv") else 1
+
+
+def megalite_pipeline(cfg: ModelConfig, state: ParallelState, schedule: str, micro_batch: int, lr: float = 3e-4,
+                      seed: int = 1234) -> tuple[PipelineEngine, ZeroOptimizer]:
+    """megalite's engine for `schedule` on this rank's stage(s) and its optimizer (zero=0, fp32), as pretrain.py
+    builds them (also used by bench/dist_compare.py against torch.distributed.pipelining)."""
+    engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32, vpp=_vpp(schedule), schedule=schedule)
+    model = engine.chunks[0] if len(engine.chunks) == 1 else torch.nn.ModuleList(engine.chunks)
+    return engine, build_distributed_optimizer(model, state, 0, lr, 0.1, (0.9, 0.95), 1e-8, torch.float32)
 
 
 def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # type: ignore[no-untyped-def]
@@ -63,11 +73,7 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # typ
     data = torch.randint(0, d.vocab, (d.micro_batches * d.micro_batch, d.seq + 1), generator=gen)
     batches = [(data[i:i + d.micro_batch, :-1], data[i:i + d.micro_batch, 1:])
                for i in range(0, data.shape[0], d.micro_batch)]
-    runs = {}
-    for s in SCHEDULES:
-        engine = build_pipeline(cfg, state, 1234, d.micro_batch, torch.float32, vpp=_vpp(s), schedule=s)
-        model = engine.chunks[0] if len(engine.chunks) == 1 else torch.nn.ModuleList(engine.chunks)
-        runs[s] = (engine, build_distributed_optimizer(model, state, 0, 3e-4, 0.1, (0.9, 0.95), 1e-8, torch.float32))
+    runs = {s: megalite_pipeline(cfg, state, s, d.micro_batch) for s in SCHEDULES}
     step = iter(range(10**9))
 
     def run(s: str, steps: int) -> float:

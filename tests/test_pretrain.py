@@ -19,7 +19,8 @@ from tests.conftest import SMALL_RUN, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-                   "mem_peak_bytes", "comm_bytes", "skipped", "timestamp", "tokens_seen"}
+                   "mem_peak_bytes", "comm_bytes", "comm_convention", "comm_written_bytes", "skipped", "timestamp",
+                   "tokens_seen"}
 
 
 def _losses(log_dir: Path) -> dict[int, float]:
@@ -137,7 +138,10 @@ def test_torchrun_tensor_parallel_matches_single_process(demo_cache_dir: str, tm
         # fp32, same math in another summation order (see tests/test_tensor_parallel.py): 1e-5 on O(1) losses.
         assert abs(one[step] - tp2[step]) < 1e-5, f"step {step}: tp=2 loss {tp2[step]} != {one[step]}"
     last = json.loads((tmp_path / "tp2" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["comm_bytes"]["tp"] > 0
+    assert last["comm_bytes"]["tp"] > 0 and last["comm_convention"] == "ring"
+    # Measured on CPU: gloo's reduce-scatters write twice their ring count (tests/test_wire_bytes.py), and
+    # framing only adds, so with SP the bytes written exceed the bytes counted.
+    assert last["comm_written_bytes"] > sum(last["comm_bytes"].values())
 
 
 def _steps(path: Path) -> list[int]:

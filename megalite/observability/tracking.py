@@ -49,13 +49,14 @@ def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> str | 
 
 def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"comm_bytes": {"tp": 1.0}} -> {"comm_bytes/tp": 1.0}; None values are dropped (e.g. MFU on
-    CPU: wandb would chart them as a broken series)."""
+    CPU: wandb would chart them as a broken series), and so are strings (labels such as `comm_convention`,
+    the same on every step, are not series)."""
     flat: dict[str, Any] = {}
     for key, value in metrics.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             flat.update(flatten(value, name + "/"))
-        elif value is not None:
+        elif value is not None and not isinstance(value, str):
             flat[name] = value
     return flat
 

@@ -1,6 +1,7 @@
 """The byte and call counter every megalite collective goes through.
 
-Convention ("wire bytes", what one rank sends with a ring algorithm, the unit of the papers' formulas):
+Convention ("ring bytes", historically "wire bytes": what one rank sends when the collective runs as a ring,
+the unit of the papers' formulas and of the estimator):
 
     all-reduce of X bytes over N ranks        2 (N-1)/N * X
     all-gather producing X bytes in total      (N-1)/N * X
@@ -16,6 +17,10 @@ name (the pipeline's two communicators both under "pp"), plus three names for tr
 group but is not that group's step traffic, so that "dp" holds exactly the gradient reduction and "mp" the
 gradient norm: "norm" (the norm's dp reduction under ZeRO), "metrics" (loss averaging, the stop flag) and
 "checkpoint" (ZeRO's gathers when saving). These strings are the keys of `comm_bytes` in metrics.jsonl.
+
+This is an algorithmic count, not a measurement: metrics.jsonl says so in `comm_convention` (`COMM_CONVENTION`)
+next to `comm_bytes`. A backend may move other amounts (gloo's reduce-scatter writes twice the count); what a
+CPU process really wrote is measured separately, `comm_written_bytes` (`megalite.observability.wire`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Callable, Literal, cast, get_args
 CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp"]
 COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
+# The value of metrics.jsonl's `comm_convention`: the bytes in `comm_bytes` are the ring algorithm's per rank.
+COMM_CONVENTION = "ring"
 
 
 def check_count_key(key: str) -> CountKey:
@@ -46,7 +53,7 @@ RING_FACTORS: dict[CollectiveOp, Callable[[int], Fraction]] = {
 
 
 class CommCounter:
-    """Accumulates wire bytes and calls per counter key ('tp', 'dp', 'pp', ..., see the module doc)."""
+    """Accumulates ring-convention bytes and calls per counter key ('tp', 'dp', 'pp', ..., see the module doc)."""
 
     def __init__(self) -> None:
         self._bytes: dict[CountKey, Fraction] = defaultdict(Fraction)
@@ -84,6 +91,16 @@ class CommCounter:
 
     def by_op(self) -> dict[str, float]:
         return {f"{g}/{op}": float(b) for (g, op), b in sorted(self._by_op.items())}
+
+    def exact_by_collective(self) -> dict[CollectiveOp, Fraction]:
+        """Counted bytes per collective, summed over the keys (what a backend's own factors apply to)."""
+        out: dict[CollectiveOp, Fraction] = defaultdict(Fraction)
+        for (_, op), b in self._by_op.items():
+            out[op] += b
+        return dict(out)
+
+    def total_calls(self) -> int:
+        return sum(self._calls.values())
 
     def reset(self) -> None:
         self._bytes.clear()

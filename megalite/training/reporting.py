@@ -7,6 +7,7 @@ import torch
 from megalite.config import Config
 from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
+from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import count_params
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
@@ -49,13 +50,15 @@ class StepReport:
         return step % self.cfg.logging.interval == 0 or step == self.cfg.train.steps or step == start_step + 1
 
     def record(self, step: int, result: StepResult, seconds: float, comm_bytes: dict[str, float],
-               valid_loss: float | None, spike: bool) -> dict:
-        """One metrics.jsonl line (docs/tracking.md lists the fields and which are per device)."""
+               valid_loss: float | None, spike: bool, written_bytes: int | None = None) -> dict:
+        """One metrics.jsonl line (docs/tracking.md lists the fields and which are per device).
+        `comm_bytes` is counted by the ring convention; `written_bytes` measured (None where it cannot be)."""
         tps = self.tokens_per_step / seconds
         flops = self.flops_per_token * tps / self.state.world_size
         return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                 "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, self.peak),
                 "mem_peak_bytes": peak_memory_bytes(self.state.device), "comm_bytes": comm_bytes,
+                "comm_convention": COMM_CONVENTION, "comm_written_bytes": written_bytes,
                 "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,
                 "loss_scale": self.ctx.scaler.scale, "spike": spike, "mem_bytes": self.optimizer.memory_bytes(),
                 "tokens_seen": step * self.tokens_per_step}

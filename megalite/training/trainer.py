@@ -27,6 +27,7 @@ from megalite.inference.samples import TrainingSamples
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
+from megalite.observability.wire import WrittenBytes
 from megalite.optim import build_distributed_optimizer, mib_to_bytes
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
@@ -161,6 +162,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     faults = FaultInjector(state.rank)
     watchdog = Watchdog(state.rank, state.counter, tr.watchdog_factor, tr.watchdog_min_s)
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
+    written = WrittenBytes(state.device.type)  # what this process wrote to its sockets during each step
     last: dict[str, float] = {}
     try:  # the watchdog thread and the wandb run must end with this function, even on an error
         for step in range(start_step, tr.steps):
@@ -168,6 +170,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             faults.at_step_start(done)
             watchdog.begin_step(done)
             state.counter.reset()
+            written.start()
             t0 = time.perf_counter()
             batches = [make_batch(r.data.train, idx, state.cp, state.cp_rank) for idx in r.sampler.next_step()]
             result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
@@ -175,12 +178,13 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                 torch.cuda.synchronize(state.device)
             seconds = time.perf_counter() - t0
             step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
+            step_written = written.stop()
             spike = health.check(done, result)
             valid_loss = validation_loss(r, done)
             last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
             logger.step_done(done, result.loss, result.skipped, seconds, meter.tokens_per_step)
             if meter.due(done, start_step) or valid_loss is not None:
-                logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike))
+                logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written))
             samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             watchdog.end_step()
             stopping = stop.agreed(state)
