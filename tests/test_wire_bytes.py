@@ -115,11 +115,13 @@ def _one_step(rank: int, tp: int, sp: bool, zero: int) -> tuple[int, float, floa
     ctx = StepContext.build(model, st, torch.float32, tiny_train_cfg(), LossScaler(False))
     batches = micro_batches(random_steps(cfg, 1, 4)[0], 2)  # the data does not change the bytes
     train_step(ctx, opt, batches, 0)  # warm-up: lazy buffers, first-use handshakes
+    opt.finish_param_sync()
     st.counter.reset()
     meter = WrittenBytes("cpu")
     torch.distributed.barrier()
     meter.start()
     train_step(ctx, opt, batches, 1)
+    opt.finish_param_sync()  # ZeRO-1/2 leave their parameter gathers running into the next forward
     written = meter.stop()
     assert written is not None
     counted = st.counter.exact_by_collective()
