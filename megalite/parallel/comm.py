@@ -21,6 +21,9 @@ sequence. Activations are [batch, seq, hidden]: the sequence dim is 1, the hidde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -293,3 +296,67 @@ def send_recv_async(sends: list[torch.Tensor], recvs: list[torch.Tensor], state:
     for t in sends:
         state.counter.record(group, "send", _nbytes(t), 2)
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+# ---------------------------------------------------------------- batched point-to-point (pipeline)
+class P2PWork(Protocol):
+    def wait(self) -> object: ...
+    def is_completed(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class P2PMessage:
+    """One send (of `tensor`) or receive (into `tensor`) between this rank and global rank `peer`."""
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    group: GroupKind
+    send: bool
+
+
+@dataclass(frozen=True)
+class _Joint:
+    """The handle of every op of a coalesced batch (NCCL returns one for the whole group)."""
+    works: tuple[dist.Work, ...]
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def post_p2p(messages: list[P2PMessage], state: ParallelState) -> list[P2PWork]:
+    """Post every send and receive of `messages` at once, one `batch_isend_irecv` per communicator (in
+    the order given within each); return one handle per message, in `messages`' order. Sends are counted
+    by the sender under the group's counter key, exactly like `isend`; receives are not counted.
+
+    On a backend that coalesces (NCCL) each communicator's batch is one group, and a handle waits for
+    its whole batch; on gloo each message keeps its own handle. Every tensor must be contiguous: the
+    transfer reads and writes its storage."""
+    by_group: dict[GroupKind, list[int]] = {}
+    for i, m in enumerate(messages):
+        if not m.tensor.is_contiguous():
+            raise ValueError(f"post_p2p: message {i} (tag {m.tag}) is not contiguous")
+        by_group.setdefault(check_group(m.group), []).append(i)
+    handles: list[P2PWork | None] = [None] * len(messages)
+    for group, idx in by_group.items():
+        pg = state.group(group)
+        ops = []
+        for i in idx:
+            m = messages[i]
+            if m.send:
+                state.counter.record(GROUP_COUNT_KEY[group], "send", _nbytes(m.tensor), 2)
+            ops.append(dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, m.peer, group=pg, tag=m.tag))
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(idx):
+            for i, w in zip(idx, works):
+                handles[i] = w
+        else:
+            joint = _Joint(tuple(works))
+            for i in idx:
+                handles[i] = joint
+    assert all(h is not None for h in handles)
+    return handles  # type: ignore[return-value]
