@@ -146,7 +146,7 @@ class Exchange:
         """Actions whose receive must be posted while `current` runs: every receive up to the one
         `current` waits for, and `depth` more (skipping actions that receive nothing remotely)."""
         wanted: list[int] = []
-        extra = self.depth
+        extra = self.depth - sum(k > current for k in self._posted)
         i = self._next_recv
         while i < len(self.plan) and (i <= current or extra > 0):
             msg = self.plan[i].recv

@@ -1,0 +1,119 @@
+"""The pipeline's point-to-point layer (`megalite/pipeline/p2p.py`): message routes, the order both
+sides post them in, the receive prefetch, and every schedule at several prefetch depths against the
+single-process run (the parity check itself is tests/test_pipeline.py's `_check_pipeline`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
+from megalite.pipeline import p2p
+from megalite.pipeline.partition import stage_rank
+from megalite.pipeline.schedules import SCHEDULES, build_schedule, chunk_stages
+from tests.test_pipeline import _check_pipeline
+
+
+def _vpp(name: str) -> int:
+    return 2 if name in ("interleaved", "zbv") else 1
+
+
+def _plans(name: str, pp: int, m: int) -> list[list[p2p.Route]]:
+    vpp = _vpp(name)
+    plans = []
+    for r in range(pp):
+        acts = build_schedule(name, m, pp, r, vpp)
+        plans.append(p2p.routes(acts, chunk_stages(name, r, pp, vpp), pp * vpp,
+                                lambda vs: stage_rank(vs, pp, name == "zbv")))
+    return plans
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (4, 4), (4, 8), (4, 12), (8, 16)])
+def test_both_sides_post_messages_in_the_same_order(name: str, pp: int, m: int) -> None:
+    """NCCL matches sends to receives by posting order per communicator and peer (gloo by tag). The
+    engine posts receives and sends in action order; for every schedule, the sequence of tags a rank
+    sends to a peer on a communicator must be the sequence that peer receives from it there, and every
+    message must have exactly one receiver (none lost, none doubled)."""
+    plans = _plans(name, pp, m)
+    sent: dict[tuple[int, int, str], list[int]] = defaultdict(list)
+    received: dict[tuple[int, int, str], list[int]] = defaultdict(list)
+    for rank, plan in enumerate(plans):
+        for route in plan:
+            if route.send is not None and route.send.peer != rank:
+                sent[(rank, route.send.peer, route.send.channel)].append(route.send.tag)
+            if route.recv is not None and route.recv.peer != rank:
+                received[(route.recv.peer, rank, route.recv.channel)].append(route.recv.tag)
+    assert sent == received
+    for tags in sent.values():
+        assert len(set(tags)) == len(tags)
+    # One activation and one gradient per micro-batch across each remote stage boundary.
+    v = pp * _vpp(name)
+    remote = sum(stage_rank(s, pp, name == "zbv") != stage_rank(s + 1, pp, name == "zbv") for s in range(v - 1))
+    assert sum(map(len, sent.values())) == 2 * m * remote
+
+
+class _Recorder:
+    """Stands in for `comm.post_p2p` on one process: records each batch and completes every op at once."""
+
+    class _Done:
+        def wait(self) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    def __init__(self) -> None:
+        self.batches: list[list[comm.P2PMessage]] = []
+
+    def __call__(self, messages: list[comm.P2PMessage], state: ParallelState) -> list[comm.P2PWork]:
+        self.batches.append(list(messages))
+        return [self._Done() for _ in messages]
+
+
+@pytest.mark.parametrize("name,rank", [("1f1b", 1), ("interleaved", 0), ("interleaved", 1), ("zb-h1", 1),
+                                       ("zbv", 0), ("gpipe", 1)])
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_receives_are_posted_ahead_with_the_previous_send(monkeypatch, name: str, rank: int, depth: int) -> None:
+    """Drive an Exchange through a rank's list as the engine does: before action i computes, the
+    receives of the next `depth` receiving actions are already posted (so their transfer overlaps the
+    compute), receives go out in action order, and an action's send is posted in one batch with the
+    receives that become due after it."""
+    pp, m = 2, 4
+    plan = _plans(name, pp, m)[rank]
+    recorder = _Recorder()
+    monkeypatch.setattr(comm, "post_p2p", recorder)
+    state = ParallelState(pp=pp, rank=rank)
+    ex = p2p.Exchange(state, plan, (1, 2, 3), torch.float32, depth)
+    remote = [i for i, r in enumerate(plan) if r.recv is not None and r.recv.peer != rank]
+    ex.start()
+    for i, route in enumerate(plan):
+        posted = [msg.tag for batch in recorder.batches for msg in batch if not msg.send]
+        later = [j for j in remote if j > i]
+        # Everything up to this action's receive, plus `depth` more, and nothing beyond (memory bound).
+        expected = [plan[j].recv.tag for j in remote if j <= i] + [plan[j].recv.tag for j in later[:depth]]
+        assert posted == expected, f"action {i}"
+        if route.recv is not None:
+            assert ex.receive(i).shape == (1, 2, 3)
+        before = len(recorder.batches)
+        ex.send(i, torch.zeros(1, 2, 3) if route.send is not None else None, None)
+        if route.send is not None and route.send.peer != rank:
+            batch = recorder.batches[before]
+            assert batch[0].send and batch[0].tag == route.send.tag
+            assert all(not msg.send for msg in batch[1:])
+    ex.finish()
+
+
+# The engine at other prefetch depths than the default, every schedule at pp=2 and pp=4, against the
+# single-process losses, parameters and pp byte count (test_pipeline.py runs the default depth).
+DEPTH_CASES = [(2, 2, s, _vpp(s), 4) for s in SCHEDULES] + [(4, 4, s, _vpp(s), 8) for s in SCHEDULES]
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+@pytest.mark.parametrize("world,pp,schedule,vpp,m", DEPTH_CASES)
+def test_every_schedule_matches_single_process_at_any_prefetch_depth(dist_world, world, pp, schedule, vpp, m,
+                                                                     depth) -> None:
+    dist_world(world).run(_check_pipeline, 1, pp, False, "llama", schedule, vpp, m, depth)
