@@ -143,6 +143,7 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # typ
     engines = {}
     for s in d.schedules:
         engines[s] = engine = build_pipeline(cfg, state, 1234, d.micro_batch, torch.float32, vpp=_vpp(s), schedule=s)
+        engine.p2p_depth = d.p2p_depth
         model = engine.chunks[0] if len(engine.chunks) == 1 else torch.nn.ModuleList(engine.chunks)
         opt = build_distributed_optimizer(model, state, 0, tcfg.lr, 0.1, (0.9, 0.95), 1e-8, torch.float32)
         ctx = StepContext.build(engine, state, torch.float32, tcfg, LossScaler(False), s)
@@ -156,24 +157,29 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # typ
         if max(abs(a - b) for a, b in zip(got, ref)) > LOSS_TOL:
             raise RuntimeError(f"{name} losses {got} differ from megalite's {ref} by more than {LOSS_TOL}")
 
-    def run(name: str, steps: int) -> float:
+    def run(name: str, steps: int) -> tuple[float, float]:
+        """Wall seconds (between barriers) and this rank's CPU seconds for `steps` steps of `name`."""
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             runs[name](batches)
+        c1 = time.process_time()
         dist.barrier()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, c1 - c0
 
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu = torch.zeros(len(names), d.repeats, dtype=torch.float64)
     for r in range(d.repeats):
         for n in names[r % len(names):] + names[:r % len(names)]:  # rotated: drift hits every run alike
-            times[n].append(run(n, d.steps))
+            wall, cpu[names.index(n), r] = run(n, d.steps)
+            times[n].append(wall)
+    dist.all_reduce(cpu)  # CPU seconds of all ranks together: robust to a loaded machine (waiting is not CPU)
     peaks = torch.tensor([float(engines[s].peak_in_flight) for s in d.schedules])
     gathered = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(gathered, peaks)
     if rank == 0:
-        queue.put({"times": times, "losses": losses,
+        queue.put({"times": times, "losses": losses, "cpu": {n: cpu[i].tolist() for i, n in enumerate(names)},
                    "peak_in_flight": {s: [int(g[i]) for g in gathered] for i, s in enumerate(d.schedules)}})
     dist.destroy_process_group()
 
@@ -203,9 +209,13 @@ def measure(pp: int, args: dict, port: int) -> dict:
                "simulated_bubble": simulate(s, pp, args["micro_batches"], _vpp(s)).bubble_fraction}
         if "1f1b" in times:
             row["ratio_to_1f1b"] = _spread([b / a for a, b in zip(times[s], times["1f1b"])])
+        row["cpu_ms_per_step"] = 1e3 * statistics.median(result["cpu"][s]) / args["steps"]
         if f"torch-{s}" in times:
-            row["torch_tokens_per_s"] = tokens / statistics.median(times[f"torch-{s}"])
-            row["ratio_to_torch"] = _spread([b / a for a, b in zip(times[s], times[f"torch-{s}"])])
+            peer = f"torch-{s}"
+            row["torch_tokens_per_s"] = tokens / statistics.median(times[peer])
+            row["ratio_to_torch"] = _spread([b / a for a, b in zip(times[s], times[peer])])
+            row["torch_cpu_ms_per_step"] = 1e3 * statistics.median(result["cpu"][peer]) / args["steps"]
+            row["cpu_ratio_to_torch"] = _spread([b / a for a, b in zip(result["cpu"][s], result["cpu"][peer])])
         out["rows"].append(row)
     return out
 
@@ -224,16 +234,20 @@ def markdown(res: dict) -> str:
              "Ratios are tokens/s over the other's in the same repeat (min / **median** / max): to megalite's 1F1B, "
              "and to torch.distributed.pipelining's schedule of the same shape (same chunks, init and batches; "
              f"losses equal to {LOSS_TOL} over {CHECK_STEPS} steps, checked first). Peak in flight per rank "
-             "(micro-batch chunks held, F until its W or whole B). Simulated bubble at t_F = t_B = t_W.", ""]
+             "(micro-batch chunks held, F until its W or whole B). Simulated bubble at t_F = t_B = t_W. CPU ms/step: "
+             "all ranks' CPU time together (waiting is not CPU, so it shows overhead even on a loaded machine).", ""]
     for table in res["results"]:
         lines += [f"## pp={table['pp']} (load average {table['load_avg_after']:.2f} at the end)", "",
                   "| schedule | tokens/s | ratio to 1F1B | torch peer | its tokens/s | ratio to torch peer "
-                  "| peak in flight per rank | simulated bubble |", "|---|---|---|---|---|---|---|---|"]
+                  "| CPU ms/step (torch) | CPU ratio torch/megalite | peak in flight per rank | simulated bubble |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in table["rows"]:
             peer = PEERS.get(r["schedule"], "-") if "ratio_to_torch" in r else "-"
             torch_tps = f"{r['torch_tokens_per_s']:.0f}" if "torch_tokens_per_s" in r else "-"
+            torch_cpu = f" ({r['torch_cpu_ms_per_step']:.0f})" if "torch_cpu_ms_per_step" in r else ""
             lines.append(f"| {r['schedule']} | {r['tokens_per_s']:.0f} | {_q(r, 'ratio_to_1f1b')} | {peer} | {torch_tps} "
-                         f"| {_q(r, 'ratio_to_torch')} | {r['peak_in_flight']} | {100 * r['simulated_bubble']:.1f}% |")
+                         f"| {_q(r, 'ratio_to_torch')} | {r['cpu_ms_per_step']:.0f}{torch_cpu} | {_q(r, 'cpu_ratio_to_torch')} "
+                         f"| {r['peak_in_flight']} | {100 * r['simulated_bubble']:.1f}% |")
         lines.append("")
     return "\n".join(lines)
 
@@ -249,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, help="paired repeats (default 3; smoke 1)")
     ap.add_argument("--steps", type=int, help="steps per run and repeat (default 2; smoke 1)")
     ap.add_argument("--micro-batches", type=int, help="M (default 16; smoke 8)")
+    ap.add_argument("--p2p-depth", type=int, default=1, help="receives megalite posts ahead (0: only the next one)")
     ns = ap.parse_args(argv)
     args = (dict(layers=8, hidden=32, heads=4, seq=16, vocab=128, micro_batch=1, micro_batches=8, repeats=1, steps=1)
             if ns.smoke else
             dict(layers=8, hidden=256, heads=4, seq=128, vocab=2048, micro_batch=2, micro_batches=16, repeats=3, steps=2))
     args.update({k: v for k, v in (("repeats", ns.repeats), ("steps", ns.steps), ("micro_batches", ns.micro_batches))
                  if v is not None})
-    args.update(schedules=[s for s in ns.schedules.split(",") if s], peers=not ns.no_peers)
+    args.update(schedules=[s for s in ns.schedules.split(",") if s], peers=not ns.no_peers, p2p_depth=ns.p2p_depth)
     unknown = set(args["schedules"]) - set(SCHEDULES)
     if unknown:
         ap.error(f"unknown schedules {sorted(unknown)}: expected some of {', '.join(SCHEDULES)}")
