@@ -4,7 +4,12 @@ single-process run (the parity check itself is tests/test_pipeline.py's `_check_
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +19,10 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import p2p
 from megalite.pipeline.partition import stage_rank
 from megalite.pipeline.schedules import SCHEDULES, build_schedule, chunk_stages
+from tests.conftest import free_port
 from tests.test_pipeline import _check_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _vpp(name: str) -> int:
@@ -117,3 +125,23 @@ DEPTH_CASES = [(2, 2, s, _vpp(s), 4) for s in SCHEDULES] + [(4, 4, s, _vpp(s), 8
 def test_every_schedule_matches_single_process_at_any_prefetch_depth(dist_world, world, pp, schedule, vpp, m,
                                                                      depth) -> None:
     dist_world(world).run(_check_pipeline, 1, pp, False, "llama", schedule, vpp, m, depth)
+
+
+def test_pipeline_compare_smoke_checks_losses_against_torch_pipelining(tmp_path) -> None:
+    """The benchmark runs end to end (tiny dims, 1 step): megalite's schedules and their
+    torch.distributed.pipelining peers agree on the losses before anything is timed (the script fails
+    otherwise), and every ratio and CPU figure is reported. How fast anything is, it does not check."""
+    proc = subprocess.run([sys.executable, "bench/pipeline_compare.py", "--smoke", "--pp", "2", "--schedules",
+                           "1f1b,interleaved,zb-h1", "--out", str(tmp_path), "--port", str(free_port())],
+                          capture_output=True, text=True, cwd=str(REPO), timeout=600,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "pipeline_compare_smoke.json").read_text())
+    (table,) = res["results"]
+    assert set(table["losses"]) == {"1f1b", "interleaved", "zb-h1", "torch-1f1b", "torch-interleaved"}
+    rows = {r["schedule"]: r for r in table["rows"]}
+    for s in ("1f1b", "interleaved"):
+        q = rows[s]["ratio_to_torch"]
+        assert 0 < q["min"] <= q["median"] <= q["max"] and rows[s]["torch_cpu_ms_per_step"] > 0
+    assert "ratio_to_torch" not in rows["zb-h1"]  # no torch peer with one stage per rank
+    assert "ScheduleInterleaved1F1B" in (tmp_path / "pipeline_compare_smoke.md").read_text()
