@@ -298,7 +298,7 @@ def send_recv_async(sends: list[torch.Tensor], recvs: list[torch.Tensor], state:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-# ---------------------------------------------------------------- batched point-to-point (pipeline)
+# ---------------------------------------------------------------- point-to-point posted together (pipeline)
 class P2PWork(Protocol):
     def wait(self) -> object: ...
     def is_completed(self) -> bool: ...
@@ -314,49 +314,27 @@ class P2PMessage:
     send: bool
 
 
-@dataclass(frozen=True)
-class _Joint:
-    """The handle of every op of a coalesced batch (NCCL returns one for the whole group)."""
-    works: tuple[dist.Work, ...]
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
 def post_p2p(messages: list[P2PMessage], state: ParallelState) -> list[P2PWork]:
-    """Post every send and receive of `messages` at once, one `batch_isend_irecv` per communicator (in
-    the order given within each); return one handle per message, in `messages`' order. Sends are counted
-    by the sender under the group's counter key, exactly like `isend`; receives are not counted.
+    """Post every send and receive of `messages` now, in the order given; return one handle per message.
+    Sends are counted by the sender under the group's counter key, exactly like `isend`; receives are not
+    counted (the hang watchdog learns of a receive when the caller waits on it).
 
-    On a backend that coalesces (NCCL) each communicator's batch is one group, and a handle waits for
-    its whole batch; on gloo each message keeps its own handle. Every tensor must be contiguous: the
-    transfer reads and writes its storage."""
-    by_group: dict[GroupKind, list[int]] = {}
+    Each message is its own operation, deliberately not one `batch_isend_irecv`: on gloo that call is the
+    same loop (gloo does not coalesce), and on NCCL it would make each communicator's batch one NCCL group
+    on one stream, so a receive posted ahead would hold back every send posted after it on that
+    communicator, whatever its peer: a deadlock for most schedules once receives are prefetched
+    (tests/test_pipeline_p2p.py replays NCCL's rules). Alone, NCCL runs each pair of ranks on its own
+    stream. Every tensor must be contiguous: the transfer reads and writes its storage."""
+    works: list[P2PWork] = []
     for i, m in enumerate(messages):
         if not m.tensor.is_contiguous():
             raise ValueError(f"post_p2p: message {i} (tag {m.tag}) is not contiguous")
-        by_group.setdefault(check_group(m.group), []).append(i)
-    handles: list[P2PWork | None] = [None] * len(messages)
-    for group, idx in by_group.items():
-        pg = state.group(group)
-        ops = []
-        for i in idx:
-            m = messages[i]
-            if m.send:
-                state.counter.record(GROUP_COUNT_KEY[group], "send", _nbytes(m.tensor), 2)
-            ops.append(dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, m.peer, group=pg, tag=m.tag))
-        works = dist.batch_isend_irecv(ops)
-        if len(works) == len(idx):
-            for i, w in zip(idx, works):
-                handles[i] = w
+        pg = state.group(check_group(m.group))
+        if m.send:
+            state.counter.record(GROUP_COUNT_KEY[m.group], "send", _nbytes(m.tensor), 2)
+            work = dist.isend(m.tensor, m.peer, group=pg, tag=m.tag)
         else:
-            joint = _Joint(tuple(works))
-            for i in idx:
-                handles[i] = joint
-    assert all(h is not None for h in handles)
-    return handles  # type: ignore[return-value]
+            work = dist.irecv(m.tensor, m.peer, group=pg, tag=m.tag)
+        assert work is not None, "isend/irecv return None only to a rank outside the group"
+        works.append(work)
+    return works

@@ -10,17 +10,19 @@ data moves only once the receiver has posted the matching receive (the receiver 
 buffer is ready), so a receive posted just before it is needed puts a round trip and the whole transfer
 on the critical path.
 
-After each action, its send and the next receives are posted together (`comm.post_p2p`: one batch per
-communicator, `batch_isend_irecv`, coalesced into one NCCL group where the backend supports it).
-Activations travel on the 'pp' communicator, gradients on 'pp_grad'.
+After each action, its send and the receives then due are posted together (`comm.post_p2p`), each
+message its own operation (why not one coalesced `batch_isend_irecv`: see there). Activations travel on
+the 'pp' communicator, gradients on 'pp_grad'.
 
 Deadlock freedom, as before: a rank never blocks on a send (sends are waited on lazily, to release the
 output's storage, and all at the end), and it blocks on a receive only right before the action that
 needs it. Receives are posted in action order, at most `depth` ahead of the action being computed, so
 the prefetch costs `depth` activation buffers at most. Each message carries a tag unique to
-(micro-batch, virtual stage, direction); on NCCL, which matches messages in posting order per
-communicator and peer instead, the schedules post sends and receives in the same order on both sides
-(`tests/test_pipeline_p2p.py` checks every schedule).
+(micro-batch, virtual stage, direction). NCCL matches messages in posting order per communicator and
+peer instead: every schedule posts sends and receives in the same order on both sides, and a replay of
+NCCL's stream rules finds no deadlock at any depth, except for the layouts where one pair of ranks
+talks both ways on one communicator (interleaved at pp=2, ZB-V), which need a communicator per
+direction (`tests/test_pipeline_p2p.py`).
 """
 
 from __future__ import annotations
