@@ -106,6 +106,8 @@ def test_receives_are_posted_ahead_with_the_previous_send(monkeypatch, name: str
         assert posted == expected, f"action {i}"
         if route.recv is not None:
             assert ex.receive(i).shape == (1, 2, 3)
+            if route.recv.peer != rank:  # what the hang watchdog names if this wait never returns
+                assert state.counter.last_op.startswith(f"recv from rank {route.recv.peer} over '{route.recv.channel}'")
         before = len(recorder.batches)
         ex.send(i, torch.zeros(1, 2, 3) if route.send is not None else None, None)
         if route.send is not None and route.send.peer != rank:
