@@ -1,21 +1,25 @@
-"""Pipeline schedules head to head on gloo/CPU: tokens/s of each as a paired ratio to 1F1B, and the
-peak in-flight activations per schedule, at pp=2 and pp=4 (one rank per stage, same model and batch).
+"""Pipeline schedules head to head on gloo/CPU, and against torch.distributed.pipelining: tokens/s of each
+as a paired ratio to megalite's 1F1B and to torch's schedule of the same shape, CPU time per step, and the
+peak in-flight activations per schedule, at pp=2 and pp=4 (one rank per stage, same model and batches).
 
-One set of processes per pp runs every schedule (each with its own engine and optimizer, the same
-initial weights): warm-up, then R repeats of K steps each, the schedule order rotated every repeat;
-ratios are paired per repeat (schedule / 1F1B in the same repeat), so machine-wide drift cancels;
-min/median/max over repeats. Step time is rank 0's wall clock between barriers.
+One set of processes per pp runs every schedule (each with its own engine and optimizer, the same initial
+weights) and, unless --no-peers, torch's Schedule1F1B / ScheduleGPipe / ScheduleInterleaved1F1B /
+ScheduleZBVZeroBubble on the same chunks (`TorchPeer`). First 3 steps of each, whose losses must match
+megalite's (the check also warms every run up), then R repeats of K steps each, the run order rotated every
+repeat; ratios are paired per repeat, so machine-wide drift cancels; min/median/max over repeats, and the
+fastest repeats' ratio (best / best). Step time is rank 0's wall clock between barriers; CPU time is every
+rank's process time added up (waiting is not CPU time: it shows overhead even on a loaded machine). The load
+average is printed before and after each pp.
 
 What to expect: the simulator's bubble is the ceiling of the gain (tools/pipeline_timeline.py). On
 CPU each extra action (ZB splits every backward in two; zbv has twice the stages, and each half-stage
 pays the full per-call Python and gloo latency) costs fixed overhead, so small models can lose what
 the bubble saves; larger layers and more micro-batches move the ratio toward the simulated one.
 
-    python bench/pipeline_compare.py            # a few minutes on 2 cores
-    python bench/pipeline_compare.py --smoke    # tiny dims, 1 repeat of 1 step: seconds
+    python bench/pipeline_compare.py --repeats 5   # about 12 minutes on 2 cores
+    python bench/pipeline_compare.py --smoke       # tiny dims, 1 repeat of 1 step
 Writes runs/bench/pipeline_compare{,_smoke}.{json,md} (--out bench/results to update the published figures).
 """
-
 from __future__ import annotations
 
 import argparse
