@@ -45,10 +45,6 @@ class Message:
     tag: int
     channel: GroupKind
 
-    @property
-    def gradient(self) -> bool:
-        return self.channel == "pp_grad"
-
 
 @dataclass(frozen=True)
 class Route:
@@ -103,6 +99,10 @@ class Exchange:
     _sending: list[tuple[comm.P2PWork, torch.Tensor | None]] = field(default_factory=list)
     _local: dict[int, torch.Tensor] = field(default_factory=dict)  # same-rank hand-offs, by tag
 
+    def __post_init__(self) -> None:
+        if self.depth < 0:
+            raise ValueError(f"prefetch depth must be >= 0, got {self.depth}")
+
     def start(self) -> None:
         """Post the first receives (the first action's and `depth` more) before anything computes."""
         self._post([], self._receives_through(0))
@@ -113,9 +113,7 @@ class Exchange:
         assert msg is not None, f"action {i} receives nothing"
         if msg.peer == self.state.rank:
             return self._local.pop(msg.tag)
-        if i >= self._next_recv:  # not prefetched (only when depth < 0 would allow it): post it now
-            self._post([], self._receives_through(i))
-        posted = self._posted.pop(i)
+        posted = self._posted.pop(i)  # posted at the latest by the previous action's `send`
         self.state.counter.enter(f"recv from rank {msg.peer} over '{msg.channel}' (tag {msg.tag}, "
                                  f"{posted.buf.numel() * posted.buf.element_size()} bytes)")
         posted.work.wait()
