@@ -193,6 +193,7 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 
 def measure(pp: int, args: dict, port: int) -> dict:
+    load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, pp, port, args, queue)) for r in range(pp)]
@@ -205,7 +206,7 @@ def measure(pp: int, args: dict, port: int) -> dict:
             raise RuntimeError(f"rank exited with {p.exitcode}")
     tokens = args["micro_batches"] * args["micro_batch"] * args["seq"] * args["steps"]
     times = result["times"]
-    out = {"pp": pp, "load_avg_after": os.getloadavg()[0], "losses": result["losses"], "rows": []}
+    out = {"pp": pp, "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0], "losses": result["losses"], "rows": []}
     for s in args["schedules"]:
         # tokens/s(a) / tokens/s(b) = time(b) / time(a), paired per repeat
         row = {"schedule": s, "tokens_per_s": tokens / statistics.median(times[s]),
@@ -233,7 +234,7 @@ def _q(r: dict, key: str) -> str:
 def markdown(res: dict) -> str:
     a = res["args"]
     lines = [f"# Pipeline schedules on gloo/CPU{' (SMOKE: tiny, not a measurement)' if res['smoke'] else ''}", "",
-             f"{res['date']}; load average {res['load_avg_before']:.2f} before; llama {a['layers']} layers, hidden "
+             f"{res['date']}; llama {a['layers']} layers, hidden "
              f"{a['hidden']}, seq {a['seq']}, M={a['micro_batches']} micro-batches of {a['micro_batch']}; "
              f"{a['repeats']} repeats x {a['steps']} steps, every run in turn, order rotated per repeat. "
              "Ratios are tokens/s over the other's in the same repeat (min / **median** / max): to megalite's 1F1B, "
@@ -242,8 +243,11 @@ def markdown(res: dict) -> str:
              "(micro-batch chunks held, F until its W or whole B). Simulated bubble at t_F = t_B = t_W. CPU ms/step: "
              "all ranks' CPU time together (waiting is not CPU, so it shows overhead even on a loaded machine). "
              "best / best: the fastest repeat of each (background load only ever slows a run down).", ""]
+    if res.get("note"):
+        lines += [res["note"] + ".", ""]
     for table in res["results"]:
-        lines += [f"## pp={table['pp']} (load average {table['load_avg_after']:.2f} at the end)", "",
+        lines += [f"## pp={table['pp']} (load average {table['load_avg_before']:.2f} before, "
+                  f"{table['load_avg_after']:.2f} at the end)", "",
                   "| schedule | tokens/s | ratio to 1F1B | torch peer | its tokens/s | ratio to torch peer | best / best "
                   "| CPU ms/step (torch) | CPU ratio torch/megalite | peak in flight per rank | simulated bubble |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -281,10 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args["schedules"]) - set(SCHEDULES)
     if unknown:
         ap.error(f"unknown schedules {sorted(unknown)}: expected some of {', '.join(SCHEDULES)}")
-    load_before = os.getloadavg()[0]
     results = [measure(int(pp), args, ns.port + i) for i, pp in enumerate(ns.pp.split(","))]
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": ns.smoke,
-           "load_avg_before": load_before, "args": args, "results": results}
+           "args": args, "results": results}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "pipeline_compare_smoke" if ns.smoke else "pipeline_compare"
