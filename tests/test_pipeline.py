@@ -34,7 +34,7 @@ def _batches(data: list[torch.Tensor], lo: int, hi: int) -> list[list[tuple[torc
 
 
 def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: str, vpp: int,
-                    micro_batches: int) -> dict[str, float]:
+                    micro_batches: int, p2p_depth: int = 1) -> dict[str, float]:
     st = layout(tp, pp, sp=sp)
     # zbv puts the embedding and the head on one rank, which tied embeddings do not support yet.
     cfg = tiny_model_cfg(arch, num_layers=8, **({"tie_embeddings": False} if schedule == "zbv" else {}))
@@ -50,6 +50,7 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
                              ref_opt, b, i).loss
                   for i, b in enumerate(_batches(data, 0, global_batch))]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
+    engine.p2p_depth = p2p_depth  # receives posted ahead (tests/test_pipeline_p2p.py varies it)
     opt = ReferenceOptimizer(nn.ModuleList(engine.chunks), st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     mine = _batches(data, st.dp_rank * per_rank, (st.dp_rank + 1) * per_rank)
     st.counter.reset()

@@ -21,6 +21,9 @@ sequence. Activations are [batch, seq, hidden]: the sequence dim is 1, the hidde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -293,3 +296,45 @@ def send_recv_async(sends: list[torch.Tensor], recvs: list[torch.Tensor], state:
     for t in sends:
         state.counter.record(group, "send", _nbytes(t), 2)
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+# ---------------------------------------------------------------- point-to-point posted together (pipeline)
+class P2PWork(Protocol):
+    def wait(self) -> object: ...
+    def is_completed(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class P2PMessage:
+    """One send (of `tensor`) or receive (into `tensor`) between this rank and global rank `peer`."""
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    group: GroupKind
+    send: bool
+
+
+def post_p2p(messages: list[P2PMessage], state: ParallelState) -> list[P2PWork]:
+    """Post every send and receive of `messages` now, in the order given; return one handle per message.
+    Sends are counted by the sender under the group's counter key, exactly like `isend`; receives are not
+    counted (the hang watchdog learns of a receive when the caller waits on it).
+
+    Each message is its own operation, deliberately not one `batch_isend_irecv`: on gloo that call is the
+    same loop (gloo does not coalesce), and on NCCL it would make each communicator's batch one NCCL group
+    on one stream, so a receive posted ahead would hold back every send posted after it on that
+    communicator, whatever its peer: a deadlock for most schedules once receives are prefetched
+    (tests/test_pipeline_p2p.py replays NCCL's rules). Alone, NCCL runs each pair of ranks on its own
+    stream. Every tensor must be contiguous: the transfer reads and writes its storage."""
+    works: list[P2PWork] = []
+    for i, m in enumerate(messages):
+        if not m.tensor.is_contiguous():
+            raise ValueError(f"post_p2p: message {i} (tag {m.tag}) is not contiguous")
+        pg = state.group(check_group(m.group))
+        if m.send:
+            state.counter.record(GROUP_COUNT_KEY[m.group], "send", _nbytes(m.tensor), 2)
+            work = dist.isend(m.tensor, m.peer, group=pg, tag=m.tag)
+        else:
+            work = dist.irecv(m.tensor, m.peer, group=pg, tag=m.tag)
+        assert work is not None, "isend/irecv return None only to a rank outside the group"
+        works.append(work)
+    return works

@@ -1,9 +1,9 @@
 """Runs one rank's schedule (a list of ("F"|"B"|"W", micro_batch, chunk) actions) for one optimizer step.
 
-Communication rule that makes every schedule deadlock-free on gloo and NCCL alike: a rank never
-blocks on a send (activations and gradients go out with `isend` and are waited on lazily), and it
-blocks on a receive only right before the action that needs it. Each message carries a tag unique
-to (micro-batch, virtual stage, direction), so out-of-order arrival cannot mix them up.
+Communication (`p2p.py`): a rank never blocks on a send (activations and gradients are waited on
+lazily), and it blocks on a receive only right before the action that needs it, which keeps every
+schedule deadlock-free. Each receive is posted ahead, before the previous action computes, so the
+transfer overlaps that compute; each action's send goes out together with the receives then due.
 
 Memory: as soon as a stage's output has been sent, its storage is released (Megatron's
 `deallocate_output_tensor`): only the autograd graph is kept, and backward is started from it with
@@ -27,14 +27,13 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
 from megalite.layers.linear_fn import DeferredWeightGrads, defer_weight_grads, run_weight_grads
 from megalite.optim.protocol import DistributedOptimizer
-from megalite.parallel import comm
-from megalite.parallel.state import GroupKind, ParallelState
+from megalite.parallel.state import ParallelState
+from megalite.pipeline.p2p import Exchange, routes
 from megalite.pipeline.partition import stage_rank
 from megalite.pipeline.schedules import Action, split_backwards
 
@@ -59,53 +58,12 @@ class PipelineEngine:
     dtype: torch.dtype
     v_shape: bool = False                       # ZB-V placement (`partition.chunk_virtual_stages`)
     peak_in_flight: int = 0
-    _pending: list[tuple[dist.Work, torch.Tensor | None]] = field(default_factory=list)
-    _local: dict[int, torch.Tensor] = field(default_factory=dict)  # same-rank hand-offs, by tag
+    p2p_depth: int = 1                          # receives posted ahead of the one being waited for
+    _exchange: Exchange | None = None           # this step's p2p traffic (`p2p.py`)
 
     def _peer(self, vstage: int) -> int:
         s = self.state
         return s.stage_rank(stage_rank(vstage, s.pp, self.v_shape))
-
-    def _tag(self, micro: int, vstage: int, backward: bool) -> int:
-        return (micro * self.num_stages + vstage) * 2 + int(backward)
-
-    @staticmethod
-    def _channel(tag: int) -> GroupKind:
-        """Activations over the 'pp' communicator, gradients over 'pp_grad' (see create_groups)."""
-        return "pp_grad" if tag % 2 else "pp"
-
-    def _send(self, t: torch.Tensor, to_stage: int, tag: int, release: torch.Tensor | None) -> None:
-        if self._peer(to_stage) == self.state.rank:  # V placement: stage P-1 -> P on one rank
-            self._local[tag] = t  # `release` may go: t is its own reference to the storage
-            return
-        work = comm.isend(t, self.state, self._peer(to_stage), self._channel(tag), tag)
-        self._pending.append((work, release))
-        self._poll()
-
-    def _recv(self, from_stage: int, tag: int) -> torch.Tensor:
-        if self._peer(from_stage) == self.state.rank:
-            return self._local.pop(tag)
-        buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.state.device)
-        comm.irecv(buf, self.state, self._peer(from_stage), self._channel(tag), tag).wait()
-        return buf
-
-    def _poll(self) -> None:
-        """Release the storage of outputs whose send has completed."""
-        still = []
-        for work, release in self._pending:
-            if work.is_completed():
-                if release is not None:
-                    release.data = torch.empty(0, dtype=release.dtype, device=release.device)
-            else:
-                still.append((work, release))
-        self._pending = still
-
-    def _drain(self) -> None:
-        for work, release in self._pending:
-            work.wait()
-            if release is not None:
-                release.data = torch.empty(0, dtype=release.dtype, device=release.device)
-        self._pending = []
 
     def run(self, actions: list[Action], batches: list[Batch], loss_scale: float,
             optimizer: DistributedOptimizer | None) -> torch.Tensor:
@@ -120,13 +78,16 @@ class PipelineEngine:
         last_grads = {c: max((i for i, (k, mb, cc) in enumerate(actions)
                               if cc == c and (k == "W" or (k == "B" and (mb, cc) not in split))), default=-1)
                       for c in range(len(self.chunks))}
+        plan = routes(actions, self.chunk_stages, self.num_stages, self._peer)
+        self._exchange = ex = Exchange(self.state, plan, self.act_shape, self.dtype, self.p2p_depth)
+        ex.start()
         for i, (kind, micro, c) in enumerate(actions):
             sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if kind != "F" and i != last_grads[c]:  # DP reduction only in the chunk's last gradient action
                 assert optimizer is not None, "a schedule with backward actions needs the optimizer"
                 sync = optimizer.no_sync()
             if kind == "F":
-                item = self._forward(micro, c, batches[micro], loss_scale / m, total, (micro, c) in split)
+                item = self._forward(i, micro, c, batches[micro], loss_scale / m, total, (micro, c) in split)
                 if item is not None:  # evaluation runs forward-only under no_grad
                     live[(micro, c)] = item
                     self.peak_in_flight = max(self.peak_in_flight, len(live))
@@ -135,23 +96,25 @@ class PipelineEngine:
                 # The B before the chunk's last W keeps every gradient for that W (see the module doc).
                 hold = actions[last_grads[c]] == ("W", micro, c)
                 with sync:
-                    self._backward(micro, c, item, hold)
+                    self._backward(i, c, item, hold)
             else:
                 item = live.pop((micro, c))
                 assert item.wgrad is not None, f"W{micro} of chunk {c} without a split B"
                 with sync:
                     run_weight_grads(item.wgrad, item.held)
                 item.held = []
-        self._drain()
-        assert not self._local, "a same-rank hand-off was never received"
+                ex.send(i, None, None)  # a W sends nothing, but posts the receives now due
+        ex.finish()
+        self._exchange = None
         return total
 
-    def _forward(self, micro: int, c: int, batch: Batch, scale: float, total: torch.Tensor,
+    def _forward(self, i: int, micro: int, c: int, batch: Batch, scale: float, total: torch.Tensor,
                  split: bool) -> _InFlight | None:
         vs, chunk = self.chunk_stages[c], self.chunks[c]
         first, last = vs == 0, vs == self.num_stages - 1
         ids, labels = (t.to(self.state.device) for t in batch)
-        inp = None if first else self._recv(vs - 1, self._tag(micro, vs, False))
+        assert self._exchange is not None
+        inp = None if first else self._exchange.receive(i)
         if inp is not None and torch.is_grad_enabled():
             inp.requires_grad_()
         wgrad = DeferredWeightGrads() if split and torch.is_grad_enabled() else None
@@ -161,19 +124,18 @@ class PipelineEngine:
             loss = out.mean()
             total += loss.detach().double()
             out = loss * scale
+            self._exchange.send(i, None, None)
         else:
-            self._send(out.detach(), vs + 1, self._tag(micro, vs + 1, False), release=out)
+            self._exchange.send(i, out.detach(), release=out)
         return _InFlight(inp, out, wgrad) if torch.is_grad_enabled() else None
 
-    def _backward(self, micro: int, c: int, item: _InFlight, hold: bool) -> None:
+    def _backward(self, i: int, c: int, item: _InFlight, hold: bool) -> None:
         """A whole backward, or a split one's B (the linears record their W into item.wgrad). With
         `hold`, parameter gradients are returned instead of accumulated, and kept for the W."""
         vs = self.chunk_stages[c]
         first, last = vs == 0, vs == self.num_stages - 1
-        if last:
-            grad = torch.ones_like(item.out)
-        else:
-            grad = self._recv(vs + 1, self._tag(micro, vs, True))
+        assert self._exchange is not None
+        grad = torch.ones_like(item.out) if last else self._exchange.receive(i)
         params = [p for p in self.chunks[c].parameters() if p.requires_grad] if hold else []
         inputs = ([] if first else [item.inp]) + params
         with defer_weight_grads(item.wgrad):  # a recomputed forward (model.recompute) records too
@@ -185,9 +147,8 @@ class PipelineEngine:
             item.held = [(p, g) for p, g in zip(params, grads[len(inputs) - len(params):]) if g is not None]
         else:
             input_grad = None if first else item.inp.grad  # type: ignore[union-attr]
-        if not first:
-            assert input_grad is not None
-            self._send(input_grad, vs - 1, self._tag(micro, vs - 1, True), release=None)
+        assert first or input_grad is not None
+        self._exchange.send(i, input_grad, release=None)
 
 
 def forward_only_schedule(num_micro: int, vpp: int) -> list[Action]:
