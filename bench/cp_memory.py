@@ -36,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.results_io import write_results  # noqa: E402
+
 MiB = 2**20
 DEMO_BYTES = 3_000_000  # ~1M tokens of the demo corpus; 5% of it held out covers a 4096-token sample
 
@@ -202,12 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, row in enumerate(rows):
                 row.update(run(row["cp"], flags, cache, Path(tmp) / f"cp{row['cp']}", a.port + i, a.cores))
                 print(json.dumps(row), flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
     stem = "cp_memory" + ("_smoke" if a.smoke else "") + ("_estimate" if a.estimate_only else "")
-    (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = to_markdown(res)
-    (a.out / f"{stem}.md").write_text(md)
-    print(md)
+    write_results(a.out, stem, res, to_markdown)
     return 0
 
 

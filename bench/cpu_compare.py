@@ -36,6 +36,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.results_io import write_results  # noqa: E402
+
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
@@ -357,12 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         d = Dims(a.layers, a.hidden, a.heads, a.kv_heads, a.seq, a.batch)
     res = run(d, a.threads, a.warmup, a.repeats, a.steps, rss=not a.no_rss, malloc=not a.no_tune_malloc)
-    a.out.mkdir(parents=True, exist_ok=True)
-    stem = "cpu_compare_smoke" if a.smoke else "cpu_compare"
-    (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = to_markdown(res)
-    (a.out / f"{stem}.md").write_text(md)
-    print(md)
+    write_results(a.out, "cpu_compare_smoke" if a.smoke else "cpu_compare", res, to_markdown)
     return 0
 
 

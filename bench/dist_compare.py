@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench import dist_peers as peers  # noqa: E402
 from bench.pipeline_compare import megalite_pipeline  # noqa: E402
+from bench.results_io import write_results  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.observability.wire import process_written_bytes  # noqa: E402
@@ -384,12 +385,7 @@ def main(argv: list[str] | None = None) -> int:
            "repeats": repeats, "steps": steps,
            "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in load_after],
            "runtime_s": round(time.perf_counter() - started, 1), "rows": rows, "memory": mem, "notes": notes}
-    a.out.mkdir(parents=True, exist_ok=True)
-    stem = "dist_compare_smoke" if a.smoke else "dist_compare"
-    (a.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    md = to_markdown(res)
-    (a.out / f"{stem}.md").write_text(md)
-    print(md)
+    write_results(a.out, "dist_compare_smoke" if a.smoke else "dist_compare", res, to_markdown)
     print(f"dist_compare: {res['runtime_s']} s; load average now {load_after[0]:.2f}", flush=True)
     return 0
 

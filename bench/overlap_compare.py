@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,8 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from bench.results_io import write_results  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
@@ -192,12 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "smoke": ns.smoke, "args": args, "load_average": [round(x, 2) for x in os.getloadavg()]}
     res.update(measure(args, ns.port))
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = "overlap_compare" + ("_smoke" if ns.smoke else "") + ("_cuda" if ns.device == "cuda" else "")
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (out / f"{stem}.md").write_text(markdown(res))
-    print(markdown(res))
+    write_results(Path(ns.out), stem, res, markdown)
     return 0
 
 

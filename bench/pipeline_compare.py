@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,8 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from bench.results_io import write_results  # noqa: E402
 
 from torch.distributed import pipelining  # noqa: E402
 
@@ -297,12 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(int(pp), args, ns.port + i) for i, pp in enumerate(ns.pp.split(","))]
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": ns.smoke,
            "args": args, "results": results}
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "pipeline_compare_smoke" if ns.smoke else "pipeline_compare"
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (out / f"{stem}.md").write_text(markdown(res))
-    print(markdown(res))
+    write_results(Path(ns.out), "pipeline_compare_smoke" if ns.smoke else "pipeline_compare", res, markdown)
     return 0
 
 

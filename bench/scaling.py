@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.results_io import write_results  # noqa: E402
+
 from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate  # noqa: E402
 
 
@@ -206,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     note = plot(res, a.out / f"{stem}.png")
     if note:
         res["notes"] = [note]
-    (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = to_markdown(res)
-    (a.out / f"{stem}.md").write_text(md)
-    print(md)
+    write_results(a.out, stem, res, to_markdown)
     return 0
 
 
