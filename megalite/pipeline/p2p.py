@@ -24,8 +24,8 @@ the prefetch costs `depth` activation buffers at most. Each message carries a ta
 peer instead, and runs a pair's messages on one communicator on one stream, in posting order: every
 schedule posts each communicator's sends and receives in the same order on both sides, and as each
 communicator carries one direction only, no send can sit on a stream in front of a receive from the
-same peer that it waits for. A replay of NCCL's stream rules finds no deadlock in any schedule at any
-depth; with the activations (or gradients) of both directions on one communicator, it finds one in the
+same peer that it waits for. A replay of NCCL's stream rules finds no deadlock in any schedule at
+prefetch depths 0 to 2; with the activations (or gradients) of both directions on one communicator, it finds one in the
 interleaved schedule at pp=2 and in ZB-V (`tests/test_pipeline_p2p.py`).
 """
 
