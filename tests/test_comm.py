@@ -13,7 +13,7 @@ import torch
 
 from megalite.parallel import comm
 from megalite.parallel.counter import COUNT_KEYS, CommCounter
-from megalite.parallel.state import GROUP_KINDS, ParallelState, group_ranks
+from megalite.parallel.state import GROUP_KINDS, PP_KINDS, ParallelState, group_ranks
 from tests.parallel_utils import layout
 
 _ONE_RANK_CALLS = {
@@ -58,7 +58,7 @@ def test_state_and_rank_grid_reject_unknown_kinds() -> None:
 def test_every_group_kind_files_its_bytes_under_a_counter_key() -> None:
     assert set(comm.GROUP_COUNT_KEY) == GROUP_KINDS
     assert set(comm.GROUP_COUNT_KEY.values()) <= COUNT_KEYS
-    assert comm.GROUP_COUNT_KEY["pp_grad"] == "pp"  # both pipeline communicators are 'pp' in metrics.jsonl
+    assert all(comm.GROUP_COUNT_KEY[k] == "pp" for k in PP_KINDS)  # every pipeline communicator: 'pp' in metrics
     # The public contract of metrics.jsonl's comm_bytes keys (docs/tracking.md, docs/parallelism.md).
     assert COUNT_KEYS == {"tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp"}
 
@@ -90,7 +90,8 @@ def _p2p(rank: int) -> dict[str, object]:
         send = comm.isend(grad, st, 0, "pp_grad", tag=3)
     send.wait()
     return {"got": got, "pp": st.counter.exact_bytes("pp"), "bytes": st.counter.bytes(),
-            "calls": st.counter.calls(), "last": st.counter.last_op}
+            "calls": st.counter.calls(), "last": st.counter.last_op,
+            "pp_groups": len({id(st.group(k)) for k in PP_KINDS if st.group(k) is not None})}
 
 
 def test_p2p_moves_tensors_and_the_sender_counts_them_under_pp(dist_world) -> None:
@@ -102,3 +103,4 @@ def test_p2p_moves_tensors_and_the_sender_counts_them_under_pp(dist_world) -> No
     assert r0["bytes"] == {"pp": 24.0} and r1["bytes"] == {"pp": 40.0}
     assert r0["calls"] == {"pp": 1} and r1["calls"] == {"pp": 1}
     assert r0["last"].startswith("recv from rank 1 over 'pp_grad'")  # what the hang watchdog would name
+    assert r0["pp_groups"] == r1["pp_groups"] == 4  # one communicator per kind and direction (create_groups)

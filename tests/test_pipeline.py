@@ -73,7 +73,7 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
     # Every boundary a chunk has moves one activation forward / one gradient backward per micro-batch
     # (zbv: except between stages P-1 and P, which are on the same rank).
     act = MICRO * (cfg.seq_len // tp if sp else cfg.seq_len) * cfg.hidden_size * 4
-    remote = [(vs, vs + 1) for vs in range(engine.num_stages - 1) if engine._peer(vs) != engine._peer(vs + 1)]
+    remote = [(vs, vs + 1) for vs in range(engine.num_stages - 1) if engine._pp_rank(vs) != engine._pp_rank(vs + 1)]
     sends = sum((vs, vs + 1) in remote for vs in engine.chunk_stages) + sum((vs - 1, vs) in remote
                                                                            for vs in engine.chunk_stages)
     assert pp_bytes == STEPS * micro_batches * act * sends, f"pp bytes {pp_bytes} != formula"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _plans(name: str, pp: int, m: int) -> list[list[p2p.Route]]:
     for r in range(pp):
         acts = build_schedule(name, m, pp, r, vpp)
         plans.append(p2p.routes(acts, chunk_stages(name, r, pp, vpp), pp * vpp,
-                                lambda vs: stage_rank(vs, pp, name == "zbv")))
+                                lambda vs: stage_rank(vs, pp, name == "zbv"), lambda pp_rank: pp_rank))
     return plans
 
 
@@ -172,8 +173,10 @@ def _posted_batches(plan: list[p2p.Route], rank: int, depth: int) -> list[tuple[
     return out
 
 
-def _nccl_deadlocks(plans: list[list[p2p.Route]], depth: int, coalesced: bool = False) -> list[str]:
+def _nccl_deadlocks(plans: list[list[p2p.Route]], depth: int, coalesced: bool = False,
+                    on: Callable[[str], str] = str) -> list[str]:
     """Replay every rank's posts under NCCL's rules; return the ranks that never finish (empty: no deadlock).
+    `on(channel)` is the communicator a message's channel is posted on (default: its own).
 
     The rules (ProcessGroupNCCL): an operation runs on a stream, one per (communicator, peer) for a lone
     isend/irecv, one per communicator for a coalesced `batch_isend_irecv` group (`coalesced`). An
@@ -183,26 +186,25 @@ def _nccl_deadlocks(plans: list[list[p2p.Route]], depth: int, coalesced: bool = 
     test_both_sides_post_messages_in_the_same_order holds that, so matching by tag is the same here).
     Waiting on a receive makes the compute stream wait: action i computes after action i-1 and after the
     operation holding its receive. The host never blocks."""
-    groups = []  # (rank, channel, index on its stream, launched-before action, ops)
+    groups = []  # (rank, stream, index on its stream, launched-before action, ops)
     for rank, plan in enumerate(plans):
         per_stream: dict[object, int] = defaultdict(int)
         for after, batch in _posted_batches(plan, rank, depth):
             if not coalesced:  # every message alone, one stream per (communicator, peer)
                 for m in batch:
-                    key = (m.group, m.peer)
+                    key = (on(m.group), m.peer)
                     groups.append((rank, key, per_stream[key], after, [(m.send, m.peer, m.tag)]))
                     per_stream[key] += 1
                 continue
-            for ch in ("pp", "pp_grad"):
-                ops = [(m.send, m.peer, m.tag) for m in batch if m.group == ch]
-                if ops:
-                    groups.append((rank, ch, per_stream[ch], after, ops))
-                    per_stream[ch] += 1
-    where = {}  # (rank, channel, send?, tag) -> group id
+            for comm_name in dict.fromkeys(on(m.group) for m in batch):  # one NCCL group per communicator
+                ops = [(m.send, m.peer, m.tag) for m in batch if on(m.group) == comm_name]
+                groups.append((rank, comm_name, per_stream[comm_name], after, ops))
+                per_stream[comm_name] += 1
+    where = {}  # (rank, communicator, send?, tag) -> group id
     for g, (rank, stream, _, _, ops) in enumerate(groups):
         for send, _, tag in ops:
-            where[(rank, _channel(stream), send, tag)] = g
-    recv_group = {(rank, i): where[(rank, r.recv.channel, False, r.recv.tag)]
+            where[(rank, _communicator(stream), send, tag)] = g
+    recv_group = {(rank, i): where[(rank, on(r.recv.channel), False, r.recv.tag)]
                   for rank, plan in enumerate(plans) for i, r in enumerate(plan)
                   if r.recv is not None and r.recv.peer != rank}
     computed = [-1] * len(plans)  # last action finished per rank
@@ -210,13 +212,13 @@ def _nccl_deadlocks(plans: list[list[p2p.Route]], depth: int, coalesced: bool = 
     changed = True
     while changed:
         changed = False
-        for g, (rank, ch, k, after, ops) in enumerate(groups):
-            prev = [h for h, (r2, c2, k2, _, _) in enumerate(groups) if (r2, c2, k2) == (rank, ch, k - 1)]
+        for g, (rank, stream, k, after, ops) in enumerate(groups):
+            prev = [h for h, (r2, s2, k2, _, _) in enumerate(groups) if (r2, s2, k2) == (rank, stream, k - 1)]
             if g not in running and computed[rank] >= after and all(h in complete for h in prev):
                 running.add(g)
                 changed = True
         for g, (rank, stream, _, _, ops) in enumerate(groups):
-            if g in running and g not in complete and all(where[(peer, _channel(stream), not send, tag)] in running
+            if g in running and g not in complete and all(where[(peer, _communicator(stream), not send, tag)] in running
                                                           for send, peer, tag in ops):
                 complete.add(g)
                 changed = True
@@ -228,26 +230,55 @@ def _nccl_deadlocks(plans: list[list[p2p.Route]], depth: int, coalesced: bool = 
             if c + 1 < len(p)]
 
 
-def _channel(stream: object) -> str:
+def _communicator(stream: object) -> str:
     return stream[0] if isinstance(stream, tuple) else str(stream)
 
 
-# Schedules whose two pipeline communicators carry messages both ways between one pair of ranks: the
-# interleaved schedule at pp=2 (stage 1 hands back to stage 2 on rank 0) and ZB-V (the V runs back up).
-# On one NCCL stream per pair a send then waits behind a receive from the same peer that needs it: these
-# need a communicator per direction (not yet; gloo matches by tag and is unaffected).
-NCCL_MIXED_DIRECTIONS = {("interleaved", 2), ("zbv", 2), ("zbv", 4), ("zbv", 8)}
+def _one_per_kind(channel: str) -> str:
+    """The communicators before the split by direction: all activations on 'pp', all gradients on 'pp_grad'."""
+    return "pp_grad" if channel in ("pp_grad", "pp_grad_up") else "pp"
+
+
+# Layouts where one pair of ranks sends activations (and gradients) both ways: the interleaved schedule at
+# pp=2 (rank 1 hands stage 1 back to rank 0) and ZB-V (the V runs back up). With one communicator per kind,
+# a pair's messages both ways share one NCCL stream, and a send waits there in front of a receive from the
+# same peer that the peer's matching receive needs first (gloo matches by tag and never showed it).
+BOTH_WAYS = {("interleaved", 2), ("zbv", 2), ("zbv", 4), ("zbv", 8)}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8), (4, 12), (8, 16)])
+def test_each_communicator_carries_one_kind_one_way_per_pair(name: str, pp: int, m: int) -> None:
+    """Between any two ranks, each pipeline communicator carries messages in one direction only, and
+    only activations ('pp', 'pp_act_down') or only gradients ('pp_grad', 'pp_grad_up'); 1F1B, GPipe and
+    ZB-H1 need only 'pp' and 'pp_grad'; the two-way layouts above are exactly those that use all four."""
+    directions: dict[tuple[str, frozenset[int]], set[tuple[int, int]]] = defaultdict(set)
+    for rank, plan in enumerate(_plans(name, pp, m)):
+        for route in plan:
+            for msg, sending in ((route.send, True), (route.recv, False)):
+                if msg is not None and msg.peer != rank:
+                    src, dst = (rank, msg.peer) if sending else (msg.peer, rank)
+                    directions[(msg.channel, frozenset((src, dst)))].add((src, dst))
+                    assert msg.channel == p2p.channel(msg.tag % 2 == 1, dst > src)
+    assert all(len(ways) == 1 for ways in directions.values()), directions
+    used = {channel for channel, _ in directions}
+    if name in ("1f1b", "gpipe", "zb-h1"):
+        assert used == {"pp", "pp_grad"}
+    if (name, pp) in BOTH_WAYS:
+        assert used == {"pp", "pp_act_down", "pp_grad", "pp_grad_up"}
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8), (4, 12), (8, 16)])
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_no_schedule_deadlocks_under_nccl_rules(name: str, pp: int, m: int, depth: int) -> None:
-    """Posting each message alone (`comm.post_p2p`) with receives prefetched deadlocks no schedule under
-    NCCL's rules, except where a pair of ranks talks both ways on one communicator (listed above; the
-    replay finds those, so it can fail). Coalescing each post into one NCCL group per communicator (one
-    `batch_isend_irecv`) would deadlock even the interleaved schedule at pp=4."""
-    found = _nccl_deadlocks(_plans(name, pp, m), depth)
-    assert bool(found) == ((name, pp) in NCCL_MIXED_DIRECTIONS), found
-    if (name, pp, depth) == ("interleaved", 4, 1):
-        assert _nccl_deadlocks(_plans(name, pp, m), depth, coalesced=True)
+    """Posting each message alone (`comm.post_p2p`) on its kind's and direction's communicator, with
+    receives prefetched, deadlocks no schedule under NCCL's rules. The replay can fail: with one
+    communicator per kind (both directions on one stream per pair) it finds the deadlock of exactly the
+    two-way layouts above; and coalescing each post into one NCCL group per communicator (one
+    `batch_isend_irecv`) deadlocks even 1F1B at prefetch depth 2, on the four communicators."""
+    plans = _plans(name, pp, m)
+    assert not _nccl_deadlocks(plans, depth)
+    assert bool(_nccl_deadlocks(plans, depth, on=_one_per_kind)) == ((name, pp) in BOTH_WAYS)
+    if (name, depth) == ("1f1b", 2):
+        assert _nccl_deadlocks(plans, depth, coalesced=True)

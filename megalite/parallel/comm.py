@@ -2,7 +2,7 @@
 
 Every collective and point-to-point message megalite issues goes through this module, which records
 wire bytes in `state.counter` under the group's counter key (`CountKey`: the group's own name, "pp" for
-both pipeline communicators, or an explicit `count_as`). Group kinds and counter keys are closed sets
+all four pipeline communicators, or an explicit `count_as`). Group kinds and counter keys are closed sets
 (`Literal` types, checked at every entry here whatever the group size), so a typo fails at once.
 
 Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3) needs two conjugate operators:
@@ -28,15 +28,14 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.counter import CountKey, check_count_key
-from megalite.parallel.state import GroupKind, ParallelState, check_group
+from megalite.parallel.state import PP_KINDS, GroupKind, ParallelState, check_group
 
 SEQ_DIM = 1
 
-# The counter key of each group kind's own traffic: the pipeline's second communicator is still 'pp', and the
-# gradient reduction over dp x cp (dp_cp) is still the data-parallel traffic 'dp'.
-GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "pp": "pp", "pp_grad": "pp", "mp": "mp",
-                                              "embedding": "embedding", "cp": "cp",
-                                              "dp_cp": "dp"}
+# The counter key of each group kind's own traffic: every pipeline communicator (one per kind and direction)
+# is 'pp', and the gradient reduction over dp x cp (dp_cp) is still the data-parallel traffic 'dp'.
+GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "mp": "mp", "embedding": "embedding", "cp": "cp",
+                                              "dp_cp": "dp", **{kind: "pp" for kind in PP_KINDS}}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -213,9 +212,9 @@ def scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 # ---------------------------------------------------------------- point-to-point (pipeline)
 # Asynchronous only: the pipeline engine never blocks on a send and waits on a receive right before the
-# action that needs it. `group` picks the communicator ('pp' for activations, 'pp_grad' for gradients;
-# see `create_groups`); ranks are global. The sender counts the bytes, once, under the group's counter
-# key ('pp' for both pipeline communicators).
+# action that needs it. `group` picks the communicator (one per kind and direction: `p2p.channel`; see
+# `create_groups`); ranks are global. The sender counts the bytes, once, under the group's counter key
+# ('pp' for every pipeline communicator).
 def isend(t: torch.Tensor, state: ParallelState, dst: int, group: GroupKind, tag: int) -> dist.Work:
     """Start sending `t` to global rank `dst`; wait on the returned Work before reusing `t`'s storage."""
     state.counter.record(_count_key(group, None), "send", _nbytes(t), 2)
@@ -322,8 +321,8 @@ def post_p2p(messages: list[P2PMessage], state: ParallelState) -> list[P2PWork]:
     Each message is its own operation, deliberately not one `batch_isend_irecv`: on gloo that call is the
     same loop (gloo does not coalesce), and on NCCL it would make each communicator's batch one NCCL group
     on one stream, so a receive posted ahead would hold back every send posted after it on that
-    communicator, whatever its peer: a deadlock for most schedules once receives are prefetched
-    (tests/test_pipeline_p2p.py replays NCCL's rules). Alone, NCCL runs each pair of ranks on its own
+    communicator, whatever its peer: a deadlock of 1F1B, interleaved 1F1B and ZB-H1 once two receives are
+    prefetched (tests/test_pipeline_p2p.py replays NCCL's rules). Alone, NCCL runs each pair of ranks on its own
     stream. Every tensor must be contiguous: the transfer reads and writes its storage."""
     works: list[P2PWork] = []
     for i, m in enumerate(messages):

@@ -33,15 +33,22 @@ from megalite.parallel.counter import CommCounter
 #   tp, dp, pp       ranks that differ only in that coordinate
 #   mp               model parallel (tp x pp): ranks with the same dp_rank (the gradient norm's reduction)
 #   embedding        first and last pipeline stage of each (tp, dp) column: a tied embedding's two copies
-#   pp_grad          a second communicator over the pp ranks, for gradients (see `create_groups`)
+#   pp_act_down,     three more communicators over the pp ranks (pp > 1 only), so that each carries pipeline
+#   pp_grad,         messages of one kind in one direction: 'pp' activations to a higher pp_rank, 'pp_act_down'
+#   pp_grad_up       activations to a lower one, 'pp_grad' gradients to a lower one, 'pp_grad_up' gradients to a
+#                    higher one (`megalite/pipeline/p2p.py`'s `channel`; why: `create_groups`). 'pp' is also the
+#                    pipeline's group for collectives (the loss sum).
 #   cp               a context-parallel ring (megalite/context): ranks that differ only in cp_rank, in ring order
 #   dp_cp            dp x cp: ranks holding the same parameters (same tp_rank and pp_rank). The gradients of
 #                    replicated parameters are reduced over it (each cp rank saw other tokens of the same
 #                    sequences) and ZeRO shards over it. At cp = 1 it is the dp group itself (same communicator).
-GroupKind = Literal["tp", "dp", "pp", "pp_grad", "mp", "embedding", "cp", "dp_cp"]
+GroupKind = Literal["tp", "dp", "pp", "pp_act_down", "pp_grad", "pp_grad_up", "mp", "embedding", "cp", "dp_cp"]
 GROUP_KINDS: frozenset[str] = frozenset(get_args(GroupKind))
+# The communicators over the pipeline ranks (pp_rank is the only coordinate they span).
+PP_KINDS: tuple[GroupKind, ...] = ("pp", "pp_act_down", "pp_grad", "pp_grad_up")
 # The kinds `create_groups` builds one family of groups for, in the order every rank creates them.
-_CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_grad", "cp", "dp_cp")
+_CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_act_down", "pp_grad",
+                                          "pp_grad_up", "cp", "dp_cp")
 
 
 class Coords(NamedTuple):
@@ -76,13 +83,13 @@ def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int, cp: int = 1) -> list
     """Every group of one kind, as sorted lists of global ranks (each rank in exactly one group).
 
     A group is the ranks that agree on every coordinate the kind does not span: tp spans tp_rank, cp
-    cp_rank (sorted = ring order), dp dp_rank, dp_cp both dp_rank and cp_rank, pp and pp_grad pp_rank,
+    cp_rank (sorted = ring order), dp dp_rank, dp_cp both dp_rank and cp_rank, the four pp kinds pp_rank,
     mp (model parallel, tp x pp: the gradient norm's reduction) tp_rank and pp_rank; embedding is the first
     and last pipeline stage of each (tp, cp, dp) column — the ranks holding the two copies of a tied embedding.
     """
     spans: dict[GroupKind, tuple[str, ...]] = {
-        "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp"), "pp": ("pp",), "pp_grad": ("pp",),
-        "mp": ("tp", "pp"), "embedding": ("pp",)}
+        "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp"), "mp": ("tp", "pp"), "embedding": ("pp",),
+        **{pp_kind: ("pp",) for pp_kind in PP_KINDS}}
     spanned = spans[check_group(kind)]
     groups: dict[tuple[int, ...], list[int]] = {}
     for r in range(tp * cp * pp * dp):
@@ -165,15 +172,20 @@ class ParallelState:
 
     def size(self, kind: GroupKind) -> int:
         """Ranks in this rank's group of `kind` (1: every collective over it is a no-op)."""
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "pp_grad": self.pp, "mp": self.tp * self.pp,
-                "embedding": 1 if self.pp == 1 else 2, "cp": self.cp, "dp_cp": self.dp * self.cp}[check_group(kind)]
+        kind = check_group(kind)
+        if kind in PP_KINDS:
+            return self.pp
+        return {"tp": self.tp, "dp": self.dp, "mp": self.tp * self.pp, "embedding": 1 if self.pp == 1 else 2,
+                "cp": self.cp, "dp_cp": self.dp * self.cp}[kind]
 
     def rank_in(self, kind: GroupKind) -> int:
         """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list)."""
-        return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank, "pp_grad": self.pp_rank,
-                "mp": self.pp_rank * self.tp + self.tp_rank,
+        kind = check_group(kind)
+        if kind in PP_KINDS:
+            return self.pp_rank
+        return {"tp": self.tp_rank, "dp": self.dp_rank, "mp": self.pp_rank * self.tp + self.tp_rank,
                 "embedding": 0 if self.is_first_stage else 1, "cp": self.cp_rank,
-                "dp_cp": self.dp_rank * self.cp + self.cp_rank}[check_group(kind)]
+                "dp_cp": self.dp_rank * self.cp + self.cp_rank}[kind]
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
@@ -234,13 +246,20 @@ def create_groups(state: ParallelState) -> None:
     Every rank must call `new_group` for every group, in the same order, even for groups it is not
     in: that is torch.distributed's contract, and breaking it hangs the job.
 
-    `pp_grad` (pp > 1 only) is a second communicator over the same pipeline ranks, for gradients, so
-    activations and gradients never share one ordered stream: NCCL matches point-to-point messages by
-    posting order per communicator (it ignores tags), and in the interleaved schedule a rank pair carries
-    both kinds in the same direction. Each kind on its own is posted in the same order on both sides.
+    The pipeline's point-to-point messages get four communicators over the same pp ranks (pp > 1 only),
+    one per (activations or gradients, to a higher or a lower pp_rank), because NCCL ignores tags: it
+    matches a pair's messages by posting order per communicator, and runs a lone isend/irecv on one
+    stream per (communicator, pair of ranks), in posting order. Split by kind, each communicator's
+    messages are posted in the same order on both sides (in the interleaved schedule a rank pair carries
+    both kinds the same way); split by direction, no send can wait in front of a receive from the same
+    peer on one stream (the interleaved schedule at pp = 2 and ZB-V send activations both ways between
+    one pair). They are created for every schedule, though 1F1B, GPipe and ZB-H1 use only 'pp' and
+    'pp_grad': the schedule is not known here, gloo's cost is a few sockets, and NCCL builds a
+    communicator only for a pair that actually talks on the group (torch creates them lazily, at the
+    first send or receive between the two ranks), so an unused group costs no GPU memory.
     """
     for kind in _CREATION_ORDER:
-        if kind == "pp_grad" and state.pp == 1:
+        if kind in PP_KINDS and kind != "pp" and state.pp == 1:
             continue
         if kind == "dp_cp" and state.cp == 1:  # the same ranks as dp: share its communicator
             state.groups["dp_cp"] = state.groups["dp"]

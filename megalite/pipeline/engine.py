@@ -61,9 +61,8 @@ class PipelineEngine:
     p2p_depth: int = 1                          # receives posted ahead of the one being waited for
     _exchange: Exchange | None = None           # this step's p2p traffic (`p2p.py`)
 
-    def _peer(self, vstage: int) -> int:
-        s = self.state
-        return s.stage_rank(stage_rank(vstage, s.pp, self.v_shape))
+    def _pp_rank(self, vstage: int) -> int:
+        return stage_rank(vstage, self.state.pp, self.v_shape)
 
     def run(self, actions: list[Action], batches: list[Batch], loss_scale: float,
             optimizer: DistributedOptimizer | None) -> torch.Tensor:
@@ -78,7 +77,7 @@ class PipelineEngine:
         last_grads = {c: max((i for i, (k, mb, cc) in enumerate(actions)
                               if cc == c and (k == "W" or (k == "B" and (mb, cc) not in split))), default=-1)
                       for c in range(len(self.chunks))}
-        plan = routes(actions, self.chunk_stages, self.num_stages, self._peer)
+        plan = routes(actions, self.chunk_stages, self.num_stages, self._pp_rank, self.state.stage_rank)
         self._exchange = ex = Exchange(self.state, plan, self.act_shape, self.dtype, self.p2p_depth)
         ex.start()
         for i, (kind, micro, c) in enumerate(actions):

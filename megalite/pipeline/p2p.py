@@ -11,18 +11,22 @@ buffer is ready), so a receive posted just before it is needed puts a round trip
 on the critical path.
 
 After each action, its send and the receives then due are posted together (`comm.post_p2p`), each
-message its own operation (why not one coalesced `batch_isend_irecv`: see there). Activations travel on
-the 'pp' communicator, gradients on 'pp_grad'.
+message its own operation (why not one coalesced `batch_isend_irecv`: see there). Each message travels
+on the communicator of its kind and direction (`channel`): activations to a higher pp_rank on 'pp', to a
+lower one on 'pp_act_down' (the interleaved schedule's wrap-around from the last rank to the first, the
+second leg of a V); gradients to a lower pp_rank on 'pp_grad', to a higher one on 'pp_grad_up'.
 
 Deadlock freedom, as before: a rank never blocks on a send (sends are waited on lazily, to release the
 output's storage, and all at the end), and it blocks on a receive only right before the action that
 needs it. Receives are posted in action order, at most `depth` ahead of the action being computed, so
 the prefetch costs `depth` activation buffers at most. Each message carries a tag unique to
 (micro-batch, virtual stage, direction). NCCL matches messages in posting order per communicator and
-peer instead: every schedule posts sends and receives in the same order on both sides, and a replay of
-NCCL's stream rules finds no deadlock at any depth, except for the layouts where one pair of ranks
-talks both ways on one communicator (interleaved at pp=2, ZB-V), which need a communicator per
-direction (`tests/test_pipeline_p2p.py`).
+peer instead, and runs a pair's messages on one communicator on one stream, in posting order: every
+schedule posts each communicator's sends and receives in the same order on both sides, and as each
+communicator carries one direction only, no send can sit on a stream in front of a receive from the
+same peer that it waits for. A replay of NCCL's stream rules finds no deadlock in any schedule at
+prefetch depths 0 to 2; with the activations (or gradients) of both directions on one communicator, it finds one in the
+interleaved schedule at pp=2 and in ZB-V (`tests/test_pipeline_p2p.py`).
 """
 
 from __future__ import annotations
@@ -57,24 +61,36 @@ def message_tag(micro: int, vstage: int, backward: bool, num_stages: int) -> int
     return (micro * num_stages + vstage) * 2 + int(backward)
 
 
-def routes(actions: list[Action], chunk_stages: list[int], num_stages: int,
-           peer_of: Callable[[int], int]) -> list[Route]:
-    """The messages of each action of a rank's list; `peer_of(vstage)` is the global rank holding it."""
+def channel(backward: bool, upward: bool) -> GroupKind:
+    """The communicator of a gradient (`backward`) or activation going to a higher pp_rank (`upward`) or a
+    lower one: one per kind and direction (`parallel/state.py`'s `create_groups` says why)."""
+    if backward:
+        return "pp_grad_up" if upward else "pp_grad"
+    return "pp" if upward else "pp_act_down"
 
-    def message(micro: int, tag_stage: int, peer_stage: int, backward: bool) -> Message:
-        return Message(peer_of(peer_stage), message_tag(micro, tag_stage, backward, num_stages),
-                       "pp_grad" if backward else "pp")
+
+def routes(actions: list[Action], chunk_stages: list[int], num_stages: int, stage_of: Callable[[int], int],
+           rank_of: Callable[[int], int]) -> list[Route]:
+    """The messages of each action of a rank's list. `stage_of(vstage)` is the pp_rank holding a virtual
+    stage, `rank_of(pp_rank)` that stage's global rank in this rank's pipeline."""
+
+    def message(micro: int, src: int, dst: int, backward: bool, incoming: bool) -> Message:
+        """The message from virtual stage `src` to `dst`, seen from the receiver (`incoming`) or the sender.
+        Both sides name the same communicator: the direction is that of the message, not of the rank."""
+        src_pp, dst_pp = stage_of(src), stage_of(dst)
+        return Message(rank_of(src_pp if incoming else dst_pp), message_tag(micro, dst, backward, num_stages),
+                       channel(backward, dst_pp > src_pp))
 
     out = []
     for kind, micro, c in actions:
         vs = chunk_stages[c]
         first, last = vs == 0, vs == num_stages - 1
         if kind == "F":
-            out.append(Route(None if first else message(micro, vs, vs - 1, False),
-                             None if last else message(micro, vs + 1, vs + 1, False)))
+            out.append(Route(None if first else message(micro, vs - 1, vs, False, incoming=True),
+                             None if last else message(micro, vs, vs + 1, False, incoming=False)))
         elif kind == "B":
-            out.append(Route(None if last else message(micro, vs, vs + 1, True),
-                             None if first else message(micro, vs - 1, vs - 1, True)))
+            out.append(Route(None if last else message(micro, vs + 1, vs, True, incoming=True),
+                             None if first else message(micro, vs, vs - 1, True, incoming=False)))
         else:
             out.append(Route(None, None))
     return out
