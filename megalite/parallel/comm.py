@@ -278,22 +278,24 @@ def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelStat
 
 
 # ---------------------------------------------------------------- async point-to-point exchange (context parallel)
-def send_recv_async(sends: list[torch.Tensor], recvs: list[torch.Tensor], state: ParallelState, group: str,
+def send_recv_async(sends: list[torch.Tensor], recvs: list[torch.Tensor], state: ParallelState, group: GroupKind,
                     dst: int, src: int) -> list[dist.Work]:
     """Post, as one batch, a send of every tensor of `sends` to global rank `dst` and a receive into every
     tensor of `recvs` from global rank `src`, over `group`; return the handles. Wait on all of them before
-    reading `recvs` or writing `sends`. The sender counts each tensor's bytes under `group` (op 'send').
+    reading `recvs` or writing `sends`. The sender counts each tensor's bytes under the group's counter key
+    (op 'send').
 
     One batch (`batch_isend_irecv`) so that a ring of ranks that all send first never deadlocks under
     NCCL; the ring-attention step posts it before computing, to overlap the transfer with that compute.
     """
     if not all(t.is_contiguous() for t in [*sends, *recvs]):
         raise ValueError("send_recv_async: every tensor must be contiguous (the transfer reads its storage)")
+    key = _count_key(group, None)
     pg = state.group(group)
     ops = [dist.P2POp(dist.isend, t, dst, group=pg) for t in sends]
     ops += [dist.P2POp(dist.irecv, t, src, group=pg) for t in recvs]
     for t in sends:
-        state.counter.record(group, "send", _nbytes(t), 2)
+        state.counter.record(key, "send", _nbytes(t), 2)
     return dist.batch_isend_irecv(ops) if ops else []
 
 
