@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark for a single H200 (under 10 minutes). What it measures:
+# One prepared GPU benchmark for a single H200 (under 7 minutes, so a 15-minute device lease that also pays
+# the machine's start can run it twice). What it measures:
 #   1. MFU, tokens/s and peak memory of the llama-1b preset (bf16, seq 2048, megalite's real
 #      train_step) with model.kernels=torch, model.kernels=triton and torch.compile;
 #   2. the kernel table of bench/kernels_gpu.py (each Triton kernel vs eager / compiled torch);
 #   3. Triton flash attention vs scaled_dot_product_attention at the 1B model's shapes;
 #   4. overlapped vs non-overlapped DP communication (bench/overlap_compare.py: bucket sizes, the
 #      ZeRO-1/2 parameter-gather overlap, ZeRO-3 prefetch 0/1/2) with 2 ranks: NCCL on 2 GPUs, gloo
-#      when both share the one GPU (NCCL refuses two ranks on one device). At most 2 more minutes.
+#      when both share the one GPU (NCCL refuses two ranks on one device). At most 90 more seconds.
 # Results: one gpu_bench.json + gpu_bench.md (+ overlap_compare_cuda.{json,md}) in $OUT (the device runner's output folder) or
 # runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
@@ -23,14 +24,14 @@ mkdir -p "$OUT_DIR"
   python -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi; else echo "nvidia-smi: not found (CPU machine)"; fi
 } > "$OUT_DIR/env.txt" 2>&1
-# Hard stop at 7.5 minutes; gpu_bench.py itself skips sections past its --budget-s (7 min) and
-# rewrites the JSON/markdown after every section, so a stop still leaves the finished ones.
-timeout 450 python bench/gpu_bench.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
+# Hard stop at 5.5 minutes; gpu_bench.py itself skips sections past its budget (5 min) and rewrites the
+# JSON/markdown after every section, so a stop still leaves the finished ones.
+timeout 330 python bench/gpu_bench.py --budget-s 300 --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
 status="${PIPESTATUS[0]}"
 # 4. The overlap comparison, on a port nobody uses; its failure is logged, not fatal to the figures above.
 PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 OVERLAP_ARGS=(--device cuda)
 for arg in "$@"; do [ "$arg" = "--smoke" ] && OVERLAP_ARGS=(--smoke); done
-timeout 120 python bench/overlap_compare.py "${OVERLAP_ARGS[@]}" --out "$OUT_DIR" --port "$PORT" \
+timeout 90 python bench/overlap_compare.py "${OVERLAP_ARGS[@]}" --out "$OUT_DIR" --port "$PORT" \
   > "$OUT_DIR/overlap_compare.log" 2>&1 || echo "overlap_compare: failed or timed out, see overlap_compare.log"
 exit "$status"
