@@ -128,3 +128,59 @@ def test_context_parallel_on_triton_blocks_equals_unsplit(dist_world, form: str,
     backward per rank) and the all-gather form (one block each way, masked in global positions) on the
     Triton block backend, grouped-query heads 4:2."""
     assert dist_world(4).run(_cp_flash_rank_fn, form, 4, 2) == [calls] * 4
+
+
+def _gpt_cp2_triton_rank_fn(rank: int) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """A tiny GPT at cp = 2 with model.kernels=triton (every op, and each ring block, on the Triton kernels):
+    the mean loss over the whole sequence and the gradients of that mean, both reduced over the ring. Also
+    returns how many ring blocks ran on the flash kernel, so the caller sees the model chose it."""
+    from megalite.data.sampler import cp_split
+    from megalite.model.gpt import GPT
+    from tests.parallel_utils import layout, tiny_model_cfg
+
+    use_interpreter()
+    st = layout(1, cp=2)  # the 2 ranks of dist_world(2) form one ring
+    cfg = tiny_model_cfg("llama", kernels="triton", seq_len=8)
+    model = GPT(cfg, st, seed=5)
+    ids, labels = _gpt_batch(cfg)
+    calls = []
+    saved = K.flash_attention_block
+    K.flash_attention_block = lambda *a, **kw: calls.append(1) or saved(*a, **kw)
+    try:
+        loss = model(cp_split(ids, 2, st.cp_rank), cp_split(labels, 2, st.cp_rank)).mean()
+        loss.backward()
+    finally:
+        K.flash_attention_block = saved
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total, group=st.group("cp"))
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g, group=st.group("cp"))
+        grads[name] = g / 2  # each rank's loss is the mean of its half of the tokens: the mean of the two
+    return float(total) / 2, float(len(calls)), grads
+
+
+def _gpt_batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 - a config namespace
+    data = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(3))
+    return data[:, :-1], data[:, 1:]
+
+
+def test_gpt_at_cp2_on_triton_kernels_equals_one_process_on_torch(dist_world) -> None:
+    """The model wiring: `model.kernels=triton` at cp = 2 runs the ring's blocks on the flash kernel (2 layers
+    x 2 ring steps forward) and gives the single-process torch model's loss and every gradient (same tolerance
+    as above: fp32 paths that reorder sums)."""
+    from megalite.model.gpt import GPT
+    from megalite.parallel.state import ParallelState
+    from tests.parallel_utils import tiny_model_cfg
+
+    cfg = tiny_model_cfg("llama", seq_len=8)
+    ref = GPT(cfg, ParallelState(), seed=5)
+    ids, labels = _gpt_batch(cfg)
+    ref_loss = ref(ids, labels).mean()
+    ref_loss.backward()
+    for loss, calls, grads in dist_world(2).run(_gpt_cp2_triton_rank_fn):
+        assert calls == 2 * 2
+        assert abs(loss - ref_loss.item()) < 2e-5
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"{name}: {m}")
