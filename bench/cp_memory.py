@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.launch import run_script_ranks  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 MiB = 2**20
@@ -94,13 +95,8 @@ def predict(flags: list[str], cp: int) -> dict[str, float]:
 
 def run(cp: int, flags: list[str], cache: str, log_dir: Path, port: int, cores: int) -> dict:
     argv = ["--data.cache_dir", cache, *flags, "--parallel.cp", str(cp), "--logging.dir", str(log_dir)]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-port", str(port)]
-                if cp > 1 else [sys.executable])
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // cp)))  # the same cores for every layout
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([*launcher, str(Path(__file__).resolve()), "--worker", *argv], capture_output=True,
-                          text=True, env=env, cwd=str(REPO), timeout=3600)
+    # The same cores for every layout: cores // cp threads per rank.
+    proc = run_script_ranks(Path(__file__).resolve(), cp, port, argv, max(1, cores // cp), timeout_s=3600)
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines() or ["?"]
         return {"skipped": f"run failed: {err[0].strip()[:300]}", "stderr_tail": proc.stderr[-3000:]}

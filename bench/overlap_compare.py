@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.launch import spawn_ranks  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
@@ -122,16 +122,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) 
 
 
 def measure(args: dict[str, Any], port: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"rank exited with {p.exitcode}")
+    result = spawn_ranks(_worker, 2, port, args)
     for variant, base in PAIRS:
         if result["losses"][variant] != result["losses"][base]:
             raise RuntimeError(f"{variant} vs {base}: losses differ {result['losses'][variant]} "

@@ -34,11 +34,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.launch import spawn_ranks  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 from torch.distributed import pipelining  # noqa: E402
@@ -204,16 +204,7 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 def measure(pp: int, args: dict, port: int) -> dict:
     load_before = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, pp, port, args, queue)) for r in range(pp)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"rank exited with {p.exitcode}")
+    result = spawn_ranks(_worker, pp, port, args)
     tokens = args["micro_batches"] * args["micro_batch"] * args["seq"] * args["steps"]
     times = result["times"]
     out = {"pp": pp, "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0], "losses": result["losses"], "rows": []}

@@ -23,7 +23,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import tomllib
@@ -33,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from bench.launch import run_script_ranks  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate  # noqa: E402
@@ -78,13 +78,8 @@ def worker(argv: list[str]) -> int:
 def run_case(case: Case, common: list[str], run_dir: Path, port: int) -> dict:
     log_dir = run_dir / case.name.replace(" ", "_").replace("=", "")
     argv = [*common, *case.flags, "--logging.dir", str(log_dir)]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(case.nproc),
-                 "--master-port", str(port)] if case.nproc > 1 else [sys.executable])
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread per rank: 2 ranks fill the 2 cores
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([*launcher, str(Path(__file__).resolve()), "--worker", *argv], capture_output=True,
-                          text=True, env=env, cwd=str(REPO), timeout=600)
+    # One thread per rank: 2 ranks fill the 2 cores.
+    proc = run_script_ranks(Path(__file__).resolve(), case.nproc, port, argv, threads=1, timeout_s=600)
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines() or ["?"]
         return {"name": case.name, "skipped": f"run failed: {err[-1].strip()[:200]}"}
