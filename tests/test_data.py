@@ -405,3 +405,32 @@ def test_demo_stale_lock_is_taken_over(tmp_path: Path) -> None:
     lock.write_text(f"{socket.gethostname()} {int(dead.stdout)}")
     prefix, _ = prepare_demo_data(str(tmp_path), DEMO_BYTES, DEMO_VOCAB, timeout_s=30)
     assert os.path.isfile(prefix + ".bin") and not lock.exists()
+
+
+def test_a_file_too_large_to_scan_at_open_is_checked_sample_by_sample(tmp_path: Path) -> None:
+    """Beyond the scan-at-open limit nothing is scanned at open; a sample that holds an id above the header's
+    max is a DataError naming the file when it is read (never an IndexError in the embedding), and the other
+    samples read normally, also in a copy sent to another process (pickled)."""
+    import pickle
+
+    writer = IndexedDatasetWriter(str(tmp_path / "big"), 512)
+    writer.add_document(list(range(1, 33)))
+    writer.add_document([5] * 32)
+    writer.finalize()
+    raw = bytearray((tmp_path / "big.bin").read_bytes())
+    raw[40:42] = (600).to_bytes(2, "little")  # token 20 (uint16 ids): beyond the header's max id 32
+    (tmp_path / "big.bin").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="holds token id 600"):
+        IndexedDataset(str(tmp_path / "big"), vocab_size=512)  # small enough: scanned at open
+    lazy = IndexedDataset(str(tmp_path / "big"), vocab_size=512, scan_at_open_max_bytes=16)
+    for ds in (lazy, pickle.loads(pickle.dumps(lazy))):
+        samples = GPTDataset(ds, np.arange(2), seq_len=8, seed=0)
+        clean, refused = 0, 0
+        for i in range(len(samples)):
+            try:
+                assert samples[i].max() <= 32
+                clean += 1
+            except DataError as e:
+                assert "big.bin' holds token id 600" in str(e)
+                refused += 1
+        assert clean >= 5 and refused >= 1  # 7 samples of 8 (+1) tokens read tokens 0-56; the bad one in 1-2

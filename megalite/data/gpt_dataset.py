@@ -70,7 +70,9 @@ class GPTDataset:
             pieces.append(piece)
             need -= len(piece)
             k, offset = k + 1, 0
-        return np.concatenate(pieces).astype(np.int64)
+        sample = np.concatenate(pieces)
+        self.indexed.check_sample_ids(sample)  # a no-op where the whole file was scanned at open
+        return sample.astype(np.int64)
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.name}, docs={len(self.doc_order)}, tokens={self.num_tokens}, "

@@ -137,6 +137,9 @@ class IndexedDatasetWriter:
 
 
 _SCAN_CHUNK = 1 << 25  # tokens per read while scanning: 64-128 MiB, streamed through the page cache
+# The whole-file id scan at open stops paying beyond a few seconds of reading per rank per start; larger
+# files are checked sample by sample as they are read (`IndexedDataset.check_sample_ids`).
+SCAN_AT_OPEN_MAX_BYTES = 4 << 30
 
 
 def check_token_range(tokens: np.ndarray, header_max: int, bin_path: str) -> None:
@@ -144,7 +147,9 @@ def check_token_range(tokens: np.ndarray, header_max: int, bin_path: str) -> Non
     tokenizer check trusts, so a hand-edited or foreign header would otherwise surface as an IndexError in
     the embedding mid-training. Costs one sequential read (about a second per few GB; a progress bar
     shows for large files); SIGTERM/SIGUSR1 keep their default meaning meanwhile, since nothing has
-    started that would need saving."""
+    started that would need saving. Run at open for files up to `SCAN_AT_OPEN_MAX_BYTES`; beyond, every
+    rank re-reading terabytes at every start would cost more than it saves, and `check_sample_ids` checks
+    each sample as it is read instead."""
     from megalite.observability.progress import Progress
 
     n = len(tokens)
@@ -167,9 +172,11 @@ class IndexedDataset:
     `vocab_size`: when given, a dataset holding an id >= vocab_size is rejected (wrong tokenizer).
     """
 
-    def __init__(self, prefix: str, vocab_size: int | None = None) -> None:
+    def __init__(self, prefix: str, vocab_size: int | None = None,
+                 scan_at_open_max_bytes: int = SCAN_AT_OPEN_MAX_BYTES) -> None:
         self.prefix = strip_suffix(prefix)
         self._check_vocab = vocab_size
+        self._scan_limit = scan_at_open_max_bytes
         self._scanned = False
         self._open()
 
@@ -219,9 +226,21 @@ class IndexedDataset:
             raise DataError(f"dataset {self.prefix!r} holds token id {self.max_token_id} but the tokenizer has only "
                             f"{self._check_vocab} ids: it was made with another tokenizer; pass the one used "
                             "for preprocessing (data.tokenizer) or re-run preprocessing")
-        if self._check_vocab is not None and not self._scanned:
+        if self._check_vocab is not None and not self._scanned and bin_size <= self._scan_limit:
             check_token_range(self.tokens, self.max_token_id, bin_path)
             self._scanned = True  # a copy re-opened in another process (pickling) trusts this scan
+
+    def check_sample_ids(self, sample: np.ndarray) -> None:
+        """A DataError when `sample` (ids read from this dataset) holds an id above the header's max: the
+        per-read guard for files too large to scan at open (a max over one sample, microseconds)."""
+        if self._check_vocab is None or self._scanned or sample.size == 0:
+            return
+        lo, hi = int(sample.min()), int(sample.max())
+        if lo < 0 or hi > self.max_token_id:
+            bad = lo if lo < 0 else hi
+            raise DataError(f"{self.prefix + '.bin'!r} holds token id {bad}, outside the range "
+                            f"0..{self.max_token_id} its .idx header promises: the pair is corrupt or mismatched; "
+                            f"{_FIX}")
 
     def __len__(self) -> int:
         return len(self.doc_lengths)
@@ -244,11 +263,13 @@ class IndexedDataset:
 
     # np.memmap pickles as a full in-memory copy: send the prefix and re-open in the other process instead.
     def __getstate__(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "vocab_size": self._check_vocab, "scanned": self._scanned}
+        return {"prefix": self.prefix, "vocab_size": self._check_vocab, "scanned": self._scanned,
+                "scan_limit": self._scan_limit}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.prefix, self._check_vocab = state["prefix"], state["vocab_size"]
         self._scanned = state.get("scanned", False)
+        self._scan_limit = state.get("scan_limit", SCAN_AT_OPEN_MAX_BYTES)
         self._open()
 
     def __repr__(self) -> str:
