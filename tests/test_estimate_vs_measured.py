@@ -25,10 +25,11 @@ MICRO, M = 2, 4  # micro-batch size, micro-batches per step and dp rank
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _measure(rank: int, tp: int, pp: int, sp: bool, zero: int, dtype_name: str = "fp32") -> dict:
+def _measure(rank: int, tp: int, pp: int, sp: bool, zero: int, dtype_name: str = "fp32",
+             recompute: str = "none") -> dict:
     dtype = DTYPES[dtype_name]
     st = layout(tp, pp, sp=sp)
-    cfg = tiny_model_cfg("llama", num_layers=4)
+    cfg = tiny_model_cfg("llama", num_layers=4, recompute=recompute)
     engine = build_pipeline(cfg, st, seed=1, micro_batch_size=MICRO, dtype=dtype)
     model = engine.chunks[0] if len(engine.chunks) == 1 else nn.ModuleList(engine.chunks)
     opt = build_distributed_optimizer(model, st, zero, 1e-2, 0.1, (0.9, 0.95), 1e-8, dtype)
@@ -40,19 +41,24 @@ def _measure(rank: int, tp: int, pp: int, sp: bool, zero: int, dtype_name: str =
     return {"comm": st.counter.bytes(), "mem": opt.memory_bytes(), "pp_rank": st.pp_rank}
 
 
-@pytest.mark.parametrize("tp,pp,sp,zero,dtype", [
-    (2, 1, False, 0, "fp32"), (2, 1, True, 1, "fp32"), (1, 2, False, 2, "fp32"), (2, 2, True, 0, "fp32"),
-    (2, 1, True, 1, "bf16"), (1, 2, False, 2, "bf16"), (1, 1, False, 3, "bf16"),
+@pytest.mark.parametrize("tp,pp,sp,zero,dtype,recompute", [
+    (2, 1, False, 0, "fp32", "none"), (2, 1, True, 1, "fp32", "none"), (1, 2, False, 2, "fp32", "none"),
+    (2, 2, True, 0, "fp32", "none"), (2, 1, True, 1, "bf16", "none"), (1, 2, False, 2, "bf16", "none"),
+    (1, 1, False, 3, "bf16", "none"),
+    # full recompute re-runs each block's forward collectives but the last (torch's checkpoint stops early)
+    (2, 1, False, 0, "fp32", "full"), (2, 2, True, 0, "fp32", "full"), (2, 1, True, 0, "fp32", "selective"),
 ])
-def test_predicted_equals_measured(dist_world, tp: int, pp: int, sp: bool, zero: int, dtype: str) -> None:
-    out = dist_world(4).run(_measure, tp, pp, sp, zero, dtype)
+def test_predicted_equals_measured(dist_world, tp: int, pp: int, sp: bool, zero: int, dtype: str,
+                                   recompute: str) -> None:
+    out = dist_world(4).run(_measure, tp, pp, sp, zero, dtype, recompute)
     cfg = tiny_model_cfg("llama", num_layers=4)
     dims = ModelDims(num_layers=4, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, vocab_size=cfg.vocab_size,
                      seq_len=cfg.seq_len, arch="llama", num_kv_heads=cfg.num_kv_heads,
                      ffn_hidden_size=cfg.ffn_hidden_size, tie_embeddings=False,
                      make_vocab_divisible_by=cfg.make_vocab_divisible_by)
     dp = 4 // (tp * pp)
-    lay = Layout(tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, micro_batch_size=MICRO, global_batch_size=MICRO * M * dp)
+    lay = Layout(tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, micro_batch_size=MICRO, global_batch_size=MICRO * M * dp,
+                 recompute=recompute)
     prec = Precision.megalite(dtype)  # fp32: the same bytes as Precision.for_dtype("fp32")
     est = estimate(dims, lay, prec)
     for group in ("tp", "pp", "dp"):

@@ -163,8 +163,10 @@ def test_tp_and_pp_comm_by_hand() -> None:
     ce = 2 * (1 / 2) * 3 * 2 * s * 4  # 3 fp32 all-reduces of b*s
     # 4 per layer x 4 layers, + embedding + head input, + cross-entropy; x 3 micro-batches.
     assert tp_comm_bytes(dims, lay, prec, 0, 3) == pytest.approx(3 * (16 * ar + 2 * ar + ce), rel=REL)
+    # Full recompute: 1 more all-reduce per layer (the attention's; torch's checkpoint stops recomputing before
+    # the MLP's, whose output nothing saved depends on), 1.5 under SP (all-gather, reduce-scatter, all-gather).
     full = Layout(tp=2, micro_batch_size=2, recompute="full")
-    assert tp_comm_bytes(dims, full, prec, 0, 1) == pytest.approx(24 * ar + 2 * ar + ce, rel=REL)
+    assert tp_comm_bytes(dims, full, prec, 0, 1) == pytest.approx(20 * ar + 2 * ar + ce, rel=REL)
     pp = Layout(pp=4, micro_batch_size=2)
     assert pp_comm_bytes(dims, pp, prec, 0, 8) == 8 * x        # forward sends only
     assert pp_comm_bytes(dims, pp, prec, 1, 8) == 16 * x       # forward + backward

@@ -183,7 +183,8 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
 
     Per layer and micro-batch, 4 all-reduces of b·s·h (2 forward at the attention and MLP exits,
     2 backward at their entries); under SP each is an all-gather + reduce-scatter of the same
-    volume (Korthikanti et al. 2022). Full recompute repeats the 2 forward ones. The first stage
+    volume (Korthikanti et al. 2022). Full recompute repeats the forward ones but the MLP's last (1 all-reduce,
+    or an all-gather, reduce-scatter and all-gather under SP; see the comment below). The first stage
     adds the vocab-parallel embedding's reduction, the last the head's input (one b·s·h each way)
     and the cross-entropy's 3 fp32 all-reduces of b·s. Under SP the grads of replicated, sequence-
     partial parameters (norms, gpt2 row biases and positions) are all-reduced once per step.
@@ -194,7 +195,11 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
         return 0.0
     bs = float(layout.micro_batch_size) * layout.local_seq_len(dims.seq_len)
     x = bs * dims.hidden_size * prec.activation
-    per_layer = (6 if layout.recompute == "full" else 4) * all_reduce_bytes(x, t)
+    # Full recompute re-runs a block's forward collectives except the last: torch's (non-reentrant)
+    # checkpoint stops recomputing once every tensor the backward saved is back, and nothing saved depends on
+    # the MLP's output reduction (its all-reduce, or SP's reduce-scatter: half an all-reduce's bytes).
+    rerun = (1.5 if layout.sp else 1.0) if layout.recompute == "full" else 0.0
+    per_layer = (4 + rerun) * all_reduce_bytes(x, t)
     total = m * dims.num_layers // layout.pp * per_layer
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     total += m * (first + last) * all_reduce_bytes(x, t)
