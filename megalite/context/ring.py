@@ -86,7 +86,7 @@ class _RingAttention(torch.autograd.Function):
             keep = CAUSAL if causal else None
             blk_out, blk_lse = block_forward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale, keep,
                                              backend)
-            if out is None:
+            if out is None or lse is None:
                 out, lse = blk_out, blk_lse        # step 0 covers every query row
             else:
                 merge_into(out[:, :, :, rows], lse[:, :, :, rows], blk_out, blk_lse)

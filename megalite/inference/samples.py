@@ -35,7 +35,8 @@ class _Logger(Protocol):
 
 
 class _Tracker(Protocol):
-    enabled: bool
+    @property
+    def enabled(self) -> bool: ...
 
     def log(self, metrics: dict, step: int) -> None: ...
 

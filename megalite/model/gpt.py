@@ -139,8 +139,12 @@ class GPT(nn.Module):
 
     def forward(self, ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        x = self.embed(ids).to(dtype) if self.pre_process else hidden
-        assert x is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
+        if self.pre_process:
+            assert ids is not None, "the first pipeline stage needs the token ids"
+            x = self.embed(ids).to(dtype)
+        else:
+            assert hidden is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
+            x = hidden
         for block in self.layers.values():
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(self._replayable(block), x, self.cos, self.sin, use_reentrant=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
@@ -24,8 +25,8 @@ def build_pipeline(model_cfg, state: ParallelState, seed: int, micro_batch_size:
     if v_shape and vpp != 2:
         raise ConfigError(f"parallel.schedule=zbv places exactly 2 chunks per rank: set parallel.vpp=2 (got {vpp})")
     stages = chunk_virtual_stages(state.pp_rank, state.pp, vpp, v_shape)
-    chunks = [GPT(model_cfg, state, seed, rng=rng, layers=ranges[vs], pre_process=vs == 0,
-                  post_process=vs == num_stages - 1).to(state.device) for vs in stages]
+    chunks: list[nn.Module] = [GPT(model_cfg, state, seed, rng=rng, layers=ranges[vs], pre_process=vs == 0,
+                                   post_process=vs == num_stages - 1).to(state.device) for vs in stages]
     seq = model_cfg.seq_len // state.cp  # this rank's zigzag split of each sequence (context parallel)
     seq = seq // state.tp if state.sp else seq
     return PipelineEngine(chunks, stages, num_stages, state, (micro_batch_size, seq, model_cfg.hidden_size), dtype,
