@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from bench.results_io import write_results  # noqa: E402
+from bench.results_io import spread, write_results  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
@@ -276,9 +275,6 @@ def measure_rss(name: str, d: Dims, steps: int, threads: int, malloc: bool = Tru
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-
 
 def run(d: Dims, threads: int, warmup: int, repeats: int, steps: int, rss: bool, malloc: bool = True) -> dict:
     torch.set_num_threads(threads)
@@ -301,7 +297,7 @@ def run(d: Dims, threads: int, warmup: int, repeats: int, steps: int, rss: bool,
     # Paired: the two slots of one repeat ran seconds apart, under the same background load.
     # Best-of: the fastest slot of each is the least disturbed by other processes (contention only
     # ever slows a step down), the usual estimator on a shared machine.
-    ratios = {f"{a}/{b}": {**_stats([x / y for x, y in zip(tps[a], tps[b])]), "best_of": max(tps[a]) / max(tps[b])}
+    ratios = {f"{a}/{b}": {**spread([x / y for x, y in zip(tps[a], tps[b])]), "best_of": max(tps[a]) / max(tps[b])}
               for a, b in RATIOS if a in tps and b in tps}
     mem = {n: measure_rss(n, d, max(2, warmup), threads, malloc) for n in names} if rss else {}
     machine = f"{platform.machine()} {platform.processor()}".strip()
@@ -309,7 +305,7 @@ def run(d: Dims, threads: int, warmup: int, repeats: int, steps: int, rss: bool,
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__ if have_transformers() else None,
             "threads": threads, "dtype": "fp32", "dims": asdict(d), "warmup": warmup, "repeats": repeats,
-            "steps_per_repeat": steps, "malloc": malloc_note, "tokens_per_s": {n: _stats(v) for n, v in tps.items()},
+            "steps_per_repeat": steps, "malloc": malloc_note, "tokens_per_s": {n: spread(v) for n, v in tps.items()},
             "tokens_per_s_all": tps, "ratios": ratios, "rss_mib": mem, "notes": notes}
 
 

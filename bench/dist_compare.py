@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench import dist_peers as peers  # noqa: E402
 from bench.pipeline_compare import megalite_pipeline  # noqa: E402
-from bench.results_io import write_results  # noqa: E402
+from bench.results_io import spread, write_results  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.observability.wire import process_written_bytes  # noqa: E402
@@ -269,20 +269,17 @@ def launch(job: dict, timeout: float = 7200) -> list[dict]:
     return [got[r] for r in range(WORLD)]
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-
 
 def summarize(d: peers.Dims, lay: Layout, per_rank: list[dict], steps: int) -> dict:
     r0 = per_rank[0]
     tokens = d.batch * d.seq * steps
     ratios = [p / m for m, p in zip(r0["seconds"]["megalite"], r0["seconds"]["peer"])]  # tokens/s ratio, paired
-    impl = {n: {"tokens_per_s": _stats([tokens / s for s in r0["seconds"][n]]),
+    impl = {n: {"tokens_per_s": spread([tokens / s for s in r0["seconds"][n]]),
                 "cpu_s_per_step": [statistics.median(r["cpu_s"][n]) for r in per_rank],
                 "written_bytes_per_step": [statistics.median(r["written"][n]) for r in per_rank]}
             for n in ("megalite", "peer")}
     impl["megalite"]["counted_bytes_per_step"] = [statistics.median(r["counted"]) for r in per_rank]
-    return {"layout": asdict(lay), "ratio": _stats(ratios), "ratios": ratios, "max_loss_diff": r0["max_loss_diff"],
+    return {"layout": asdict(lay), "ratio": spread(ratios), "ratios": ratios, "max_loss_diff": r0["max_loss_diff"],
             "check_losses": r0["check_losses"], **impl}
 
 

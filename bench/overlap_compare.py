@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.launch import spawn_ranks  # noqa: E402
-from bench.results_io import write_results  # noqa: E402
+from bench.results_io import spread, write_results  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
@@ -135,8 +135,7 @@ def measure(args: dict[str, Any], port: int) -> dict[str, Any]:
     ratios = []
     for variant, base in PAIRS:
         r = [b / a for a, b in zip(t[variant], t[base])]
-        ratios.append({"variant": variant, "baseline": base,
-                       "min": min(r), "median": statistics.median(r), "max": max(r)})
+        ratios.append({"variant": variant, "baseline": base, **spread(r)})
     return {"rows": rows, "ratios": ratios, "params": result["params"], "losses": result["losses"]}
 
 

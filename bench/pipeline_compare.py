@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.launch import spawn_ranks  # noqa: E402
-from bench.results_io import write_results  # noqa: E402
+from bench.results_io import spread, write_results  # noqa: E402
 
 from torch.distributed import pipelining  # noqa: E402
 
@@ -198,9 +198,6 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # typ
     dist.destroy_process_group()
 
 
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-
 
 def measure(pp: int, args: dict, port: int) -> dict:
     load_before = os.getloadavg()[0]
@@ -214,15 +211,15 @@ def measure(pp: int, args: dict, port: int) -> dict:
                "peak_in_flight": result["peak_in_flight"][s],
                "simulated_bubble": simulate(s, pp, args["micro_batches"], _vpp(s)).bubble_fraction}
         if "1f1b" in times:
-            row["ratio_to_1f1b"] = _spread([b / a for a, b in zip(times[s], times["1f1b"])])
+            row["ratio_to_1f1b"] = spread([b / a for a, b in zip(times[s], times["1f1b"])])
         row["cpu_ms_per_step"] = 1e3 * statistics.median(result["cpu"][s]) / args["steps"]
         if f"torch-{s}" in times:
             peer = f"torch-{s}"
             row["torch_tokens_per_s"] = tokens / statistics.median(times[peer])
-            row["ratio_to_torch"] = _spread([b / a for a, b in zip(times[s], times[peer])])
+            row["ratio_to_torch"] = spread([b / a for a, b in zip(times[s], times[peer])])
             row["best_ratio_to_torch"] = min(times[peer]) / min(times[s])  # load only ever slows a run down
             row["torch_cpu_ms_per_step"] = 1e3 * statistics.median(result["cpu"][peer]) / args["steps"]
-            row["cpu_ratio_to_torch"] = _spread([b / a for a, b in zip(result["cpu"][s], result["cpu"][peer])])
+            row["cpu_ratio_to_torch"] = spread([b / a for a, b in zip(result["cpu"][s], result["cpu"][peer])])
         out["rows"].append(row)
     return out
 

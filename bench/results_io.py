@@ -5,6 +5,7 @@ default `runs/bench` keeps a local run from overwriting them."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,3 +18,8 @@ def write_results(out: Path, stem: str, res: dict[str, Any], to_markdown: Callab
     (out / f"{stem}.md").write_text(md)
     print(md, flush=True)
     return md
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """min / median / max of repeated measurements (the medians the docs quote, the spread beside them)."""
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
