@@ -210,8 +210,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: a user-fixable problem prints one line and exits with its code, no traceback.
 
-    Under a launcher a config error is the same on every rank: rank 0 prints it, the others exit
-    with the same code quietly (one line, not one per process)."""
+    Under a launcher a config error is the same on every rank: rank 0 prints it, the others wait for the
+    launcher to stop them (one line, not one per process; see `_leave_it_to_rank_0`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     check = None
     try:
@@ -222,11 +222,29 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg)
     except MegaliteError as e:
         if check is None and isinstance(e, ConfigError) and launcher_rank() != 0:
-            return e.exit_code
+            _leave_it_to_rank_0()
         return report(e, "megalite: error")
     except OSError as e:  # e.g. a full disk for the logs: one line too
         return report(from_os_error(e), "megalite: error")
     return 0
+
+
+RANK_0_GRACE_S = 30.0
+
+
+def _leave_it_to_rank_0() -> None:
+    """Wait while rank 0 reports the config error every rank hit. Exiting at once would be wrong: torchrun
+    stops the whole job at the first failed process, which can kill rank 0 before it has printed. Rank 0's
+    exit makes the launcher stop this process (SIGTERM, default action restored for that); if nothing has
+    after the grace (a launcher that does not stop the others, or an error only this rank saw), the caller
+    reports it here too, so it is never lost."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread (an embedding program): its handler stays
+        pass
+    time.sleep(RANK_0_GRACE_S)
 
 
 def launcher_rank() -> int:
