@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.checkpoint.files import atomic_output  # noqa: E402
 from megalite.errors import DataError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.untrusted import loads_json  # noqa: E402
 
 Records = list[dict]
 
@@ -37,7 +38,7 @@ def load_metrics(path: str | Path) -> Records:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = loads_json(line, f"{p}:{lineno}", DataError)
         except json.JSONDecodeError as exc:
             raise DataError(f"{p}:{lineno} is not JSON ({exc.msg}); was the run killed mid-write? "
                             f"delete that line") from exc

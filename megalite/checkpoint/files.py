@@ -4,26 +4,118 @@ outputs, pruning, and the check that a name read from a file stays inside its di
 Atomicity recipe (used by `sharded.py` and `offline.py`): write everything into `step_N.tmp/`,
 fsync each file, rename the directory to `step_N`, and only then rewrite the `latest` pointer
 (write-temp-then-rename). A crash at any point leaves the previous checkpoint as the one found.
-Single files (`atomic_output`) follow the same recipe: a temporary name in the same directory (so the
-rename cannot cross file systems), fsync, rename; on failure only that temporary file is removed.
+Single files (`atomic_output`, `write_atomic`) follow the same recipe: a temporary name in the same directory
+(so the rename cannot cross file systems), fsync, rename; on failure only that temporary file is removed.
+
+Links: a directory megalite writes into may come from someone else, so nothing here writes *through* a link
+found inside it. Files are opened with O_NOFOLLOW (the kernel refuses a symbolic link, no check-then-open
+race) and refused when they are not plain files with a single name (a hard link to a file elsewhere would be
+rewritten too); a link where megalite would write, rename or delete is a one-line error, never followed.
+Reading through links is fine (a Hugging Face cache links its weights into `../../blobs`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
-from megalite.errors import CheckpointError
+from megalite.errors import CheckpointError, MegaliteError
 
 LATEST = "latest"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_STEP_DIR = re.compile(r"step_(\d{8,})")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_of_dir_name(name: str) -> int | None:
+    """The step of a name megalite's `step_dir_name` wrote (`step_00000012` -> 12); None for any other name
+    (`step_00000002.keep`, `step_00000001-good-run`, `step_12`: a user's copies are never taken for ours)."""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None or step_dir_name(int(m.group(1))) != name:
+        return None
+    return int(m.group(1))
+
+
+def _link_error(path: Path, error: type[MegaliteError]) -> MegaliteError:
+    try:
+        where = f" to {os.readlink(path)}"
+    except OSError:
+        where = ""
+    return error(f"{path} is a link{where}: megalite never writes through a link inside a directory it writes "
+                 "to (it could overwrite a file elsewhere); remove the link or choose another directory")
+
+
+def refuse_link(path: str | Path, error: type[MegaliteError] = CheckpointError, hard_links: bool = True) -> None:
+    """Raise `error` when `path` is a symbolic link or (with `hard_links`, for a file rewritten in place) a
+    file of several hard links: writing there would change a file elsewhere. A missing path is fine.
+    A rename over a name replaces only that name, so `atomic_output` passes hard_links=False."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise _link_error(path, error)
+    if hard_links and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        raise error(f"{path} has {st.st_nlink} hard links: rewriting it would change the other names too; "
+                    "remove this name or choose another directory")
+
+
+def open_no_link(path: str | Path, mode: str = "wb", error: type[MegaliteError] = CheckpointError,
+                 exclusive: bool = False) -> IO:
+    """`open(path, mode)` for writing ("wb", "ab", "a+", "w", "a") that refuses a link (see the module doc).
+    `exclusive`: the file must not exist yet. Truncation ("w") happens only after the checks."""
+    path = Path(path)
+    refuse_link(path, error)
+    flags = os.O_CREAT | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags |= os.O_RDWR if "+" in mode else os.O_WRONLY
+    flags |= os.O_APPEND if "a" in mode else 0
+    flags |= os.O_EXCL if exclusive else 0
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # the kernel found a link at the last component
+            raise _link_error(path, error) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            raise error(f"{path} is not a plain file of one name (a device, pipe or hard link): megalite "
+                        "writes only its own files there; remove it or choose another directory")
+        os.set_blocking(fd, True)
+        if "w" in mode:
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, mode)  # wraps the checked descriptor: nothing is reopened by name
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_atomic(path: str | Path, data: bytes, error: type[MegaliteError] = CheckpointError) -> None:
+    """Replace `path` by `data` (temporary name beside it, fsync, rename), never through a link."""
+    with atomic_output(path, error) as tmp:
+        with open_no_link(tmp, "wb", error, exclusive=True) as f:
+            f.write(data)
+
+
+def make_fresh_dir(path: Path, error: type[MegaliteError] = CheckpointError) -> None:
+    """Create `path` empty: a leftover directory of the same (megalite-made) name is removed first; a link
+    there is refused, never followed."""
+    refuse_link(path, error)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
 
 
 def fsync_file(path: Path) -> None:
@@ -59,13 +151,18 @@ def temp_name(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | Path) -> Iterator[Path]:
+def atomic_output(path: str | Path, error: type[MegaliteError] = CheckpointError) -> Iterator[Path]:
     """Yield a temporary path to write `path`'s new content to; on success it is fsynced and renamed over
-    `path`, on any error it is removed and `path` is left exactly as it was."""
+    `path`, on any error it is removed and `path` is left exactly as it was. A link at `path` is refused
+    before anything is written; a stale entry at the temporary name (this pid's) is removed, not followed."""
     path = Path(path)
     tmp = temp_name(path)
+    refuse_link(path, error, hard_links=False)
+    if os.path.lexists(tmp):
+        tmp.unlink()  # removing a link removes the link, not its target
     try:
         yield tmp
+        refuse_link(tmp, error)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException as e:
@@ -77,28 +174,42 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def inside(root: Path, name: object, what: str) -> Path:
+def inside(root: Path, name: object, what: str, links_out: bool = False) -> Path:
     """`root / name` for a file name read from a checkpoint's own metadata (index.json, `latest`, an HF
-    weight_map), refusing anything that is not a plain name inside `root`: an absolute path, `..`, or a
-    link that leads out. Such names never come from megalite's writers."""
+    weight_map), refusing anything that is not a plain name inside `root`: an absolute path, `..`, or (unless
+    `links_out`) a link that leads out. Such names never come from megalite's writers. `links_out` is for
+    a Hugging Face hub snapshot, whose files are links into `../../blobs`: it is only read, never written."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
             or "\x00" in name:
         raise CheckpointError(f"{root}: {what} names {name!r}, which is not a file name inside {root}: the "
                               "metadata was edited or comes from elsewhere; refusing to read outside the checkpoint")
     path = root / name
-    if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+    if not links_out and path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
         raise CheckpointError(f"{root}: {what} {name!r} is a link to {path.resolve()}, outside the checkpoint: "
                               "refusing to read it")
     return path
 
 
+def saved_steps(base: Path) -> dict[int, Path]:
+    """The complete step directories megalite wrote in `base`: named exactly `step_%08d` (see
+    `step_of_dir_name`), a real directory (not a link) holding an index.json."""
+    found: dict[int, Path] = {}
+    for p in base.iterdir() if base.is_dir() else ():
+        step = step_of_dir_name(p.name)
+        if step is not None and not p.is_symlink() and p.is_dir() and (p / "index.json").is_file():
+            found[step] = p
+    return found
+
+
 def prune(base: Path, keep: int, current: str | None = None) -> None:
     """Delete all but the `keep` newest complete step directories up to `current` (the one just published).
-    Steps after `current` exist only when a run went back on purpose (see `storage.claim_directory`); they
-    are left alone, and counting them would delete the checkpoint `latest` now names."""
+    Only names megalite writes are candidates (`saved_steps`): a user's `step_00000002.keep` or a link is
+    never deleted. Steps after `current` exist only when a run went back on purpose (see
+    `storage.claim_directory`); they are left alone, and counting them would delete the checkpoint `latest`
+    now names."""
     if keep <= 0:
         return
-    done = sorted(p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (current is None or p.name <= current))
-    for old in done[:-keep]:
+    limit = step_of_dir_name(current) if current is not None else None
+    done = sorted((s, p) for s, p in saved_steps(base).items() if limit is None or s <= limit)
+    for _, old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -49,13 +49,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.checkpoint.layout import ShardMap, logical_name, model_info, shard_map
-from megalite.checkpoint.files import LATEST, fsync_file, inside, prune, sha256, step_dir_name
+from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
+                                      refuse_link, sha256, step_dir_name, write_atomic)
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
+from megalite.untrusted import loads_json
 
 SAME_PARAMS: GroupKind = "dp_cp"  # the ranks holding the same parameters, among which the writes are dealt
 INDEX = "index.json"
@@ -103,21 +105,24 @@ def _local(t: torch.Tensor, smap: ShardMap, i: int) -> torch.Tensor:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1))
-    fsync_file(path)
+    with open_no_link(path, "w", exclusive=True) as f:  # a new file inside megalite's own temp directory
+        f.write(json.dumps(obj, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def publish(tmp: Path, final: Path, keep: int | None = None) -> None:
-    """Rename a complete temp directory into place; with `keep`, move `latest` (last) and prune."""
+    """Rename a complete temp directory into place; with `keep`, move `latest` (last) and prune.
+    A link at `final` or `latest` is refused (files.refuse_link), never followed or replaced."""
+    refuse_link(final)
+    refuse_link(final.parent / LATEST)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     if keep is None:
         return
-    pointer = final.parent / (LATEST + ".tmp")
-    pointer.write_text(final.name + "\n")
-    fsync_file(pointer)
-    os.replace(pointer, final.parent / LATEST)
+    write_atomic(final.parent / LATEST, (final.name + "\n").encode())
     prune(final.parent, keep, final.name)
 
 
@@ -159,8 +164,7 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
     plan += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
     try:
         if state.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            tmp.mkdir(parents=True, exist_ok=True)
+            make_fresh_dir(tmp)  # leftovers of a crashed save go; a link planted there is refused
         _barrier(state)
         writer = StreamingWriter(tmp / file, plan)
         try:
@@ -204,7 +208,7 @@ def _remove_partial(tmp: Path, file: str, state: ParallelState) -> None:
             leftover.unlink(missing_ok=True)
         except OSError:
             pass  # nothing to remove, or the directory itself is gone
-    if state.rank == 0:
+    if state.rank == 0 and not tmp.is_symlink():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -263,7 +267,8 @@ def _follow_latest(root: Path) -> Path:
 def read_index(path: Path) -> dict[str, Any]:
     """index.json of a checkpoint, checked field by field (see `megalite.checkpoint.index_check`)."""
     try:
-        index = json.loads((Path(path) / INDEX).read_text(encoding="utf-8"))
+        index = loads_json((Path(path) / INDEX).read_text(encoding="utf-8"), str(Path(path) / INDEX),
+                           CheckpointError)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {Path(path) / INDEX} ({e}): not a complete megalite checkpoint; "
                               "load an earlier one") from e

@@ -20,7 +20,6 @@ import fcntl
 import json
 import math
 import os
-import re
 import socket
 import struct
 import time
@@ -31,7 +30,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from megalite.checkpoint.files import LATEST, inside, sha256
+from megalite.checkpoint.files import (LATEST, inside, open_no_link, refuse_link, saved_steps, sha256,
+                                      step_of_dir_name)
 from megalite.errors import CheckpointError
 from megalite.parallel.state import ParallelState
 
@@ -54,7 +54,7 @@ class StreamingWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors aligns the data start to 8 bytes
         self.path = path
-        self._f = open(path, "wb")
+        self._f = open_no_link(path, "wb", exclusive=True)  # a fresh file in megalite's own step_N.tmp
         self._f.write(struct.pack("<Q", len(blob)))
         self._f.write(blob)
         self._next = 0
@@ -140,8 +140,13 @@ class SlabReader:
             src = tuple(slice(l - o, l - o + s) for l, o, s in zip(lo, slab["offset"], size))
             dst = tuple(slice(l - o, l - o + s) for l, o, s in zip(lo, start, size))
             try:
-                piece = self._handle(slab["file"]).get_slice(slab["key"])[src] if src else \
-                    self._handle(slab["file"]).get_tensor(slab["key"])
+                stored = self._handle(slab["file"]).get_slice(slab["key"])
+                found = (stored.get_dtype(), list(stored.get_shape()))
+                if found != ("F32", list(slab["shape"])):  # the header contradicts index.json: never reinterpret
+                    raise CheckpointError(f"checkpoint file {self.root / slab['file']}: {slab['key']} is "
+                                          f"{found[0]} {found[1]} but index.json says F32 {slab['shape']}: the "
+                                          "file or the index was edited; load an earlier checkpoint")
+                piece = stored[src] if src else self._handle(slab["file"]).get_tensor(slab["key"])
             except SafetensorError as e:
                 raise CheckpointError(f"checkpoint file {self.root / slab['file']} has no readable "
                                       f"{slab['key']} ({e}): the file is damaged; load an earlier checkpoint") from e
@@ -152,8 +157,17 @@ class SlabReader:
                                   f"{math.prod(shape)} elements requested; index.json is inconsistent")
         return out
 
-    def read_file_tensor(self, file: str, key: str) -> torch.Tensor:
-        return self._handle(file).get_tensor(key)
+    def read_file_tensor(self, file: str, key: str, dtype: str = "U8") -> torch.Tensor:
+        """A whole stored tensor (the RNG states: bytes), which must exist with `dtype`."""
+        try:
+            stored = self._handle(file).get_slice(key)
+            if stored.get_dtype() != dtype:
+                raise CheckpointError(f"checkpoint file {self.root / file}: {key} is {stored.get_dtype()}, "
+                                      f"expected {dtype}: the file was edited; load an earlier checkpoint")
+            return self._handle(file).get_tensor(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"checkpoint file {self.root / file} has no readable {key} (named by index.json's "
+                                  f"rng_keys; {e}): the index was edited; load an earlier checkpoint") from e
 
     def close(self) -> None:
         self._handles.clear()
@@ -162,7 +176,6 @@ class SlabReader:
 # ----------------------------------------------------------------------------- owning a checkpoint directory
 
 LOCK_FILE = ".megalite.lock"
-_STEP_DIR = re.compile(r"step_(\d{8})")
 
 
 class DirectoryClaim:
@@ -180,17 +193,16 @@ class DirectoryClaim:
 
 def newest_step(directory: Path) -> int:
     """The newest complete step saved in `directory` (its `latest` or a step_* with an index.json); -1 if none."""
-    steps = [int(m.group(1)) for p in directory.glob("step_*")
-             if (m := _STEP_DIR.fullmatch(p.name)) and (p / "index.json").is_file()]
+    steps = list(saved_steps(directory))
     pointer = directory / LATEST
     if pointer.is_file():
-        m = _STEP_DIR.fullmatch(pointer.read_text(errors="replace").strip())
-        steps += [int(m.group(1))] if m else []
+        step = step_of_dir_name(pointer.read_text(errors="replace").strip())
+        steps += [step] if step is not None else []
     return max(steps, default=-1)
 
 
 def _lock(directory: Path) -> IO[str]:
-    handle = open(directory / LOCK_FILE, "a+")
+    handle = open_no_link(directory / LOCK_FILE, "a+")  # a link there is refused, never rewritten
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -207,15 +219,29 @@ def _lock(directory: Path) -> IO[str]:
     return handle
 
 
+def _refuse_planted_links(directory: Path) -> None:
+    """Every name a run writes, renames over or prunes in its checkpoint directory (`latest`, its temporary
+    name, `step_N`, `step_N.tmp`) must not be a link: refused here, before step 1 and on every rank (the
+    writers check again), so a directory from someone else cannot redirect a save to a file elsewhere."""
+    for entry in directory.iterdir():
+        name = entry.name
+        ours = name in (LATEST, LOCK_FILE) or name.startswith(f".{LATEST}.tmp-") \
+            or step_of_dir_name(name.removesuffix(".tmp")) is not None
+        if ours:
+            refuse_link(entry, hard_links=False)
+
+
 def _probe_writable(directory: Path) -> None:
     probe = directory / f".megalite.write-test-{os.getpid()}"
+    if os.path.lexists(probe):
+        probe.unlink()  # a stale one of this pid (or a link planted there: removed, not followed)
     try:
-        with open(probe, "wb") as f:
+        with open_no_link(probe, "wb", exclusive=True) as f:
             f.write(b"\0" * 4096)
             f.flush()
             os.fsync(f.fileno())
     finally:
-        if probe.exists():
+        if os.path.lexists(probe):
             probe.unlink()
 
 
@@ -228,6 +254,7 @@ def _claim_on_rank0(directory: Path, start_step: int, resume_from: Path | None) 
                               "choose a writable directory") from e
     claim = DirectoryClaim(handle)
     try:
+        _refuse_planted_links(directory)
         _probe_writable(directory)
         newest = newest_step(directory)
         rewind_asked = resume_from is not None and resume_from.resolve().parent == directory.resolve()

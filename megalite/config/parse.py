@@ -75,9 +75,12 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
-    """Write `cfg` as TOML, creating parent directories; atomic so a crash never leaves half a file."""
+    """Write `cfg` as TOML, creating parent directories; atomic so a crash never leaves half a file, and never
+    through a link (`megalite.checkpoint.files.write_atomic`). The text is encoded before any file exists."""
+    from megalite.checkpoint.files import write_atomic
+    from megalite.errors import ConfigError
+
+    data = tomli_w.dumps(config_to_dict(cfg)).encode("utf-8")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(tomli_w.dumps(config_to_dict(cfg)), encoding="utf-8")
-    os.replace(tmp, p)
+    write_atomic(p, data, ConfigError)

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 from megalite.errors import DataError
+from megalite.untrusted import loads_json
 
 # A blank line: a newline, then any number of lines holding only spaces/tabs, then a newline.
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
@@ -48,7 +49,7 @@ def _iter_jsonl(path: str, json_key: str) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = loads_json(line, f"{path}:{lineno}", DataError)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); --json-key expects one JSON "
                                     "object per line") from e

@@ -14,12 +14,12 @@ Special tokens are where a `tokenizer.json` says least, so they are resolved exp
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from megalite.errors import DataError
+from megalite.untrusted import loads_json
 
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
@@ -71,7 +71,7 @@ class HFTokenizer:
         if not path.is_file():
             return {}
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
+            config = loads_json(path.read_text(encoding="utf-8"), str(path), DataError)
         except (OSError, ValueError) as e:
             raise DataError(f"cannot read {str(path)!r} ({e}): fix or remove it") from e
         return config if isinstance(config, dict) else {}

@@ -16,7 +16,6 @@ and SP runs log one note and no samples.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Protocol, cast
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from megalite.data.tokenizer import Tokenizer
 from megalite.inference.generate import SamplingConfig, generate_ids
 from megalite.model.gpt import GPT
+from megalite.observability.metrics import append_record
 from megalite.parallel.state import ParallelState
 
 
@@ -79,8 +79,7 @@ class TrainingSamples:
 
     def _log(self, step: int, text: str) -> None:
         self.logger.note(f"sample at step {step}: {self.prompt!r} -> {text!r}")
-        with open(self.logger.path, "a") as f:
-            f.write(json.dumps({"step": step, "sample_prompt": self.prompt, "sample": text}) + "\n")
+        append_record(self.logger.path, {"step": step, "sample_prompt": self.prompt, "sample": text})
         self.rows.append([step, self.prompt, text])
         if self.tracker.enabled:
             try:

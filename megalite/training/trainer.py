@@ -57,12 +57,14 @@ def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
 
 
 def pin_resolved(cfg: config_mod.Config) -> config_mod.Config:
-    """Replace the "auto" choices by what this run uses (device, dtype, kernels), so the saved
+    """Replace the "auto" choices by what this run uses (device, dtype, kernels, backend), so the saved
     config.toml describes the run exactly and `tools/estimate.py --config` reads the same run."""
     device = config_mod.resolved_device(cfg)
     cfg.train.dtype = DTYPE_NAMES[config_mod.resolved_dtype(cfg, device)]
     cfg.train.device = device
     cfg.model.kernels = resolve_kernels(cfg.model.kernels, torch.device(device))
+    if cfg.parallel.backend == "auto":  # the rule init_distributed applies
+        cfg.parallel.backend = "nccl" if device == "cuda" else "gloo"
     return cfg
 
 
@@ -81,7 +83,7 @@ class Run:
 
 
 def build_run(cfg: config_mod.Config) -> Run:
-    """Process group, data, model, optimizer and sampler; the config is resolved and saved (rank 0)."""
+    """Process group, data, model, optimizer and sampler; the config is resolved (nothing is written)."""
     par, tr = cfg.parallel, cfg.train
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
@@ -95,9 +97,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     elif cfg.model.vocab_size < tok_vocab:
         raise DataError(f"the tokenizer has {tok_vocab} tokens but model.vocab_size={cfg.model.vocab_size}: "
                         f"set model.vocab_size >= {tok_vocab} (or 0 to take the tokenizer's)")
-    pin_resolved(cfg)
-    if state.rank == 0:
-        config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
+    pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule)
@@ -141,7 +141,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     check_memory(cfg, world_size, local_rank)
     stop = StopFlag()  # from here on SIGTERM/SIGUSR1 end the run cleanly, even before step 1
     r = build_run(cfg)
-    state, optimizer = r.state, r.optimizer
+    state = r.state
     resumed_from, start_step = r.checkpoints.resume()
     if stop.agreed(state):
         print(f"megalite: stop requested by signal before step {start_step + 1}: exiting, nothing trained",
@@ -151,6 +151,20 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         return {}
     claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
                                     Path(resumed_from) if resumed_from else None, state)
+    try:
+        return _train(cfg, r, resumed_from, start_step, stop, malloc_note)
+    finally:
+        claim.release()
+
+
+def _train(cfg: config_mod.Config, r: Run, resumed_from: str | None,
+           start_step: int, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+    """The loop, once the run is allowed to start: the first write into logging.dir happens here, after
+    the checkpoint directory is locked, checked for a rewind and the resume has loaded (a refused or
+    failing run leaves the previous run's config.toml and metrics.jsonl untouched)."""
+    tr, state, optimizer = cfg.train, r.state, r.optimizer
+    if state.rank == 0:
+        config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
                       config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=state.rank == 0)
     logger = MetricsLogger(cfg.logging.dir, state.rank == 0, tracker, tr.steps, resumed_step=start_step)
@@ -198,7 +212,6 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     finally:
         watchdog.close()
         tracker.finish()
-        claim.release()
     optimizer.finish_param_sync()  # no parameter gather left in flight when the process group goes
     last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
     logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
