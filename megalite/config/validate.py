@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
+from megalite.config.validate_fields import field_problems, text_problems
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -316,12 +317,15 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems: list[str] = []
     if world_size < 1:
         problems.append(f"world_size must be >= 1, got {world_size}: check WORLD_SIZE from the launcher")
+    texts = text_problems(cfg)  # NUL / non-UTF-8 text: paths that cannot even be looked at (validate_fields.py)
+    problems += texts
     problems += _value_problems(cfg)
     problems += _finite_problems(cfg)
-    problems += _path_problems(cfg)
+    problems += _path_problems(cfg) if not texts else []
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     problems += _environment_problems(cfg, device_type)
+    problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     cli.raise_if(problems, "invalid config")
 
 

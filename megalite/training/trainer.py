@@ -21,6 +21,7 @@ import torch.nn as nn
 from megalite import config as config_mod
 from megalite.checkpoint import storage
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
+from megalite.config.validate_fields import check_text_fields
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples
@@ -49,6 +50,7 @@ from megalite.training.stop import StopFlag
 
 def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
     cfg = config_mod.parse_args(argv)
+    check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
     cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
     _, world, _ = launcher_env()
     cfg = config_mod.resolve(cfg, world)
