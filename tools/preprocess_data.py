@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.documents import Replacements  # noqa: E402
+from megalite.data.indexed import strip_suffix  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
 from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.workers <= max_workers():
         raise ConfigError(f"--workers {args.workers} must be between 1 and {max_workers()} (4 per core on this "
                           "machine)")
-    if not os.path.basename(args.output_prefix) or os.path.basename(args.output_prefix) in (".", ".."):
+    name = os.path.basename(strip_suffix(args.output_prefix))  # `dir/.bin` is the prefix `dir/` too
+    if name in ("", ".", ".."):
         raise ConfigError(f"--output-prefix {args.output_prefix!r} names a directory, not a file prefix: give "
                           f"e.g. {os.path.join(args.output_prefix, 'mine')!r} (writes mine.bin and mine.idx)")
     replaced = Replacements()

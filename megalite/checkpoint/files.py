@@ -174,6 +174,17 @@ def atomic_output(path: str | Path, error: type[MegaliteError] = CheckpointError
     fsync_dir(path.parent)
 
 
+def refuse_output_in_checkpoint(out: str | Path, what: str = "output") -> None:
+    """An output must not lie inside a saved checkpoint step directory (one holding index.json), its input's
+    included: pruning or re-saving that step deletes it, and a reader would take it for part of the step."""
+    path = Path(out).expanduser().absolute()
+    step = next((q for q in path.parents if (q / "index.json").is_file()), None)
+    if step is not None:
+        raise CheckpointError(f"{what} {out} lies inside the saved checkpoint {step}: it would be deleted with that "
+                              f"step (checkpoint.keep) and mixed into it; write it beside it, e.g. {step.parent}/"
+                              f"{path.name}")
+
+
 def inside(root: Path, name: object, what: str, links_out: bool = False) -> Path:
     """`root / name` for a file name read from a checkpoint's own metadata (index.json, `latest`, an HF
     weight_map), refusing anything that is not a plain name inside `root`: an absolute path, `..`, or (unless

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megalite.checkpoint.files import atomic_output, inside
+from megalite.checkpoint.files import atomic_output, inside, refuse_link, refuse_output_in_checkpoint
 from megalite.checkpoint.index_check import model_info_problems
 from megalite.checkpoint.offline import write_checkpoint
 from megalite.checkpoint.sharded import find, read_index
@@ -208,6 +208,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     src = find(str(ckpt), "")
     if src is None:
         raise CheckpointError(f"--input {ckpt}: give a checkpoint directory")
+    refuse_output_in_checkpoint(out)
     index = read_index(src)
     info = index["model"]
     _checked_info(info, str(src / "index.json"))
@@ -249,6 +250,8 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
             from megalite.checkpoint.hf_tokenizer import export_tokenizer
 
             export_tokenizer(tok, staged)
+            for f in staged.iterdir():
+                refuse_link(out / f.name, hard_links=False)  # before the weights: all or nothing
         with atomic_output(out / "model.safetensors") as tmp_model, atomic_output(out / "config.json") as tmp_cfg:
             writer = StreamingWriter(tmp_model, plan)
             try:

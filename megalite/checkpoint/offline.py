@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from megalite.checkpoint.layout import layout_for, local_shape_for, shard_map, stage_of
-from megalite.checkpoint.files import sha256, temp_name
+from megalite.checkpoint.files import refuse_output_in_checkpoint, sha256, temp_name
 from megalite.checkpoint.sharded import FORMAT, INDEX, _write_json, publish, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
@@ -36,6 +36,7 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
     `out` is an error, never overwritten).
     """
     out = Path(out)
+    refuse_output_in_checkpoint(out)
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"output {out} already exists: choose a new directory or delete it first")
     tmp = temp_name(out)  # this process's own name: a user's `out.tmp` is never touched
