@@ -33,6 +33,16 @@ from tools.reshard_checkpoint import main as reshard_main
 VICTIM = b"a file of the user's, outside every directory megalite was given\n"
 
 
+def demo_tokenizer(ck: dict[str, Any]) -> str:
+    """The demo tokenizer the fixture's run trained with (already in the session's cache)."""
+    from megalite.data.demo import cached_demo_data
+
+    data = json.loads((ck["step"] / "index.json").read_text())["extra"]["config"]["data"]
+    found = cached_demo_data(data["cache_dir"], data["demo_max_bytes"], data["demo_vocab_size"])
+    assert found is not None
+    return found[1]
+
+
 def _victim(tmp_path: Path) -> Path:
     outside = tmp_path / "outside"
     outside.mkdir(exist_ok=True)
@@ -102,12 +112,7 @@ def test_outputs_of_the_tools_are_never_link_targets(ck: dict[str, Any], tmp_pat
     os.symlink(victim, data / "mine.bin")
     text = tmp_path / "text.txt"
     text.write_text("some text to tokenize\n" * 20)
-    tok = json.loads((ck["step"] / "index.json").read_text())["extra"]["config"]["data"]
-    from megalite.data.demo import cached_demo_data
-
-    found = cached_demo_data(tok["cache_dir"], tok["demo_max_bytes"], tok["demo_vocab_size"])
-    assert found is not None
-    got = preprocess_main(["--input", str(text), "--tokenizer", found[1], "--output-prefix", str(data / "mine"),
+    got = preprocess_main(["--input", str(text), "--tokenizer", demo_tokenizer(ck), "--output-prefix", str(data / "mine"),
                            "--quiet"])
     assert_one_line(capsys.readouterr().err, got, DATA, "is a link")
     assert victim.read_bytes() == VICTIM and sorted(p.name for p in data.iterdir()) == ["mine.bin"]
@@ -247,12 +252,8 @@ def test_full_disk_while_preprocessing_leaves_no_temporary_file(ck: dict[str, An
     out.mkdir()
     text = tmp_path / "t.txt"
     text.write_text("def f():\n    return 1\n" * 50)
-    index = json.loads((ck["step"] / "index.json").read_text())["extra"]["config"]["data"]
-    from megalite.data.demo import cached_demo_data
-
-    tok = cached_demo_data(index["cache_dir"], index["demo_max_bytes"], index["demo_vocab_size"])
-    assert tok is not None
-    got = preprocess_main(["--input", str(text), "--tokenizer", tok[1], "--output-prefix", str(out / "p"), "--quiet"])
+    got = preprocess_main(["--input", str(text), "--tokenizer", demo_tokenizer(ck), "--output-prefix", str(out / "p"),
+                           "--quiet"])
     assert_one_line(capsys.readouterr().err, got, STORAGE, "No space left")
     assert os.listdir(out) == []
 

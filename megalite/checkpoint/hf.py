@@ -136,13 +136,15 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     kind = cfg.get("model_type")
     if kind == "llama":
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+        for key in ("rope_parameters", "rope_scaling"):  # the current name and the older one: check both
+            given = cfg.get(key)
+            if given is not None and not isinstance(given, dict):
+                raise CheckpointError(f"this Llama config cannot be imported: {key}={given!r} is not an object")
+            kind = (given or {}).get("rope_type", (given or {}).get("type", "default"))  # "type": legacy spelling
+            if kind != "default":
+                raise CheckpointError(f"this Llama config cannot be imported: rope scaling {kind!r} ({key}) is not "
+                                      "supported (megalite computes plain RoPE; importing it would be another model)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise CheckpointError(f"this Llama config cannot be imported: rope_scaling={rope!r} is not an object")
-        rope_kind = rope.get("rope_type", rope.get("type", "default"))  # "type": the legacy spelling
-        if rope_kind != "default":
-            raise CheckpointError(f"this Llama config cannot be imported: rope scaling {rope_kind!r} is not supported "
-                                  "(megalite computes plain RoPE; importing it would be a different model)")
         bad = [what for what, ok in (
             ("hidden_act must be silu", cfg.get("hidden_act", "silu") == "silu"),
             ("attention_bias/mlp_bias must be false", not cfg.get("attention_bias") and not cfg.get("mlp_bias")),
