@@ -58,7 +58,8 @@ INDEX_EDITS = {
     "vocab_size 10^10": (_set(["model", "vocab_size"], 10**10), "vocab_size=10000000000"),
     "consumed_samples 1e30": (_set(["extra", "sampler", "consumed_samples"], 1e30), "consumed_samples"),
     "consumed_samples 10^30": (_set(["extra", "sampler", "consumed_samples"], 10**30), "consumed_samples"),
-    "rng file not listed": (_set(["rng_files", "0"], "elsewhere.safetensors"), "rng_files"),
+    "rng file not a name": (_set(["rng_files", "0"], 5), "rng_files"),
+    "rng key not a name": (_set(["rng_keys"], [3]), "rng_keys"),
     "deeply nested": (_set(["extra", "deep"], None), f"more than {MAX_DEPTH} levels"),
 }
 
@@ -241,7 +242,7 @@ def test_bounds_name_the_bound(tmp_path: Path, capsys) -> None:
                                 "--vocab-size", str(10**9)])
     assert_one_line(_err(capsys), got, CONFIG, f"above {train_tokenizer.MAX_VOCAB}")
     got = pipeline_timeline.main(["--pp", "1000", "--micro-batches", "1000"])
-    assert_one_line(_err(capsys), got, CONFIG, "--pp 1000 must be between 1 and 32")
+    assert_one_line(_err(capsys), got, CONFIG, "--pp 1000 must be at most 32")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
 
 

@@ -163,6 +163,12 @@ def test_refused_runs_leave_the_previous_runs_files(ck: dict[str, Any], tmp_path
     finally:
         claim.release()
     assert_one_line(err, got, CKPT, "in use by another run")
+    claim = storage.claim_log_directory(str(logs), "", ParallelState())  # a live run logs there, no checkpoints
+    try:
+        got, err = _train(ck, tmp_path, capsys, "--train.lr", "0.5")
+    finally:
+        claim.release()
+    assert_one_line(err, got, CONFIG, f"logging.dir {logs} is in use by another run")
     assert snapshot(tmp_path) == before
 
 

@@ -24,7 +24,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from megalite.checkpoint.files import (LATEST, inside, open_no_link, refuse_link, saved_steps, sha256,
                                       step_of_dir_name)
-from megalite.errors import CheckpointError
+from megalite.errors import CheckpointError, ConfigError, MegaliteError
 from megalite.parallel.state import ParallelState
 
 _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
@@ -201,16 +201,17 @@ def newest_step(directory: Path) -> int:
     return max(steps, default=-1)
 
 
-def _lock(directory: Path) -> IO[str]:
-    handle = open_no_link(directory / LOCK_FILE, "a+")  # a link there is refused, never rewritten
+def _lock(directory: Path, what: str = "checkpoint.dir",
+          error: type[MegaliteError] = CheckpointError) -> IO[str]:
+    handle = open_no_link(directory / LOCK_FILE, "a+", error)  # a link there is refused, never rewritten
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         owner = handle.read().strip() or "unknown owner"
         handle.close()
-        raise CheckpointError(f"checkpoint.dir {directory} is in use by another run ({owner}): two runs would "
-                              "interleave their checkpoints; wait for it to end or choose another checkpoint.dir")
+        raise error(f"{what} {directory} is in use by another run ({owner}): two runs would interleave their "
+                    f"files; wait for it to end or choose another {what}")
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
@@ -283,11 +284,32 @@ def claim_directory(directory: str, start_step: int, resume_from: Path | None,
     rank 0 checks and the verdict is shared, so no rank trains while another has refused."""
     if not directory:
         return DirectoryClaim(None)
+    return _rank0_verdict(state, lambda: _claim_on_rank0(Path(directory), start_step, resume_from), CheckpointError,
+                          f"rank 0 refused checkpoint.dir {directory} (its message says why)")
+
+
+def claim_log_directory(log_dir: str, checkpoint_dir: str, state: ParallelState) -> DirectoryClaim:
+    """Lock `logging.dir` for this run (rank 0 writes there; the verdict is shared), so that a second run
+    with the same logging.dir is refused (ConfigError) before it rotates or rewrites the live run's
+    metrics.jsonl and config.toml. Nothing to do when it is the checkpoint directory (already locked)."""
+    if not log_dir or (checkpoint_dir and Path(log_dir).resolve() == Path(checkpoint_dir).resolve()):
+        return DirectoryClaim(None)
+
+    def attempt() -> DirectoryClaim:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        return DirectoryClaim(_lock(Path(log_dir), "logging.dir", ConfigError))
+
+    return _rank0_verdict(state, attempt, ConfigError, f"rank 0 refused logging.dir {log_dir} (its message says why)")
+
+
+def _rank0_verdict(state: ParallelState, attempt: Callable[[], DirectoryClaim], error: type[MegaliteError],
+                   fallback: str) -> DirectoryClaim:
+    """Run `attempt` on rank 0 and share whether it refused (an `error`), so every rank stops together."""
     claim, problem = DirectoryClaim(None), ""
     if state.rank == 0:
         try:
-            claim = _claim_on_rank0(Path(directory), start_step, resume_from)
-        except CheckpointError as e:
+            claim = attempt()
+        except error as e:
             if state.world_size == 1:
                 raise
             problem = str(e)
@@ -295,5 +317,5 @@ def claim_directory(directory: str, start_step: int, resume_from: Path | None,
         flag = torch.tensor([float(bool(problem))], device=state.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
-            raise CheckpointError(problem or f"rank 0 refused checkpoint.dir {directory} (its message says why)")
+            raise error(problem or fallback)
     return claim

@@ -10,6 +10,7 @@ Text is read as UTF-8 with Python's universal newlines, so `\\r\\n` becomes `\\n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass

@@ -153,9 +153,12 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         return {}
     claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
                                     Path(resumed_from) if resumed_from else None, state)
+    log_claim = storage.DirectoryClaim(None)
     try:
+        log_claim = storage.claim_log_directory(cfg.logging.dir, cfg.checkpoint.dir, state)
         return _train(cfg, r, resumed_from, start_step, stop, malloc_note)
     finally:
+        log_claim.release()
         claim.release()
 
 
