@@ -9,8 +9,10 @@ Each case asserts the exit code, exactly one line on stderr, no traceback, and t
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -280,3 +282,20 @@ def test_replaced_surrogates_are_counted(ck: dict[str, Any], tmp_path: Path, cap
     err = _err(capsys)
     assert got == 0, err
     assert "replaced 6 unpaired surrogate escape(s)" in err and "in 3 document(s)" in err
+
+
+def test_ctrl_c_during_parallel_preprocessing(ck: dict[str, Any], tmp_path: Path) -> None:
+    """A real SIGINT to `preprocess_data.py --workers 2` while it writes: one line, exit 130, no temporary
+    file; the workers leave the interrupt to the parent (no traceback from each of them)."""
+    big = tmp_path / "big.txt"
+    big.write_text("".join(f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(60000)))
+    proc = subprocess.Popen([sys.executable, "tools/preprocess_data.py", "--input", str(big), "--split-paragraphs",
+                             "--tokenizer", demo_tokenizer(ck), "--output-prefix", str(tmp_path / "out"),
+                             "--workers", "2", "--quiet"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and not list(tmp_path.glob("out.bin.tmp-*")):
+        time.sleep(0.05)  # until the output is being written (the work itself takes far longer)
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert_one_line(err, proc.wait(), INTERRUPTED_EXIT, "interrupted (Ctrl-C)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]

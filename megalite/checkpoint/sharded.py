@@ -115,7 +115,8 @@ def publish(tmp: Path, final: Path, keep: int | None = None) -> None:
     """Rename a complete temp directory into place; with `keep`, move `latest` (last) and prune.
     A link at `final` or `latest` is refused (files.refuse_link), never followed or replaced."""
     refuse_link(final)
-    refuse_link(final.parent / LATEST)
+    if keep is not None:
+        refuse_link(final.parent / LATEST, hard_links=False)  # before the step is published: all or nothing
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
