@@ -200,7 +200,9 @@ def test_config_text_and_late_fields_fail_before_anything_is_written(ck: dict[st
              (("--logging.sample_prompt", "caf\udce9"), "logging.sample_prompt is not UTF-8"),
              (("--config", str(nul)), "NUL byte"),
              (("--config", str(deep)), f"more than {MAX_DEPTH} levels"),
-             (("--train.seed", str(2**64)), "train.seed must be < 2^64")]
+             (("--train.seed", str(2**64)), "train.seed must be < 2^64"),
+             (("--logging.sample_interval", "1", "--logging.sample_prompt", "def f(x): return x " * 20),
+              "logging.sample_prompt is")]
     before = snapshot(tmp_path)
     for extra, needle in cases:
         got, err = _train(ck, tmp_path, capsys, *extra)

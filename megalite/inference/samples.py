@@ -41,6 +41,14 @@ class _Tracker(Protocol):
     def log(self, metrics: dict, step: int) -> None: ...
 
 
+def sample_prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a sample continues: the prompt (with BOS where the tokenizer adds one), or an EOD."""
+    ids = tok.encode(prompt)
+    if tok.add_bos and tok.bos_id is not None:
+        return [tok.bos_id] + ids
+    return ids or [tok.eod_id]  # nothing to continue: start a new document, as after an EOD in the data
+
+
 class TrainingSamples:
     def __init__(self, logging_cfg: Any, tokenizer: Tokenizer, chunks: list[torch.nn.Module], state: ParallelState,
                  dtype: torch.dtype, logger: _Logger, tracker: _Tracker) -> None:
@@ -57,11 +65,7 @@ class TrainingSamples:
             self.interval = 0
 
     def prompt_ids(self) -> list[int]:
-        tok = self.tokenizer
-        ids = tok.encode(self.prompt)
-        if tok.add_bos and tok.bos_id is not None:
-            return [tok.bos_id] + ids
-        return ids or [tok.eod_id]  # nothing to continue: start a new document, as after an EOD in the data
+        return sample_prompt_ids(self.tokenizer, self.prompt)
 
     def maybe_sample(self, step: int, optimizer: Any) -> str | None:
         """Every rank calls this after each step; on sample steps rank 0 generates and logs. Returns the text."""

@@ -23,8 +23,9 @@ from megalite.checkpoint import storage
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.config.validate_fields import check_text_fields
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
+from megalite.data.tokenizer import Tokenizer
 from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
-from megalite.inference.samples import TrainingSamples
+from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -70,6 +71,16 @@ def pin_resolved(cfg: config_mod.Config) -> config_mod.Config:
     return cfg
 
 
+def _check_sample_prompt(cfg: config_mod.Config, tokenizer: Tokenizer) -> None:
+    """The sample prompt must leave room for new tokens: found now, not at the first sample after step 1."""
+    if cfg.logging.sample_interval <= 0:
+        return
+    n = len(sample_prompt_ids(tokenizer, cfg.logging.sample_prompt))
+    if n >= cfg.model.seq_len:
+        raise ConfigError(f"logging.sample_prompt is {n} tokens but model.seq_len is {cfg.model.seq_len}: shorten "
+                          "the prompt (samples continue it within one sequence)")
+
+
 @dataclass
 class Run:
     """Everything the loop touches, built once by `build_run`."""
@@ -99,6 +110,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     elif cfg.model.vocab_size < tok_vocab:
         raise DataError(f"the tokenizer has {tok_vocab} tokens but model.vocab_size={cfg.model.vocab_size}: "
                         f"set model.vocab_size >= {tok_vocab} (or 0 to take the tokenizer's)")
+    _check_sample_prompt(cfg, data.tokenizer)
     pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
