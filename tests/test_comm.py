@@ -13,7 +13,7 @@ import torch
 
 from megalite.parallel import comm
 from megalite.parallel.counter import COUNT_KEYS, CommCounter
-from megalite.parallel.state import GROUP_KINDS, PP_KINDS, ParallelState, group_ranks
+from megalite.parallel.state import GROUP_KINDS, PP_KINDS, ParallelState
 from tests.parallel_utils import layout
 
 _ONE_RANK_CALLS = {
@@ -50,7 +50,7 @@ def test_a_typo_in_a_counter_key_fails_at_once() -> None:
 def test_state_and_rank_grid_reject_unknown_kinds() -> None:
     st = ParallelState(tp=2, pp=2, dp=2)
     for bad in ("TP", "sp", "world", ""):
-        for fn in (st.size, st.group, st.rank_in, lambda k: group_ranks(k, 2, 2, 2)):
+        for fn in (st.size, st.group, st.rank_in, st.ranks, st.group_ranks):
             with pytest.raises(ValueError, match="unknown process-group kind"):
                 fn(bad)  # type: ignore[arg-type]
 
@@ -68,7 +68,7 @@ def test_rank_in_is_the_position_in_the_sorted_group(tp: int, pp: int, dp: int) 
     """`comm.split` picks chunk `rank_in(kind)`: it must be where the rank sits in its group's rank order,
     the order in which all_gather concatenates (so split inverts all_gather over every kind, 'mp' included)."""
     for kind in sorted(GROUP_KINDS):
-        for ranks in group_ranks(kind, tp, pp, dp):  # type: ignore[arg-type]
+        for ranks in ParallelState(tp=tp, pp=pp, dp=dp).group_ranks(kind):  # type: ignore[arg-type]
             for pos, r in enumerate(ranks):
                 st = ParallelState(tp=tp, pp=pp, dp=dp, rank=r)
                 assert st.rank_in(kind) == pos, (kind, r)  # type: ignore[arg-type]

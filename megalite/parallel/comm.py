@@ -35,7 +35,10 @@ SEQ_DIM = 1
 # The counter key of each group kind's own traffic: every pipeline communicator (one per kind and direction)
 # is 'pp', and the gradient reduction over dp x cp (dp_cp) is still the data-parallel traffic 'dp'.
 GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "mp": "mp", "embedding": "embedding", "cp": "cp",
-                                              "dp_cp": "dp", **{kind: "pp" for kind in PP_KINDS}}
+                                              "dp_cp": "dp", **{kind: "pp" for kind in PP_KINDS},
+                                              # Expert replicas reduce gradients like dp; no layer sends over
+                                              # 'ep' yet (its all-to-all gets its own key with the layer).
+                                              "edp": "dp", "ep": "dp"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
