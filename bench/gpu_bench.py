@@ -162,7 +162,7 @@ def bench_model(rep: Report, smoke: bool, device: torch.device, dtype: torch.dty
 
 def _kernels_available() -> bool:
     try:
-        import kernels
+        from megalite import kernels
     except ImportError:
         return False
     return kernels.available()
@@ -201,7 +201,7 @@ def bench_attention(rep: Report, smoke: bool, device: torch.device, dtype: torch
         "sdpa enable_gqa (megalite torch op)": sdpa_attention,
     }
     if _kernels_available():
-        import kernels
+        from megalite import kernels
 
         impls["triton flash_attention"] = kernels.flash_attention
     else:

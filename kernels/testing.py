@@ -28,7 +28,7 @@ def use_interpreter() -> ModuleType:
         if type(standard.sum).__name__ != "InterpretedFunction":
             raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; export "
                                "TRITON_INTERPRET=1 before starting python, or run the kernel tests alone")
-    import kernels
+    from megalite import kernels
 
     return kernels
 

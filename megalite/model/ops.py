@@ -192,7 +192,7 @@ def get_ops(kind: str) -> Ops:
         return TORCH_OPS
     if kind == "triton":
         try:
-            import kernels
+            from megalite import kernels
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ConfigError(f"model.kernels=triton but the kernels package failed to import: {e}") from e
         if not kernels.available():
