@@ -155,7 +155,7 @@ class _VocabParallelCrossEntropy(_GradInLogits):
         all_reduce_max: AllReduce, all_reduce_sum: AllReduce, ignore_index: int,
     ) -> torch.Tensor:
         N, V = logits.shape
-        f32 = dict(dtype=torch.float32, device=logits.device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=logits.device)
         m_local, d_local, stats = torch.empty(N, **f32), torch.empty(N, **f32), torch.empty(2, N, **f32)
         block, warps = _blocks(V)
         # Pass 1 (local): max, sum-exp relative to the local max, and the target logit (0 off-shard).

@@ -116,7 +116,7 @@ class _FusedNorm(torch.autograd.Function):
         n = x2.shape[0]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         has_res = residual is not None
-        r2 = _rows(residual) if has_res else x2
+        r2 = _rows(residual) if residual is not None else x2
         s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_res else x
         s2 = s.view(n, H) if has_res else x2  # the norm's input, re-read by backward
         mean = torch.empty(n, dtype=torch.float32, device=x.device)

@@ -4,19 +4,16 @@ outputs, pruning, and the check that a name read from a file stays inside its di
 Atomicity recipe (used by `sharded.py` and `offline.py`): write everything into `step_N.tmp/`,
 fsync each file, rename the directory to `step_N`, and only then rewrite the `latest` pointer
 (write-temp-then-rename). A crash at any point leaves the previous checkpoint as the one found.
-Single files (`atomic_output`) follow the same recipe: a temporary name in the same directory (so the
-rename cannot cross file systems), fsync, rename; on failure only that temporary file is removed.
+Single files follow the same recipe (`atomic_output`, in megalite/atomic.py: data writes files too).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
+from megalite.atomic import atomic_output, fsync_dir, fsync_file, temp_name  # noqa: F401  (re-exported)
 from megalite.errors import CheckpointError
 
 LATEST = "latest"
@@ -26,55 +23,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (POSIX: the directory entry lives in the directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # not supported here (e.g. some network file systems): the rename itself already happened
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def temp_name(path: Path) -> Path:
-    """A temporary name next to `path` that no user file and no concurrent writer has: `.name.tmp-<pid>`."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path to write `path`'s new content to; on success it is fsynced and renamed over
-    `path`, on any error it is removed and `path` is left exactly as it was."""
-    path = Path(path)
-    tmp = temp_name(path)
-    try:
-        yield tmp
-        fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, OSError) and e.filename is not None and str(e.filename) == str(tmp):
-            e.filename = str(path)  # name the file the user asked for, not our temporary one
-        raise
-    fsync_dir(path.parent)
 
 
 def inside(root: Path, name: object, what: str) -> Path:

@@ -35,7 +35,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
 
 def load_config(path: str | os.PathLike[str]) -> Config:
     """A Config from a TOML file (e.g. a run's saved `config.toml`)."""
-    return config_from_dict(cli.read_toml(path))
+    return config_from_dict(cli.read_toml(Path(path)))
 
 
 def help_text() -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
+from megalite.model.params import count_params
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -111,8 +112,6 @@ def _size_problems(cfg: Config) -> list[str]:
     if m.arch == "llama" and head_dim % 2:
         out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
                    "rotary embeddings rotate pairs of dims: choose an even head dim")
-    from megalite.perfmodel.estimate import count_params
-
     n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
                      max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings))
     weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
     if rep > 1 and not _SDPA_HAS_GQA:
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
-    gqa = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
+    gqa: dict[str, Any] = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), **gqa)
     return out.transpose(1, 2)

@@ -18,7 +18,7 @@ import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 RUN_ID_FILE = "wandb_run_id"
 DEFAULT_HOST = "api.wandb.ai"
@@ -39,7 +39,7 @@ def has_wandb_credentials(env: Mapping[str, str], netrc_path: Path | None = None
         return False
 
 
-def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> str | None:
+def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> Literal["online", "offline"] | None:
     """The `mode` to pass to `wandb.init`: None to honour a user-set WANDB_MODE, else offline
     without credentials and online with them."""
     if env.get("WANDB_MODE"):
