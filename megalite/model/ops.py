@@ -132,18 +132,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
     return out.transpose(1, 2)
 
 
-def attention_repeat_kv(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """The same attention with K/V heads repeated before SDPA (the pre-2.5 path), kept as a baseline
-    for bench/gpu_bench.py's flash-vs-SDPA table."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
-    return out.transpose(1, 2)
-
-
 # Per-token loss [N] (fp32) from this rank's logit columns [N, padded_vocab/tp], the labels [N], the layout
 # (its 'tp' group reduces the row statistics) and the real vocabulary size (columns past it are padding).
 VocabParallelLoss = Callable[[Tensor, Tensor, ParallelState, int], Tensor]
