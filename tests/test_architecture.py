@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline",),                                # core: stages, schedules, the p2p engine
     ("training.step",),                           # core: one optimizer step
     ("observability", "runtime"),                 # what the loop reports through; the process around it
-    ("config", "data", "perfmodel"),              # typed config, the data pipeline, the analytic model
+    ("config",),                                  # the typed config, its parsing and validation
+    ("data", "perfmodel"),                        # the data pipeline; the analytic model
     ("checkpoint",),                              # checkpoints, resharding, Hugging Face conversion
     ("inference",),                               # generation from a model or a checkpoint
     ("training",),                                # the loop behind pretrain.py
