@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 pytest.importorskip("triton")
-from kernels.testing import check_against_reference, use_interpreter  # noqa: E402
+from megalite.kernels.testing import check_against_reference, use_interpreter  # noqa: E402
 
 K = use_interpreter()
 

@@ -72,7 +72,7 @@ def _one_collective(rank: int, op: str) -> tuple[int, float, float, int]:
     elif op == "reduce_scatter":
         comm.reduce_scatter(t, st, "dp", dim=0)
     elif op == "send":  # rank 0 -> 1 (world 2), through the pipeline's counted send and uncounted receive
-        (comm.isend(t, st, 1, "dp", tag=0) if rank == 0 else comm.irecv(t, st, 0, "dp", tag=0)).wait()
+        comm.post_p2p([comm.P2PMessage(t, 1 - rank, 0, "dp", send=rank == 0)], st)[0].wait()
     written = meter.stop()
     assert written is not None
     counted = st.counter.exact_by_collective()

@@ -65,7 +65,7 @@ class StreamingWriter:
             raise RuntimeError(f"{self.path}: wrote {key} {tensor.dtype} {tuple(tensor.shape)}, "
                                f"planned {want_key} {dtype} {shape}")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self._f.write(memoryview(flat.view(torch.uint8).numpy()))
+        self._f.write(flat.view(torch.uint8).numpy().data)
         self._next += 1
 
     def close(self) -> None:

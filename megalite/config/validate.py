@@ -18,6 +18,7 @@ from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
 from megalite.config.validate_fields import field_problems, text_problems
+from megalite.model.params import count_params
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -112,8 +113,6 @@ def _size_problems(cfg: Config) -> list[str]:
     if m.arch == "llama" and head_dim % 2:
         out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
                    "rotary embeddings rotate pairs of dims: choose an even head dim")
-    from megalite.perfmodel.estimate import count_params
-
     n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
                      max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings))
     weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold
@@ -248,15 +247,13 @@ def _batch_problems(cfg: Config) -> list[str]:
                    f"(M = global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
                    f"x dp {p.dp})): the pipeline would idle most of the time; set train.global_batch_size "
                    f">= {per_step * p.pp} (or lower micro_batch_size)")
-    if p.vpp > 1 and p.schedule not in ("interleaved", "zbv"):
-        out.append(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved or zbv (got {p.schedule})")
+    from megalite.pipeline.schedules import CHUNKS, layout_problems  # lazily: megalite.config stays torch-free
+
+    if p.schedule in CHUNKS:  # an unknown name is reported with the other choices
+        out += layout_problems(p.schedule, p.pp, p.vpp)
     out += _zero_bubble_problems(cfg)
     if p.schedule == "interleaved":
-        if p.vpp == 1:
-            out.append("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual chunks per rank)")
-        if p.pp == 1:
-            out.append("parallel.schedule=interleaved needs parallel.pp > 1")
-        elif m_count % p.pp:
+        if p.pp > 1 and m_count % p.pp:
             out.append(f"parallel.schedule=interleaved needs M={m_count} micro-batches per step to be a "
                        f"multiple of pp={p.pp}: set train.global_batch_size to a multiple of "
                        f"{per_step * p.pp}")
@@ -264,18 +261,12 @@ def _batch_problems(cfg: Config) -> list[str]:
 
 
 def _zero_bubble_problems(cfg: Config) -> list[str]:
-    """ZB-H1 and ZB-V (Qi et al. 2024): what each needs (docs/parallelism.md, the schedule table)."""
+    """ZB-V (Qi et al. 2024) beyond its layout rules (`pipeline.schedules.layout_problems`): tied embeddings."""
+    from megalite.pipeline.schedules import V_SHAPED
+
     p, m = cfg.parallel, cfg.model
     out: list[str] = []
-    if p.schedule in ("zb-h1", "zbv") and p.pp == 1:
-        out.append(f"parallel.schedule={p.schedule} needs parallel.pp > 1 (it fills the pipeline's bubble)")
-    if p.schedule == "zb-h1" and p.vpp != 1:
-        out.append(f"parallel.schedule=zb-h1 runs one chunk per rank: set parallel.vpp=1 (got {p.vpp}), "
-                   "or use zbv for two")
-    if p.schedule == "zbv":
-        if p.vpp != 2:
-            out.append(f"parallel.schedule=zbv places exactly 2 chunks per rank in a V: set parallel.vpp=2 "
-                       f"(got {p.vpp})")
+    if p.schedule in V_SHAPED:
         if m.tie_embeddings and p.pp > 1:
             out.append("parallel.schedule=zbv puts the embedding and the head on the same rank, which tied "
                        "embeddings do not support yet: set model.tie_embeddings=false or use zb-h1")

@@ -10,10 +10,10 @@
 
 from megalite.context.allgather import allgather_attention
 from megalite.context.costs import CpBytes, allgather_attention_bytes, ring_attention_bytes
-from megalite.context.group import ContextGroup, context_group_ranks
+from megalite.context.group import ContextGroup
 from megalite.context.ring import ring_attention
 from megalite.context.zigzag import check_zigzag, zigzag_merge, zigzag_positions, zigzag_split
 
 __all__ = ["ContextGroup", "CpBytes", "allgather_attention", "allgather_attention_bytes", "check_zigzag",
-           "context_group_ranks", "ring_attention", "ring_attention_bytes",
+           "ring_attention", "ring_attention_bytes",
            "zigzag_merge", "zigzag_positions", "zigzag_split"]

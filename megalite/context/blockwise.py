@@ -131,7 +131,7 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask) -> tuple[Tensor, Tensor]:
-    import kernels  # the top-level kernel package; importing it does not import Triton
+    import megalite.kernels as kernels  # importing it does not import Triton
 
     causal, positions = _flash_mask(keep)
     out, lse = kernels.flash_attention_block(_seq_major(q), _seq_major(k), _seq_major(v), causal, scale, positions)
@@ -140,7 +140,7 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask) ->
 
 def _flash_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, scale: float,
                     keep: Mask) -> tuple[Tensor, Tensor, Tensor]:
-    import kernels
+    import megalite.kernels as kernels
 
     causal, positions = _flash_mask(keep)
     dq, dk, dv = kernels.flash_attention_block_backward(

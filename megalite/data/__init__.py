@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Union
 
 from megalite.data.demo import default_cache_dir, prepare_demo_data
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, split_documents
@@ -16,6 +16,9 @@ from megalite.data.preprocess import preprocess
 from megalite.data.sampler import DataSampler, make_batch
 from megalite.data.tokenizer import Tokenizer, document_ids, load_tokenizer, train_tokenizer
 from megalite.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from megalite.config.schema import Config
 
 Dataset = Union[GPTDataset, BlendedDataset]
 
@@ -39,7 +42,7 @@ def _blend(parts: list[GPTDataset], weights: list[float]) -> Dataset:
     return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights)
 
 
-def build_data(cfg: Any) -> DataBundle:
+def build_data(cfg: Config) -> DataBundle:
     """Datasets and tokenizer for `cfg` (reads cfg.data.*, cfg.model.seq_len, cfg.train.seed only).
 
     Empty `data.path` -> the embedded demo corpus (built once, cached). Several paths -> a blend with

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from megalite.checkpoint.files import open_no_link, refuse_link
+from megalite.atomic import open_no_link, refuse_link
 from megalite.errors import DataError
 
 MAGIC = b"MGLTIDX\x00"

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.context import ring_attention
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops
+from megalite.model.spec import ModelSpec
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
@@ -53,7 +54,7 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
         super().__init__()
         h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         if nh % state.tp or nkv % state.tp:
@@ -102,7 +103,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.state, self.ops, self.gated = state, ops, cfg.arch == "llama"
@@ -120,7 +121,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)

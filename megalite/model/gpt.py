@@ -21,6 +21,7 @@ from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, Norm
 from megalite.model.ops import get_ops, resolve_kernels
+from megalite.model.spec import ModelSpec
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
 from megalite.parallel.random import RNGStreams
@@ -38,7 +39,7 @@ class GPT(nn.Module):
     """A GPT stage. `forward(ids, labels)` returns the per-token loss [B, S] on the last stage (fp32),
     else the hidden states to send to the next stage."""
 
-    def __init__(self, cfg, state: ParallelState, seed: int, rng: RNGStreams | None = None,
+    def __init__(self, cfg: ModelSpec, state: ParallelState, seed: int, rng: RNGStreams | None = None,
                  layers: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:

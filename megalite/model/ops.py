@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -126,21 +126,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
     if rep > 1 and not _SDPA_HAS_GQA:
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
-    gqa = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
+    gqa: dict[str, Any] = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), **gqa)
-    return out.transpose(1, 2)
-
-
-def attention_repeat_kv(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """The same attention with K/V heads repeated before SDPA (the pre-2.5 path), kept as a baseline
-    for bench/gpu_bench.py's flash-vs-SDPA table."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
     return out.transpose(1, 2)
 
 
@@ -192,7 +180,7 @@ def get_ops(kind: str) -> Ops:
         return TORCH_OPS
     if kind == "triton":
         try:
-            import kernels
+            from megalite import kernels
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ConfigError(f"model.kernels=triton but the kernels package failed to import: {e}") from e
         if not kernels.available():

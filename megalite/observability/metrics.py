@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megalite.checkpoint.files import open_no_link, refuse_link, write_atomic
+from megalite.atomic import open_no_link, refuse_link, write_atomic
 from megalite.errors import ConfigError
 from megalite.observability.tracking import Tracker
 from megalite.untrusted import loads_json

@@ -18,9 +18,9 @@ import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from megalite.checkpoint.files import write_atomic
+from megalite.atomic import write_atomic
 from megalite.errors import ConfigError
 
 RUN_ID_FILE = "wandb_run_id"
@@ -42,7 +42,7 @@ def has_wandb_credentials(env: Mapping[str, str], netrc_path: Path | None = None
         return False
 
 
-def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> str | None:
+def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> Literal["online", "offline"] | None:
     """The `mode` to pass to `wandb.init`: None to honour a user-set WANDB_MODE, else offline
     without credentials and online with them."""
     if env.get("WANDB_MODE"):

@@ -103,7 +103,7 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, numbers.Integral) and value >= 1):
+            if value is not None and not (isinstance(value, numbers.Integral) and int(value) >= 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer; pass "
                                   f"--{name.replace('_', '-')} 1 or more")
         if self.zero not in (0, 1, 2, 3):

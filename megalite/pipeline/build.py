@@ -11,6 +11,7 @@ from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.engine import PipelineEngine
 from megalite.pipeline.partition import chunk_virtual_stages, virtual_stage_layers
+from megalite.pipeline.schedules import V_SHAPED, layout_problems
 
 
 def build_pipeline(model_cfg, state: ParallelState, seed: int, micro_batch_size: int, dtype: torch.dtype,
@@ -21,9 +22,9 @@ def build_pipeline(model_cfg, state: ParallelState, seed: int, micro_batch_size:
     rng = rng or RNGStreams(seed, state)
     ranges = virtual_stage_layers(model_cfg.num_layers, state.pp, vpp, pp_layers)
     num_stages = len(ranges)
-    v_shape = schedule == "zbv"
-    if v_shape and vpp != 2:
-        raise ConfigError(f"parallel.schedule=zbv places exactly 2 chunks per rank: set parallel.vpp=2 (got {vpp})")
+    v_shape = schedule in V_SHAPED
+    if v_shape and (problems := layout_problems(schedule, state.pp, vpp)):
+        raise ConfigError("; ".join(problems))
     stages = chunk_virtual_stages(state.pp_rank, state.pp, vpp, v_shape)
     chunks: list[nn.Module] = [GPT(model_cfg, state, seed, rng=rng, layers=ranges[vs], pre_process=vs == 0,
                                    post_process=vs == num_stages - 1).to(state.device) for vs in stages]
