@@ -168,6 +168,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         for step in range(start_step, tr.steps):
             done = step + 1
             faults.at_step_start(done)
+            r.checkpoints.poll(logger.note)  # a background save that finished: reported, or its error raised
             watchdog.begin_step(done)
             state.counter.reset()
             written.start()
@@ -189,13 +190,14 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
             watchdog.end_step()
             stopping = stop.agreed(state)
             if r.checkpoints.due(done, tr.steps) or stopping:
-                saved = r.checkpoints.save(done)
+                saved = r.checkpoints.save(done, logger.note)
                 if saved is not None:
                     logger.note(f"saved checkpoint {saved}")
             if stopping:
                 logger.note(f"stop requested by signal: exiting cleanly after step {done}")
                 break
     finally:
+        r.checkpoints.finish(logger.note, quiet=sys.exc_info()[0] is not None)  # the save in flight, if any
         watchdog.close()
         tracker.finish()
         claim.release()
