@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--from torchtitan: the model's dims (a JSON file of torchtitan's model args: dim, "
                         "n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, ffn_dim_multiplier, norm_eps, "
                         "rope_theta, max_seq_len); default: the 'model_args.json' megalite writes next to its output")
+    p.add_argument("--torchtitan-fused-qkv", action="store_true",
+                   help="--to torchtitan: for a model built with fuse_qkv=True (its optimizer state is of the fused wqkv)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from megalite.checkpoint.interop.torchtitan import to_torchtitan
 
-        to_torchtitan(source, out)
+        to_torchtitan(source, out, fused_qkv=args.torchtitan_fused_qkv)
         where = " (torchtitan DCP)"
     print(f"wrote {out}{where}", file=sys.stderr)
     return 0

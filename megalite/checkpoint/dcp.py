@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from megalite.checkpoint.files import fsync_dir, inside, sha256, temp_name
+from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
 
@@ -51,8 +51,9 @@ def _one_process() -> Iterator[None]:
         yield
 
 
-def save_dcp(out: Path, state_dict: dict[str, Any]) -> Path:
-    """`dcp.save` into a temporary directory next to `out`, add the checksums, rename to `out`."""
+def save_dcp(out: Path, state_dict: dict[str, Any], side_files: dict[str, str] | None = None) -> Path:
+    """`dcp.save` into a temporary directory next to `out`, add `side_files` (name -> text) and the checksums,
+    rename to `out`."""
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"output {out} already exists: choose a new directory or delete it first")
@@ -61,10 +62,12 @@ def save_dcp(out: Path, state_dict: dict[str, Any]) -> Path:
         tmp.mkdir(parents=True)
         with _one_process():
             dcp.save(state_dict, checkpoint_id=str(tmp), no_dist=True)
+        for name, text in (side_files or {}).items():
+            (tmp / name).write_text(text)
+            fsync_file(tmp / name)
         sums = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / SUMS).write_text(json.dumps(sums, indent=1))
-        with open(tmp / SUMS, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_file(tmp / SUMS)
         os.replace(tmp, out)
         fsync_dir(out.parent)
     except BaseException as e:
