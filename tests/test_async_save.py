@@ -134,6 +134,7 @@ def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path: Pa
     assert blocker.read_text() == "not a directory"
 
 
+@pytest.mark.timeout(900)  # three 2-process runs
 def test_two_ranks_kill_9_mid_write_resumes_from_the_last_complete_and_matches_sync(demo_cache_dir: str,
                                                                                    tmp_path: Path) -> None:
     """2 processes (dp 2). Sync run vs async run killed (SIGKILL on rank 1) during step 4's write, after its file
@@ -181,3 +182,11 @@ def test_sigterm_waits_for_the_save_in_flight(demo_cache_dir: str, tmp_path: Pat
     assert f"saved checkpoint {ckpt / name}" in out + err
     assert not list(ckpt.glob("*.tmp"))
 
+
+
+def test_bench_smoke_writes_its_table(tmp_path: Path) -> None:
+    from bench.async_save import main as bench
+
+    assert bench(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    assert "loop blocked per save" in (tmp_path / "async_save_smoke.md").read_text()
+    assert json.loads((tmp_path / "async_save_smoke.json").read_text())["host_buffer_bytes"] > 0
