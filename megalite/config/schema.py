@@ -108,6 +108,8 @@ class CheckpointConfig:
     interval: int = _f(0, "steps between saves; 0 = only at the end (when dir is set)")
     load: str = _f("", '"" (resume from the newest in dir if any) | "none" | "latest" | a checkpoint directory')
     keep: int = _f(3, "most recent checkpoints kept in dir (older ones are deleted)")
+    async_save: bool = _f(False, "copy the tensors to host memory and write them in a background thread while "
+                          "training goes on (at most one save in flight; same files and guarantees)")
 
 
 @dataclass

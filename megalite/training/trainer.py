@@ -199,6 +199,7 @@ def _train(cfg: config_mod.Config, r: Run, resumed_from: str | None,
         for step in range(start_step, tr.steps):
             done = step + 1
             faults.at_step_start(done)
+            r.checkpoints.poll(logger.note)  # a background save that finished: reported, or its error raised
             watchdog.begin_step(done)
             state.counter.reset()
             written.start()
@@ -220,13 +221,14 @@ def _train(cfg: config_mod.Config, r: Run, resumed_from: str | None,
             watchdog.end_step()
             stopping = stop.agreed(state)
             if r.checkpoints.due(done, tr.steps) or stopping:
-                saved = r.checkpoints.save(done)
+                saved = r.checkpoints.save(done, logger.note)
                 if saved is not None:
                     logger.note(f"saved checkpoint {saved}")
             if stopping:
                 logger.note(f"stop requested by signal: exiting cleanly after step {done}")
                 break
     finally:
+        r.checkpoints.finish(logger.note, quiet=sys.exc_info()[0] is not None)  # the save in flight, if any
         watchdog.close()
         tracker.finish()
     optimizer.finish_param_sync()  # no parameter gather left in flight when the process group goes
