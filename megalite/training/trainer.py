@@ -139,7 +139,14 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     _, world_size, local_rank = launcher_env()
     check_memory(cfg, world_size, local_rank)
-    stop = StopFlag()  # from here on SIGTERM/SIGUSR1 end the run cleanly, even before step 1
+    # From here on Ctrl-C/SIGTERM/SIGUSR1 end the run cleanly, even before step 1; the caller's handlers
+    # come back when the run ends.
+    with StopFlag(saves=bool(cfg.checkpoint.dir), rank=launcher_rank()) as stop:
+        return _train(cfg, stop, malloc_note)
+
+
+def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+    tr = cfg.train
     r = build_run(cfg)
     state, optimizer = r.state, r.optimizer
     resumed_from, start_step = r.checkpoints.resume()
@@ -164,6 +171,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
     written = WrittenBytes(state.device.type)  # what this process wrote to its sockets during each step
     last: dict[str, float] = {}
+    stop.started(start_step)
     try:  # the watchdog thread and the wandb run must end with this function, even on an error
         for step in range(start_step, tr.steps):
             done = step + 1
@@ -187,7 +195,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                 logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written))
             samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             watchdog.end_step()
-            stopping = stop.agreed(state)
+            stopping = stop.agreed(state, done)
             if r.checkpoints.due(done, tr.steps) or stopping:
                 saved = r.checkpoints.save(done)
                 if saved is not None:
@@ -226,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return report(e, "megalite: error")
     except OSError as e:  # e.g. a full disk for the logs: one line too
         return report(from_os_error(e), "megalite: error")
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers exist (startup, --check-config)
+        if launcher_rank() == 0:
+            print("megalite: interrupted (Ctrl-C) before training started: nothing trained or saved",
+                  file=sys.stderr)
+        return 130
     return 0
 
 
