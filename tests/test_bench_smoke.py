@@ -90,3 +90,18 @@ def test_dist_compare_smoke(tmp_path: Path) -> None:
     sp = rows["tp-sp"]["megalite"]
     assert all(w > c for w, c in zip(sp["written_bytes_per_step"], sp["counted_bytes_per_step"]))
     assert "DTensor TP+SP" in (tmp_path / "dist_compare_smoke.md").read_text()
+
+
+def test_threads_smoke_reports_every_configuration(tmp_path: Path) -> None:
+    from megalite.runtime.threads import available_cores
+
+    _run([sys.executable, "bench/threads.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+    res = json.loads((tmp_path / "threads_smoke.json").read_text())
+    cores = available_cores()
+    assert res["cores"] == cores
+    got = {(r["processes"], r["threads"], r["policy"]) for r in res["rows"]}
+    assert got == {(2, t, p) for t in {1, max(1, cores // 2), cores} for p in ("default", "PASSIVE")}
+    (default,) = [r for r in res["rows"] if r["is_default"]]
+    assert (default["threads"], default["policy"], default["vs_default"]) == (max(1, cores // 2), "PASSIVE", 1.0)
+    assert all(r["step_s"]["min"] > 0 and r["cpu_s_per_step"]["min"] > 0 for r in res["rows"])
+    assert "megalite default" in (tmp_path / "threads_smoke.md").read_text()

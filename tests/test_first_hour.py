@@ -82,3 +82,35 @@ def test_different_model_in_the_directory_names_both_fixes(demo_cache_dir: str, 
     assert main([*base, "--train.steps", "2", "--model.hidden_size", "32", "--logging.dir", str(tmp_path / "b")]) == 4
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "its own --checkpoint.dir" in err and "drop these flags" in err, err
+
+
+def test_preprocess_workers_default_to_the_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tools.preprocess_data as tool
+    from megalite.runtime.threads import available_cores
+
+    seen: dict[str, int] = {}
+    monkeypatch.setattr(tool, "preprocess", lambda *a, **k: seen.update(workers=k["workers"]) or "p")
+    assert tool.main(["--input", "x", "--tokenizer", "t", "--output-prefix", str(tmp_path / "o")]) == 0
+    assert seen["workers"] == available_cores()
+    assert tool.main(["--input", "x", "--tokenizer", "t", "--output-prefix", "o", "--workers", "1"]) == 0
+    assert seen["workers"] == 1
+
+
+def test_progress_rate_counts_from_the_first_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool that takes 60 s to start and then does 10 docs/s shows "starting", then 10 docs/s, never the
+    0.0 docs/s (or the ETA) that counting from the start would give."""
+    import io
+
+    from megalite.observability import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    bar = progress.Progress(total=1000, desc="tokenizing", unit="docs", stream=out, min_interval=0.0)
+    assert out.getvalue().splitlines() == ["tokenizing: 0/1000 docs  starting  elapsed 0:00:00"]
+    clock[0] = 60.0
+    bar.update()
+    assert "first after 60.0 s" in bar.line()
+    clock[0] = 70.0
+    bar.update(100)
+    assert "10.0 docs/s (first after 60.0 s)" in bar.line() and "ETA 0:01:29" in bar.line()

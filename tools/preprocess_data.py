@@ -2,13 +2,13 @@
 
     python tools/preprocess_data.py --input a.txt b.txt --tokenizer tok.model --output-prefix data/mine
     python tools/preprocess_data.py --input corpus.jsonl --json-key text --tokenizer tokenizer.json \\
-        --output-prefix data/mine --workers 8
+        --output-prefix data/mine
 
 --tokenizer is a SentencePiece .model, a Hugging Face tokenizer.json (or a model directory holding one) or
 a tiktoken encoding file; the kind is read from the file. Each document is followed by the tokenizer's
 end-of-document id (and preceded by BOS where the tokenizer's convention adds one: --add-bos/--no-add-bos
 overrides). Vocabularies above 65,536 ids are stored as uint32. The output is byte-identical for any
---workers. Train with `--data.path data/mine --data.tokenizer tokenizer.json`.
+--workers (default: one per core; more workers than cores only compete for them). Train with `--data.path data/mine --data.tokenizer tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.preprocess import preprocess  # noqa: E402
+from megalite.runtime.threads import available_cores  # noqa: E402
 from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "preprocess"]
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default=None, metavar="K", help="inputs are JSON lines; documents are obj[K]")
     p.add_argument("--split-paragraphs", action="store_true",
                    help="text inputs: one document per blank-line-separated paragraph")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tokenizer processes (default: the cores this process may use; more than that is slower)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.workers is None:
+        args.workers = available_cores()
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers} must be >= 1")
     prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,

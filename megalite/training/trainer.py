@@ -36,6 +36,7 @@ from megalite.parallel.state import ParallelState, init_distributed, launcher_en
 from megalite.pipeline import build_pipeline
 from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
+from megalite.runtime.threads import configure_threads, local_processes
 from megalite.runtime.watchdog import Watchdog
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
@@ -138,6 +139,8 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     tr = cfg.train
     malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     _, world_size, local_rank = launcher_env()
+    # Intra-op threads = cores / processes on this machine unless OMP_NUM_THREADS says (runtime/threads.py).
+    malloc_note += " | " + configure_threads(local_processes(world_size))
     check_memory(cfg, world_size, local_rank)
     # From here on Ctrl-C/SIGTERM/SIGUSR1 end the run cleanly, even before step 1; the caller's handlers
     # come back when the run ends.
