@@ -152,6 +152,8 @@ def main() -> None:
         for p, policy in groups[r % len(groups):] + groups[:r % len(groups)]:  # rotate the order each repeat
             for t, m in run_group(p, policy, thread_counts(cores, p), a).items():
                 samples.setdefault((p, t, policy), []).append(m)
+                print(f"repeat {r + 1}/{a.repeats}: P={p} T={t} {policy}: {m['step_s']:.4f} s/step, "
+                      f"{m['cpu_s_per_step']:.4f} CPU s/step", file=sys.stderr, flush=True)
     rows = []
     for (p, t, policy), ms in sorted(samples.items()):
         rows.append({"processes": p, "threads": t, "policy": policy,
