@@ -9,7 +9,7 @@ step time of a process and the CPU seconds it burnt per step (all its threads), 
 compare configurations side by side, not with another day's run.
 
     python bench/threads.py                       # P in 1,2,4; T in 1, cores/P, cores; both policies
-    python bench/threads.py --smoke               # P = 2, tiny dims: two worker pairs started
+    python bench/threads.py --smoke               # P = 1, tiny dims: one worker per wait policy
     python bench/threads.py --out bench/results   # update the published table
 """
 
@@ -134,14 +134,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--smoke", action="store_true", help="P = 2 only; 2 steps, 1 repeat, tiny dims")
+    ap.add_argument("--smoke", action="store_true", help="P = 1 only; 2 steps, 1 repeat, tiny dims")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
     a = ap.parse_args()
     if a.worker:
         worker([int(t) for t in a.thread_counts.split(",")], a.steps, a.warmup, a.tokens, a.hidden, a.layers)
         return
     if a.smoke:
-        a.processes, a.steps, a.warmup, a.repeats, a.tokens, a.hidden, a.layers = "2", 2, 1, 1, 64, 32, 1
+        a.processes, a.steps, a.warmup, a.repeats, a.tokens, a.hidden, a.layers = "1", 2, 1, 1, 64, 32, 1
     from megalite.runtime.threads import available_cores
 
     cores = available_cores()
