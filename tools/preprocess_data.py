@@ -2,13 +2,13 @@
 
     python tools/preprocess_data.py --input a.txt b.txt --tokenizer tok.model --output-prefix data/mine
     python tools/preprocess_data.py --input corpus.jsonl --json-key text --tokenizer tokenizer.json \\
-        --output-prefix data/mine --workers 8
+        --output-prefix data/mine
 
 --tokenizer is a SentencePiece .model, a Hugging Face tokenizer.json (or a model directory holding one) or
 a tiktoken encoding file; the kind is read from the file. Each document is followed by the tokenizer's
 end-of-document id (and preceded by BOS where the tokenizer's convention adds one: --add-bos/--no-add-bos
 overrides). Vocabularies above 65,536 ids are stored as uint32. The output is byte-identical for any
---workers. Train with `--data.path data/mine --data.tokenizer tokenizer.json`.
+--workers (default: one per core; more workers than cores only compete for them). Train with `--data.path data/mine --data.tokenizer tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
 from megalite.data.documents import Replacements  # noqa: E402
 from megalite.data.indexed import strip_suffix  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
+from megalite.runtime.threads import available_cores  # noqa: E402
 from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "preprocess"]
@@ -41,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default=None, metavar="K", help="inputs are JSON lines; documents are obj[K]")
     p.add_argument("--split-paragraphs", action="store_true",
                    help="text inputs: one document per blank-line-separated paragraph")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help=f"tokenizer processes (default 1; at most {max_workers()}, 4 per core)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help=f"tokenizer processes (default: the cores this process may use; more than that is slower; "
+                        f"at most {max_workers()}, 4 per core)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -56,6 +58,8 @@ def max_workers() -> int:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.workers is None:
+        args.workers = available_cores()
     if not 1 <= args.workers <= max_workers():
         raise ConfigError(f"--workers {args.workers} must be between 1 and {max_workers()} (4 per core on this "
                           "machine)")

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
@@ -63,10 +62,12 @@ def build_data(cfg: Config) -> DataBundle:
     # vocab_size= makes IndexedDataset reject data holding ids the tokenizer does not have.
     indexed = [IndexedDataset(p, vocab_size=tokenizer.vocab_size) for p in paths]
     for ix in indexed:
+        # Another vocabulary size means another tokenizer: its ids would be read as other tokens (the
+        # range check above only catches ids past the end), so the run is refused, not warned about.
         if ix.vocab_size and ix.vocab_size != tokenizer.vocab_size:
-            warnings.warn(f"{ix.prefix!r} was preprocessed with a tokenizer of {ix.vocab_size} ids, but "
-                          f"data.tokenizer has {tokenizer.vocab_size}: check that it is the same tokenizer",
-                          stacklevel=2)
+            raise DataError(f"{ix.prefix!r} was preprocessed with a tokenizer of {ix.vocab_size} ids, but "
+                            f"data.tokenizer {tokenizer.path!r} has {tokenizer.vocab_size}: pass the tokenizer the "
+                            "data was made with, or preprocess it again with this one")
     weights = list(data.weights) or [float(ix.num_tokens) for ix in indexed]
     if len(weights) != len(indexed):
         raise ConfigError(f"data.weights has {len(weights)} entries for {len(indexed)} paths in data.path: give "

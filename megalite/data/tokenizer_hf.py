@@ -48,6 +48,9 @@ class HFTokenizer:
         self.path = path
         self.backend.encode_special_tokens = True
         vocab = self.backend.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise DataError(f"tokenizer {path!r} has an empty vocabulary: train it (tools/train_tokenizer.py "
+                            "--kind hf) or pass another tokenizer.json")
         self.vocab_size: int = max(vocab.values()) + 1
         config = self._config(Path(path).with_name("tokenizer_config.json"))
         eod_text = _token_text(config.get("eos_token")) or next((t for t in EOD_CANDIDATES if t in vocab), None)

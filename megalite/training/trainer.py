@@ -38,6 +38,7 @@ from megalite.parallel.state import ParallelState, init_distributed, launcher_en
 from megalite.pipeline import build_pipeline
 from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
+from megalite.runtime.threads import configure_threads, local_processes
 from megalite.runtime.watchdog import Watchdog
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
@@ -152,8 +153,17 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     tr = cfg.train
     malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     _, world_size, local_rank = launcher_env()
+    # Intra-op threads = cores / processes on this machine unless OMP_NUM_THREADS says (runtime/threads.py).
+    malloc_note += " | " + configure_threads(local_processes(world_size))
     check_memory(cfg, world_size, local_rank)
-    stop = StopFlag()  # from here on SIGTERM/SIGUSR1 end the run cleanly, even before step 1
+    # From here on Ctrl-C/SIGTERM/SIGUSR1 end the run cleanly, even before step 1; the caller's handlers
+    # come back when the run ends.
+    with StopFlag(saves=bool(cfg.checkpoint.dir), rank=launcher_rank()) as stop:
+        return _train(cfg, stop, malloc_note)
+
+
+def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+    tr = cfg.train
     r = build_run(cfg)
     state = r.state
     resumed_from, start_step = r.checkpoints.resume()
@@ -195,6 +205,7 @@ def _train(cfg: config_mod.Config, r: Run, resumed_from: str | None,
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
     written = WrittenBytes(state.device.type)  # what this process wrote to its sockets during each step
     last: dict[str, float] = {}
+    stop.started(start_step)
     try:  # the watchdog thread and the wandb run must end with this function, even on an error
         for step in range(start_step, tr.steps):
             done = step + 1
@@ -219,7 +230,7 @@ def _train(cfg: config_mod.Config, r: Run, resumed_from: str | None,
                 logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written))
             samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             watchdog.end_step()
-            stopping = stop.agreed(state)
+            stopping = stop.agreed(state, done)
             if r.checkpoints.due(done, tr.steps) or stopping:
                 saved = r.checkpoints.save(done, logger.note)
                 if saved is not None:
@@ -258,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         return report(e, "megalite: error")
     except OSError as e:  # e.g. a full disk for the logs: one line too
         return report(from_os_error(e), "megalite: error")
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers exist (startup, --check-config)
+        if launcher_rank() == 0:
+            print("megalite: interrupted (Ctrl-C) before training started: nothing trained or saved",
+                  file=sys.stderr)
+        return 130
     return 0
 
 
