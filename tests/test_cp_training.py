@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.context import ring_attention_bytes
+from megalite.context import ContextOptions, cp_attention_bytes
 from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
@@ -85,14 +85,16 @@ def assert_params_match(opt, st: ParallelState, chunks: list[nn.Module], ref: GP
 
 
 def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, arch: str,
-                       recompute: str = "none", schedule: str = "1f1b") -> dict[str, float]:
+                       recompute: str = "none", schedule: str = "1f1b", mode: str = "ring") -> dict[str, float]:
     st = layout(tp, pp, sp=sp, cp=cp)
-    what = f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute} {schedule}"
+    what = (f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute} {schedule} "
+            f"cp_mode={mode}")
     vpp = 2 if schedule == "zbv" else 1
     cfg = tiny_model_cfg(arch, seq_len=SEQ, recompute=recompute, num_layers=2 * pp)
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
     ref, ref_results = reference_run(cfg, data)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule,
+                            context=ContextOptions.of(mode))
     chunks = engine.chunks
     model = chunks[0] if vpp == 1 else nn.ModuleList(chunks)
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
@@ -107,9 +109,10 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
         # Adam is nearly blind to a gradient's scale; the norm is not (a wrong average over cp doubles it).
         assert abs(got.grad_norm - norm) <= 1e-5 * norm, f"{what}: step {i} grad norm {got.grad_norm} != {norm}"
     assert_params_match(opt, st, chunks, ref, what)
-    # 'cp' is exactly the ring's traffic: each layer of this stage, each micro-batch, each step (full
-    # recompute runs each block's forward, and so its ring, twice).
-    ring = ring_attention_bytes(MICRO, SEQ, cfg.num_kv_heads // tp, cfg.hidden_size // cfg.num_heads, cp, 4)
+    # 'cp' is exactly the mode's attention traffic: each layer of this stage, each micro-batch, each step (full
+    # recompute runs each block's forward, and so its ring / gather / all-to-all, twice).
+    ring = cp_attention_bytes(mode, MICRO, SEQ, cfg.num_heads // tp, cfg.num_kv_heads // tp,
+                              cfg.hidden_size // cfg.num_heads, cp, 4)
     per_call = ring.total + (ring.forward if recompute == "full" else 0)
     layers = sum(len(c.layers) for c in chunks)
     assert cp_bytes == STEPS * M * layers * per_call, f"{what}: cp bytes {cp_bytes}"
@@ -147,6 +150,22 @@ CASES = [  # world, tp, cp, pp, sp, zero, arch, recompute
 def test_cp_training_matches_single_process(dist_world, world: int, tp: int, cp: int, pp: int, sp: bool,
                                             zero: int, arch: str, recompute: str) -> None:
     counted = dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, recompute)
+    assert all(c.get("cp", 0) > 0 for c in counted)
+
+
+# The other cp modes (parallel.cp_mode) at cp = 4, beside tp + sp, beside pp; a2a under both recomputes (its
+# selective recompute checkpoints the attention core between the two all-to-alls: no extra cp bytes).
+MODE_CASES = [(mode, *case) for mode in ("allgather", "a2a") for case in (
+    (4, 1, 4, 1, False, 0, "gpt2", "none"),
+    (4, 2, 2, 1, True, 0, "llama", "none"),
+    (4, 1, 2, 2, False, 1, "gpt2", "none"),
+)] + [("a2a", 2, 1, 2, 1, False, 0, "llama", "full"), ("a2a", 2, 1, 2, 1, False, 0, "llama", "selective")]
+
+
+@pytest.mark.parametrize("mode,world,tp,cp,pp,sp,zero,arch,recompute", MODE_CASES)
+def test_cp_modes_train_like_single_process(dist_world, mode: str, world: int, tp: int, cp: int, pp: int, sp: bool,
+                                            zero: int, arch: str, recompute: str) -> None:
+    counted = dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, recompute, "1f1b", mode)
     assert all(c.get("cp", 0) > 0 for c in counted)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context import ring_attention
+from megalite.context import ContextOptions, context_attention
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
@@ -53,8 +53,10 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int,
+                 context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
+        self.context = context
         h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         if nh % state.tp or nkv % state.tp:
             raise ValueError(f"num_heads={nh} and num_kv_heads={nkv} must both be divisible by tp={state.tp}")
@@ -88,17 +90,21 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.project(x, cos[:s], sin[:s])
         if self.state.cp > 1:
-            # Context parallelism: this rank's queries against the whole sequence's K/V passed around the
-            # cp ring (each block pair on the torch block math or the Triton flash kernel). Its backward keeps only q, k, v, the output
-            # and the log-sum-exp and recomputes the scores block by block, which is what selective
-            # recompute saves, so it is not checkpointed again (no second forward, no extra cp bytes).
-            o = ring_attention(q, k, v, self.state, backend=self.ops.block_backend)
-        elif self.selective and torch.is_grad_enabled():
-            # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
-            o = checkpoint(self.ops.attention, q, k, v, use_reentrant=False)
+            # Context parallelism (parallel.cp_mode): ring / allgather compute block pairs (torch block math
+            # or the Triton flash kernel) whose backward keeps only q, k, v, the output and the log-sum-exp
+            # and recomputes the scores block by block, which is what selective recompute saves, so they are
+            # not checkpointed again (no second forward, no extra cp bytes); a2a runs `_core` on heads/cp.
+            o = context_attention(q, k, v, self.state, self.context, self._core, self.ops.block_backend)
         else:
-            o = self.ops.attention(q, k, v)
+            o = self._core(q, k, v)
         return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over whole sequences in position order (the model's kernel)."""
+        if self.selective and torch.is_grad_enabled():
+            # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
+            return checkpoint(self.ops.attention, q, k, v, use_reentrant=False)
+        return self.ops.attention(q, k, v)
 
 
 class MLP(nn.Module):
@@ -120,11 +126,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int) -> None:
+    def __init__(self, cfg, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
+                 context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.attn = Attention(cfg, state, ops, f"{name}.attn", seed)
+        self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context)
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
         self.dropout, self.rng, self.sp = cfg.dropout, rng, state.sp

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context import zigzag_positions
+from megalite.context import ContextOptions, zigzag_positions
 from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
@@ -39,7 +39,8 @@ class GPT(nn.Module):
     else the hidden states to send to the next stage."""
 
     def __init__(self, cfg, state: ParallelState, seed: int, rng: RNGStreams | None = None,
-                 layers: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True,
+                 context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
@@ -57,7 +58,8 @@ class GPT(nn.Module):
                                                     name="embedding", seed=seed, std=cfg.init_std)
             if cfg.arch == "gpt2":
                 self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
-        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context)
+                                     for i in self.layer_ids})
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
         if post_process:
