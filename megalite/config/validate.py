@@ -240,9 +240,11 @@ def _cp_mode_problems(cfg: Config) -> list[str]:
     heads, kv = m.num_heads // p.tp, m.num_kv_heads // p.tp
     if heads % p.cp == 0 and kv % p.cp == 0:
         return []
+    fit = math.gcd(heads, kv)
+    other = f", or a cp dividing {fit}" if fit > 1 else ""
     return [f"parallel.cp_mode=a2a splits each tp rank's {heads} query and {kv} kv heads (num_heads "
             f"{m.num_heads}, num_kv_heads {m.num_kv_heads} over tp {p.tp}) into cp = {p.cp} equal groups: both "
-            f"must be divisible by cp; use cp_mode=ring or allgather, or a cp dividing {math.gcd(heads, kv)}"]
+            f"must be divisible by cp; use cp_mode=ring or allgather{other}"]
 
 
 def _batch_problems(cfg: Config) -> list[str]:
