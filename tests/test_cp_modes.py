@@ -24,6 +24,7 @@ from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import PRESETS, Layout, Precision, estimate
 from tests.test_context_parallel import TOL, _problem, _reference
+from tests.test_cp_training import problems
 
 SEQ_TOKENS = 2 * 4 * 3  # splits into 2 cp chunks at cp = 4
 
@@ -61,15 +62,6 @@ def test_a2a_refuses_heads_that_do_not_split() -> None:
 
 
 def test_validation_explains_the_a2a_head_rule() -> None:
-    from megalite.config import parse_args, resolve, validate
-
-    def problems(world: int, *flags: str) -> str:
-        try:
-            validate(resolve(parse_args(list(flags)), world), world)
-        except ConfigError as e:
-            return str(e)
-        return ""
-
     base = ("--parallel.cp_mode", "a2a", "--model.seq_len", "32", "--model.num_heads", "8")
     assert problems(4, *base, "--parallel.cp", "2", "--parallel.tp", "2", "--model.num_kv_heads", "4") == ""
     msg = problems(4, *base, "--parallel.cp", "4", "--model.num_kv_heads", "2")

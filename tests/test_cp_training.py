@@ -174,17 +174,19 @@ def test_cp_with_zero_bubble_v_schedule(dist_world) -> None:
     dist_world(4).run(_check_cp_training, 1, 2, 2, False, 0, "llama", "none", "zbv")
 
 
-def test_validation_accepts_cp_layouts_and_names_bad_splits() -> None:
-    """cp composes with tp + sp (no refusal); a sequence that does not split is one clear line."""
+def problems(world: int, *flags: str) -> str:
+    """The validation's message for these pretrain flags at `world` ranks ("" when valid)."""
     from megalite.config import parse_args, resolve, validate
 
-    def problems(world: int, *flags: str) -> str:
-        try:
-            validate(resolve(parse_args(list(flags)), world), world)
-        except ConfigError as e:
-            return str(e)
-        return ""
+    try:
+        validate(resolve(parse_args(list(flags)), world), world)
+    except ConfigError as e:
+        return str(e)
+    return ""
 
+
+def test_validation_accepts_cp_layouts_and_names_bad_splits() -> None:
+    """cp composes with tp + sp (no refusal); a sequence that does not split is one clear line."""
     assert problems(4, "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "true", "--model.seq_len", "32") == ""
     assert problems(8, "--parallel.cp", "2", "--parallel.pp", "2", "--parallel.zero", "3", "--model.seq_len", "32",
                     "--train.global_batch_size", "32") == ""
