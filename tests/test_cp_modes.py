@@ -74,8 +74,8 @@ def test_validation_explains_the_a2a_head_rule() -> None:
 @pytest.mark.parametrize("mode", ["ring", "allgather", "a2a"])
 def test_estimator_cp_bytes_are_each_modes_closed_form(mode: str) -> None:
     """Per step: the closed form x layers of the stage x micro-batches (x 2 forwards under full recompute)."""
-    dims = replace(PRESETS["llama2-70b"], seq_len=32768)  # 64 heads, 8 kv heads
-    for lay in (Layout(tp=8, cp=4, sp=True, global_batch_size=4, cp_mode=mode),
+    dims = replace(PRESETS["llama2-70b"], seq_len=32768)  # 64 heads, 8 kv heads: 4 per tp rank at tp = 2
+    for lay in (Layout(tp=2, cp=4, sp=True, global_batch_size=4, cp_mode=mode),
                 Layout(tp=2, cp=4, pp=2, micro_batch_size=2, global_batch_size=8, recompute="full", cp_mode=mode)):
         prec = Precision.megalite("bf16")
         est = estimate(dims, lay, prec)
@@ -97,6 +97,8 @@ def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -
         assert est.cp_exposed_seconds == pytest.approx(est.comm_seconds["cp"], rel=1e-12)
     with pytest.raises(ConfigError, match="cp_mode='x'"):
         Layout(cp=2, cp_mode="x")
+    with pytest.raises(ConfigError, match="cp_mode=a2a at cp=8: 4 query and 4 kv heads per tp rank"):
+        estimate(dims, Layout(tp=8, cp=8, global_batch_size=2, cp_mode="a2a"))
 
 
 # ------------------------------------------------------------------ end to end, under torchrun

@@ -30,9 +30,18 @@ QKᵀ and PV, 2 FLOPs per multiply-add), twice that in backward.
 
 from __future__ import annotations
 
+from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 
 GRAD_BYTES = 4  # dK/dV partial sums travel in fp32 (megalite/context/costs.py)
+
+
+def check_cp_mode(dims: ModelDims, layout: Layout) -> None:
+    """a2a gives each cp rank 1/cp of a tp rank's query and kv heads: a ConfigError unless both split."""
+    heads, kv = dims.num_heads // layout.tp, dims.kv_heads // layout.tp
+    if layout.cp > 1 and layout.cp_mode == "a2a" and (heads % layout.cp or kv % layout.cp):
+        raise ConfigError(f"cp_mode=a2a at cp={layout.cp}: {heads} query and {kv} kv heads per tp rank are not both "
+                          f"divisible by cp; use cp_mode=ring or allgather, or a smaller cp (or tp)")
 
 
 def ring_bytes_per_call(dims: ModelDims, layout: Layout, elem_bytes: int) -> tuple[float, float]:
