@@ -102,6 +102,9 @@ class DataConfig:
     cache_dir: str = _f("", "empty = $MEGALITE_CACHE or ~/.cache/megalite")
     demo_max_bytes: int = _f(3_000_000, "bytes of the embedded demo corpus to use")
     demo_vocab_size: int = _f(2048, "vocabulary size of the demo tokenizer")
+    document_mask: bool = _f(False, "attend only within each document of a packed sample (the EOD tokens end them) "
+                                    "and restart positions at each document (Llama 3; Megatron's "
+                                    "--reset-attention-mask --reset-position-ids)")
 
 
 @dataclass

@@ -27,10 +27,11 @@ class ContextOptions:
     """`parallel.cp_mode` and `data.document_mask` as the model sees them (ignored at cp = 1 but the mask)."""
 
     mode: CpMode = "ring"
+    document_eod: int | None = None  # data.document_mask: the EOD token that ends each document; None = off
 
     @classmethod
-    def of(cls, mode: str) -> ContextOptions:
+    def of(cls, mode: str, document_eod: int | None = None) -> ContextOptions:
         """From the config's strings (validated there first; a ConfigError here for direct callers)."""
         if mode not in CP_MODES:
             raise ConfigError(f"parallel.cp_mode {mode!r}: choose one of {', '.join(CP_MODES)}")
-        return cls(mode=cast(CpMode, mode))
+        return cls(mode=cast(CpMode, mode), document_eod=document_eod)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.context import ContextOptions, zigzag_positions
+from megalite.context.documents import Documents, documents
 from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
@@ -45,6 +46,9 @@ class GPT(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
         self.cfg, self.state = cfg, state
+        self.document_eod = context.document_eod
+        if self.document_eod is not None and state.cp > 1:
+            raise ConfigError("data.document_mask is not supported with parallel.cp > 1 yet: use cp = 1")
         self.ops = get_ops(resolve_kernels(cfg.kernels, state.device))
         self.rng = rng or RNGStreams(seed, state)
         self.layer_ids = layers if layers is not None else range(cfg.num_layers)
@@ -83,6 +87,8 @@ class GPT(nn.Module):
             cos, sin = cos[positions], sin[positions]
         self.positions: torch.Tensor | None
         self.register_buffer("positions", positions, persistent=False)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -106,16 +112,20 @@ class GPT(nn.Module):
         """Tokens of each sequence this rank holds: seq_len / cp (its zigzag split) under context parallelism."""
         return self.cfg.seq_len // self.state.cp
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         assert self.embedding is not None
         if self.positions is not None and ids.shape[1] != self.local_seq_len():
             raise ValueError(f"context parallel: got {ids.shape[1]} tokens per sequence, expected this rank's "
                              f"zigzag split of seq_len {self.cfg.seq_len}: {self.local_seq_len()}")
         x = self.embedding(ids)  # [B, S/tp, H] under SP (reduce-scattered), else [B, S, H]
         if self.position is not None:
-            rows = self.position[: ids.shape[1]] if self.positions is None else self.position[self.positions]
+            if docs is not None:  # positions restart at each document: [B, S, H]
+                rows, seq_dim = self.position[docs.positions], 1
+            else:
+                seq_dim = 0
+                rows = self.position[: ids.shape[1]] if self.positions is None else self.position[self.positions]
             pos = rows.to(x.dtype)
-            x = x + (comm.split(pos, self.state, "tp", dim=0) if self.state.sp else pos)
+            x = x + (comm.split(pos, self.state, "tp", dim=seq_dim) if self.state.sp else pos)
         return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
 
     def _replayable(self, block: nn.Module):
@@ -126,14 +136,15 @@ class GPT(nn.Module):
         from them on the recompute, then put back whatever states the streams had reached meanwhile."""
         start, calls = self.rng.state_dict(), [0]
 
-        def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == 1:
-                return block(x, cos, sin)
+                return block(x, cos, sin, docs)
             now = self.rng.state_dict()
             self.rng.load_state_dict(start)
             try:
-                return block(x, cos, sin)
+                return block(x, cos, sin, docs)
             finally:
                 self.rng.load_state_dict(now)
 
@@ -141,17 +152,23 @@ class GPT(nn.Module):
 
     def forward(self, ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # Document masking needs the token ids on every stage (the pipeline engine gives them to each chunk).
+        docs = documents(ids, self.document_eod) if self.document_eod is not None and ids is not None else None
+        if self.document_eod is not None and docs is None:
+            raise ValueError("data.document_mask: every pipeline stage needs the token ids")
+        cos, sin = (self.cos, self.sin) if docs is None else (self.cos[docs.positions], self.sin[docs.positions])
+        doc_ids = None if docs is None else docs.ids
         if self.pre_process:
             assert ids is not None, "the first pipeline stage needs the token ids"
-            x = self.embed(ids).to(dtype)
+            x = self.embed(ids, docs).to(dtype)
         else:
             assert hidden is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
             x = hidden
         for block in self.layers.values():
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(self._replayable(block), x, self.cos, self.sin, use_reentrant=False)
+                x = checkpoint(self._replayable(block), x, cos, sin, doc_ids, use_reentrant=False)
             else:
-                x = block(x, self.cos, self.sin)
+                x = block(x, cos, sin, doc_ids)
         if not self.post_process:
             return x
         assert self.final_norm is not None and self.head is not None

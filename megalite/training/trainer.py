@@ -102,7 +102,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
-                            context=ContextOptions.of(par.cp_mode))
+                            context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None))
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
     optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
