@@ -107,6 +107,7 @@ def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -
     # 4 heads and 4 kv heads: 2 per tp rank, 1 per a2a rank
     ("a2a", ("--model.num_kv_heads", "4"), ("--parallel.tp", "2", "--parallel.sp", "true")),
     ("allgather", ("--train.global_batch_size", "8"), ("--parallel.pp", "2")),
+    ("ring", ("--data.document_mask", "true", "--train.global_batch_size", "8"), ()),  # EODs of the corpus; cp 2 x dp 2
 ])
 def test_pretrain_cp_mode_matches_single_process_and_the_estimate(mode: str, model: tuple[str, ...],
                                                                   flags: tuple[str, ...],

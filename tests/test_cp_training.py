@@ -120,7 +120,10 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
                               cfg.hidden_size // cfg.num_heads, cp, 4)
     per_call = ring.total + (ring.forward if recompute == "full" else 0)
     layers = sum(len(c.layers) for c in chunks)
-    assert cp_bytes == (STEPS * M * layers * per_call if cp > 1 else 0), f"{what}: cp bytes {cp_bytes}"
+    # Document masking: each chunk's forward also all-gathers the int64 token ids over cp (the documents of
+    # the whole sequence), every micro-batch.
+    ids_gather = (cp - 1) * MICRO * (SEQ // cp) * 8 * len(chunks) if eod is not None else 0
+    assert cp_bytes == STEPS * M * (layers * per_call + ids_gather), f"{what}: cp bytes {cp_bytes}"
     # 'dp' is exactly the gradient reduction over N = dp x cp (ZeRO shards over N as well).
     n = st.dp * cp
     psi, padded = _padded_size(model, zero if n > 1 else 0, n) if vpp == 1 else (_numel(model), _numel(model))

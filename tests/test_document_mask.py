@@ -65,22 +65,60 @@ def test_masked_packed_run_equals_each_document_alone(arch: str, recompute: str)
     assert (unmasked[0] - got[0]).abs().max() > 1e-3  # the mask matters: the test can fail
 
 
-CASES = [  # world, tp, pp, sp, zero, arch
-    (2, 2, 1, True, 0, "llama"),   # tp + sp
-    (2, 1, 2, False, 0, "gpt2"),   # pp: every stage reads the ids for the mask; learned positions restart
-    (2, 1, 1, False, 1, "llama"),  # dp with ZeRO-1
+CASES = [  # world, tp, cp, pp, sp, zero, arch, cp_mode
+    (2, 2, 1, 1, True, 0, "llama", "ring"),   # tp + sp
+    (2, 1, 1, 2, False, 0, "gpt2", "ring"),   # pp: every stage reads the ids for the mask; learned positions restart
+    (2, 1, 1, 1, False, 1, "llama", "ring"),  # dp with ZeRO-1
+    (4, 1, 4, 1, False, 0, "llama", "ring"),  # the ring skips the block pairs no query of which sees a key
+    (4, 2, 2, 1, True, 0, "llama", "allgather"),
+    (4, 1, 2, 2, False, 0, "gpt2", "a2a"),
 ]
 
 
-@pytest.mark.parametrize("world,tp,pp,sp,zero,arch", CASES)
-def test_document_mask_trains_like_single_process(dist_world, world: int, tp: int, pp: int, sp: bool, zero: int,
-                                                  arch: str) -> None:
-    dist_world(world).run(_check_cp_training, tp, 1, pp, sp, zero, arch, "none", "1f1b", "ring", EOD)
+@pytest.mark.parametrize("world,tp,cp,pp,sp,zero,arch,mode", CASES)
+def test_document_mask_trains_like_single_process(dist_world, world: int, tp: int, cp: int, pp: int, sp: bool,
+                                                  zero: int, arch: str, mode: str) -> None:
+    dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, "none", "1f1b", mode, EOD)
 
 
-def test_validation_refuses_document_mask_with_cp() -> None:
-    from tests.test_cp_training import problems
+def _ring_skip_rank_fn(rank: int) -> tuple[int, int]:
+    """cp = 4, documents of exactly one zigzag chunk each (an EOD ends every chunk): the ring computes only
+    each rank's own diagonal blocks and skips every other pair (forward calls counted by a spy), its output
+    and gradients equal masked attention over the unsplit sequence, and the bytes are the ring's as ever."""
+    from megalite.context import ring, ring_attention, ring_attention_bytes, zigzag_split
+    from megalite.context.documents import DocumentIds, document_causal_mask
+    from megalite.model.ops import masked_attention
+    from tests.parallel_utils import layout
+    from tests.test_context_parallel import TOL as ATTN_TOL, _problem
 
-    msg = problems(2, "--parallel.cp", "2", "--model.seq_len", "32", "--data.document_mask", "true")
-    assert "data.document_mask is not supported with parallel.cp > 1 yet" in msg and msg.count("\n") == 0
-    assert problems(2, "--data.document_mask", "true") == ""
+    st = layout(1, cp=4)
+    seq, cp = 16, 4
+    tokens = torch.arange(1, seq + 1).repeat(2, 1)
+    tokens[:, seq // (2 * cp) - 1::seq // (2 * cp)] = EOD          # chunk c = document c
+    full = documents(tokens, EOD)
+    docs = DocumentIds(zigzag_split(full.ids, cp, st.cp_rank), full.ids)
+    q, k, v, d_out = _problem(9, 2, seq, 4, 2, 8)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = masked_attention(*ref, document_causal_mask(full.ids, full.ids))
+    ref_out.backward(d_out)
+    local = [zigzag_split(t, cp, st.cp_rank).float().requires_grad_() for t in (q, k, v)]
+    calls, compute = [0], ring.block_forward
+
+    def spy(*args, **kwargs):
+        calls[0] += 1
+        return compute(*args, **kwargs)
+
+    ring.block_forward = spy
+    try:
+        out = ring_attention(*local, st, docs=docs)
+    finally:
+        ring.block_forward = compute
+    out.backward(zigzag_split(d_out, cp, st.cp_rank).float())
+    for got, want in zip([out.detach()] + [t.grad for t in local], [ref_out.detach()] + [t.grad for t in ref]):
+        torch.testing.assert_close(got, zigzag_split(want, cp, st.cp_rank).float(), **ATTN_TOL)
+    assert st.counter.exact_bytes("cp") == ring_attention_bytes(2, seq, 2, 8, cp, 4).total  # same bytes
+    return calls[0], cp
+
+
+def test_ring_skips_fully_masked_block_pairs(dist_world) -> None:
+    assert dist_world(4).run(_ring_skip_rank_fn) == [(1, 4)] * 4  # 1 of the 4 block pairs computed per rank

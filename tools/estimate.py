@@ -205,6 +205,7 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
                                                       "cp_mode")}
     lay["zero"] = getattr(par, "zero", 0)
+    lay["document_mask"] = bool(getattr(data, "document_mask", False))
     lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
                global_batch_size=getattr(train, "global_batch_size", None) or None,
                recompute=getattr(model, "recompute", None))

@@ -233,12 +233,8 @@ def _context_problems(cfg: Config) -> list[str]:
 
 
 def _cp_mode_problems(cfg: Config) -> list[str]:
-    """The cp mode's own needs (megalite/context/options.py): a2a gives each cp rank 1/cp of the heads;
-    document masking (megalite/context/documents.py) runs at cp = 1 only, so far."""
+    """The cp mode's own needs (megalite/context/options.py): a2a gives each cp rank 1/cp of the heads."""
     m, p = cfg.model, cfg.parallel
-    if cfg.data.document_mask and p.cp > 1:
-        return ["data.document_mask is not supported with parallel.cp > 1 yet (the cp attention forms take the "
-                "causal mask only): use parallel.cp=1 or data.document_mask=false"]
     if p.cp == 1 or p.cp_mode != "a2a" or min(p.tp, m.num_heads, m.num_kv_heads) < 1:
         return []
     heads, kv = m.num_heads // p.tp, m.num_kv_heads // p.tp

@@ -43,3 +43,16 @@ def document_causal_mask(query_docs: Tensor, key_docs: Tensor, causal: bool = Tr
     if causal:
         keep &= torch.ones(keep.shape[-2:], dtype=torch.bool, device=keep.device).tril_()
     return keep
+
+
+@dataclass(frozen=True)
+class DocumentIds:
+    """What attention needs of the documents: `local` [B, s] for this rank's tokens (its zigzag split under
+    context parallelism, else every token), `full` [B, S] for the whole sequence in position order."""
+
+    local: Tensor
+    full: Tensor
+
+    def keep(self, query_docs: Tensor, key_docs: Tensor) -> Tensor:
+        """[B, sq, sk] bool: the same document (callers add the causal part)."""
+        return query_docs[:, :, None] == key_docs[:, None, :]

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.context import ContextOptions, context_attention
-from megalite.context.documents import document_causal_mask
+from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops, apply_rope, masked_attention
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
+                docs: DocumentIds | None = None) -> torch.Tensor:
         x = enter_tp_region(x, self.state)
         b, s, _ = x.shape
         if docs is not None:
@@ -96,7 +96,10 @@ class Attention(nn.Module):
             # restart at each document) and the mask is causal within each document. The torch RoPE and SDPA
             # under an explicit mask run it whatever model.kernels says: the Triton kernels take neither yet.
             q, k, v = self.project(x, cos, sin, rope=apply_rope)
-            o = self._core(q, k, v, document_causal_mask(docs, docs))
+            if self.state.cp > 1:  # ring / allgather blocks in torch math: the flash blocks take no such mask yet
+                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs, self._core)
+            else:
+                o = self._core(q, k, v, document_causal_mask(docs.local, docs.local))
             return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
         q, k, v = self.project(x, cos[:s], sin[:s])
         if self.state.cp > 1:
@@ -153,7 +156,7 @@ class Block(nn.Module):
         return self.rng.dropout(x, self.dropout, self.training, tp_local=self.sp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
+                docs: DocumentIds | None = None) -> torch.Tensor:
         # x = x + attention branch; h = norm2(x): fused into one pass (the sum is written once and read by
         # the norm in the same kernel) when the backend has the fused kernel.
         h, x = self.norm2.add_norm(self._drop(self.attn(self.norm1(x), cos, sin, docs)), x)

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context import ContextOptions, zigzag_positions
-from megalite.context.documents import Documents, documents
+from megalite.context import ContextOptions, zigzag_merge, zigzag_positions, zigzag_split
+from megalite.context.documents import DocumentIds, Documents, documents
 from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
@@ -47,8 +47,6 @@ class GPT(nn.Module):
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
         self.cfg, self.state = cfg, state
         self.document_eod = context.document_eod
-        if self.document_eod is not None and state.cp > 1:
-            raise ConfigError("data.document_mask is not supported with parallel.cp > 1 yet: use cp = 1")
         self.ops = get_ops(resolve_kernels(cfg.kernels, state.device))
         self.rng = rng or RNGStreams(seed, state)
         self.layer_ids = layers if layers is not None else range(cfg.num_layers)
@@ -80,6 +78,12 @@ class GPT(nn.Module):
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
         cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
+        # Document masking indexes the whole tables by each token's position in its document.
+        self.cos_full: torch.Tensor
+        self.sin_full: torch.Tensor
+        if self.document_eod is not None:
+            self.register_buffer("cos_full", cos, persistent=False)
+            self.register_buffer("sin_full", sin, persistent=False)
         # Context parallelism: this rank holds the tokens at `positions` (its zigzag split) of every
         # sequence, from embedding to loss; RoPE and learned positions are indexed there.
         positions = zigzag_positions(cfg.seq_len, state.cp, state.cp_rank) if state.cp > 1 else None
@@ -128,6 +132,24 @@ class GPT(nn.Module):
             x = x + (comm.split(pos, self.state, "tp", dim=seq_dim) if self.state.sp else pos)
         return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
 
+    def _documents(self, ids: torch.Tensor | None) -> tuple[Documents | None, DocumentIds | None]:
+        """Document masking: this rank's tokens' documents and positions, and the document ids attention
+        needs. Under context parallelism the documents are those of the whole sequence: the cp ranks all-gather
+        their token ids first (int64, b·S/cp each, counted under 'cp'). Every pipeline stage reads the ids (the
+        engine gives them to each chunk)."""
+        if self.document_eod is None:
+            return None, None
+        if ids is None:
+            raise ValueError("data.document_mask: every pipeline stage needs the token ids")
+        cp, rank = self.state.cp, self.state.cp_rank
+        whole = ids if cp == 1 else zigzag_merge(list(comm.all_gather(ids.contiguous(), self.state, "cp", dim=0)
+                                                      .chunk(cp, dim=0)))
+        full = documents(whole, self.document_eod)
+        if cp == 1:
+            return full, DocumentIds(full.ids, full.ids)
+        local = Documents(zigzag_split(full.ids, cp, rank), zigzag_split(full.positions, cp, rank))
+        return local, DocumentIds(local.ids, full.ids)
+
     def _replayable(self, block: nn.Module):
         """Wrap a block for full recompute so the recomputation draws the same dropout masks.
 
@@ -137,7 +159,7 @@ class GPT(nn.Module):
         start, calls = self.rng.state_dict(), [0]
 
         def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
+                docs: DocumentIds | None = None) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == 1:
                 return block(x, cos, sin, docs)
@@ -152,12 +174,9 @@ class GPT(nn.Module):
 
     def forward(self, ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # Document masking needs the token ids on every stage (the pipeline engine gives them to each chunk).
-        docs = documents(ids, self.document_eod) if self.document_eod is not None and ids is not None else None
-        if self.document_eod is not None and docs is None:
-            raise ValueError("data.document_mask: every pipeline stage needs the token ids")
-        cos, sin = (self.cos, self.sin) if docs is None else (self.cos[docs.positions], self.sin[docs.positions])
-        doc_ids = None if docs is None else docs.ids
+        docs, doc_ids = self._documents(ids)
+        cos, sin = (self.cos, self.sin) if docs is None else (self.cos_full[docs.positions],
+                                                              self.sin_full[docs.positions])
         if self.pre_process:
             assert ids is not None, "the first pipeline stage needs the token ids"
             x = self.embed(ids, docs).to(dtype)

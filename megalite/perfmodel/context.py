@@ -80,7 +80,10 @@ def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int) -> f
     the forward (twice under full recompute) and the backward ring."""
     fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
     n_fwd, n_bwd = ring_passes(layout)
-    return float(m) * dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd)
+    # Document masking: each model chunk's forward all-gathers the int64 token ids over cp (megalite/model/gpt.py)
+    ids = (layout.cp - 1) * layout.micro_batch_size * layout.local_seq_len(dims.seq_len) * 8 * layout.vpp \
+        if layout.document_mask else 0
+    return float(m) * (dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd) + ids)
 
 
 def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: int, flops_per_s: float,

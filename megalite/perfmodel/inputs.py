@@ -100,6 +100,7 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     cp: int = 1  # context parallel: every sequence split over cp ranks (S/cp tokens each)
     cp_mode: str = "ring"  # ring | allgather | a2a (megalite/context/options.py)
+    document_mask: bool = False  # data.document_mask: under cp the token ids are all-gathered once per forward
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
