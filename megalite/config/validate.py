@@ -30,6 +30,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "model.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"),
     "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.cp_mode": ("ring", "allgather", "a2a"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
 })
@@ -184,6 +185,7 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
         out.append(f"world_size {world_size} != {sizes} x pp {p.pp} x dp {p.dp} = {model_parallel * p.dp}: "
                    f"{fix} or change {names.replace('*', '/')}")
     out += _context_problems(cfg)
+    out += _cp_mode_problems(cfg)
     stages = p.pp * p.vpp
     if not p.pp_layers:
         if m.num_layers % stages:
@@ -228,6 +230,21 @@ def _context_problems(cfg: Config) -> list[str]:
         out.append(f"model.seq_len / cp = {m.seq_len // p.cp} tokens per cp rank is not divisible by parallel.tp "
                    f"{p.tp}, which sequence parallelism needs: change seq_len, cp or tp")
     return out
+
+
+def _cp_mode_problems(cfg: Config) -> list[str]:
+    """The cp mode's own needs (megalite/context/options.py): a2a gives each cp rank 1/cp of the heads."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1 or p.cp_mode != "a2a" or min(p.tp, m.num_heads, m.num_kv_heads) < 1:
+        return []
+    heads, kv = m.num_heads // p.tp, m.num_kv_heads // p.tp
+    if heads % p.cp == 0 and kv % p.cp == 0:
+        return []
+    fit = math.gcd(heads, kv)
+    other = f", or a cp dividing {fit}" if fit > 1 else ""
+    return [f"parallel.cp_mode=a2a splits each tp rank's {heads} query and {kv} kv heads (num_heads "
+            f"{m.num_heads}, num_kv_heads {m.num_kv_heads} over tp {p.tp}) into cp = {p.cp} equal groups: both "
+            f"must be divisible by cp; use cp_mode=ring or allgather{other}"]
 
 
 def _batch_problems(cfg: Config) -> list[str]:

@@ -97,9 +97,12 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate-half RoPE (Su et al. 2021; Hugging Face Llama's layout); cos/sin are [S, D/2] fp32."""
-    c = torch.cat([cos, cos], dim=-1)[None, :, None, :]
-    s = torch.cat([-sin, sin], dim=-1)[None, :, None, :]
+    """Rotate-half RoPE (Su et al. 2021; Hugging Face Llama's layout); cos/sin are [S, D/2] fp32, or [B, S, D/2]
+    (per-sequence positions: document masking restarts them at each document)."""
+    c = torch.cat([cos, cos], dim=-1).unsqueeze(-2)
+    s = torch.cat([-sin, sin], dim=-1).unsqueeze(-2)
+    if c.dim() == 3:
+        c, s = c[None], s[None]
     return _Rope.apply(q, c, s), _Rope.apply(k, c, s)
 
 
@@ -129,6 +132,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
     gqa: dict[str, Any] = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), **gqa)
+    return out.transpose(1, 2)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
+    """`attention` under any mask: `keep` [B, 1, Sq, Sk] bool, True where query i sees key j (document masking,
+    megalite/context/documents.py). SDPA; every query row must keep at least one key."""
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:  # SDPA's enable_gqa with an explicit mask is not on every backend: repeat (same numbers)
+        k = k.repeat_interleave(rep, dim=2)
+        v = v.repeat_interleave(rep, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
+                                         scale=1.0 / math.sqrt(q.shape[-1]))
     return out.transpose(1, 2)
 
 

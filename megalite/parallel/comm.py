@@ -92,6 +92,22 @@ def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim:
     return out
 
 
+def all_to_all(t: torch.Tensor, state: ParallelState, group: GroupKind) -> torch.Tensor:
+    """Chunk j of `t` along dim 0 (of n equal chunks) goes to the group's rank j; returns the chunks
+    received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/ulysses.py)."""
+    key = _count_key(group, None)
+    n = state.size(group)
+    if n == 1:
+        return t
+    if t.shape[0] % n:
+        raise ValueError(f"all_to_all: dim 0 of size {t.shape[0]} not divisible by {n}")
+    t = t.contiguous()
+    state.counter.record(key, "all_to_all", _nbytes(t), n)
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=state.group(group))
+    return out
+
+
 def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
     """This rank's 1/n chunk of `t` along `dim`, in the group's rank order (no communication)."""
     n = state.size(group)

@@ -22,7 +22,7 @@ from megalite.errors import ConfigError
 from megalite.model.params import count_params  # noqa: F401  (re-exported)
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
-from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
+from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.flops import flops_per_token
 from megalite.perfmodel.schedules import (SCHEDULES, Schedule, bubble_overhead, microbatches_in_flight,  # noqa: F401
                                           pipeline_bubble, schedule)  # (re-exported: the public names)
@@ -284,6 +284,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         raise ConfigError("give model dimensions (a preset or --num-layers ...) or --params")
     if dims is not None:
         layout.local_seq_len(dims.seq_len)  # the zigzag split's 2·cp chunks: one clear error, up front
+        check_cp_mode(dims, layout)
     warnings: list[str] = []
     if p > 1 and m < p:
         warnings.append(f"{m} micro-batches < pp={p}: stages idle {sched.bubble(p, m, v):.0%} of "

@@ -118,7 +118,8 @@ class PipelineEngine:
             inp.requires_grad_()
         wgrad = DeferredWeightGrads() if split and torch.is_grad_enabled() else None
         with defer_weight_grads(wgrad):
-            out = chunk(ids if first else None, labels if last else None, hidden=inp, dtype=self.dtype)
+            # Every chunk gets the ids: the first embeds them, document masking reads them on every stage.
+            out = chunk(ids, labels if last else None, hidden=inp, dtype=self.dtype)
         if last:
             loss = out.mean()
             total += loss.detach().double()

@@ -22,6 +22,7 @@ from megalite import config as config_mod
 from megalite.checkpoint import storage
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.config.validate_fields import check_text_fields
+from megalite.context import ContextOptions
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
@@ -115,7 +116,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
-                            pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule)
+                            pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
+                            context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None))
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
     optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
