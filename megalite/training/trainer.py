@@ -165,6 +165,7 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
 
 
 def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+    """Build the run, resume, and claim its directories; then the loop (`_loop`)."""
     tr = cfg.train
     r = build_run(cfg)
     state = r.state
@@ -180,14 +181,14 @@ def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str
     log_claim = storage.DirectoryClaim(None)
     try:
         log_claim = storage.claim_log_directory(cfg.logging.dir, cfg.checkpoint.dir, state)
-        return _train(cfg, r, resumed_from, start_step, stop, malloc_note)
+        return _loop(cfg, r, resumed_from, start_step, stop, malloc_note)
     finally:
         log_claim.release()
         claim.release()
 
 
-def _train(cfg: config_mod.Config, r: Run, resumed_from: str | None,
-           start_step: int, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
+          start_step: int, stop: StopFlag, malloc_note: str) -> dict[str, float]:
     """The loop, once the run is allowed to start: the first write into logging.dir happens here, after
     the checkpoint directory is locked, checked for a rewind and the resume has loaded (a refused or
     failing run leaves the previous run's config.toml and metrics.jsonl untouched)."""
