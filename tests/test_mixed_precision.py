@@ -80,8 +80,8 @@ def _check_bf16_tracks_fp32(rank: int, stage: int) -> None:
                          for i, b in enumerate(_batches(cfg, 1, st.dp_rank) * 5)]  # memorise one batch
         if dtype == torch.bfloat16:
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-            assert all(b.master.dtype == torch.float32 and b.grad_shard.dtype == torch.float32
-                       for b in opt.buckets)
+            assert all(s.master.dtype == torch.float32 for s in opt.optimizer.states)
+            assert all(s.grad.dtype == torch.float32 for s in opt.shards)
     diff = max(abs(a - b) for a, b in zip(losses[torch.float32], losses[torch.bfloat16]))
     assert diff < 0.05, f"bf16 loss deviates from fp32 by {diff}"
     assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0] - 0.1, losses

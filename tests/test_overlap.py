@@ -95,7 +95,7 @@ def _train(rank: int, stage: int, options: dict[str, Any], clip: float, num_laye
         events.append(("step_end", i))
     params = opt.full_parameters()
     return {"events": events, "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "params": params, "n_buckets": len(opt.buckets), "dp_bytes": st.counter.exact_bytes("dp")}
+            "params": params, "n_buckets": len(opt.sync.buckets), "dp_bytes": st.counter.exact_bytes("dp")}
 
 
 def _assert_same_training(a: dict[str, Any], b: dict[str, Any], what: str, norm_rtol: float = 0.0) -> None:
@@ -187,8 +187,8 @@ def _gathered_at_each_forward(rank: int, depth: int) -> list[int]:
     cfg = tiny_model_cfg("llama", num_layers=4)
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, 3, dtype=torch.float32, zero3_prefetch=depth, **HYPER)
-    assert opt.zero3 is not None
-    zero3 = opt.zero3
+    assert opt.sync.zero3 is not None
+    zero3 = opt.sync.zero3
     counts: list[int] = []
     for blk in _blocks(model):  # registered after the optimizer's hooks: sees their gathers
         blk.register_forward_pre_hook(lambda m, a: counts.append(sum(zero3.is_gathered(b) for _, b in zero3.blocks)))

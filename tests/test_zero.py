@@ -145,7 +145,7 @@ def _check_mixed_precision_accounting(rank: int, dtype: torch.dtype) -> None:
         assert opt.memory_bytes() == expected_memory(stage, psi, padded, st.dp, 2), f"zero={stage} {dtype}"
         assert st.counter.exact_bytes("dp") == expected_dp_bytes(stage, psi, padded, st.dp, 2, M), stage
         if stage > 0:
-            assert all(b.master.dtype == torch.float32 for b in opt.buckets)
+            assert all(s.master.dtype == torch.float32 for s in opt.optimizer.states)
 
 
 def test_mixed_precision_memory_and_bytes(dist_world) -> None:
@@ -171,9 +171,9 @@ def _check_reductions_only_in_last_micro_batch(rank: int, stage: int) -> list[in
         reductions.append(sum(1 for k in ("dp/all_reduce", "dp/reduce_scatter") if ops.get(k, 0) > 0))
     assert reductions[:-1] == [0, 0, 0], f"zero={stage}: dp reduction inside no_sync: {reductions}"
     assert reductions[-1] == 1
-    assert all(b.launched for b in opt.buckets), "a bucket's reduction waited for finish_grad_sync"
+    assert all(b.launched for b in opt.sync.buckets), "a bucket's reduction waited for finish_grad_sync"
     opt.finish_grad_sync()
-    return [len(opt.buckets)]
+    return [len(opt.sync.buckets)]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -194,8 +194,9 @@ def test_zero_with_dp1_falls_back_to_stage0() -> None:
     _check_dp1_fallback(0)
 
 
-def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
-    """Resume from `state_dict()` into a fresh model+optimizer: the next step is identical."""
+def _check_state_roundtrip(rank: int, stage: int) -> None:
+    """Resume from `param_states()` (what a checkpoint saves: fp32 masters and moments) into a fresh
+    model+optimizer, whose parameters the masters then overwrite: the next step is identical."""
     st = layout(1)
     cfg = tiny_model_cfg("llama")
     data = random_steps(cfg, 3, MICRO * 2 * st.dp)
@@ -208,7 +209,7 @@ def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
         opts.append(build_distributed_optimizer(models[-1], st, stage, dtype=torch.bfloat16, **HYPER))
     for i in range(2):
         train_step(StepContext.build(models[0], st, torch.bfloat16, tcfg, LossScaler(False)), opts[0], mine[i], i)
-    opts[1].load_state_dict(opts[0].state_dict())
+    opts[1].load_param_states(opts[0].param_states())
     a = train_step(StepContext.build(models[0], st, torch.bfloat16, tcfg, LossScaler(False)), opts[0], mine[2], 2)
     b = train_step(StepContext.build(models[1], st, torch.bfloat16, tcfg, LossScaler(False)), opts[1], mine[2], 2)
     assert a.loss == b.loss and a.grad_norm == b.grad_norm, (a, b)
@@ -217,8 +218,8 @@ def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_state_dict_resumes_exactly(dist_world, stage: int) -> None:
-    dist_world(2).run(_check_state_dict_roundtrip, stage)
+def test_param_states_resume_exactly(dist_world, stage: int) -> None:
+    dist_world(2).run(_check_state_roundtrip, stage)
 
 
 def _check_pipeline(rank: int, stage: int, arch: str) -> None:

@@ -102,9 +102,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
-    # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
-    optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
-                                            tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps, dtype,
+    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
+                                            (tr.beta1, tr.beta2), tr.adam_eps, dtype,
                                             bucket_bytes=mib_to_bytes(par.bucket_mb),
                                             first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
                                             overlap_param_gather=par.overlap_param_gather,
