@@ -33,14 +33,13 @@ from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
-from megalite.training.step import StepContext, evaluate, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import evaluate, train_step
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+                                  step_context, tiny_model_cfg, tiny_train_cfg)
 from tests.test_zero import _padded_size, expected_dp_bytes, expected_memory
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
@@ -59,9 +58,9 @@ def reference_run(cfg, data: list[torch.Tensor]) -> tuple[GPT, list[tuple[float,
     """The single-process run: the model after the steps and each step's (loss, gradient norm)."""
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    opt = ReferenceOptimizer(ref, ref_state, **HYPER)
+    opt = reference_optimizer(ref, ref_state)
     tcfg = tiny_train_cfg(STEPS)
-    results = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)), opt,
+    results = [train_step(step_context(ref, ref_state, torch.float32, tcfg), opt,
                           micro_batches(d, MICRO), i) for i, d in enumerate(data)]
     return ref, [(r.loss, r.grad_norm) for r in results]
 
@@ -98,7 +97,7 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
     st.counter.reset()
-    results = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), schedule), opt,
+    results = [train_step(step_context(engine, st, torch.float32, tcfg, schedule), opt,
                           local_batches(d, st), i) for i, d in enumerate(data)]
     counted = st.counter.bytes()
     cp_bytes, dp_bytes = st.counter.exact_bytes("cp"), st.counter.exact_bytes("dp")

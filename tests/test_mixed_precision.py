@@ -11,8 +11,8 @@ import torch
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
-from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
@@ -47,7 +47,7 @@ def _check_fp16_skip(rank: int, stage: int) -> None:
     for i, batches in enumerate([same] * 6):
         inject["on"] = i == 2
         before = opt.full_parameters() if i == 2 else None
-        results.append(train_step(StepContext.build(model, st, torch.float16, tcfg, scaler), opt, batches, i))
+        results.append(train_step(step_context(model, st, torch.float16, tcfg, scaler=scaler), opt, batches, i))
         scales.append(scaler.scale)
         if before is not None:  # a skipped step leaves every parameter untouched
             after = opt.full_parameters()
@@ -75,7 +75,7 @@ def _check_bf16_tracks_fp32(rank: int, stage: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         model = GPT(cfg, st, seed=5)
         opt = build_distributed_optimizer(model, st, stage, dtype=dtype, **HYPER)
-        losses[dtype] = [train_step(StepContext.build(model, st, dtype, tiny_train_cfg(5), LossScaler(False)),
+        losses[dtype] = [train_step(step_context(model, st, dtype, tiny_train_cfg(5)),
                                     opt, b, i).loss
                          for i, b in enumerate(_batches(cfg, 1, st.dp_rank) * 5)]  # memorise one batch
         if dtype == torch.bfloat16:

@@ -22,7 +22,7 @@ from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.engine import BackwardSync, PipelineEngine
 from megalite.training.step import train_step
-from tests.parallel_utils import tiny_model_cfg
+from tests.parallel_utils import reference_optimizer, tiny_model_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = sorted(n for n in vars(DistributedOptimizer) if not n.startswith("_"))
@@ -30,7 +30,7 @@ MEMBERS = sorted(n for n in vars(DistributedOptimizer) if not n.startswith("_"))
 
 def _optimizers() -> list[object]:
     st = ParallelState()
-    ref = ReferenceOptimizer(GPT(tiny_model_cfg("gpt2"), st, seed=1), st, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    ref = reference_optimizer(GPT(tiny_model_cfg("gpt2"), st, seed=1), st, lr=1e-3)
     zero = build_distributed_optimizer(GPT(tiny_model_cfg("llama"), st, seed=1), st, 0, 1e-3, 0.1, (0.9, 0.95),
                                        1e-8, torch.float32)
     return [ref, zero]

@@ -32,11 +32,11 @@ from megalite.config import parse_args, validate
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import OverlapEvent, build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
 from megalite.optim.zero_buckets import split_by_size
-from megalite.training.step import StepContext, train_step
+from megalite.training.step import train_step
 from tests.conftest import free_port
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+                                  tiny_train_cfg)
 from tests.test_pretrain import _args, _run_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def _train(rank: int, stage: int, options: dict[str, Any], clip: float, num_laye
     results = []
     for i, d in enumerate(data):
         events.append(("step_start", i))
-        results.append(train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)), opt,
+        results.append(train_step(step_context(model, st, torch.float32, tcfg), opt,
                                   micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i))
         events.append(("step_end", i))
     params = opt.full_parameters()

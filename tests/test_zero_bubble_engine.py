@@ -19,14 +19,13 @@ import torch.nn as nn
 from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.pipeline import engine as engine_mod
 from megalite.pipeline.engine import run_weight_grads
-from megalite.training.step import StepContext, single_stage_engine, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import single_stage_engine, train_step
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+                                  step_context, tiny_model_cfg, tiny_train_cfg)
 
 MICRO, STEPS = 2, 3
 
@@ -87,7 +86,7 @@ def test_split_backward_is_bitwise_the_whole_backward(arch: str, recompute: str,
     for actions in (WHOLE, SPLIT):
         model = GPT(cfg, st, seed=5)
         opt = (build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER) if zero
-               else ReferenceOptimizer(model, st, **HYPER))
+               else reference_optimizer(model, st))
         opt.zero_grad()
         engine = single_stage_engine(model, st, torch.float32)
         engine.run(actions, batches, 1.0, opt)
@@ -115,8 +114,8 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
     tcfg = tiny_train_cfg(STEPS)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
-    ref_ctx = StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False))
+    ref_opt = reference_optimizer(ref, ref_state)
+    ref_ctx = step_context(ref, ref_state, torch.float32, tcfg)
     ref_losses = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i).loss
                   for i, d in enumerate(data)]
     mine = [micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO) for d in data]
@@ -136,7 +135,7 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
 
         engine_mod.run_weight_grads = watched_w
         try:
-            ctx = StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), sched)
+            ctx = step_context(engine, st, torch.float32, tcfg, sched)
             losses = [train_step(ctx, opt, b, i).loss for i, b in enumerate(mine)]
         finally:
             engine_mod.run_weight_grads = real_w
