@@ -3,7 +3,7 @@ parameter after them, the evaluation loss, and the bytes each group moved (gloo 
 
 Each cp rank holds the zigzag split of every sequence (`megalite.data.sampler.cp_split`), attends over
 the whole sequence through the ring (`megalite.context.ring`), and the gradients are averaged over
-dp x cp (`megalite.optim.grads.GRAD_GROUP`).
+dp x cp (each parameter's `ParamSpec.grad_group`).
 
 Tolerances (as in tests/test_tensor_parallel.py and tests/test_zero.py): the cp run sums the same terms in
 another order (the ring merges per-block softmaxes by their log-sum-exp, each rank's loss is the mean of

@@ -76,13 +76,13 @@ def _torch_sgd(cfg: object, data: list[torch.Tensor]) -> tuple[list[float], dict
     losses = []
     for d in data:
         sgd.zero_grad()
-        total = 0.0
-        for ids, labels in micro_batches(d, MICRO):
+        total, mbs = 0.0, micro_batches(d, MICRO)  # every rank's micro-batches
+        for ids, labels in mbs:
             loss = ref(ids, labels).mean()
-            (loss / M).backward()
+            (loss / len(mbs)).backward()
             total += loss.item()
         sgd.step()
-        losses.append(total / M)
+        losses.append(total / len(mbs))
     return losses, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 

@@ -254,4 +254,5 @@ def test_overlap_bench_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "overlap_compare_smoke.json").read_text())
     assert {r["variant"] for r in res["ratios"]} >= {"z1 gathers overlapped", "z3 prefetch 2"}
-    assert all(q["min"] <= q["median"] <= q["max"] for q in res["ratios"])
+    # Every paired ratio is a real measurement (a broken timer gives 0, inf or nan), not just its ordering.
+    assert all(0 < q[k] < float("inf") for q in res["ratios"] for k in ("min", "median", "max")), res["ratios"]

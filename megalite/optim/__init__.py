@@ -40,7 +40,8 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
     `lr` is the starting rate; each step is given its own (`step(lr, ...)`).
     """
     settings = OverlapSettings(bucket_bytes, first_bucket_bytes, overlap_param_gather, zero3_prefetch)
-    parts = list(chunks) if isinstance(chunks, (nn.ModuleList, list, tuple)) else [chunks]
+    parts: list[nn.Module] = [chunks] if isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList) \
+        else list(chunks)
     sync = GradSync(parts, state, zero, dtype, settings, on_event)
     return ZeroOptimizer(sync, ShardAdamW(sync.shards(), sync.take_fp32_values(), weight_decay, betas, eps))
 

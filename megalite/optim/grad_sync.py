@@ -67,6 +67,10 @@ def by_group(params: Params, specs: dict[nn.Parameter, ParamSpec]) -> list[Param
     return list(groups.values())
 
 
+def _add(grad: torch.Tensor, main: torch.Tensor) -> None:
+    main.add_(grad)
+
+
 class GradSync:
     """Main-grad buffers, bucketed reductions and parameter gathers for this rank's model `chunks`."""
 
@@ -168,7 +172,7 @@ class GradSync:
         grad = p.grad
         assert grad is not None
         p.grad = None
-        self._fold(p, lambda main: main.add_(grad))
+        self._fold(p, functools.partial(_add, grad))
 
     def _check_folded(self, p: torch.Tensor) -> None:
         """A folded weight never gets a `.grad`: one here means a code path skipped the fold (and the

@@ -33,11 +33,11 @@ def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> No
     gradient is DDP's 2 (N-1)/N Psi (one flat buffer; bucketing/overlap come with the gradient sync).
     """
     params = unique_params(model)
-    partial = [p for p in params if specs[p].sp_partial and p.grad is not None]
+    partial = [p.grad for p in params if specs[p].sp_partial and p.grad is not None]
     if state.tp > 1 and partial:
-        flat = torch.cat([p.grad.reshape(-1) for p in partial])
+        flat = torch.cat([g.reshape(-1) for g in partial])
         comm.all_reduce(flat, state, "tp")
-        _unflatten_into(flat, [p.grad for p in partial])
+        _unflatten_into(flat, partial)
     groups: dict[GroupKind, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -65,7 +65,7 @@ def global_grad_norm(model: nn.Module, state: ParallelState, specs: Specs) -> fl
                and (specs[p].layout.split or state.tp_rank == 0)
                and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
     # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
-    norms = torch._foreach_norm(counted) if counted else []
+    norms = list(torch._foreach_norm(counted)) if counted else []
     sq = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
                                                                           device=state.device)).reshape(1)
     comm.all_reduce(sq, state, "mp")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -125,6 +125,9 @@ class ParamGatherOverlap:
             self.on_event(OverlapEvent(kind, bucket))
 
 
-def ahead(units: list[Bucket], i: int, step: int, depth: int) -> list[Bucket]:
+T = TypeVar("T")
+
+
+def ahead(units: list[T], i: int, step: int, depth: int) -> list[T]:
     """The (at most) `depth` units after position `i` in direction `step` (+1: forward, -1: backward)."""
     return [units[j] for j in range(i + step, i + step * (depth + 1), step) if 0 <= j < len(units)]

@@ -41,7 +41,7 @@ class ShardAdamW:
     """AdamW (Loshchilov & Hutter 2019), decay on matrices only, over `shards`. `initial[i]`: shard i's
     fp32 values (its `params` themselves when they are fp32, which then serve as the master)."""
 
-    state_kinds = ("master", "exp_avg", "exp_avg_sq")
+    state_kinds: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")
 
     def __init__(self, shards: Sequence[Shard], initial: Sequence[torch.Tensor], weight_decay: float,
                  betas: tuple[float, float], eps: float) -> None:

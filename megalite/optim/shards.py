@@ -98,7 +98,7 @@ def grad_norm(shards: Sequence[Shard], state: ParallelState) -> float:
     total: torch.Tensor | None = None
     for group, pieces in by_group.items():
         # One fused fp32 norm per piece (no float64 copy of the gradients), their squares summed in float64.
-        norms = torch._foreach_norm(pieces) if pieces else []
+        norms = list(torch._foreach_norm(pieces)) if pieces else []
         sq = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
               else torch.zeros(1, dtype=torch.float64, device=state.device))
         if group is not None:

@@ -8,7 +8,6 @@ process group, dataset or model exists, so a bad flag costs seconds, not a GPU a
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from megalite import config as config_mod
 from megalite.checkpoint import storage
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
-from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
+from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
@@ -247,6 +246,9 @@ def _leave_it_to_rank_0() -> None:
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 when alone or unreadable)."""
-    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    return int(value) if value.isdigit() else 0
+    """This process's rank as the launcher set it (`parallel.state.launcher_env`, the one reader of the
+    launcher's variables); 0 when alone or when they are unreadable (that error is rank 0's to report)."""
+    try:
+        return launcher_env()[0]
+    except LaunchError:
+        return 0
