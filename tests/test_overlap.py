@@ -190,8 +190,9 @@ def _gathered_at_each_forward(rank: int, depth: int) -> list[int]:
     assert opt.sync.zero3 is not None
     zero3 = opt.sync.zero3
     counts: list[int] = []
+    blocks = [b for _, unit in zero3.blocks for b in unit]  # one bucket per block (one gradient group)
     for blk in _blocks(model):  # registered after the optimizer's hooks: sees their gathers
-        blk.register_forward_pre_hook(lambda m, a: counts.append(sum(zero3.is_gathered(b) for _, b in zero3.blocks)))
+        blk.register_forward_pre_hook(lambda m, a: counts.append(sum(zero3.is_gathered(b) for b in blocks)))
     ids = random_steps(cfg, 1, 2)[0][:, :-1]
     with torch.no_grad():
         model(ids)

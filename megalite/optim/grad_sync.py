@@ -95,11 +95,13 @@ class GradSync:
         problems = zero3_problems(stage, len(chunks), bool(shared))
         if problems:
             raise ConfigError(problems[0])
-        assert stage != 3 or isinstance(model, ShardableModel)
+        if stage == 3 and not isinstance(model, ShardableModel):
+            raise ConfigError(f"parallel.zero=3 needs a model that names its gather units (zero3_units()); "
+                              f"{type(model).__name__} does not")
         self._names = {id(p): n for n, p in reversed(list(model.named_parameters()))}
         self._fp32: list[torch.Tensor] = []  # each bucket's own fp32 values before the cast (`take_fp32_values`)
         self.zero3: Zero3Gatherer | None = None
-        if isinstance(model, ShardableModel) and stage == 3:
+        if stage == 3 and isinstance(model, ShardableModel):
             blocks, outer = stage3_units(model, model.zero3_units(), params)
             units = ([outer] if outer else []) + blocks
             built = [(m, [self._build_bucket(g) for g in by_group(ps, self.specs)]) for m, ps in units]
