@@ -18,8 +18,8 @@ kernels = pytest.importorskip("kernels")
 
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.step import train_step
-from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step  # noqa: E402
+from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg  # noqa: E402
 
 if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
