@@ -3,7 +3,7 @@ parameter after them, the evaluation loss, and the bytes each group moved (gloo 
 
 Each cp rank holds the zigzag split of every sequence (`megalite.data.sampler.cp_split`), attends over
 the whole sequence through the ring (`megalite.context.ring`), and the gradients are averaged over
-dp x cp (`megalite.optim.grads.GRAD_GROUP`).
+dp x cp (each parameter's `ParamSpec.grad_group`).
 
 Tolerances (as in tests/test_tensor_parallel.py and tests/test_zero.py): the cp run sums the same terms in
 another order (the ring merges per-block softmaxes by their log-sum-exp, each rank's loss is the mean of
@@ -33,14 +33,13 @@ from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
-from megalite.training.step import StepContext, evaluate, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import evaluate, train_step
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+                                  step_context, tiny_model_cfg, tiny_train_cfg)
 from tests.test_zero import _padded_size, expected_dp_bytes, expected_memory
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
@@ -60,9 +59,9 @@ def reference_run(cfg, data: list[torch.Tensor], context: ContextOptions = Conte
     """The single-process run: the model after the steps and each step's (loss, gradient norm)."""
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5, context=context)
-    opt = ReferenceOptimizer(ref, ref_state, **HYPER)
+    opt = reference_optimizer(ref, ref_state)
     tcfg = tiny_train_cfg(STEPS)
-    results = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)), opt,
+    results = [train_step(step_context(ref, ref_state, torch.float32, tcfg), opt,
                           micro_batches(d, MICRO), i) for i, d in enumerate(data)]
     return ref, [(r.loss, r.grad_norm) for r in results]
 
@@ -105,7 +104,7 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
     st.counter.reset()
-    results = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), schedule), opt,
+    results = [train_step(step_context(engine, st, torch.float32, tcfg, schedule), opt,
                           local_batches(d, st), i) for i, d in enumerate(data)]
     counted = st.counter.bytes()
     cp_bytes, dp_bytes = st.counter.exact_bytes("cp"), st.counter.exact_bytes("dp")

@@ -28,7 +28,8 @@ from megalite.observability.wire import (GLOO_FRAMING_BYTES_PER_CALL, WrittenByt
                                          process_written_bytes)
 from megalite.parallel import comm
 from megalite.parallel.counter import COMM_CONVENTION
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+                                  tiny_train_cfg)
 
 PAYLOAD = 1 << 20  # bytes: large against the framing (see the module doc)
 LINUX = process_written_bytes() is not None
@@ -103,8 +104,7 @@ def _one_step(rank: int, tp: int, sp: bool, zero: int) -> tuple[int, float, floa
     """One training step: (written, counted, expected on gloo, counted calls) on this rank."""
     from megalite.model.gpt import GPT
     from megalite.optim import build_distributed_optimizer
-    from megalite.optim.adamw import LossScaler
-    from megalite.training.step import StepContext, train_step
+    from megalite.training.step import train_step
 
     st = layout(tp, sp=sp)
     # Activations of 2 x 64 x 256 fp32 (128 KiB per sequence-parallel reduce-scatter) and ~0.5 M parameters:
@@ -112,7 +112,7 @@ def _one_step(rank: int, tp: int, sp: bool, zero: int) -> tuple[int, float, floa
     cfg = tiny_model_cfg("llama", hidden_size=256, ffn_hidden_size=512, num_layers=2, seq_len=64, vocab_size=512)
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
-    ctx = StepContext.build(model, st, torch.float32, tiny_train_cfg(), LossScaler(False))
+    ctx = step_context(model, st, torch.float32, tiny_train_cfg())
     batches = micro_batches(random_steps(cfg, 1, 4)[0], 2)  # the data does not change the bytes
     train_step(ctx, opt, batches, 0)  # warm-up: lazy buffers, first-use handshakes
     opt.finish_param_sync()

@@ -163,12 +163,9 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     """Shapes against the parallel layout (Megatron-core's rules) and the batch arithmetic."""
     m, p = cfg.model, cfg.parallel
     out: list[str] = []
-    if p.zero == 3 and p.vpp > 1:
-        out.append("parallel.zero=3 with parallel.vpp > 1 (several model chunks per rank) is not supported yet: "
-                   "use parallel.zero<=2 with the interleaved schedule, or vpp=1")
-    if p.zero == 3 and p.pp > 1 and m.tie_embeddings:
-        out.append("parallel.zero=3 with pp > 1 and tied embeddings is not supported yet: set "
-                   "model.tie_embeddings=false or use parallel.zero<=2")
+    from megalite.optim.zero3 import zero3_problems  # the one place ZeRO-3's limits live (torch: imported late)
+
+    out += zero3_problems(p.zero, p.vpp, p.pp > 1 and bool(m.tie_embeddings))
     if m.num_heads >= 1 and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}: "
                    f"make hidden_size a multiple of num_heads")

@@ -6,7 +6,7 @@ has the same token count in pretraining). The DP average is taken by the optimiz
 
 Context parallelism: each cp rank's loss is the mean over its S/cp tokens of each sequence, so its
 gradient is cp times its share of the sequence's; the optimizer sums the gradients over dp x cp and divides
-by dp x cp (`megalite.optim.grads.GRAD_GROUP`), which gives the single-process gradient.
+by dp x cp (each parameter's `ParamSpec.grad_group`), which gives the single-process gradient.
 """
 
 from __future__ import annotations

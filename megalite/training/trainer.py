@@ -8,7 +8,6 @@ process group, dataset or model exists, so a bad flag costs seconds, not a GPU a
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from megalite.config.validate_fields import check_text_fields
 from megalite.context import ContextOptions
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.data.tokenizer import Tokenizer
-from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
+from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
@@ -119,9 +118,8 @@ def build_run(cfg: config_mod.Config) -> Run:
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None))
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
-    # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
-    optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
-                                            tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps, dtype,
+    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
+                                            (tr.beta1, tr.beta2), tr.adam_eps, dtype,
                                             bucket_bytes=mib_to_bytes(par.bucket_mb),
                                             first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
                                             overlap_param_gather=par.overlap_param_gather,
@@ -299,6 +297,9 @@ def _leave_it_to_rank_0() -> None:
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 when alone or unreadable)."""
-    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    return int(value) if value.isdigit() else 0
+    """This process's rank as the launcher set it (`parallel.state.launcher_env`, the one reader of the
+    launcher's variables); 0 when alone or when they are unreadable (that error is rank 0's to report)."""
+    try:
+        return launcher_env()[0]
+    except LaunchError:
+        return 0
