@@ -24,6 +24,7 @@ from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples
+from megalite.layers.fp8 import enable_fp8, fp8_settings
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -101,6 +102,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule)
+    enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
     optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
