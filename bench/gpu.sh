@@ -38,8 +38,8 @@ for arg in "$@"; do [ "$arg" = "--smoke" ] && OVERLAP_ARGS=(--smoke); done
 timeout 90 python bench/overlap_compare.py "${OVERLAP_ARGS[@]}" --out "$OUT_DIR" --port "$PORT" \
   > "$OUT_DIR/overlap_compare.log" 2>&1 || echo "overlap_compare: failed or timed out, see overlap_compare.log"
 # 5. FP8, bounded; its failure is logged, not fatal.
-FP8_ARGS=()
-for arg in "$@"; do [ "$arg" = "--smoke" ] && FP8_ARGS=(--smoke); done
-timeout 70 python bench/fp8_gpu.py ${FP8_ARGS[@]+"${FP8_ARGS[@]}"} --out "$OUT_DIR" > "$OUT_DIR/fp8_gpu.log" 2>&1 \
+FP8_ARGS=() FP8_TIMEOUT=70
+for arg in "$@"; do [ "$arg" = "--smoke" ] && FP8_ARGS=(--smoke) FP8_TIMEOUT=30; done  # smoke: ~10 s idle
+timeout "$FP8_TIMEOUT" python bench/fp8_gpu.py ${FP8_ARGS[@]+"${FP8_ARGS[@]}"} --out "$OUT_DIR" > "$OUT_DIR/fp8_gpu.log" 2>&1 \
   || echo "fp8_gpu: failed or timed out, see fp8_gpu.log"
 exit "$status"
