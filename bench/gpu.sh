@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark for a single H200 (under 7 minutes: 4 min 30 s of sections + 90 s + 60 s, so a 15-minute device lease that also pays
+# One prepared GPU benchmark for a single H200 (under 7 minutes: 3 min 40 s of sections + 90 + 50 + 60 s, so a 15-minute device lease that also pays
 # the machine's start can run it twice). What it measures:
 #   1. MFU, tokens/s and peak memory of the llama-1b preset (bf16, seq 2048, megalite's real
 #      train_step) with model.kernels=torch, model.kernels=triton and torch.compile;
@@ -9,7 +9,10 @@
 #      ZeRO-1/2 parameter-gather overlap, ZeRO-3 prefetch 0/1/2) with 2 ranks: NCCL on 2 GPUs, gloo
 #      when both share the one GPU (NCCL refuses two ranks on one device). At most 90 more seconds;
 #   5. long-sequence attention (bench/long_seq_gpu.py: SDPA, Triton flash and document-masked SDPA at
-#      S = 8K-32K, ms and peak memory of forward + backward). At most 60 more seconds.
+#      S = 8K-32K, ms and peak memory of forward + backward). At most 50 more seconds;
+#   6. FP8 (bench/fp8_gpu.py): bf16 vs tensorwise vs rowwise tokens/s and MFU of llama-1b, and each GEMM
+#      shape's FP8 speedup (sets train.fp8_min_dim from measurements). At most 60 more seconds.
+# Sections 1-3 share 3 min 40 s, so the whole script ends within 7 minutes.
 # Results: one gpu_bench.json + gpu_bench.md (+ overlap_compare_cuda.{json,md}) in $OUT (the device runner's output folder) or
 # runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
@@ -26,9 +29,9 @@ mkdir -p "$OUT_DIR"
   python -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi; else echo "nvidia-smi: not found (CPU machine)"; fi
 } > "$OUT_DIR/env.txt" 2>&1
-# Hard stop at 4.5 minutes; gpu_bench.py itself skips sections past its budget (4 min) and rewrites the
+# Hard stop at 3 min 40 s; gpu_bench.py itself skips sections past its budget (3 min 20 s) and rewrites the
 # JSON/markdown after every section, so a stop still leaves the finished ones.
-timeout 270 python bench/gpu_bench.py --budget-s 240 --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
+timeout 220 python bench/gpu_bench.py --budget-s 200 --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
 status="${PIPESTATUS[0]}"
 # 4. The overlap comparison, on a port nobody uses; its failure is logged, not fatal to the figures above.
 PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -37,8 +40,14 @@ for arg in "$@"; do [ "$arg" = "--smoke" ] && OVERLAP_ARGS=(--smoke); done
 timeout 90 python bench/overlap_compare.py "${OVERLAP_ARGS[@]}" --out "$OUT_DIR" --port "$PORT" \
   > "$OUT_DIR/overlap_compare.log" 2>&1 || echo "overlap_compare: failed or timed out, see overlap_compare.log"
 # 5. Long sequences (one process); like 4, its failure is logged, not fatal.
-LONG_ARGS=(--budget-s 40)
+LONG_ARGS=(--budget-s 35)
 for arg in "$@"; do [ "$arg" = "--smoke" ] && LONG_ARGS=(--smoke); done
-timeout 60 python bench/long_seq_gpu.py "${LONG_ARGS[@]}" --out "$OUT_DIR" \
+timeout 50 python bench/long_seq_gpu.py "${LONG_ARGS[@]}" --out "$OUT_DIR" \
   > "$OUT_DIR/long_seq.log" 2>&1 || echo "long_seq_gpu: failed or timed out, see long_seq.log"
+
+# 6. FP8, bounded; its failure is logged, not fatal.
+FP8_ARGS=() FP8_TIMEOUT=60
+for arg in "$@"; do [ "$arg" = "--smoke" ] && FP8_ARGS=(--smoke) FP8_TIMEOUT=30; done  # smoke: ~10 s idle
+timeout "$FP8_TIMEOUT" python bench/fp8_gpu.py ${FP8_ARGS[@]+"${FP8_ARGS[@]}"} --out "$OUT_DIR" > "$OUT_DIR/fp8_gpu.log" 2>&1 \
+  || echo "fp8_gpu: failed or timed out, see fp8_gpu.log"
 exit "$status"

@@ -18,7 +18,7 @@ from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mfu_causal",
                    "mem_peak_bytes", "comm_bytes", "comm_convention", "comm_written_bytes", "skipped", "timestamp",
                    "tokens_seen"}
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
-from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
+from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
 from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_params, training_time,  # noqa: E402
                                           utilizations)
@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-node (NVLink) bandwidth in GB/s for TP (default: the inter-node one)")
     h.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per device")
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
+    h.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
+                   help="train.fp8: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
+                        "all-reduces (docs/fp8.md); MFU stays over the bf16 peak")
+    h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="train.fp8_min_dim (the FP8 filter)")
+    h.add_argument("--hfu-convention", choices=list(HFU_CONVENTIONS), default="executed",
+                   help="selective recompute's HFU: executed (the re-run attention core, default) or korthikanti "
+                        "(Korthikanti et al. 2022 Table 5's 72BLsh^2(1 + s/3h + V/12hL))")
     h.add_argument("--efficiency", type=fraction, default=1.0,
                    help="fraction of peak the matmuls reach (1.0 = ideal lower bound on time)")
     q = ap.add_argument_group("questions (docs/estimator.md has a worked example of each)")
@@ -272,9 +279,16 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
         peak = peak_flops(args.device, dtype)
         if peak is None:
             raise ConfigError(f"no {dtype} peak known for device {args.device!r}; pass --peak-tflops")
+    fp8_peak = None
+    if args.fp8 != "none":
+        fp8_peak = peak_flops(args.device, "fp8") if args.device else None
+        if args.device and fp8_peak is None:
+            raise ConfigError(f"--fp8 {args.fp8}: device {args.device!r} has no FP8 tensor cores (or no known FP8 "
+                              "peak): use --fp8 none, or an H100/H200-class device")
     return dict(dims=dims, layout=layout, prec=prec, params=args.params, peak_flops=peak,
                 inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
-                dtype=dtype, memory_layout=layout_name)
+                fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim), fp8_peak_flops=fp8_peak,
+                hfu_convention=args.hfu_convention, dtype=dtype, memory_layout=layout_name)
 
 
 def _gb(x: float) -> str:
@@ -327,7 +341,18 @@ def render(est: Estimate, kw: dict) -> str:
         hidden = "DP traffic" + (" and the cp ring" if lay.cp > 1 else "")
         out += [f"step time: {est.step_seconds:.4g} s no overlap, {est.step_seconds_overlapped:.4g} s "
                 f"with {hidden} hidden behind compute",
-                f"predicted MFU (no overlap): {est.predicted_mfu:.1%}, HFU {est.predicted_hfu:.1%}"]
+                f"predicted MFU (no overlap): {est.predicted_mfu:.1%}, HFU {est.predicted_hfu:.1%} "
+                f"({est.hfu_convention}), causal-halved MFU {est.predicted_mfu_causal:.1%}"]
+    if est.fp8 is not None:
+        f8 = est.fp8
+        names = [g["name"] for g in f8["gemms"] if g["fp8"]]
+        out.append(f"fp8 {f8['recipe']} (min dim {f8['min_dim']}): {', '.join(names) or 'no GEMM'} in FP8, "
+                   f"{f8['fp8_flops_fraction']:.1%} of the hardware FLOPs; amax all-reduces "
+                   + ", ".join(f"{g} {b / 1e6:.3g} MB" for g, b in f8["amax_bytes"].items()) +
+                   f"; largest FP8 weight copy {f8['weight_copy_bytes'] / 2**20:.1f} MiB")
+        if est.predicted_mfu_fp8_peak is not None:
+            out.append(f"MFU is over the bf16 dense peak; over the FP8 dense peak "
+                       f"({f8['fp8_peak_flops'] / 1e12:.0f} TFLOP/s) it is {est.predicted_mfu_fp8_peak:.1%}")
     for w in est.warnings:
         out.append(f"WARNING: {w}")
     return "\n".join(out)
@@ -368,7 +393,8 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
             raise ConfigError("--step-seconds needs a model shape (a preset or --num-layers ...) for its FLOPs")
         u = utilizations(est, lay.world, args.step_seconds, peak)
         sections["measured"] = {"step_seconds": args.step_seconds, **u}
-        lines.append(f"measured step {args.step_seconds:.4g} s: MFU {u['mfu']:.1%}, HFU {u['hfu']:.1%} "
+        lines.append(f"measured step {args.step_seconds:.4g} s: MFU {u['mfu']:.1%}, HFU {u['hfu']:.1%}, "
+                     f"causal-halved MFU {u['mfu_causal']:.1%} "
                      f"({u['achieved_tflops']:.1f} hardware TFLOP/s per device)")
     x = args.achieved_tflops * 1e12 if args.achieved_tflops else None
     if x is not None:
@@ -385,7 +411,7 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
     if args.mfu is not None and not args.train_tokens:
         raise ConfigError("--mfu goes with --train-tokens (how long training takes at that MFU)")
     if args.mfu is not None and est.model_flops_per_step and est.hardware_flops_per_step:
-        hfu = args.mfu * est.hardware_flops_per_step / est.model_flops_per_step
+        hfu = args.mfu * est.hfu_ratio  # one count: HFU == MFU without recompute
         sections["at_mfu"] = {"mfu": args.mfu, "hfu": hfu}
         lines.append(f"MFU {args.mfu:.1%} is HFU {hfu:.1%} with recompute={lay.recompute} "
                      f"(hardware / model FLOPs = {hfu / args.mfu:.4f})")

@@ -14,11 +14,15 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
+
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
 from megalite.config.validate_fields import field_problems, text_problems
 from megalite.model.params import count_params
+from megalite.errors import ConfigError
+from megalite.layers import scaled_mm
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -33,6 +37,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "parallel.cp_mode": ("ring", "allgather", "a2a"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.fp8": ("none", "tensorwise", "rowwise"),
 })
 
 
@@ -311,6 +316,29 @@ def _environment_problems(cfg: Config, device_type: str) -> list[str]:
     return out
 
 
+def _fp8_problems(cfg: Config, device_type: str) -> list[str]:
+    """train.fp8 against the torch, the device and the dtype it would run with (docs/fp8.md)."""
+    tr = cfg.train
+    if tr.fp8 == "none":
+        return []
+    out: list[str] = []
+    if tr.fp8_min_dim < 1:
+        out.append(f"train.fp8_min_dim must be >= 1, got {tr.fp8_min_dim}")
+    try:
+        scaled_mm.check_available()
+    except ConfigError as e:
+        out.append(str(e))
+    if tr.dtype == "fp16":
+        out.append(f"train.fp8={tr.fp8} with train.dtype=fp16 is not supported (fp16 loss scaling would scale the "
+                   "gradients FP8 re-scales anyway): use train.dtype=bf16 (or fp32)")
+    if device_type == "cuda" and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        if cap < scaled_mm.MIN_CUDA_CAPABILITY:
+            out.append(f"train.fp8={tr.fp8} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+                       f"newer) but {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}: set train.fp8=none")
+    return out
+
+
 def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     """Check every rule and raise one ConfigError listing all problems, one line each.
 
@@ -331,6 +359,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _layout_problems(cfg, world_size)
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
+    problems += _fp8_problems(cfg, device_type)
     cli.raise_if(problems, "invalid config")
 
 

@@ -16,6 +16,8 @@ registers a fold with `set_wgrad_fold`, and the weight gradient then goes straig
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 
@@ -25,11 +27,15 @@ from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ROW, ParamSpec, column
 from megalite.parallel.state import ParallelState
 
+if TYPE_CHECKING:
+    from megalite.layers.fp8 import Fp8Gemm
+
 
 class _WeightGradFold:
     """The fold slot both linears share: set by the optimizer, passed to `linear_fn` on every call."""
 
     wgrad_fold: Fold | None = None
+    fp8: Fp8Gemm | None = None  # set by `megalite.layers.fp8.enable_fp8`: this layer's matmuls in FP8
 
     def set_wgrad_fold(self, fold: Fold | None) -> None:
         """Let backward add the weight gradient into the optimizer's buffer (`linear_fn`), or stop it (None)."""
@@ -75,7 +81,8 @@ class ColumnParallelLinear(_WeightGradFold, nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.input_ready:
             x = enter_tp_region(x, self.state)
-        ys = linear_parts(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
+        mm = linear_parts if self.fp8 is None else self.fp8.linear_parts
+        ys = mm(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
         if self.gather_output:
             ys = tuple(comm.gather_last_dim(y, self.state) for y in ys)
         return ys
@@ -106,7 +113,8 @@ class RowParallelLinear(_WeightGradFold, nn.Module):
         return weight if self.bias is None else weight | {"bias": ParamSpec(REPLICATED, sp_partial=self.state.sp)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(linear(x, self.weight, fold=self.wgrad_fold), self.state)
+        mm = linear if self.fp8 is None else self.fp8.linear
+        y = exit_tp_region(mm(x, self.weight, fold=self.wgrad_fold), self.state)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

@@ -23,7 +23,8 @@ from megalite.model.params import count_params  # noqa: F401  (re-exported)
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
-from megalite.perfmodel.flops import flops_per_token
+from megalite.perfmodel.flops import flops_per_token, hfu_ratio
+from megalite.perfmodel.fp8 import fp8_estimate
 from megalite.perfmodel.schedules import (SCHEDULES, Schedule, bubble_overhead, microbatches_in_flight,  # noqa: F401
                                           pipeline_bubble, schedule)  # (re-exported: the public names)
 
@@ -240,6 +241,13 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     predicted_hfu: float | None = None  # hardware FLOPs (recompute counted) over the same time and peak
     cp_exposed_seconds: float | None = None  # the cp ring's transfers not hidden behind attention compute
+    # Causal-halved attention count (`mfu_causal`), HFU = MFU x hfu_ratio (one count), FP8 (docs/fp8.md).
+    model_flops_causal_per_step: float | None = None
+    predicted_mfu_causal: float | None = None
+    hfu_ratio: float = 1.0
+    hfu_convention: str = "executed"
+    fp8: dict | None = None
+    predicted_mfu_fp8_peak: float | None = None  # the same model FLOPs over the FP8 dense peak, beside MFU
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -251,7 +259,8 @@ class Estimate:
 def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision(),
              params: float | None = None, peak_flops: float | None = None,
              inter_bytes_per_s: float | None = None, intra_bytes_per_s: float | None = None,
-             efficiency: float = 1.0, cp_bytes_per_s: float | None = None) -> Estimate:
+             efficiency: float = 1.0, cp_bytes_per_s: float | None = None, fp8: tuple[str, int] | None = None,
+             fp8_peak_flops: float | None = None, hfu_convention: str = "executed") -> Estimate:
     """Memory, communication, FLOPs, bubble and step time of one layout.
 
     `params` overrides the count from `dims` (Ψ per device then = params/(tp·pp)); with `dims`
@@ -261,7 +270,9 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     `compute_seconds` is the hardware FLOPs at `efficiency` x peak, stretched by the bubble;
     `step_seconds` adds all traffic (no overlap), `step_seconds_overlapped` hides DP traffic
     behind compute and the cp ring's transfers behind attention compute, step by step of the ring
-    (`cp_exposed_seconds`; TP and PP traffic sit on the critical path either way)."""
+    (`cp_exposed_seconds`; TP and PP traffic sit on the critical path either way).
+    `fp8` (recipe, min_dim): the filtered GEMMs run at `fp8_peak_flops` x efficiency and their amax
+    all-reduces join the tp/cp traffic (megalite/perfmodel/fp8.py); MFU stays over the BF16 `peak_flops`."""
     m, p = layout.num_microbatches, layout.pp
     if layout.schedule == "zbv":  # two chunks per rank in a V, whatever vpp says (Qi et al. 2024)
         v = 2
@@ -326,9 +337,22 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     model_per_token, hardware_per_token = flops_per_token(dims, total, layout.recompute)
     est.model_flops_per_step = tokens * model_per_token
     est.hardware_flops_per_step = tokens * hardware_per_token  # what recompute repeats included
+    est.model_flops_causal_per_step = est.model_flops_per_step - tokens * 6.0 * dims.num_layers * dims.num_heads \
+        * dims.hd * dims.seq_len
+    est.hfu_ratio, est.hfu_convention = hfu_ratio(dims, layout.recompute, hfu_convention), hfu_convention
+    fp8_fraction = 0.0
+    if fp8 is not None:
+        f8 = fp8_estimate(dims, layout, fp8[0], fp8[1], hardware_per_token, fp8_peak_flops)
+        est.fp8, fp8_fraction = f8.to_dict(), f8.fp8_flops_fraction
+        for g, nbytes in f8.amax_bytes.items():
+            est.comm_bytes[g] = est.comm_bytes.get(g, 0.0) + nbytes
+            if g in est.comm_seconds:
+                est.comm_seconds[g] += nbytes / ({"tp": intra, "cp": ring}[g] or 1.0)
     if not peak_flops:
         return est
-    ideal = est.hardware_flops_per_step / layout.world / (peak_flops * efficiency)
+    fp8_speedup = (fp8_peak_flops / peak_flops) if fp8 is not None and fp8_peak_flops else 1.0
+    ideal = est.hardware_flops_per_step * (1.0 - fp8_fraction + fp8_fraction / fp8_speedup) / layout.world \
+        / (peak_flops * efficiency)
     est.compute_seconds = ideal / (1.0 - est.bubble)
     if est.comm_seconds or not any(comm.values()):
         other = sum(sec for g, sec in est.comm_seconds.items() if g not in ("dp", "cp"))
@@ -338,5 +362,8 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         est.step_seconds = est.compute_seconds + other + dp_s + cp_s
         est.step_seconds_overlapped = max(est.compute_seconds, dp_s) + other + (est.cp_exposed_seconds or 0.0)
         est.predicted_mfu = est.model_flops_per_step / layout.world / est.step_seconds / peak_flops
-        est.predicted_hfu = est.hardware_flops_per_step / layout.world / est.step_seconds / peak_flops
+        est.predicted_hfu = est.predicted_mfu * est.hfu_ratio
+        est.predicted_mfu_causal = est.model_flops_causal_per_step / layout.world / est.step_seconds / peak_flops
+        if fp8 is not None and fp8_peak_flops:
+            est.predicted_mfu_fp8_peak = est.predicted_mfu * peak_flops / fp8_peak_flops
     return est

@@ -12,6 +12,13 @@ Two different counts, for two different questions:
   (HFU), or to compare with papers that report "TFLOP/s per GPU" the Megatron way.
 
 Peaks are *dense* (no 2:4 sparsity) vendor numbers: quoting the sparse figure would halve every MFU.
+
+Attention under causal masking, two conventions (docs/tracking.md): the full count 12·L·H·Q·s (PaLM,
+Megatron: `mfu`) and the causal-halved count 6·L·H·Q·s (only the unmasked half of QK^T and AV:
+`mfu_causal`, what MaxText and flash-attention's block skipping report). One report uses one count:
+HFU is the model FLOPs times `hfu_ratio` (executed over needed FLOPs of the same matmul count), so
+HFU == MFU without recompute and HFU >= MFU always. FP8 runs keep MFU against the BF16 dense peak (the
+"fp8" column is beside it, never instead of it).
 """
 
 from __future__ import annotations
@@ -32,28 +39,30 @@ PEAK_ENV_VAR = "MEGALITE_PEAK_TFLOPS"
 # "fp32" is plain IEEE fp32 on the CUDA cores; "tf32" is the tensor-core TF32 rate (dense).
 # Sources: NVIDIA A100/H100/H200/A10/L4/V100/Ada datasheets, AMD MI300X datasheet.
 _PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    (r"\bH100\b.*\bPCIe\b", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
-    (r"\bH100\b.*\bNVL\b", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
-    (r"\bGH200\b|\bH200\b|\bH100\b", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    (r"\bH100\b.*\bPCIe\b", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0}),
+    (r"\bH100\b.*\bNVL\b", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0, "fp8": 1671.0}),
+    (r"\bGH200\b|\bH200\b|\bH100\b", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0, "fp8": 1979.0}),
     (r"\bA100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3, "fp8": 242.5}),
     # V100 has no bf16 tensor cores: bf16 is absent on purpose (-> None, MFU unknown).
     (r"\bV100\b", {"fp16": 125.0, "fp32": 15.7}),
     # GeForce fp16/bf16 with fp32 accumulation (what PyTorch uses); fp16-accumulate is 2x but unused.
     (r"\bRTX 4090\b", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
-    (r"\bMI300X\b", {"bf16": 1307.0, "fp16": 1307.0, "tf32": 653.7, "fp32": 163.4}),
+    (r"\bMI300X\b", {"bf16": 1307.0, "fp16": 1307.0, "tf32": 653.7, "fp32": 163.4, "fp8": 2614.9}),
 )
 
 _DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "tf32": "tf32",
+    "tf32": "tf32", "fp8": "fp8",
 }
+# "fp8" is the dense FP8 tensor-core rate; devices without FP8 tensor cores (A100, A10, V100) have none.
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int,
+                          causal: bool = False) -> float:
     """Training FLOPs per token: 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B).
 
     * 6N: every weight is used in one multiply-add (2 FLOPs) in the forward pass and two in the
@@ -69,8 +78,10 @@ def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int, se
     *untied* model it does: the input-embedding lookup is a gather, not a matmul, so counting that
     table inflates 6N by 6·V·h per token (about 2% for Llama-2-7B). Callers that want the
     strictest count pass N minus the input embedding (and learned position) table.
+
+    causal=True halves the attention term (6·L·h·s): the causal-halved convention (`mfu_causal`).
     """
-    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
+    return 6.0 * num_params + (6.0 if causal else 12.0) * num_layers * hidden_size * seq_len
 
 
 def megatron_flops_per_iteration(
@@ -126,6 +137,27 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     elif recompute == "selective":
         hardware += 4.0 * attn
     return model, hardware
+
+
+HFU_CONVENTIONS = ("executed", "korthikanti")
+
+
+def hfu_ratio(dims: ModelDims, recompute: str, convention: str = "executed") -> float:
+    """Hardware over model FLOPs of one recompute mode, from one matmul count (so 1 without recompute).
+
+    "executed" (the default: what the devices run): `flops_per_token`'s hardware count with recompute over
+    the same count without it; selective recompute re-runs the attention core's forward, 4·L·H·Q·s.
+    "korthikanti": the convention Korthikanti et al. 2022 computed Table 5's HFU with, for selective
+    recompute 72·B·L·s·h²·(1 + s/(3h) + V/(12·h·L)) over the model's 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L))
+    (it counts the attention core's forward twice more, up to 3.5% above "executed" at 22B); full
+    recompute is the same in both (96·(1 + s/(6h) + V/(16·h·L)) over 72·(...)) for a GPT-3 shape.
+    """
+    if convention not in HFU_CONVENTIONS:
+        raise ConfigError(f"unknown HFU convention {convention!r}; use one of {', '.join(HFU_CONVENTIONS)}")
+    if recompute == "selective" and convention == "korthikanti":
+        s, h, v, l = float(dims.seq_len), float(dims.hidden_size), float(dims.vocab_size), float(dims.num_layers)
+        return (1.0 + s / (3.0 * h) + v / (12.0 * h * l)) / (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
+    return flops_per_token(dims, 0, recompute)[1] / flops_per_token(dims, 0, "none")[1]
 
 
 def normalize_dtype(dtype: str) -> str:

@@ -147,5 +147,6 @@ def utilizations(est: Estimate, world: int, step_seconds: float, peak_flops: flo
         raise ConfigError("a measured step time needs a positive --step-seconds and a peak (--peak-tflops/--device)")
     denominator = world * step_seconds * peak_flops
     return {"mfu": float(est.model_flops_per_step or 0.0) / denominator,
-            "hfu": float(est.hardware_flops_per_step or 0.0) / denominator,
+            "hfu": float(est.model_flops_per_step or 0.0) / denominator * est.hfu_ratio,  # one count: >= MFU
+            "mfu_causal": float(est.model_flops_causal_per_step or 0.0) / denominator,
             "achieved_tflops": float(est.hardware_flops_per_step or 0.0) / world / step_seconds / 1e12}

@@ -26,6 +26,8 @@ class StepReport:
         self.n_params = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads,
                                      m.ffn_hidden_size, m.vocab_size, m.seq_len, bool(m.tie_embeddings))
         self.flops_per_token = model_flops_per_token(self.n_params, m.num_layers, m.hidden_size, m.seq_len)
+        self.flops_per_token_causal = model_flops_per_token(self.n_params, m.num_layers, m.hidden_size, m.seq_len,
+                                                            causal=True)
         device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
         self.peak = peak_flops(device_name, DTYPE_NAMES[ctx.engine.dtype])
         self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
@@ -57,6 +59,7 @@ class StepReport:
         flops = self.flops_per_token * tps / self.state.world_size
         return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                 "tokens_per_s": tps, "tflops_per_device": flops / 1e12, "mfu": mfu(flops, self.peak),
+                "mfu_causal": mfu(self.flops_per_token_causal * tps / self.state.world_size, self.peak),
                 "mem_peak_bytes": peak_memory_bytes(self.state.device), "comm_bytes": comm_bytes,
                 "comm_convention": COMM_CONVENTION, "comm_written_bytes": written_bytes,
                 "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,

@@ -26,6 +26,7 @@ from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
+from megalite.layers.fp8 import enable_fp8, fp8_settings
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -117,6 +118,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None))
+    enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
                                             (tr.beta1, tr.beta2), tr.adam_eps, dtype,
