@@ -16,26 +16,22 @@ registers a fold with `set_wgrad_fold`, and the weight gradient then goes straig
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.layers.linear_fn import Fold, linear, linear_parts, part_blocks
+from megalite.layers.linear_fn import Fold, Gemms, linear, linear_parts, part_blocks
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ROW, ParamSpec, column
 from megalite.parallel.state import ParallelState
-
-if TYPE_CHECKING:
-    from megalite.layers.fp8 import Fp8Gemm
 
 
 class _WeightGradFold:
     """The fold slot both linears share: set by the optimizer, passed to `linear_fn` on every call."""
 
     wgrad_fold: Fold | None = None
-    fp8: Fp8Gemm | None = None  # set by `megalite.layers.fp8.enable_fp8`: this layer's matmuls in FP8
+    fp8: Gemms | None = None  # set by `megalite.layers.fp8.enable_fp8`: this layer's matmuls in FP8
 
     def set_wgrad_fold(self, fold: Fold | None) -> None:
         """Let backward add the weight gradient into the optimizer's buffer (`linear_fn`), or stop it (None)."""

@@ -28,7 +28,7 @@ outputs ([tokens, out] per part). A linear without a fold computes dW in its bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -150,3 +150,13 @@ def linear_parts(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks,
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fold: Fold | None = None) -> Tensor:
     """F.linear with the main-grad fold (a single part)."""
     return LinearParts.apply(x, weight, bias, ((0, weight.shape[0]),), fold)[0]
+
+
+class Gemms(Protocol):
+    """The matmuls a parallel linear calls: this module's `linear_parts` / `linear` by default, or another
+    implementation with the same arguments and outputs (FP8: `megalite.layers.fp8.Fp8Gemm`)."""
+
+    def linear_parts(self, x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks,
+                     fold: Fold | None = None) -> tuple[Tensor, ...]: ...
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, fold: Fold | None = None) -> Tensor: ...
