@@ -165,3 +165,16 @@ def test_files_stay_focused() -> None:
     long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 420}
     assert not long, long
+
+
+def test_the_read_order_counts_are_this_trees() -> None:
+    """docs/architecture.md gives each core file's line count (`path` (N)): they stay true."""
+    import re
+    doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = doc[doc.index("## Reading the core"):doc.index("## The rank grid")]
+    cited = re.findall(r"`((?:megalite/)?[a-z_]+/[a-z_0-9]+\.py)` \((\d+)\)", section)
+    assert len(cited) > 30  # the whole read order, not a few files
+    stale = [(path, int(n), len(open(REPO / (path if path.startswith("megalite/") else f"megalite/{path}"),
+                                    encoding="utf-8").read().splitlines()))
+             for path, n in cited]
+    assert [s for s in stale if s[1] != s[2]] == []
