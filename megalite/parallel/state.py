@@ -42,13 +42,18 @@ from megalite.parallel.counter import CommCounter
 #   dp_cp            dp x cp: ranks holding the same parameters (same tp_rank and pp_rank). The gradients of
 #                    replicated parameters are reduced over it (each cp rank saw other tokens of the same
 #                    sequences) and ZeRO shards over it. At cp = 1 it is the dp group itself (same communicator).
-GroupKind = Literal["tp", "dp", "pp", "pp_act_down", "pp_grad", "pp_grad_up", "mp", "embedding", "cp", "dp_cp"]
+#   ep, edp          expert parallelism, taken from the dp x cp ranks: with i = dp_rank * cp + cp_rank (the index
+#                    in dp_cp), ep_rank = i % ep and edp_rank = i // ep. 'ep' is the ranks with the same tp_rank,
+#                    pp_rank and edp_rank (the MoE all-to-all), 'edp' the ranks with the same tp_rank, pp_rank and
+#                    ep_rank (expert weights' gradient reduction). At ep = 1, 'edp' is 'dp_cp' (same communicator).
+GroupKind = Literal["tp", "dp", "pp", "pp_act_down", "pp_grad", "pp_grad_up", "mp", "embedding", "cp", "dp_cp",
+                    "ep", "edp"]
 GROUP_KINDS: frozenset[str] = frozenset(get_args(GroupKind))
 # The communicators over the pipeline ranks (pp_rank is the only coordinate they span).
 PP_KINDS: tuple[GroupKind, ...] = ("pp", "pp_act_down", "pp_grad", "pp_grad_up")
 # The kinds `create_groups` builds one family of groups for, in the order every rank creates them.
 _CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_act_down", "pp_grad",
-                                          "pp_grad_up", "cp", "dp_cp")
+                                          "pp_grad_up", "cp", "dp_cp", "ep", "edp")
 
 
 class Coords(NamedTuple):
@@ -79,7 +84,7 @@ def coords_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_r
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[list[int]]:
     """Every group of one kind, as sorted lists of global ranks (each rank in exactly one group).
 
     A group is the ranks that agree on every coordinate the kind does not span: tp spans tp_rank, cp
@@ -90,8 +95,14 @@ def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int, cp: int = 1) -> list
     spans: dict[GroupKind, tuple[str, ...]] = {
         "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp"), "mp": ("tp", "pp"), "embedding": ("pp",),
         **{pp_kind: ("pp",) for pp_kind in PP_KINDS}}
-    spanned = spans[check_group(kind)]
     groups: dict[tuple[int, ...], list[int]] = {}
+    if kind in ("ep", "edp"):  # from the dp x cp index i: ep_rank = i % ep, edp_rank = i // ep
+        for r in range(tp * cp * pp * dp):
+            c = rank_coords(r, tp, pp, dp, cp)
+            i = c.dp * cp + c.cp
+            groups.setdefault((c.tp, c.pp, i // ep if kind == "ep" else i % ep), []).append(r)
+        return sorted(sorted(g) for g in groups.values())
+    spanned = spans[check_group(kind)]
     for r in range(tp * cp * pp * dp):
         c = rank_coords(r, tp, pp, dp, cp)
         key = tuple(v for name, v in c._asdict().items() if name not in spanned)
@@ -116,6 +127,7 @@ class ParallelState:
     rank: int = 0
     cp: int = 1
     sp: bool = False
+    ep: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict[GroupKind, dist.ProcessGroup] = field(default_factory=dict)
     counter: CommCounter = field(default_factory=CommCounter)
@@ -143,6 +155,14 @@ class ParallelState:
     @property
     def cp_rank(self) -> int:
         return self.coords.cp
+
+    @property
+    def ep_rank(self) -> int:
+        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return (self.dp_rank * self.cp + self.cp_rank) // self.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -176,7 +196,7 @@ class ParallelState:
         if kind in PP_KINDS:
             return self.pp
         return {"tp": self.tp, "dp": self.dp, "mp": self.tp * self.pp, "embedding": 1 if self.pp == 1 else 2,
-                "cp": self.cp, "dp_cp": self.dp * self.cp}[kind]
+                "cp": self.cp, "dp_cp": self.dp * self.cp, "ep": self.ep, "edp": self.dp * self.cp // self.ep}[kind]
 
     def rank_in(self, kind: GroupKind) -> int:
         """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list)."""
@@ -185,7 +205,7 @@ class ParallelState:
             return self.pp_rank
         return {"tp": self.tp_rank, "dp": self.dp_rank, "mp": self.pp_rank * self.tp + self.tp_rank,
                 "embedding": 0 if self.is_first_stage else 1, "cp": self.cp_rank,
-                "dp_cp": self.dp_rank * self.cp + self.cp_rank}[kind]
+                "dp_cp": self.dp_rank * self.cp + self.cp_rank, "ep": self.ep_rank, "edp": self.edp_rank}[kind]
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
@@ -193,7 +213,7 @@ class ParallelState:
 
 
 def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str = "auto",
-                     device: str = "auto", timeout_s: float = 600.0, cp: int = 1) -> ParallelState:
+                     device: str = "auto", timeout_s: float = 600.0, cp: int = 1, ep: int = 1) -> ParallelState:
     """Join the job launched by torchrun/srun (or run alone) and build every process group once.
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun) or SLURM_PROCID / SLURM_NTASKS; a partial
@@ -202,13 +222,15 @@ def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str =
     rank, world, local_rank = launcher_env()
     if world != tp * cp * pp * dp:
         raise ConfigError(f"world size {world} != tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp}")
+    if ep < 1 or (dp * cp) % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide dp x cp = {dp * cp} (experts are split over dp x cp ranks)")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=sp, device=dev)
+    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=sp, ep=ep, device=dev)
     if world == 1:
         return state
     if not dist.is_initialized():
@@ -264,7 +286,12 @@ def create_groups(state: ParallelState) -> None:
         if kind == "dp_cp" and state.cp == 1:  # the same ranks as dp: share its communicator
             state.groups["dp_cp"] = state.groups["dp"]
             continue
-        for ranks in group_ranks(kind, state.tp, state.pp, state.dp, state.cp):
+        if kind == "ep" and state.ep == 1:  # one rank each: no collective ever runs over it
+            continue
+        if kind == "edp" and state.ep == 1:  # the same ranks as dp_cp: share its communicator
+            state.groups["edp"] = state.groups["dp_cp"]
+            continue
+        for ranks in group_ranks(kind, state.tp, state.pp, state.dp, state.cp, state.ep):
             pg = dist.new_group(ranks)
             if state.rank in ranks:
                 state.groups[kind] = pg
