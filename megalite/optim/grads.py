@@ -61,11 +61,13 @@ def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> No
         flat = torch.cat([p.grad.reshape(-1) for p in partial])
         comm.all_reduce(flat, state, "tp")
         _unflatten_into(flat, [p.grad for p in partial])
-    if state.size(GRAD_GROUP) > 1:
-        grads = [p.grad for p in params if p.grad is not None]
+    for kind in dict.fromkeys(specs[p].grad_group for p in params):
+        grads = [p.grad for p in params if p.grad is not None and specs[p].grad_group == kind]
+        if state.size(GRAD_GROUP) == 1 or not grads:
+            continue
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, state, GRAD_GROUP)
-        flat /= state.size(GRAD_GROUP)
+        comm.all_reduce(flat, state, kind)
+        flat /= state.size(GRAD_GROUP)  # the global-token mean for every group (see ZeroOptimizer.finish_grad_sync)
         _unflatten_into(flat, grads)
 
 
@@ -80,13 +82,19 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def global_grad_norm(model: nn.Module, state: ParallelState, specs: Specs) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
     only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
-    counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
-               and (specs[p].layout.split or state.tp_rank == 0)
-               and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
-    # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
-    norms = torch._foreach_norm(counted) if counted else []
-    sq = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
-                                                                          device=state.device)).reshape(1)
+    sq = torch.zeros(1, dtype=torch.float64, device=state.device)
+    for expert in (False, True):  # expert weights (grad_group "edp") differ over the ep ranks: summed there
+        counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
+                   and (specs[p].layout.split or state.tp_rank == 0)
+                   and (specs[p].grad_group == "edp") == expert
+                   and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
+        # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
+        norms = torch._foreach_norm(counted) if counted else []
+        part = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                device=state.device)).reshape(1)
+        if expert:
+            comm.all_reduce(part, state, "ep", count_as="norm")
+        sq += part
     comm.all_reduce(sq, state, "mp")
     return math.sqrt(sq.item())
 

@@ -27,7 +27,6 @@ from typing import Any, Callable, Literal
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.optim.grads import GRAD_GROUP
 from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -98,7 +97,7 @@ class ParamGatherOverlap:
         for i in reversed(range(len(self.buckets))):
             b = self.buckets[i]
             # A copy of the own range: the gather's output buffer contains it, and an input must not alias it.
-            work = comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state, GRAD_GROUP)
+            work = comm.all_gather_async(b.param_flat, b.param_flat[b.lo:b.hi].clone(), self.state, b.group)
             self._emit("gather", i)
             if work is not None:
                 self._pending[i] = work

@@ -105,6 +105,8 @@ class ZeroOptimizer(GradSyncSwitch):
             # The gather/free hooks sit on one model chunk; several interleaved chunks are not handled.
             raise ConfigError("parallel.zero=3 with several model chunks per rank (parallel.vpp > 1) is not "
                               "supported yet: use parallel.zero<=2 with the interleaved schedule, or vpp=1")
+        if stage == 3 and state.size("ep") > 1:
+            raise ConfigError("parallel.zero=3 with parallel.ep > 1 is not supported yet: use parallel.zero<=2")
         if stage == 3 and shared:
             raise ConfigError("parallel.zero=3 with pp > 1 and tied embeddings is not supported yet: set "
                               "model.tie_embeddings=false or use parallel.zero<=2")
@@ -118,8 +120,11 @@ class ZeroOptimizer(GradSyncSwitch):
             # A tied embedding's two pipeline copies each get a bucket of their own, so both stages
             # shard them identically and their reduced grads can be summed over the embedding group.
             rest = [p for p in params if all(p is not q for q in shared)]
-            groups_p = [[p] for p in shared] + split_by_size(rest[::-1], settings.bucket_bytes,
-                                                             settings.first_bucket_bytes)
+            # Buckets never mix gradient groups (ParamSpec.grad_group: MoE experts reduce over "edp").
+            kinds = list(dict.fromkeys(self.specs[p].grad_group for p in rest[::-1]))
+            groups_p = [[p] for p in shared] + [g for kind in kinds for g in split_by_size(
+                [p for p in rest[::-1] if self.specs[p].grad_group == kind], settings.bucket_bytes,
+                settings.first_bucket_bytes)]
             units = [(model, g) for g in groups_p]
             outer = None
         self.buckets: list[Bucket] = [self._build_bucket(g) for _, g in ([outer] if outer else []) + units]
@@ -153,8 +158,9 @@ class ZeroOptimizer(GradSyncSwitch):
 
     def _build_bucket(self, params: list[nn.Parameter]) -> Bucket:
         st = self.state
-        b, full32 = make_bucket(params, self.specs, st.size(GRAD_GROUP), st.rank_in(GRAD_GROUP),
-                                pad=self.stage > 0)
+        group = self.specs[params[0]].grad_group
+        b, full32 = make_bucket(params, self.specs, st.size(group), st.rank_in(group), pad=self.stage > 0,
+                                group=group)
         b.param_flat = full32.to(self.dtype)
         for p, off in zip(params, b.offsets):
             p.data = b.param_flat[off:off + p.numel()].view(p.shape)
@@ -227,10 +233,10 @@ class ZeroOptimizer(GradSyncSwitch):
         if self._on_event is not None:
             self._on_event(OverlapEvent("reduce", self._position[id(b)]))
         if self.stage == 0:
-            b.work = comm.all_reduce_async(b.grad_flat, self.state, GRAD_GROUP)
+            b.work = comm.all_reduce_async(b.grad_flat, self.state, b.group)
         else:
             b.scatter_out = torch.empty(b.shard_numel, dtype=torch.float32, device=self.state.device)
-            b.work = comm.reduce_scatter_async(b.scatter_out, b.grad_flat, self.state, GRAD_GROUP)
+            b.work = comm.reduce_scatter_async(b.scatter_out, b.grad_flat, self.state, b.group)
 
     # ------------------------------------------------------------ the optimizer interface
     def zero_grad(self) -> None:
@@ -259,7 +265,10 @@ class ZeroOptimizer(GradSyncSwitch):
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            if n > 1:  # the average over dp x cp (a full pass over the gradients: skip it when alone)
+            # The average over dp x cp for every bucket, an "edp" one too: each of the dp x cp ranks' losses
+            # contributed to an expert's gradient (through the all-to-all), summed over ep in the backward
+            # and over edp here, so the global-token mean divides by dp x cp like the dense gradients.
+            if n > 1:  # (a full pass over the gradients: skip it when alone)
                 b.grad_shard.div_(n)
             if self.stage >= 2:
                 b.grad_flat = None  # ZeRO-2: only the reduced shard is kept
@@ -282,13 +291,18 @@ class ZeroOptimizer(GradSyncSwitch):
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank
         0 only, summed over tp x pp ranks, and for stages >= 1 over the dp shards too."""
-        pieces = [b.grad_shard[s.lo:s.hi] for b in self.buckets for s in b.segments  # type: ignore[index]
-                  if not ((s.replicated and self.state.tp_rank != 0) or s.copy)]
-        # One fused fp32 norm per piece (no float64 copy of the gradients), their squares summed in float64.
-        norms = torch._foreach_norm(pieces) if pieces else []
-        sq = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
-              else torch.zeros(1, dtype=torch.float64, device=self.state.device))
-        if self.stage >= 1:
+        sq = torch.zeros(1, dtype=torch.float64, device=self.state.device)
+        for kind in dict.fromkeys(b.group for b in self.buckets):
+            pieces = [b.grad_shard[s.lo:s.hi] for b in self.buckets if b.group == kind  # type: ignore[index]
+                      for s in b.segments if not ((s.replicated and self.state.tp_rank != 0) or s.copy)]
+            # One fused fp32 norm per piece (no float64 copy of the gradients), their squares summed in float64.
+            norms = torch._foreach_norm(pieces) if pieces else []
+            part = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
+                    else torch.zeros(1, dtype=torch.float64, device=self.state.device))
+            if kind == "edp" and self.stage == 0:  # each ep rank holds other experts (edp x ep = dp x cp)
+                comm.all_reduce(part, self.state, "ep", count_as="norm")
+            sq += part
+        if self.stage >= 1:  # every group's shards together cover dp x cp (edp x ep for the experts)
             comm.all_reduce(sq, self.state, GRAD_GROUP, count_as="norm")
         comm.all_reduce(sq, self.state, "mp")
         return math.sqrt(sq.item())

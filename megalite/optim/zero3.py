@@ -31,7 +31,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from megalite.optim.grads import GRAD_GROUP
 from megalite.optim.overlap import ahead
 from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm
@@ -77,7 +76,7 @@ class Zero3Gatherer:
         if not self.is_gathered(b):
             b.param_flat.untyped_storage().resize_(b.padded * b.param_flat.element_size())
             assert b.param_shard is not None
-            b.gather_work = comm.all_gather_async(b.param_flat, b.param_shard, self.state, GRAD_GROUP)
+            b.gather_work = comm.all_gather_async(b.param_flat, b.param_shard, self.state, b.group)
         if wait and b.gather_work is not None:
             b.gather_work.wait()
             b.gather_work = None

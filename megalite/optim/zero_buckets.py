@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.parallel.param_spec import ParamSpec, Tied
+from megalite.parallel.state import GroupKind
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Bucket:
     scatter_out: torch.Tensor | None = None  # reduce-scatter destination while in flight
     gather_work: dist.Work | None = None     # stage 3: pending parameter all-gather
     index: dict[int, int] = field(default_factory=dict)  # id(param) -> position in `params`
+    group: GroupKind = "dp_cp"               # the ParamSpec.grad_group of every parameter in it
 
     @property
     def shard_numel(self) -> int:
@@ -66,7 +68,7 @@ class Bucket:
 
 
 def make_bucket(params: list[nn.Parameter], specs: Mapping[nn.Parameter, ParamSpec], dp: int, dp_rank: int,
-                pad: bool) -> tuple[Bucket, torch.Tensor]:
+                pad: bool, group: GroupKind = "dp_cp") -> tuple[Bucket, torch.Tensor]:
     """Lay `params` out flat; returns the bucket (buffers not yet allocated) and the fp32 full values."""
     offsets, total = [], 0
     for p in params:
@@ -88,7 +90,7 @@ def make_bucket(params: list[nn.Parameter], specs: Mapping[nn.Parameter, ParamSp
     bucket = Bucket(params=params, offsets=offsets, numel=total, padded=padded, lo=lo, hi=hi, segments=segments,
                     param_flat=empty, param_shard=None, master=empty, exp_avg=empty, exp_avg_sq=empty,
                     n_grads=sum(p.requires_grad for p in params),
-                    index={id(p): i for i, p in enumerate(params)})
+                    index={id(p): i for i, p in enumerate(params)}, group=group)
     return bucket, full32
 
 

@@ -14,7 +14,6 @@ from typing import Mapping
 
 import torch
 
-from megalite.optim.grads import GRAD_GROUP
 from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -30,7 +29,7 @@ def _full(b: Bucket, shard: torch.Tensor, sharded: bool, state: ParallelState) -
     if not sharded:
         return shard
     full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-    work = comm.all_gather_async(full, shard.contiguous(), state, GRAD_GROUP, count_as="checkpoint")
+    work = comm.all_gather_async(full, shard.contiguous(), state, b.group, count_as="checkpoint")
     if work is not None:
         work.wait()
     return full
@@ -85,7 +84,7 @@ def full_parameters(buckets: list[Bucket], names: Names, sharded_params: bool,
         if sharded_params:
             assert b.param_shard is not None
             full = torch.empty(b.padded, dtype=b.param_flat.dtype, device=b.param_shard.device)
-            work = comm.all_gather_async(full, b.param_shard, state, GRAD_GROUP)
+            work = comm.all_gather_async(full, b.param_shard, state, b.group)
             if work is not None:
                 work.wait()
         else:

@@ -32,6 +32,7 @@ from typing import Literal, Mapping, Protocol, runtime_checkable
 import torch.nn as nn
 
 from megalite.errors import MegaliteError
+from megalite.parallel.state import GroupKind
 
 LayoutKind = Literal["replicated", "column", "row", "vocab"]
 
@@ -90,6 +91,9 @@ class ParamSpec:
     # gradient is a partial sum to be all-reduced over TP (Korthikanti et al. 2022).
     sp_partial: bool = False
     tied: Tied = Tied.NONE
+    # The group over which the gradient is reduced and ZeRO shards the states ("edp" for MoE experts,
+    # which expert parallelism splits over the "ep" ranks). Buckets never mix groups.
+    grad_group: GroupKind = "dp_cp"
 
     @property
     def pipeline_tied(self) -> bool:
