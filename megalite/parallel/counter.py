@@ -30,9 +30,9 @@ from collections import defaultdict
 from fractions import Fraction
 from typing import Callable, Literal, cast, get_args
 
-CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp"]
+CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep"]
 COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
-CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all"]
 # The value of metrics.jsonl's `comm_convention`: the bytes in `comm_bytes` are the ring algorithm's per rank.
 COMM_CONVENTION = "ring"
 
@@ -49,6 +49,8 @@ RING_FACTORS: dict[CollectiveOp, Callable[[int], Fraction]] = {
     "all_gather": lambda n: Fraction(n - 1, n),
     "reduce_scatter": lambda n: Fraction(n - 1, n),
     "send": lambda n: Fraction(1),
+    # MoE dispatch/combine: `payload_bytes` is what this rank sends to the *other* ranks (its own rows stay).
+    "all_to_all": lambda n: Fraction(1),
 }
 
 
