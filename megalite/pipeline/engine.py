@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from megalite.layers.linear_fn import DeferredWeightGrads, defer_weight_grads, run_weight_grads
+from megalite.moe.losses import ScalesAuxLoss
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.p2p import Exchange, routes
@@ -117,6 +118,8 @@ class PipelineEngine:
         if inp is not None and torch.is_grad_enabled():
             inp.requires_grad_()
         wgrad = DeferredWeightGrads() if split and torch.is_grad_enabled() else None
+        if isinstance(chunk, ScalesAuxLoss):  # MoE router losses are backpropagated with the loss's factor
+            chunk.set_aux_loss_scale(scale)
         with defer_weight_grads(wgrad):
             out = chunk(ids if first else None, labels if last else None, hidden=inp, dtype=self.dtype)
         if last:
