@@ -8,7 +8,7 @@ experts (DeepSeek) are one dense MLP of width shared x shared_ffn, tensor-parall
 
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
 
 import torch
 import torch.nn as nn
@@ -35,8 +35,9 @@ class MoELayer(nn.Module):
                                f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
         self.shared: nn.Module | None = None
         if s.shared:
-            self.shared = mlp_cls(replace(cfg, ffn_hidden_size=s.shared * s.shared_ffn), state, ops,
-                                  f"{name}.shared", seed)
+            shared_cfg = copy.copy(cfg)  # the model config with the shared experts' fused width
+            shared_cfg.ffn_hidden_size = s.shared * s.shared_ffn
+            self.shared = mlp_cls(shared_cfg, state, ops, f"{name}.shared", seed)
         self.stats = LayerStats(s.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,9 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, h)
         routing = self.router(flat)
         rows, plan = dispatch(flat, routing.experts, self.s.experts, self.state, self.s.capacity_factor)
+        if self.state.size("ep") > 1:
+            me = self.state.rank_in("ep")
+            self.stats.record_exchange(sum(plan.send) - plan.send[me] + sum(plan.recv) - plan.recv[me])
         y = combine(self.experts(rows, plan.local_counts), plan, routing.weights, flat.shape[0], self.state)
         out = y.view(b, s_, h).to(x.dtype)
         if self.shared is not None:

@@ -26,6 +26,11 @@ class LayerStats:
     def reset(self) -> None:
         self.counts = torch.zeros(self.experts, dtype=torch.float64)
         self.dropped, self.aux, self.z, self.micro = 0, 0.0, 0.0, 0
+        self.a2a_rows: list[int] = []  # per forward: rows sent to + received from the other ep ranks
+
+    def record_exchange(self, off_rank_rows: int) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a full-recompute forward inside the backward
+            self.a2a_rows.append(off_rank_rows)
 
     def record(self, counts: torch.Tensor, dropped: int, aux: float, z: float) -> None:
         # A full-recompute forward (run again inside the backward) is not counted twice.
@@ -63,7 +68,8 @@ def finish_step(chunks: list[nn.Module], state: ParallelState, update_bias: bool
     if state.sp:
         table[:, :e + 1] = comm.all_reduce(table[:, :e + 1].contiguous(), state, "tp", count_as="metrics")
     comm.all_reduce(table, state, "dp_cp", count_as="metrics")
-    out: dict[str, Any] = {"aux_loss": {}, "z_loss": {}, "dropped_tokens": {}, "load_max": {}, "load_mean": {}}
+    out: dict[str, Any] = {"aux_loss": {}, "z_loss": {}, "dropped_tokens": {}, "load_max": {}, "load_mean": {},
+                           "a2a_rows": {}, "a2a_calls": {}}
     for (name, m), row in zip(layers, table.cpu()):
         counts, micro = row[:e], max(1.0, float(row[e + 3]))
         out["aux_loss"][name] = float(row[e + 1]) / micro
@@ -71,6 +77,9 @@ def finish_step(chunks: list[nn.Module], state: ParallelState, update_bias: bool
         out["dropped_tokens"][name] = int(row[e])
         out["load_max"][name] = float(counts.max())
         out["load_mean"][name] = float(counts.mean())
+        # This rank's own exchange (not reduced): rows sent to + received from the other ep ranks, per forward.
+        out["a2a_rows"][name] = sum(m.stats.a2a_rows)
+        out["a2a_calls"][name] = len(m.stats.a2a_rows)
         if update_bias and m.s.router == "deepseek" and m.s.bias_rate and m.training:
             with torch.no_grad():
                 m.router.bias += m.s.bias_rate * torch.sign(counts.mean() - counts).to(m.router.bias)

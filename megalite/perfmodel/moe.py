@@ -18,7 +18,7 @@ T k (ep - 1)/ep rows each way: 4 x T k (ep - 1)/ep x h x b per layer per micro-b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import count_params
@@ -65,15 +65,13 @@ def a2a_bytes_balanced(tokens: int, top_k: int, experts: int, hidden: int, ep: i
     return 4 * rows * hidden * bytes_per + (ep - 1) * (experts // ep) * 8
 
 
-def a2a_bytes_measured(send_rows: Sequence[int], recv_rows: Sequence[int], ep_rank: int, experts: int,
-                       hidden: int, bytes_per: int, forward_passes: int = 1) -> int:
-    """The same from one layer-micro-batch's actual split sizes (rows this rank sends to / receives from
-    each ep rank): dispatch and combine, each forward_passes times forward (2 with full recompute) and
-    once backward."""
-    ep = len(send_rows)
+def a2a_bytes_measured(off_rank_rows: int, calls: int, ep: int, experts: int, hidden: int, bytes_per: int,
+                       forward_passes: int = 1) -> int:
+    """The same from a run's measured routing: `off_rank_rows` = rows this rank sent to plus received from
+    the other ep ranks over `calls` layer-micro-batches (metrics.jsonl moe.a2a_rows / a2a_calls). Dispatch
+    and combine each move those rows forward (forward_passes times: 2 with full recompute, where the
+    forward's exchange runs again in the backward) and once backward, plus the counts per forward."""
     if ep == 1:
         return 0
-    off_send = sum(send_rows) - send_rows[ep_rank]
-    off_recv = sum(recv_rows) - recv_rows[ep_rank]
     counts = (ep - 1) * (experts // ep) * 8
-    return forward_passes * ((off_send + off_recv) * hidden * bytes_per + counts) + (off_send + off_recv) * hidden * bytes_per
+    return (forward_passes + 1) * off_rank_rows * hidden * bytes_per + forward_passes * calls * counts
