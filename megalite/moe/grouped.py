@@ -44,7 +44,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The same products, one matmul per expert (an expert with no rows contributes nothing)."""
     outs = [part @ weight[e].t() for e, part in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1])) + 0 * weight.sum()
+    if not outs:  # no rows at all: still a graph through x and every weight (zero gradients, not None)
+        return x @ weight[0].t() + 0 * weight.sum()
+    return torch.cat(outs)
 
 
 def expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
