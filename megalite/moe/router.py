@@ -37,6 +37,7 @@ class Router(nn.Module):
         self.s, self.sp = s, sp
         self.weight = nn.Parameter(full_normal((s.experts, hidden), std, seed, f"{name}.weight"))
         # DeepSeek's balancing bias: a buffer (no gradient), saved with the model.
+        self.bias: torch.Tensor
         self.register_buffer("bias", torch.zeros(s.experts), persistent=True)
 
     def param_specs(self) -> dict[str, ParamSpec]:

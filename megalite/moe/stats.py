@@ -9,13 +9,16 @@ counts (DeepSeek-V3 section 2.1.2: the same update on every rank), and resets.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from megalite.moe.layer import MoELayer
 
 
 class LayerStats:
@@ -43,11 +46,11 @@ class LayerStats:
         self.micro += 1
 
 
-def moe_layers_of(chunks: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+def moe_layers_of(chunks: list[nn.Module]) -> list[tuple[str, MoELayer]]:
     """(global layer name, MoELayer) of every MoE layer on this rank, in model order."""
     from megalite.moe.layer import MoELayer
 
-    out = []
+    out: list[tuple[str, MoELayer]] = []
     for chunk in chunks:
         for name, m in chunk.named_modules():
             if isinstance(m, MoELayer):
