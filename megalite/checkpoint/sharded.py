@@ -53,6 +53,7 @@ from megalite.checkpoint.files import LATEST, fsync_file, inside, prune, sha256,
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
+from megalite.moe.checkpoint_layout import expert_shard_map
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
@@ -142,17 +143,20 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     items: list[tuple[str, ShardMap, torch.Tensor]] = []
+    experts: list[tuple[str, ShardMap, torch.Tensor]] = []
     opt_step: float | None = None
     for name, p, _, spec in params:
         if spec.tied is Tied.HEAD_COPY or (not spec.layout.split and state.tp_rank != 0):
             continue
-        smap = shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank, info["vocab_size"])
+        smap = expert_shard_map(shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank,
+                                          info["vocab_size"]), spec, state)
         st = pstates.get(name, {})
-        items.append((f"param/{name}", smap, st.get("master", p)))
-        items += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
+        group = experts if spec.grad_group == "edp" else items  # MoE experts: dealt over the ranks holding them
+        group.append((f"param/{name}", smap, st.get("master", p)))
+        group += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
         if "step" in st:
             opt_step = float(st["step"])
-    mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)]
+    mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)] + experts[state.rank_in("edp")::state.size("edp")]
     rng: dict[str, torch.Tensor] = extra.get("rng") or {}
     file = f"rank_{state.rank:05d}.safetensors"
     plan = [(f"{key}/{i}", torch.float32, pc.shape) for key, smap, _ in mine for i, pc in enumerate(smap.pieces)]
@@ -299,7 +303,8 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     states: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, p, source, spec in params:
-            smap = shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank, info["vocab_size"])
+            smap = expert_shard_map(shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank,
+                                              info["vocab_size"]), spec, state)
             key = f"param/{source}"
             if reader.has(key) and reader.shape(key) != smap.global_shape:
                 raise CheckpointError(f"checkpoint {path}: tensor {source} has shape {list(reader.shape(key))} but "
