@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 from megalite.checkpoint.hf import rules
 from megalite.checkpoint.layout import model_info
 from megalite.errors import CheckpointError
+from megalite.model.gpt import GPT
 from megalite.moe.settings import MoESettings
 
 
@@ -79,10 +79,10 @@ def name_map(m: Any) -> dict[str, list[str]]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, hf_state: dict[str, torch.Tensor]) -> None:
+def load_hf_weights(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
     """Copy an HF Mixtral state dict into a one-process megalite GPT (tp = ep = 1; padded vocab rows stay)."""
     params = dict(model.named_parameters())
-    for name, hf_names in name_map(model.cfg).items():  # type: ignore[arg-type]
+    for name, hf_names in name_map(model.cfg).items():
         if name not in params:
             continue
         value = torch.cat([hf_state[n] for n in hf_names], dim=0)
@@ -90,19 +90,19 @@ def load_hf_weights(model: nn.Module, hf_state: dict[str, torch.Tensor]) -> None
 
 
 @torch.no_grad()
-def hf_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+def hf_weights(model: GPT) -> dict[str, torch.Tensor]:
     """The inverse: an HF Mixtral state dict from a one-process megalite GPT."""
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
-    for name, hf_names in name_map(model.cfg).items():  # type: ignore[arg-type]
+    for name, hf_names in name_map(model.cfg).items():
         if name not in params:
             continue
         value = params[name].detach()
         if name in ("embedding.weight", "head.weight"):
-            value = value[: model.cfg.vocab_size]  # type: ignore[union-attr]
+            value = value[: model.cfg.vocab_size]
         sizes = [value.shape[0] // len(hf_names)] * len(hf_names)
         if name.endswith("attn.qkv.weight"):
-            c = model.cfg  # type: ignore[union-attr]
+            c: Any = model.cfg
             hd = c.hidden_size // c.num_heads
             sizes = [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd]
         for n, piece in zip(hf_names, value.split(sizes)):
