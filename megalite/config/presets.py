@@ -24,6 +24,8 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
     "llama-1b": dict(arch="llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
                      ffn_hidden_size=8192, seq_len=2048, vocab_size=128256, rope_theta=500000.0,
                      tie_embeddings=True),
+    "llama-7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
+                     seq_len=4096, vocab_size=32000),
     # Mixtures of experts (docs/moe.md). tiny-moe trains on the demo corpus in minutes on a CPU; the three
     # published shapes are for the estimator (Mixtral 8x7B: Jiang et al. 2024; Qwen3-30B-A3B: its HF config;
     # DeepSeek-V3: Liu et al. 2024, without its multi-head latent attention and multi-token prediction:
@@ -41,6 +43,4 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                         ffn_hidden_size=18432, seq_len=4096, vocab_size=129280, moe_experts=256, moe_top_k=8,
                         moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="deepseek",
                         moe_route_scale=2.5, moe_groups=8, moe_group_top_k=4),
-    "llama-7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
-                     seq_len=4096, vocab_size=32000),
 })
