@@ -118,6 +118,14 @@ def _check_deepseek(rank: int) -> dict:
                   moe_group_top_k=1)
 
 
+def _check_gpt2(rank: int) -> dict:
+    return _check(rank, 1, 1, 1, False, 0, 2, "qwen3", arch="gpt2")
+
+
+def test_ep2_gpt2_gelu_experts(dist_world) -> None:
+    dist_world(2).run(_check_gpt2)
+
+
 def test_ep2_alone(dist_world) -> None:
     out = dist_world(2).run(_check, 1, 1, 1, False, 0, 2)
     assert all(o["rows"] > 0 for o in out)
@@ -144,6 +152,7 @@ CASES = [  # tp, cp, pp, sp, zero, ep, router, schedule, recompute
     (1, 1, 2, False, 0, 2, "qwen3", "1f1b", "none"),   # pp2 (1F1B) x ep2
     (1, 1, 2, False, 0, 2, "mixtral", "zb-h1", "none"),  # pp2 ZB-H1 (split backward) x ep2
     (1, 1, 1, False, 2, 2, "qwen3", "1f1b", "full"),   # dp4 ep2 ZeRO-2, full recompute re-runs the exchange
+    (1, 1, 1, False, 3, 1, "qwen3", "1f1b", "none"),   # dp4 ZeRO-3 at ep1 (ZeRO-3 with ep > 1 is refused)
 ]
 
 
