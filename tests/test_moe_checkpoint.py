@@ -1,6 +1,6 @@
 """MoE checkpoints reshard across expert parallelism: saved at ep 2 after two steps (ZeRO-1, so the expert
-states are gathered over 'edp'), loaded at ep 4 and at ep 1 (one process), optimizer included, the third
-step's loss and every parameter after it equal the single-process run's (tolerances as in
+states are gathered over 'edp'), loaded at ep 4 and at ep 1 (one process), optimizer and DeepSeek's router
+bias included, the third step's loss and every parameter after it equal the single-process run's (tolerances as in
 tests/test_moe_ep.py: 1e-5 on losses, 1e-4 on parameters after AdamW steps)."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ STEPS = 3
 
 
 def _cfg():
-    return tiny_moe_cfg(seq_len=SEQ, num_layers=2)
+    # DeepSeek's router: its bias (a buffer, moved every step) must come back from the checkpoint too.
+    return tiny_moe_cfg(seq_len=SEQ, num_layers=2, moe_router="deepseek", moe_bias_rate=0.01)
 
 
 def _data(dp_max: int = 4) -> list[torch.Tensor]:
@@ -59,12 +60,13 @@ def _resume_at_ep(rank: int, root: str, ep: int) -> tuple[float, dict[str, torch
     out = {}
     for name, value in opt.full_parameters().items():  # experts: put back at their global rows
         out[name] = (value, st.rank_in("ep") * value.shape[0] if specs[name].grad_group == "edp" else None)
+    out.update({name: (buf.clone(), None) for name, buf in model.named_buffers() if name.endswith("router.bias")})
     return result.loss, out
 
 
 def _compare(what: str, loss: float, params: dict, ref, ref_loss: float) -> None:
     assert abs(loss - ref_loss) <= 1e-5, f"{what}: step 3 loss {loss} != {ref_loss}"
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters()) | dict(ref.named_buffers())
     for name, (value, start) in params.items():
         want = ref_params[name].detach()
         if start is not None:

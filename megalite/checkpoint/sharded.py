@@ -48,12 +48,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.checkpoint.layout import ShardMap, logical_name, model_info, shard_map
+from megalite.checkpoint.layout import Piece, ShardMap, logical_name, model_info, shard_map
 from megalite.checkpoint.files import LATEST, fsync_file, inside, prune, sha256, step_dir_name
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
-from megalite.moe.checkpoint_layout import expert_shard_map
+from megalite.moe.checkpoint_layout import expert_shard_map, routing_buffers
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
@@ -156,6 +156,9 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
         group += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
         if "step" in st:
             opt_step = float(st["step"])
+    if state.tp_rank == 0:  # MoE routers' bias: not a parameter, but routing depends on it
+        items += [(f"buffer/{name}", ShardMap(tuple(b.shape), tuple(b.shape), (Piece((0,), (0,), tuple(b.shape)),)), b)
+                  for name, b in routing_buffers(chunks)]
     mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)] + experts[state.rank_in("edp")::state.size("edp")]
     rng: dict[str, torch.Tensor] = extra.get("rng") or {}
     file = f"rank_{state.rank:05d}.safetensors"
@@ -325,6 +328,9 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
                     states[name][kind] = local.to(p.device)
             if "exp_avg" in states[name]:
                 states[name]["step"] = torch.tensor(float(index["optimizer_step"] or 0.0))
+        for name, buf in routing_buffers(chunks):
+            if reader.has(f"buffer/{name}"):
+                buf.copy_(reader.read_region(f"buffer/{name}", (0,), tuple(buf.shape)))
     if optimizer is not None:
         optimizer.load_param_states(states)
     saved = index.get("layout", {})

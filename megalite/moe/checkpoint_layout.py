@@ -1,4 +1,5 @@
-"""Where a rank's experts sit in the checkpoint's global tensors: expert parallelism cuts dim 0.
+"""MoE state in checkpoints: where a rank's experts sit in the global tensors (expert parallelism cuts dim 0),
+and the routers' bias buffers.
 
 A stacked expert weight ([E/ep, ...] on each rank, `experts.Experts`) is stored as the whole [E, ...]
 tensor; rank ep_rank holds rows [ep_rank * E/ep, (ep_rank + 1) * E/ep). Its gradient group is 'edp', and
@@ -10,9 +11,23 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megalite.checkpoint.layout import Piece, ShardMap
+import torch
+import torch.nn as nn
+
+from megalite.checkpoint.layout import Piece, ShardMap, logical_name
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.state import ParallelState
+
+
+def routing_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of the state a MoE model keeps outside its parameters: DeepSeek's router bias
+    (replicated over tp, dp and ep; one per layer), stored as "buffer/<name>" so a resumed run routes alike."""
+    out = []
+    for chunk in chunks:
+        for name, buf in chunk.named_buffers():
+            if name.endswith("router.bias"):
+                out.append((logical_name(name), buf))
+    return out
 
 
 def expert_shard_map(smap: ShardMap, spec: ParamSpec, state: ParallelState) -> ShardMap:
