@@ -1,7 +1,7 @@
 """Grouped expert GEMMs: rows sorted by expert, `counts[e]` rows for expert e, one weight per expert.
 
 `torch._grouped_mm` (a private API, hence this one wrapper) runs every expert's GEMM in one call where
-torch has it (CUDA; CPU from torch 2.8 in fp32/bf16, forward and backward) and the row strides are
+torch has it (CUDA in bf16; CPU in fp32 and bf16, forward and backward, checked with torch 2.13) and the row strides are
 16-byte aligned; elsewhere a loop over the experts computes the same products (`grouped_mm_loop`).
 """
 
@@ -28,7 +28,9 @@ class _ContiguousGrad(torch.autograd.Function):
 def can_group(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """`_grouped_mm` applies: present, a supported dtype, 16-byte aligned rows of x and of the weights."""
     align = 16 // x.element_size()
-    return (HAS_GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype
+    # CUDA's kernel is bf16 only (sm90+); CPU's takes fp32 and bf16. Not yet run on a GPU here.
+    dtypes = (torch.float32, torch.bfloat16) if x.device.type == "cpu" else (torch.bfloat16,)
+    return (HAS_GROUPED_MM and x.dtype in dtypes and weight.dtype == x.dtype
             and x.shape[1] % align == 0 and weight.shape[1] % align == 0)
 
 
