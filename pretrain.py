@@ -10,9 +10,14 @@ standard library's source), on whatever device is present. `--help` lists every 
 memory) in this one process, as the launch scripts do before starting their workers.
 """
 
+import os
 import sys
 
-from megalite.training.trainer import main
+# Read once, when torch loads its OpenMP runtime, so before the import: waiting threads sleep instead of
+# spinning on cores that other processes need (bench/threads.py; megalite/runtime/threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from megalite.training.trainer import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""A long sequence at context parallel sizes cp = 1, 2, 4 on CPU/gloo: peak memory per rank and tokens/s, beside
-the estimator's prediction, and which sizes fit a memory budget.
+"""A long sequence at context parallel sizes cp = 1, 2, 4 and cp modes ring / allgather / a2a on CPU/gloo: peak
+memory per rank and tokens/s, beside the estimator's prediction, and which sizes fit a memory budget.
 
 Each cp size is one `torchrun` launch of `pretrain.py`'s entry point with cp ranks (dp = 1: every rank holds
 S/cp tokens of the same sequences) for a few steps on the demo corpus; every layout gets the same cores
@@ -16,7 +16,8 @@ them and trains nothing, and what the run adds above it.
     python bench/cp_memory.py --max-memory-gb 1.1       # which cp sizes fit 1.1 GB per rank
     python bench/cp_memory.py --render runs/bench/cp_memory.json --max-memory-gb 0.9   # another budget, no rerun
     python bench/cp_memory.py --estimate-only           # the estimator's half, no runs (seconds)
-    python bench/cp_memory.py --smoke                   # seq 256, a tiny model, cp 1 and 2, 2 steps
+    python bench/cp_memory.py --modes ring,a2a           # only these cp modes (default: all three)
+    python bench/cp_memory.py --smoke                   # seq 256, a tiny model, cp 1 and 2 (ring, a2a), 2 steps
 Writes runs/bench/cp_memory.{json,md}, or into --out DIR (--out bench/results: the published table).
 """
 
@@ -77,7 +78,8 @@ def model_flags(a: argparse.Namespace) -> list[str]:
 
 
 def predict(flags: list[str], cp: int) -> dict[str, float]:
-    """The estimator's bytes per rank for this run at `cp` (its config resolved as pretrain.py would)."""
+    """The estimator's bytes per rank for this run at `cp` (its config resolved as pretrain.py would; the cp
+    mode is among `flags`)."""
     import dataclasses
 
     from megalite.config import parse_args, resolve
@@ -91,6 +93,10 @@ def predict(flags: list[str], cp: int) -> dict[str, float]:
     fused = run_estimate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective")))
     return {"model_states": est.memory.model_states, "activations": est.memory.activations,
             "activations_fused": fused.memory.activations, "cp_bytes": est.comm_bytes.get("cp", 0.0)}
+
+
+def mode_flags(mode: str) -> list[str]:
+    return ["--parallel.cp_mode", mode]
 
 
 def run(cp: int, flags: list[str], cache: str, log_dir: Path, port: int, cores: int) -> dict:
@@ -107,27 +113,31 @@ def run(cp: int, flags: list[str], cache: str, log_dir: Path, port: int, cores: 
             "final_loss": rows[-1]["loss"]}
 
 
+def _mode(row: dict) -> str:
+    return row.get("mode", "ring") if row["cp"] > 1 else "-"
+
+
 def to_markdown(res: dict) -> str:
     budget = res.get("max_memory_gb")
     lines = [f"Context parallelism on CPU/gloo: {res['model_desc']}; {res['date']}, {res['cores']} cores shared by "
              f"each layout's ranks.", "",
-             "| cp | tokens/rank | peak RSS/rank MiB (max) | above fixed MiB | predicted states MiB "
+             "| cp | mode | tokens/rank | peak RSS/rank MiB (max) | above fixed MiB | predicted states MiB "
              "| predicted activations MiB, fused (unfused) | cp MB/step measured | predicted | tokens/s |"
              + (f" fits {budget:g} GB |" if budget else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else "")]
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else "")]
     for r in res["rows"]:
         p = r["predicted"]
         pred = (f"{p['model_states'] / MiB:.0f} | {p['activations_fused'] / MiB:.0f} "
                 f"({p['activations'] / MiB:.0f})")
         if "skipped" in r or "peak_rss_bytes_per_rank" not in r:
             why = r.get("skipped", "estimate only")
-            lines.append(f"| {r['cp']} | {r['tokens_per_rank']} | {why} | | {pred} | | {p['cp_bytes'] / 1e6:.3f} | |"
+            lines.append(f"| {r['cp']} | {_mode(r)} | {r['tokens_per_rank']} | {why} | | {pred} | | {p['cp_bytes'] / 1e6:.3f} | |"
                          + (" |" if budget else ""))
             continue
         peak = max(r["peak_rss_bytes_per_rank"])
         fits = f" {'yes' if peak <= budget * 1e9 else 'no'} |" if budget else ""
         above = (peak - res["fixed_rss_bytes"]) / MiB
-        lines.append(f"| {r['cp']} | {r['tokens_per_rank']} | {peak / MiB:.0f} | {above:.0f} "
+        lines.append(f"| {r['cp']} | {_mode(r)} | {r['tokens_per_rank']} | {peak / MiB:.0f} | {above:.0f} "
                      f"| {pred} | {r['cp_bytes_measured'] / 1e6:.3f} | {p['cp_bytes'] / 1e6:.3f} "
                      f"| {r['tokens_per_s']:.0f} |{fits}")
     lines.append(f"\nFixed part of a rank's RSS (interpreter, torch, megalite imported, nothing trained): "
@@ -135,9 +145,9 @@ def to_markdown(res: dict) -> str:
                  "fused CPU kernel at cp = 1, the ring's blockwise math at cp > 1 keep none), unfused = with them "
                  "(Korthikanti et al. 2022's 5as²b). MB = 1e6 wire bytes per rank per step.")
     if budget:
-        fit = [r["cp"] for r in res["rows"] if "peak_rss_bytes_per_rank" in r
-               and max(r["peak_rss_bytes_per_rank"]) <= budget * 1e9]
-        names = ", ".join(map(str, fit)) or "none"
+        fit = [str(r["cp"]) + (f" ({r['mode']})" if r["cp"] > 1 and "mode" in r else "") for r in res["rows"]
+               if "peak_rss_bytes_per_rank" in r and max(r["peak_rss_bytes_per_rank"]) <= budget * 1e9]
+        names = ", ".join(fit) or "none"
         lines.append(f"Budget {budget:g} GB per rank (measured peak RSS): cp = {names} fit.")
     return "\n".join(lines) + "\n"
 
@@ -145,6 +155,7 @@ def to_markdown(res: dict) -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", default="1,2,4", help="cp sizes, comma-separated (each run uses cp ranks)")
+    p.add_argument("--modes", default="ring,allgather,a2a", help="cp modes run at each cp > 1, comma-separated")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -162,6 +173,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.smoke:
         a.seq, a.layers, a.hidden, a.heads, a.kv_heads, a.steps, a.cp = 256, 2, 64, 4, 2, 2, "1,2"
+        a.modes = "ring,a2a"
+    a.mode_list = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not a.mode_list or any(m not in ("ring", "allgather", "a2a") for m in a.mode_list):
+        p.error(f"--modes {a.modes!r}: a comma-separated subset of ring, allgather, a2a")
     try:
         a.cp_sizes = [int(x) for x in a.cp.split(",") if x.strip()]
     except ValueError:
@@ -186,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         return 0
     flags = model_flags(a)
-    rows = [{"cp": cp, "tokens_per_rank": a.seq // cp, "predicted": predict(flags, cp)} for cp in a.cp_sizes]
+    rows = [{"cp": cp, "mode": mode, "tokens_per_rank": a.seq // cp, "predicted": predict(flags + mode_flags(mode), cp)}
+            for cp in a.cp_sizes for mode in (a.mode_list if cp > 1 else ["ring"])]
     res = {"date": datetime.date.today().isoformat(), "cores": a.cores, "max_memory_gb": a.max_memory_gb,
            "model_desc": f"llama {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), seq {a.seq}, "
                          f"micro-batch 1, demo vocab 512, fp32, {a.steps} steps", "rows": rows, "fixed_rss_bytes": 0}
@@ -198,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             cache = os.environ.get("MEGALITE_CACHE") or str(Path(tmp) / "cache")
             prepare_demo_data(cache, DEMO_BYTES, 512)  # once, before any rank races to build it
             for i, row in enumerate(rows):
-                row.update(run(row["cp"], flags, cache, Path(tmp) / f"cp{row['cp']}", a.port + i, a.cores))
+                row.update(run(row["cp"], flags + mode_flags(row["mode"]), cache,
+                               Path(tmp) / f"cp{row['cp']}_{row['mode']}", a.port + i, a.cores))
                 print(json.dumps(row), flush=True)
     stem = "cp_memory" + ("_smoke" if a.smoke else "") + ("_estimate" if a.estimate_only else "")
     write_results(a.out, stem, res, to_markdown)

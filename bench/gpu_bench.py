@@ -32,6 +32,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
@@ -40,12 +41,23 @@ from megalite.config import PRESETS, ModelConfig  # noqa: E402
 from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: E402
 from megalite.model.gpt import GPT, count_parameters  # noqa: E402
 from megalite.model.ops import attention as sdpa_attention  # noqa: E402
-from megalite.model.ops import attention_repeat_kv  # noqa: E402
 from megalite.model.ops import get_ops  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
+
+
+def attention_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """megalite's attention with K/V heads repeated before SDPA (the pre-2.5 path): the baseline of the
+    flash-vs-SDPA table."""
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=2)
+        v = v.repeat_interleave(rep, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
+    return out.transpose(1, 2)
 
 
 class Report:
@@ -162,7 +174,7 @@ def bench_model(rep: Report, smoke: bool, device: torch.device, dtype: torch.dty
 
 def _kernels_available() -> bool:
     try:
-        import kernels
+        from megalite import kernels
     except ImportError:
         return False
     return kernels.available()
@@ -201,7 +213,7 @@ def bench_attention(rep: Report, smoke: bool, device: torch.device, dtype: torch
         "sdpa enable_gqa (megalite torch op)": sdpa_attention,
     }
     if _kernels_available():
-        import kernels
+        from megalite import kernels
 
         impls["triton flash_attention"] = kernels.flash_attention
     else:

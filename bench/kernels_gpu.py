@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-import kernels as K  # noqa: E402
+import megalite.kernels as K  # noqa: E402
 
 # name fragment -> (peak HBM bandwidth in GB/s, dense bf16 peak in TFLOP/s), from vendor datasheets.
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {

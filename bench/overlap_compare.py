@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) 
         model = GPT(cfg, state, seed=1234).to(device)
         settings = {k: x for k, x in v.items() if k != "zero"}
         opt = build_distributed_optimizer(model, state, v["zero"], 3e-4, 0.1, (0.9, 0.95), 1e-8, dtype, **settings)
-        runs[name] = (StepContext.build(model, state, dtype, tcfg, LossScaler(False)), opt, len(opt.buckets))
+        runs[name] = (StepContext.build(model, state, dtype, tcfg, LossScaler(False)), opt, len(opt.sync.buckets))
     step = iter(range(10**9))
 
     def run(name: str, steps: int) -> tuple[float, float, list[float]]:

@@ -13,7 +13,7 @@
 
 Importing this package never imports Triton: it is imported when the first kernel launches (see
 `_triton.py`), so the `*_reference` functions work everywhere and TRITON_INTERPRET=1 may be set
-after `import kernels`. Use `available()` to decide whether the Triton versions can run here.
+after `import megalite.kernels`. Use `available()` to decide whether the Triton versions can run here.
 """
 
 from __future__ import annotations

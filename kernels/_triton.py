@@ -1,12 +1,13 @@
 """Lazy Triton access shared by every kernel file.
 
-`import kernels` must never import Triton:
+`import megalite.kernels` must never import Triton:
 - machines without Triton still get the plain-torch references (and the model its torch path);
 - Triton decides between compiled and interpreter mode (TRITON_INTERPRET=1) when its `@jit`
   functions, its own standard library included, are created. Importing it only when the first
-  kernel launches lets a test or script set TRITON_INTERPRET after `import kernels`.
-Kernel files therefore decorate with `jit` from here, which records the function and builds the
-real `triton.jit` object on first launch: at that moment every kernel of the module is built and
+  kernel launches lets a test or script set TRITON_INTERPRET after `import megalite.kernels`.
+Kernel files therefore decorate with `jit` from here (imported by name: a module aliased `triton`
+would read as the real one), which records the function and builds the real `triton.jit` object
+on first launch: at that moment every kernel of the module is built and
 the module's globals are rebound (the kernels and `tl`), so kernels calling helper kernels and
 `tl.*` inside kernel bodies resolve to the real objects. Host code only needs `cdiv` and
 `next_power_of_2`, which are plain Python here. Kernel files use `from __future__ import

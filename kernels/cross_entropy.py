@@ -22,13 +22,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
-from ._triton import interpreting, tl
+from ._triton import interpreting, jit, next_power_of_2, tl  # lazy stand-ins (see _triton.py)
 
 AllReduce = Callable[[torch.Tensor], None]
 
 
-@triton.jit
+@jit
 def _row_stats(x_row, V, BLOCK_V: tl.constexpr):
     """Online softmax statistics of one row: (max m, sum exp(x - m)), fp32."""
     m = -float("inf")
@@ -42,7 +41,7 @@ def _row_stats(x_row, V, BLOCK_V: tl.constexpr):
     return m, d
 
 
-@triton.jit
+@jit
 def _write_grad(x_row, V, m, d, t_local, zero_row, BLOCK_V: tl.constexpr):
     """Overwrite the row with softmax - onehot(t_local) (t_local may fall outside [0, V))."""
     inv_d = 1.0 / d
@@ -55,7 +54,7 @@ def _write_grad(x_row, V, m, d, t_local, zero_row, BLOCK_V: tl.constexpr):
         tl.store(x_row + cols, g.to(x_row.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _ce_fwd_kernel(X, T, LOSS, stride_x, V, ignore_index, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -69,7 +68,7 @@ def _ce_fwd_kernel(X, T, LOSS, stride_x, V, ignore_index, WRITE_GRAD: tl.constex
         _write_grad(x_row, V, m, d, t, ignored, BLOCK_V)
 
 
-@triton.jit
+@jit
 def _vp_stats_kernel(X, T, M, D, XT, stride_x, V, vocab_start, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -81,7 +80,7 @@ def _vp_stats_kernel(X, T, M, D, XT, stride_x, V, vocab_start, ignore_index, BLO
     tl.store(XT + row, x_t)
 
 
-@triton.jit
+@jit
 def _vp_grad_kernel(X, T, M, D, stride_x, V, vocab_start, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(T + row)
@@ -89,7 +88,7 @@ def _vp_grad_kernel(X, T, M, D, stride_x, V, vocab_start, ignore_index, BLOCK_V:
                 t == ignore_index, BLOCK_V)
 
 
-@triton.jit
+@jit
 def _scale_rows_kernel(X, GO, stride_x, V, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -104,8 +103,8 @@ def _scale_rows_kernel(X, GO, stride_x, V, BLOCK_V: tl.constexpr):
 def _blocks(V: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps). Tiny blocks under the interpreter so tests cover multi-block rows."""
     if interpreting():
-        return min(64, triton.next_power_of_2(V)), 1
-    block = min(8192, triton.next_power_of_2(V))
+        return min(64, next_power_of_2(V)), 1
+    block = min(8192, next_power_of_2(V))
     return block, 16 if block >= 8192 else 8
 
 
@@ -156,7 +155,7 @@ class _VocabParallelCrossEntropy(_GradInLogits):
         all_reduce_max: AllReduce, all_reduce_sum: AllReduce, ignore_index: int,
     ) -> torch.Tensor:
         N, V = logits.shape
-        f32 = dict(dtype=torch.float32, device=logits.device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=logits.device)
         m_local, d_local, stats = torch.empty(N, **f32), torch.empty(N, **f32), torch.empty(2, N, **f32)
         block, warps = _blocks(V)
         # Pass 1 (local): max, sum-exp relative to the local max, and the target logit (0 off-shard).

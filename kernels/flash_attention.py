@@ -23,14 +23,13 @@ from typing import Any, Optional
 
 import torch
 
-from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
-from ._triton import interpreting, tl, upcast_dots
+from ._triton import cdiv, interpreting, jit, next_power_of_2, tl, upcast_dots  # lazy stand-ins: _triton.py
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # 1 / LOG2E
 
 
-@triton.jit
+@jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, QPOS, KPOS, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
@@ -91,7 +90,7 @@ def _attn_fwd_kernel(
              mask=m_mask[:, None] & d_mask)
 
 
-@triton.jit
+@jit
 def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdos, sdoh,
                                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(1)
@@ -106,7 +105,7 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdo
     tl.store(DELTA + bh * S + offs_m, delta, mask=offs_m < S)
 
 
-@triton.jit
+@jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
@@ -169,7 +168,7 @@ def _attn_bwd_dkdv_kernel(
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@jit
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, scale, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
@@ -226,7 +225,7 @@ def _attn_bwd_dq_kernel(
 def _config(D: int, dtype: torch.dtype) -> dict[str, Any]:
     """Block sizes and precision. Under the interpreter: 16-wide blocks, so tiny test sequences
     still span several blocks and exercise the masked tails."""
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
     prec = "ieee" if dtype == torch.float32 else "tf32"
     if interpreting():
         return dict(fwd=(16, 16, 1, 1), bwd=(16, 16, 1, 1), BLOCK_D=block_d, PREC=prec, UPCAST=True)
@@ -268,7 +267,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     SK, Hk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["fwd"]
-    _attn_fwd_kernel[(triton.cdiv(SQ, block_m), B * Hq)](
+    _attn_fwd_kernel[(cdiv(SQ, block_m), B * Hq)](
         q, k, v, o, lse2, *_position_args(positions, lse2), scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         CAUSAL=causal, POSITIONS=positions is not None, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"],
@@ -287,13 +286,13 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     common = dict(CAUSAL=causal, POSITIONS=positions is not None, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"],
                   BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages)
     pos = _position_args(positions, lse2)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(SK, block_n), B * Hk)](
+    _attn_bwd_dkdv_kernel[(cdiv(SK, block_n), B * Hk)](
         q, k, v, do, lse2, delta, dk, dv, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hk, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
         BLOCK_M=block_m, BLOCK_N=block_n, **common,
     )
     # dQ: many query rows per program, few keys at a time (the mirror image of dK/dV).
-    _attn_bwd_dq_kernel[(triton.cdiv(SQ, block_n), B * Hq)](
+    _attn_bwd_dq_kernel[(cdiv(SQ, block_n), B * Hq)](
         q, k, v, do, lse2, delta, dq, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         BLOCK_M=block_n, BLOCK_N=block_m, **common,
@@ -319,7 +318,7 @@ class _FlashAttention(torch.autograd.Function):
         do = _unit_last(do)
         B, S, Hq, D = q.shape
         delta = torch.empty_like(lse2)
-        _attn_bwd_preprocess_kernel[(triton.cdiv(S, 64), B * Hq)](
+        _attn_bwd_preprocess_kernel[(cdiv(S, 64), B * Hq)](
             o, do, delta, S, Hq, D, *_strides(o), *_strides(do), BLOCK_M=64,
             BLOCK_D=_config(D, q.dtype)["BLOCK_D"])
         dq = torch.empty_like(q)

@@ -13,19 +13,18 @@ from typing import Any
 
 import torch
 
-from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
-from ._triton import tl
+from ._triton import cdiv, jit, tl  # lazy stand-ins (see _triton.py)
 
 BLOCK = 1024
 
 
-@triton.jit
+@jit
 def _tanh(z):
     z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh(15) == 1 in fp32; avoids exp overflow
     return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
 
 
-@triton.jit
+@jit
 def _gelu_fwd_kernel(X, Y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -34,7 +33,7 @@ def _gelu_fwd_kernel(X, Y, n, BLOCK: tl.constexpr):
     tl.store(Y + offs, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _gelu_bwd_kernel(DY, X, DX, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -51,7 +50,7 @@ class _GeluTanh(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x = x.contiguous()
         y = torch.empty_like(x)
-        _gelu_fwd_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, y, x.numel(), BLOCK=BLOCK, num_warps=4)
+        _gelu_fwd_kernel[(cdiv(x.numel(), BLOCK),)](x, y, x.numel(), BLOCK=BLOCK, num_warps=4)
         ctx.save_for_backward(x)
         return y
 
@@ -60,7 +59,7 @@ class _GeluTanh(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        _gelu_bwd_kernel[(triton.cdiv(x.numel(), BLOCK),)](dy, x, dx, x.numel(), BLOCK=BLOCK, num_warps=4)
+        _gelu_bwd_kernel[(cdiv(x.numel(), BLOCK),)](dy, x, dx, x.numel(), BLOCK=BLOCK, num_warps=4)
         return dx
 
 

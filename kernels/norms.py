@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
-from ._triton import num_row_programs, row_blocks, tl
+from ._triton import cdiv, jit, num_row_programs, row_blocks, tl  # lazy stand-ins (see _triton.py)
 
 
-@triton.jit
+@jit
 def _norm_fwd_kernel(
     X, R, S, Y, W, B, MEAN, RSTD,
     n_rows, H, stride_x, stride_r, stride_s, stride_y, eps,
@@ -53,7 +52,7 @@ def _norm_fwd_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _norm_bwd_kernel(
     DY, DS, X, W, MEAN, RSTD, DX, DW_PART, DB_PART,
     n_rows, H, rows_per_program, stride_dy, stride_ds, stride_x, stride_dx,
@@ -117,13 +116,13 @@ class _FusedNorm(torch.autograd.Function):
         n = x2.shape[0]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         has_res = residual is not None
-        r2 = _rows(residual) if has_res else x2
+        r2 = _rows(residual) if residual is not None else x2
         s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_res else x
         s2 = s.view(n, H) if has_res else x2  # the norm's input, re-read by backward
         mean = torch.empty(n, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
         block_m, block_h, warps = row_blocks(H, n)
-        _norm_fwd_kernel[(triton.cdiv(n, block_m),)](
+        _norm_fwd_kernel[(cdiv(n, block_m),)](
             x2, r2, s2, y, weight, bias if bias is not None else weight, mean, rstd,
             n, H, x2.stride(0), r2.stride(0), s2.stride(0), H, eps,
             IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=has_res,
@@ -145,9 +144,9 @@ class _FusedNorm(torch.autograd.Function):
         ds2 = _rows(ds) if ds is not None else dy2
         dx = torch.empty(shape, dtype=s.dtype, device=s.device)
         block_m, block_h, warps = row_blocks(H, n)
-        programs = num_row_programs(triton.cdiv(n, block_m), s.device)
-        rows_per_program = triton.cdiv(triton.cdiv(n, programs), block_m) * block_m
-        programs = triton.cdiv(n, rows_per_program)
+        programs = num_row_programs(cdiv(n, block_m), s.device)
+        rows_per_program = cdiv(cdiv(n, programs), block_m) * block_m
+        programs = cdiv(n, rows_per_program)
         dw_part = torch.empty((programs, H), dtype=torch.float32, device=s.device)
         db_part = torch.empty((programs, H), dtype=torch.float32, device=s.device) if bias is not None else dw_part
         _norm_bwd_kernel[(programs,)](

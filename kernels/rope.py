@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
-from ._triton import tl
+from ._triton import jit, next_power_of_2, tl  # lazy stand-ins (see _triton.py)
 
 
-@triton.jit
+@jit
 def _rotate_heads(
     X, Y, cos, sin, b, s, n_heads, D2, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -37,7 +36,7 @@ def _rotate_heads(
     tl.store(y_ptr + D2, y2.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, S, Hq, Hk, D2,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -74,8 +73,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q, k, qo, ko, cos, sin, S, Hq, Hk, D // 2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), cos.stride(0),
-        INVERSE=inverse, BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
-        BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4 if Hq * D <= 4096 else 8,
+        INVERSE=inverse, BLOCK_HQ=next_power_of_2(Hq), BLOCK_HK=next_power_of_2(Hk),
+        BLOCK_D=next_power_of_2(D // 2), num_warps=4 if Hq * D <= 4096 else 8,
     )
     return qo, ko
 

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 
-from . import _triton as triton  # lazy stand-in: jit, cdiv, next_power_of_2 (see _triton.py)
-from ._triton import tl
+from ._triton import cdiv, jit, tl  # lazy stand-ins (see _triton.py)
 
 BLOCK = 1024  # elements per program: enough loads in flight per SM for an elementwise kernel
 
 
-@triton.jit
+@jit
 def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -27,7 +26,7 @@ def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -42,7 +41,7 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
 
 
 def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, BLOCK),)
+    return (cdiv(n, BLOCK),)
 
 
 class _SwiGLU(torch.autograd.Function):

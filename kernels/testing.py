@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from types import ModuleType
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def use_interpreter() -> ModuleType:
         if type(standard.sum).__name__ != "InterpretedFunction":
             raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; export "
                                "TRITON_INTERPRET=1 before starting python, or run the kernel tests alone")
-    import kernels
+    from megalite import kernels
 
     return kernels
 
@@ -84,5 +84,5 @@ def check_against_reference(
         assert o.dtype == expected, f"output {idx} has dtype {o.dtype}, expected {expected}"
         torch.testing.assert_close(o.float(), r.float(), atol=atol, rtol=rtol, msg=lambda m: f"output {idx}: {m}")
     for i, g, r in zip(grad_args, grads, ref_grads):
-        assert g.dtype == args[i].dtype, f"grad of arg {i} has dtype {g.dtype}"  # type: ignore[union-attr]
+        assert g.dtype == cast(torch.Tensor, args[i]).dtype, f"grad of arg {i} has dtype {g.dtype}"
         torch.testing.assert_close(g.float(), r.float(), atol=atol, rtol=rtol, msg=lambda m: f"grad of arg {i}: {m}")

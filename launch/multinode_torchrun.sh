@@ -50,7 +50,10 @@ if [[ -n "${LOCAL_ADDR:-}" ]]; then
     EXTRA=(--local-addr "$LOCAL_ADDR")
 fi
 
-# torchrun forwards SIGTERM/SIGINT to the workers; pretrain.py saves a checkpoint and exits on them.
+# torchrun forwards SIGTERM/SIGINT to the workers once; pretrain.py finishes its step, saves a checkpoint
+# and exits on them. torchrun SIGKILLs workers still running after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
+# (its default 30 s is shorter than one step of a large model): give the save time.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-megalite}" \

@@ -54,6 +54,28 @@ if [[ "$NNODES" != 1 ]]; then
 fi
 RDZV=(--standalone --nnodes 1)
 
-# torchrun forwards SIGTERM/SIGINT to the workers; pretrain.py saves a checkpoint and exits on them.
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" \
-    "$REPO_DIR/pretrain.py" "$@"
+# Ctrl-C / SIGTERM: every worker gets the signal exactly once, from this script, and pretrain.py finishes
+# its step, saves and exits 0 (a second one stops it at once, exit 130). torchrun is not the one to
+# forward it: on a signal it re-sends it, SIGKILLs workers still saving after 30 s and exits with a
+# traceback. So torchrun runs in its own process group (set -m: a terminal's Ctrl-C reaches this script
+# only) and the script signals torchrun's children, the workers, itself; torchrun then sees them end.
+set -m
+"$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" "$REPO_DIR/pretrain.py" "$@" &
+TORCHRUN_PID=$!
+signalled=0
+forward() {
+    signalled=1
+    local workers
+    workers="$(pgrep -P "$TORCHRUN_PID" 2>/dev/null || true)"
+    # shellcheck disable=SC2086  # one pid per word
+    kill -s "$1" ${workers:-$TORCHRUN_PID} 2>/dev/null || true  # no workers yet: torchrun forwards it
+}
+trap 'forward INT' INT
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+while :; do
+    signalled=0
+    wait "$TORCHRUN_PID" && status=0 || status=$?
+    [[ "$signalled" == 1 ]] || break  # a trapped signal only interrupted the wait: torchrun still runs
+done
+exit "$status"

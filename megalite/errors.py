@@ -15,6 +15,9 @@ import sys
 from typing import Callable, NoReturn
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
+
+
 class MegaliteError(Exception):
     """Base class: a user-fixable problem. `exit_code` is what the entry point exits with."""
 
@@ -97,5 +100,9 @@ def entry_point(main: Callable[[list[str] | None], int], prefix: str = "error") 
         except UnicodeDecodeError as e:  # a text input that is not UTF-8, read by code that did not expect it
             return report(DataError(f"an input file is not UTF-8 text ({e.reason} at byte {e.start}): convert "
                                     "it, e.g. `iconv -t utf-8`"), prefix)
+        except KeyboardInterrupt:  # Ctrl-C: the tool's own cleanup (temporary outputs) has already run
+            print(f"{prefix}: interrupted (Ctrl-C): stopped before finishing; no partial output is left and "
+                  "existing outputs are unchanged", file=sys.stderr)
+            return INTERRUPTED_EXIT
 
     return wrapped

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megalite.optim.adamw import LossScaler
+from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.counter import CommCounter
 from megalite.parallel.state import ParallelState, create_groups
+from megalite.pipeline.engine import PipelineEngine
+from megalite.training.step import StepContext, StepResult, train_step
 
 _GROUPS: dict[tuple[int, int, int, int], ParallelState] = {}  # per worker process: groups are expensive
 
@@ -38,14 +43,35 @@ def tiny_model_cfg(arch: str = "llama", **overrides: object):
     return SimpleNamespace(**base)
 
 
-def tiny_train_cfg(steps: int = 3, lr: float = 1e-2):
+def tiny_train_cfg(steps: int = 3, lr: float = 1e-2, clip_grad: float = 1.0):
     from types import SimpleNamespace
 
-    return SimpleNamespace(lr=lr, min_lr=lr, warmup_steps=0, steps=steps, clip_grad=1.0)
+    return SimpleNamespace(lr=lr, min_lr=lr, warmup_steps=0, steps=steps, clip_grad=clip_grad)
 
 
 # Adam hyper-parameters the optimizer parity tests share (the reference and the ZeRO optimizer alike).
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def reference_optimizer(model: torch.nn.Module, state: ParallelState, **hyper: Any) -> ReferenceOptimizer:
+    """The replicated AdamW oracle with the shared `HYPER` (any of them overridden by name)."""
+    return ReferenceOptimizer(model, state, **{**HYPER, **hyper})  # type: ignore[arg-type]
+
+
+def step_context(model: torch.nn.Module | PipelineEngine, state: ParallelState, dtype: torch.dtype = torch.float32,
+                 settings: Any = None, schedule: str = "1f1b", scaler: LossScaler | None = None) -> StepContext:
+    """A training-step context for a whole model (pp = 1) or a pipeline engine: `settings` defaults to
+    `tiny_train_cfg()`, the loss scaler to a disabled one (fp32/bf16)."""
+    return StepContext.build(model, state, dtype, settings if settings is not None else tiny_train_cfg(),
+                             scaler if scaler is not None else LossScaler(False), schedule)
+
+
+def train_steps(model: torch.nn.Module | PipelineEngine, state: ParallelState, opt: Any,
+                steps: list[list[tuple[torch.Tensor, torch.Tensor]]], settings: Any = None,
+                dtype: torch.dtype = torch.float32, schedule: str = "1f1b", start: int = 0) -> list[StepResult]:
+    """`train_step` over `steps` (each a list of micro-batches), numbered from `start`, one context."""
+    ctx = step_context(model, state, dtype, settings, schedule)
+    return [train_step(ctx, opt, batches, start + i) for i, batches in enumerate(steps)]
 
 
 def random_steps(cfg, steps: int, rows: int) -> list[torch.Tensor]:

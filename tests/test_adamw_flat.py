@@ -1,4 +1,4 @@
-"""The ZeRO optimizer's flat AdamW (`zero_buckets.adamw_flat`) against torch.optim.AdamW.
+"""AdamW on flat shards (`shard_adamw.adamw_flat`) against torch.optim.AdamW.
 
 The fused path must equal `torch.optim.AdamW(fused=True)` (decay on matrices only) bit for bit: the
 same kernel on the same elements. Any dp shard of a padded bucket must hold exactly the replicated
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.optim.zero_buckets import Bucket, adamw_flat, adamw_flat_unfused, make_bucket
+from megalite.optim.shard_adamw import AdamWState, adamw_flat, adamw_flat_unfused
+from megalite.optim.zero_buckets import Bucket, make_bucket
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 
 LR, WD, BETAS, EPS, STEPS = 1e-2, 0.1, (0.9, 0.95), 1e-8, 3
@@ -42,14 +43,13 @@ def _run_flat(dp: int, rank: int, update, wd: float = WD) -> torch.Tensor:
     params = _params()
     b, full = make_bucket(params, _specs(params), dp, rank, pad=True)
     own = full[b.lo:b.hi].clone()
-    b.master, b.exp_avg, b.exp_avg_sq = own, torch.zeros_like(own), torch.zeros_like(own)
+    st = AdamWState(own, torch.zeros_like(own), torch.zeros_like(own))
     for step in range(1, STEPS + 1):
         flat = torch.zeros(b.padded)
         for g, off in zip(_grads(params, step), b.offsets):
             flat[off:off + g.numel()] = g.reshape(-1)
-        b.grad_shard = flat[b.lo:b.hi]
-        update(b, LR, wd, BETAS, EPS, step)
-    return b.master
+        update(st, flat[b.lo:b.hi], b.segments, LR, wd, BETAS, EPS, step)
+    return st.master
 
 
 def _reference(fused: bool, wd: float = WD) -> torch.Tensor:

@@ -188,9 +188,8 @@ def test_full_disk_for_the_logs(demo_cache_dir: str, tmp_path: Path, capsys, mon
     """metrics.jsonl on a full device (/dev/full answers every write with ENOSPC): one line, exit 1."""
     from megalite.observability import metrics
 
-    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
-    # A fresh run would move an existing metrics.jsonl aside (one run per file): keep the link in place.
-    monkeypatch.setattr(metrics, "start_metrics_file", lambda path, resumed_step: None)
+    # megalite never writes through a link (docs/reliability.md), so the device is opened in its place.
+    monkeypatch.setattr(metrics, "open_no_link", lambda path, mode, error: open("/dev/full", mode))
     got = main(["--data.cache_dir", demo_cache_dir, *SMALL_RUN, "--logging.dir", str(tmp_path), "--train.steps", "1"])
     assert_one_line(capsys.readouterr().err, got, STORAGE, "No space left on device")
 

@@ -33,7 +33,8 @@ def test_tokenizer_json_to_transformers(tmp_path: Path, capsys: pytest.CaptureFi
                           "--model.seq_len", "32", "--model.num_layers", "2", "--model.hidden_size", "64",
                           "--train.micro_batch_size", "2", "--train.steps", "4", "--train.eval_interval", "0",
                           "--checkpoint.dir", str(tmp_path / "ckpt"), "--logging.dir", str(tmp_path / "run"),
-                          "--logging.sample_interval", "2", "--logging.sample_prompt", "def"]) == 0
+                          "--logging.sample_interval", "2", "--logging.sample_prompt", "def",
+                          "--data.document_mask", "true"]) == 0  # as the README's example
     assert "sample at step 4: 'def' -> " in capsys.readouterr().out
     assert export_main(["--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--tokenizer",
                         str(tok_path), "--quiet"]) == 0

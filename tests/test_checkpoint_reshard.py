@@ -20,14 +20,13 @@ from megalite.checkpoint.layout import layout_for, layout_of, local_shape_for, m
 from megalite.checkpoint.sharded import find, load_sharded, save_sharded
 from megalite.errors import CheckpointError
 from megalite.model.gpt import GPT
-from megalite.optim.adamw import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import Tied, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
-from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
 
 GLOBAL, VOCAB = 8, 67  # 67 is prime: padded to 68 at tp 1, 72 at tp 2, 80 at tp 4 (make_vocab_divisible_by=4)
 # A different layout splits the same sums differently (TP partial matmuls, the grad-norm sum per stage), so
@@ -53,14 +52,14 @@ def _setup(lay: tuple[int, int, int, bool], cfg, seed: int):
             elif want.split:
                 g = (VOCAB if want.kind == "vocab" else p.shape[0] * tp,) + tuple(p.shape[1:])
             assert local_shape_for(name, g, want, tp, info) == tuple(p.shape), name
-    return st, engine, model, ReferenceOptimizer(model, st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    return st, engine, model, reference_optimizer(model, st)
 
 
 def _step(st, engine, opt, data: torch.Tensor, i: int, vpp: int) -> float:
     per = GLOBAL // st.dp
     mine = [(data[j:j + 1, :-1], data[j:j + 1, 1:]) for j in range(st.dp_rank * per, (st.dp_rank + 1) * per)]
     schedule = "interleaved" if vpp > 1 else "1f1b"
-    return train_step(StepContext.build(engine, st, torch.float32, tiny_train_cfg(3), LossScaler(False), schedule),
+    return train_step(step_context(engine, st, torch.float32, tiny_train_cfg(3), schedule),
                       opt, mine, i).loss
 
 
@@ -148,7 +147,7 @@ def test_same_layout_is_bitwise(dist_world, tmp_path: Path) -> None:
 def _tiny(seed: int = 5, **kw) -> tuple[GPT, ReferenceOptimizer, ParallelState]:
     st = ParallelState()
     model = GPT(tiny_model_cfg("llama", vocab_size=VOCAB, **kw), st, seed=seed)
-    return model, ReferenceOptimizer(model, st, 1e-2, 0.1, (0.9, 0.95), 1e-8), st
+    return model, reference_optimizer(model, st), st
 
 
 def test_corrupt_missing_and_mismatched(tmp_path: Path) -> None:

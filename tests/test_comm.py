@@ -13,7 +13,7 @@ import torch
 
 from megalite.parallel import comm
 from megalite.parallel.counter import COUNT_KEYS, CommCounter
-from megalite.parallel.state import GROUP_KINDS, PP_KINDS, ParallelState, group_ranks
+from megalite.parallel.state import GROUP_KINDS, PP_KINDS, GroupKind, ParallelState
 from tests.parallel_utils import layout
 
 _ONE_RANK_CALLS = {
@@ -24,8 +24,7 @@ _ONE_RANK_CALLS = {
     "all_reduce_async": lambda t, st, g: comm.all_reduce_async(t, st, g),
     "reduce_scatter_async": lambda t, st, g: comm.reduce_scatter_async(torch.empty_like(t), t, st, g),
     "all_gather_async": lambda t, st, g: comm.all_gather_async(torch.empty_like(t), t, st, g),
-    "isend": lambda t, st, g: comm.isend(t, st, 0, g, tag=0),
-    "irecv": lambda t, st, g: comm.irecv(t, st, 0, g, tag=0),
+    "post_p2p": lambda t, st, g: comm.post_p2p([comm.P2PMessage(t, 0, 0, g, send=True)], st),
 }
 
 
@@ -50,7 +49,7 @@ def test_a_typo_in_a_counter_key_fails_at_once() -> None:
 def test_state_and_rank_grid_reject_unknown_kinds() -> None:
     st = ParallelState(tp=2, pp=2, dp=2)
     for bad in ("TP", "sp", "world", ""):
-        for fn in (st.size, st.group, st.rank_in, lambda k: group_ranks(k, 2, 2, 2)):
+        for fn in (st.size, st.group, st.rank_in, st.ranks, st.group_ranks):
             with pytest.raises(ValueError, match="unknown process-group kind"):
                 fn(bad)  # type: ignore[arg-type]
 
@@ -68,7 +67,7 @@ def test_rank_in_is_the_position_in_the_sorted_group(tp: int, pp: int, dp: int) 
     """`comm.split` picks chunk `rank_in(kind)`: it must be where the rank sits in its group's rank order,
     the order in which all_gather concatenates (so split inverts all_gather over every kind, 'mp' included)."""
     for kind in sorted(GROUP_KINDS):
-        for ranks in group_ranks(kind, tp, pp, dp):  # type: ignore[arg-type]
+        for ranks in ParallelState(tp=tp, pp=pp, dp=dp).group_ranks(kind):  # type: ignore[arg-type]
             for pos, r in enumerate(ranks):
                 st = ParallelState(tp=tp, pp=pp, dp=dp, rank=r)
                 assert st.rank_in(kind) == pos, (kind, r)  # type: ignore[arg-type]
@@ -80,17 +79,20 @@ def _p2p(rank: int) -> dict[str, object]:
     st = layout(1, pp=2)
     act = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
     grad = torch.arange(5, dtype=torch.float64) - rank
+    def post(t: torch.Tensor, peer: int, tag: int, group: GroupKind, send: bool) -> comm.P2PWork:
+        return comm.post_p2p([comm.P2PMessage(t, peer, tag, group, send)], st)[0]
+
     if rank == 0:
-        send = comm.isend(act, st, 1, "pp", tag=2)
+        send = post(act, 1, 2, "pp", True)
         got = torch.empty(5, dtype=torch.float64)
-        comm.irecv(got, st, 1, "pp_grad", tag=3).wait()
+        post(got, 1, 3, "pp_grad", False).wait()
     else:
         got = torch.empty(2, 3)
-        comm.irecv(got, st, 0, "pp", tag=2).wait()
-        send = comm.isend(grad, st, 0, "pp_grad", tag=3)
+        post(got, 0, 2, "pp", False).wait()
+        send = post(grad, 0, 3, "pp_grad", True)
     send.wait()
     return {"got": got, "pp": st.counter.exact_bytes("pp"), "bytes": st.counter.bytes(),
-            "calls": st.counter.calls(), "last": st.counter.last_op,
+            "calls": st.counter.calls(),
             "pp_groups": len({id(st.group(k)) for k in PP_KINDS if st.group(k) is not None})}
 
 
@@ -102,5 +104,4 @@ def test_p2p_moves_tensors_and_the_sender_counts_them_under_pp(dist_world) -> No
     assert (r0["pp"], r1["pp"]) == (24, 40)
     assert r0["bytes"] == {"pp": 24.0} and r1["bytes"] == {"pp": 40.0}
     assert r0["calls"] == {"pp": 1} and r1["calls"] == {"pp": 1}
-    assert r0["last"].startswith("recv from rank 1 over 'pp_grad'")  # what the hang watchdog would name
     assert r0["pp_groups"] == r1["pp_groups"] == 4  # one communicator per kind and direction (create_groups)

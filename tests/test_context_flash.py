@@ -23,7 +23,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from kernels.testing import use_interpreter  # noqa: E402
+from megalite.kernels.testing import use_interpreter  # noqa: E402
 
 from megalite.context import ContextGroup, zigzag_split  # noqa: E402
 from megalite.context.blockwise import CAUSAL, block_backward, block_forward, merge_into  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megalite.context import (ContextGroup, allgather_attention, allgather_attention_bytes, check_zigzag,
-                              context_group_ranks, ring_attention, ring_attention_bytes, zigzag_merge,
+                              ring_attention, ring_attention_bytes, zigzag_merge,
                               zigzag_positions, zigzag_split)
 from megalite.errors import ConfigError
 from megalite.model.gpt import rope_tables
@@ -80,9 +80,9 @@ def test_rope_at_zigzag_positions_equals_rope_then_split() -> None:
 
 def test_context_group_rank_order() -> None:
     """tp fastest, then cp, dp, pp; at cp = 1 each rank is its own ring (today's layouts unchanged)."""
-    assert context_group_ranks(tp=2, cp=2, pp=1, dp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert context_group_ranks(tp=1, cp=4, pp=2, dp=1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert context_group_ranks(tp=2, cp=1, pp=2, dp=2) == [[r] for r in range(8)]
+    assert ParallelState(tp=2, cp=2, pp=1, dp=2).group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert ParallelState(tp=1, cp=4, pp=2, dp=1).group_ranks("cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ParallelState(tp=2, cp=1, pp=2, dp=2).group_ranks("cp") == [[r] for r in range(8)]
 
 
 # ---------------------------------------------------------------- attention vs the unsplit reference

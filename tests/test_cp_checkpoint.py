@@ -14,17 +14,17 @@ import torch.distributed as dist
 from megalite.checkpoint.sharded import load_sharded, save_sharded
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
 from megalite.parallel.state import ParallelState
-from megalite.training.step import StepContext, StepResult, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import StepResult, train_step
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+                                  tiny_train_cfg)
 from tests.test_cp_training import MICRO, SEQ, local_batches
 
 STEPS = 3
 
 
 def _step(model: GPT, st: ParallelState, opt, batches, i: int) -> StepResult:
-    return train_step(StepContext.build(model, st, torch.float32, tiny_train_cfg(STEPS), LossScaler(False)), opt,
+    return train_step(step_context(model, st, torch.float32, tiny_train_cfg(STEPS)), opt,
                       batches, i)
 
 

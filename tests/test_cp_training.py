@@ -3,7 +3,7 @@ parameter after them, the evaluation loss, and the bytes each group moved (gloo 
 
 Each cp rank holds the zigzag split of every sequence (`megalite.data.sampler.cp_split`), attends over
 the whole sequence through the ring (`megalite.context.ring`), and the gradients are averaged over
-dp x cp (`megalite.optim.grads.GRAD_GROUP`).
+dp x cp (each parameter's `ParamSpec.grad_group`).
 
 Tolerances (as in tests/test_tensor_parallel.py and tests/test_zero.py): the cp run sums the same terms in
 another order (the ring merges per-block softmaxes by their log-sum-exp, each rank's loss is the mean of
@@ -28,19 +28,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.context import ring_attention_bytes
+from megalite.context import ContextOptions, cp_attention_bytes
 from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
-from megalite.training.step import StepContext, evaluate, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import evaluate, train_step
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+                                  step_context, tiny_model_cfg, tiny_train_cfg)
 from tests.test_zero import _padded_size, expected_dp_bytes, expected_memory
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
@@ -55,13 +54,14 @@ def local_batches(data: torch.Tensor, st: ParallelState) -> list[tuple[torch.Ten
             for ids, labels in micro_batches(rows, MICRO)]
 
 
-def reference_run(cfg, data: list[torch.Tensor]) -> tuple[GPT, list[tuple[float, float]]]:
+def reference_run(cfg, data: list[torch.Tensor], context: ContextOptions = ContextOptions()
+                  ) -> tuple[GPT, list[tuple[float, float]]]:
     """The single-process run: the model after the steps and each step's (loss, gradient norm)."""
     ref_state = ParallelState()
-    ref = GPT(cfg, ref_state, seed=5)
-    opt = ReferenceOptimizer(ref, ref_state, **HYPER)
+    ref = GPT(cfg, ref_state, seed=5, context=context)
+    opt = reference_optimizer(ref, ref_state)
     tcfg = tiny_train_cfg(STEPS)
-    results = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)), opt,
+    results = [train_step(step_context(ref, ref_state, torch.float32, tcfg), opt,
                           micro_batches(d, MICRO), i) for i, d in enumerate(data)]
     return ref, [(r.loss, r.grad_norm) for r in results]
 
@@ -85,20 +85,26 @@ def assert_params_match(opt, st: ParallelState, chunks: list[nn.Module], ref: GP
 
 
 def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, arch: str,
-                       recompute: str = "none", schedule: str = "1f1b") -> dict[str, float]:
+                       recompute: str = "none", schedule: str = "1f1b", mode: str = "ring",
+                       eod: int | None = None) -> dict[str, float]:
     st = layout(tp, pp, sp=sp, cp=cp)
-    what = f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute} {schedule}"
+    what = (f"tp={tp} cp={cp} pp={pp} dp={st.dp} sp={sp} zero={zero} {arch} recompute={recompute} {schedule} "
+            f"cp_mode={mode} document eod={eod}")
     vpp = 2 if schedule == "zbv" else 1
     cfg = tiny_model_cfg(arch, seq_len=SEQ, recompute=recompute, num_layers=2 * pp)
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
-    ref, ref_results = reference_run(cfg, data)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
+    if eod is not None:  # documents of random lengths: about one token in five ends one
+        data = [torch.where(d % 5 == 0, eod, d) for d in data]
+    context = ContextOptions.of(mode, eod)
+    ref, ref_results = reference_run(cfg, data, context)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule,
+                            context=context)
     chunks = engine.chunks
     model = chunks[0] if vpp == 1 else nn.ModuleList(chunks)
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     tcfg = tiny_train_cfg(STEPS)
     st.counter.reset()
-    results = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), schedule), opt,
+    results = [train_step(step_context(engine, st, torch.float32, tcfg, schedule), opt,
                           local_batches(d, st), i) for i, d in enumerate(data)]
     counted = st.counter.bytes()
     cp_bytes, dp_bytes = st.counter.exact_bytes("cp"), st.counter.exact_bytes("dp")
@@ -107,12 +113,16 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
         # Adam is nearly blind to a gradient's scale; the norm is not (a wrong average over cp doubles it).
         assert abs(got.grad_norm - norm) <= 1e-5 * norm, f"{what}: step {i} grad norm {got.grad_norm} != {norm}"
     assert_params_match(opt, st, chunks, ref, what)
-    # 'cp' is exactly the ring's traffic: each layer of this stage, each micro-batch, each step (full
-    # recompute runs each block's forward, and so its ring, twice).
-    ring = ring_attention_bytes(MICRO, SEQ, cfg.num_kv_heads // tp, cfg.hidden_size // cfg.num_heads, cp, 4)
+    # 'cp' is exactly the mode's attention traffic: each layer of this stage, each micro-batch, each step (full
+    # recompute runs each block's forward, and so its ring / gather / all-to-all, twice).
+    ring = cp_attention_bytes(mode, MICRO, SEQ, cfg.num_heads // tp, cfg.num_kv_heads // tp,
+                              cfg.hidden_size // cfg.num_heads, cp, 4)
     per_call = ring.total + (ring.forward if recompute == "full" else 0)
     layers = sum(len(c.layers) for c in chunks)
-    assert cp_bytes == STEPS * M * layers * per_call, f"{what}: cp bytes {cp_bytes}"
+    # Document masking: each chunk's forward also all-gathers the int64 token ids over cp (the documents of
+    # the whole sequence), every micro-batch.
+    ids_gather = (cp - 1) * MICRO * (SEQ // cp) * 8 * len(chunks) if eod is not None else 0
+    assert cp_bytes == STEPS * M * (layers * per_call + ids_gather), f"{what}: cp bytes {cp_bytes}"
     # 'dp' is exactly the gradient reduction over N = dp x cp (ZeRO shards over N as well).
     n = st.dp * cp
     psi, padded = _padded_size(model, zero if n > 1 else 0, n) if vpp == 1 else (_numel(model), _numel(model))
@@ -150,22 +160,40 @@ def test_cp_training_matches_single_process(dist_world, world: int, tp: int, cp:
     assert all(c.get("cp", 0) > 0 for c in counted)
 
 
+# The other cp modes (parallel.cp_mode) at cp = 4, beside tp + sp, beside pp; a2a under both recomputes (its
+# selective recompute checkpoints the attention core between the two all-to-alls: no extra cp bytes).
+MODE_CASES = [(mode, *case) for mode in ("allgather", "a2a") for case in (
+    (4, 1, 4, 1, False, 0, "gpt2", "none"),
+    (4, 2, 2, 1, True, 0, "llama", "none"),
+    (4, 1, 2, 2, False, 1, "gpt2", "none"),
+)] + [("a2a", 2, 1, 2, 1, False, 0, "llama", "full"), ("a2a", 2, 1, 2, 1, False, 0, "llama", "selective")]
+
+
+@pytest.mark.parametrize("mode,world,tp,cp,pp,sp,zero,arch,recompute", MODE_CASES)
+def test_cp_modes_train_like_single_process(dist_world, mode: str, world: int, tp: int, cp: int, pp: int, sp: bool,
+                                            zero: int, arch: str, recompute: str) -> None:
+    counted = dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, recompute, "1f1b", mode)
+    assert all(c.get("cp", 0) > 0 for c in counted)
+
+
 def test_cp_with_zero_bubble_v_schedule(dist_world) -> None:
     """ZB-V (two chunks per rank in a V, backward split into input- and weight-gradient actions) at cp = 2."""
     dist_world(4).run(_check_cp_training, 1, 2, 2, False, 0, "llama", "none", "zbv")
 
 
-def test_validation_accepts_cp_layouts_and_names_bad_splits() -> None:
-    """cp composes with tp + sp (no refusal); a sequence that does not split is one clear line."""
+def problems(world: int, *flags: str) -> str:
+    """The validation's message for these pretrain flags at `world` ranks ("" when valid)."""
     from megalite.config import parse_args, resolve, validate
 
-    def problems(world: int, *flags: str) -> str:
-        try:
-            validate(resolve(parse_args(list(flags)), world), world)
-        except ConfigError as e:
-            return str(e)
-        return ""
+    try:
+        validate(resolve(parse_args(list(flags)), world), world)
+    except ConfigError as e:
+        return str(e)
+    return ""
 
+
+def test_validation_accepts_cp_layouts_and_names_bad_splits() -> None:
+    """cp composes with tp + sp (no refusal); a sequence that does not split is one clear line."""
     assert problems(4, "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "true", "--model.seq_len", "32") == ""
     assert problems(8, "--parallel.cp", "2", "--parallel.pp", "2", "--parallel.zero", "3", "--model.seq_len", "32",
                     "--train.global_batch_size", "32") == ""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.context.costs import ring_attention_bytes
+from megalite.context.costs import cp_attention_bytes, ring_attention_bytes
 from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.estimate import (GB, PRESETS, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
                                          tp_comm_bytes)
@@ -240,20 +240,24 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path) -> None:
     """What the benchmark predicts (no runs): activations per rank 1/cp of cp = 1's, fused and unfused; the
-    same model states; cp bytes = the ring's closed form x 4 layers (one micro-batch, fp32). Bad sizes: exit 2."""
+    same model states; cp bytes = the mode's closed form x 4 layers (one micro-batch, fp32); the all-gather
+    form holds the other ranks' K/V besides. Bad sizes: exit 2."""
     proc = _bench(tmp_path, "--estimate-only")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "cp_memory_estimate.json").read_text())["rows"]
-    assert [r["cp"] for r in rows] == [1, 2, 4] and [r["tokens_per_rank"] for r in rows] == [4096, 2048, 1024]
+    modes = ["ring", "allgather", "a2a"]
+    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring")] + [(cp, m) for cp in (2, 4) for m in modes]
+    assert [r["tokens_per_rank"] for r in rows] == [4096] + [2048] * 3 + [1024] * 3
     one = rows[0]["predicted"]
     for r in rows:
         p = r["predicted"]
+        held = 0 if r["mode"] != "allgather" else (r["cp"] - 1) * 2 * (4096 // r["cp"]) * 4 * 64 * 4 * 4  # 4 layers
         for kind in ("activations", "activations_fused"):
-            assert p[kind] == pytest.approx(one[kind] / r["cp"], rel=1e-12), kind
+            assert p[kind] == pytest.approx(one[kind] / r["cp"] + held, rel=1e-12), kind
         assert p["model_states"] == one["model_states"]
-        assert p["cp_bytes"] == 4 * ring_attention_bytes(1, 4096, 4, 64, r["cp"], 4).total  # 4 kv heads of 512/8
-    assert "| 4 | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
-    for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"]):
+        assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4).total  # 512/8 = 64
+    assert "| 4 | a2a | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
+    for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"], ["--modes", "x"]):
         out = _bench(tmp_path, "--estimate-only", *bad)
         assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, bad
 
@@ -269,15 +273,16 @@ def test_cp_memory_bench_names_the_sizes_that_fit_a_budget(tmp_path: Path) -> No
     proc = _bench(tmp_path, "--render", str(res), "--max-memory-gb", "1.1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Budget 1.1 GB per rank (measured peak RSS): cp = 2, 4 fit." in proc.stdout
-    assert "| 1 | 4096 | 1240 | 1049 |" in proc.stdout and proc.stdout.count(" no |") == 1
+    assert "| 1 | - | 4096 | 1240 | 1049 |" in proc.stdout and proc.stdout.count(" no |") == 1
 
 
 def test_cp_memory_bench_smoke_runs_cp_1_and_2(tmp_path: Path) -> None:
-    """Needs the model wired for cp (until then the cp = 2 run is refused: fails by design). The smoke run's
-    measured cp bytes equal the estimator's, and both sizes train."""
+    """The smoke run's measured cp bytes equal the estimator's, at cp = 1 and at cp = 2 in the ring and a2a modes,
+    and every run trains."""
     proc = _bench(tmp_path, "--smoke", "--max-memory-gb", "100")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "cp_memory_smoke.json").read_text())["rows"]
+    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring"), (2, "ring"), (2, "a2a")]
     for r in rows:
         assert "skipped" not in r, r.get("stderr_tail")
         assert r["tokens_per_s"] > 0 and len(r["peak_rss_bytes_per_rank"]) == r["cp"]

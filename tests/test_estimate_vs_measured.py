@@ -14,10 +14,9 @@ import torch.nn as nn
 
 from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate, stage_params, zero_memory
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
 from megalite.pipeline import build_pipeline
-from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
 
 MICRO, M = 2, 4  # micro-batch size, micro-batches per step and dp rank
 
@@ -37,7 +36,7 @@ def _measure(rank: int, tp: int, pp: int, sp: bool, zero: int, dtype_name: str =
     data = torch.randint(0, cfg.vocab_size, (MICRO * M, cfg.seq_len + 1), generator=gen)
     batches = [(data[i:i + MICRO, :-1], data[i:i + MICRO, 1:]) for i in range(0, MICRO * M, MICRO)]
     st.counter.reset()
-    train_step(StepContext.build(engine, st, dtype, tiny_train_cfg(2), LossScaler(False), "1f1b"), opt, batches, 0)
+    train_step(step_context(engine, st, dtype, tiny_train_cfg(2), "1f1b"), opt, batches, 0)
     return {"comm": st.counter.bytes(), "mem": opt.memory_bytes(), "pp_rank": st.pp_rank}
 
 

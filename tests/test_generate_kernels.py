@@ -9,7 +9,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-kernels = pytest.importorskip("kernels")
+kernels = pytest.importorskip("megalite.kernels")
 
 from megalite.inference.generate import SamplingConfig, generate_ids  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.state import coords_rank, group_ranks, rank_coords
+from megalite.parallel.state import ParallelState, layout_grid
 
 
 def _all_reduce_rank(rank: int) -> float:
@@ -34,38 +34,39 @@ def test_failure_names_the_rank_and_world_recovers(dist_world) -> None:
 
 def test_rank_grid_tp_fastest_then_dp_then_pp() -> None:
     tp, pp, dp = 2, 2, 3
-    assert [rank_coords(r, tp, pp, dp)[:3] for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    g = layout_grid(tp=tp, pp=pp, dp=dp)
+    assert [(c["tp"], c["dp"], c["pp"]) for c in map(g.coords, range(4))] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
     for r in range(tp * pp * dp):
-        assert coords_rank(*rank_coords(r, tp, pp, dp)[:3], tp, dp) == r
-    assert group_ranks("tp", tp, pp, dp)[0] == [0, 1]
-    assert group_ranks("dp", tp, pp, dp)[0] == [0, 2, 4]
-    assert group_ranks("pp", tp, pp, dp)[0] == [0, 6]
-    assert group_ranks("mp", tp, pp, dp)[0] == [0, 1, 6, 7]
-    assert group_ranks("embedding", tp, pp, dp)[0] == [0, 6]
+        c = g.coords(r)
+        assert g.rank(tp=c["tp"], cp=c["cp"], dp=c["dp"], pp=c["pp"]) == r
+    st = ParallelState(tp=tp, pp=pp, dp=dp)
+    assert st.group_ranks("tp")[0] == [0, 1]
+    assert st.group_ranks("dp")[0] == [0, 2, 4]
+    assert st.group_ranks("pp")[0] == [0, 6]
+    assert st.group_ranks("mp")[0] == [0, 1, 6, 7]
+    assert st.group_ranks("embedding")[0] == [0, 6]
     for kind in ("tp", "dp", "pp", "mp"):  # every rank in exactly one group of each kind
-        flat = sorted(r for g in group_ranks(kind, tp, pp, dp) for r in g)
+        flat = sorted(r for g in st.group_ranks(kind) for r in g)
         assert flat == list(range(tp * pp * dp))
 
 
 def test_rank_grid_with_cp_tp_then_cp_then_dp_then_pp() -> None:
     """cp sits between tp and dp; the cp groups agree with megalite.context's ring order."""
-    from megalite.context import context_group_ranks
-    from megalite.parallel.state import ParallelState
+    from megalite.context import ContextGroup
     tp, cp, pp, dp = 2, 2, 2, 2
-    assert tuple(rank_coords(6, tp, pp, dp, cp)) == (0, 1, 0, 1)  # (tp, dp, pp, cp)
-    for r in range(16):
-        c = rank_coords(r, tp, pp, dp, cp)
-        assert coords_rank(c.tp, c.dp, c.pp, tp, dp, c.cp, cp) == r
-    assert group_ranks("cp", tp, pp, dp, cp) == context_group_ranks(tp, cp, pp, dp)
-    assert group_ranks("dp", tp, pp, dp, cp)[0] == [0, 4]
-    assert group_ranks("dp_cp", tp, pp, dp, cp)[0] == [0, 2, 4, 6]
-    assert group_ranks("pp", tp, pp, dp, cp)[0] == [0, 8]
-    assert group_ranks("mp", tp, pp, dp, cp)[0] == [0, 1, 8, 9]
+    st = ParallelState(tp=tp, pp=pp, dp=dp, cp=cp)
+    assert layout_grid(tp=tp, cp=cp, dp=dp, pp=pp).coords(6) == {"tp": 0, "cp": 1, "dp": 1, "pp": 0, "ep": 0, "edp": 3}
+    assert [list(ContextGroup.of(ParallelState(tp=tp, pp=pp, dp=dp, cp=cp, rank=g[0])).ranks)
+            for g in st.group_ranks("cp")] == st.group_ranks("cp")
+    assert st.group_ranks("dp")[0] == [0, 4]
+    assert st.group_ranks("dp_cp")[0] == [0, 2, 4, 6]
+    assert st.group_ranks("pp")[0] == [0, 8]
+    assert st.group_ranks("mp")[0] == [0, 1, 8, 9]
     for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp"):  # every rank in exactly one group of each kind
-        assert sorted(r for g in group_ranks(kind, tp, pp, dp, cp) for r in g) == list(range(16))
+        assert sorted(r for g in st.group_ranks(kind) for r in g) == list(range(16))
     for r in range(16):  # a state's rank_in is its index in its own group, size its group's size
         state = ParallelState(tp=tp, pp=pp, dp=dp, cp=cp, rank=r)
         for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp"):
-            mine = next(g for g in group_ranks(kind, tp, pp, dp, cp) if r in g)
+            mine = next(g for g in st.group_ranks(kind) if r in g)
             assert (state.size(kind), state.rank_in(kind)) == (len(mine), mine.index(r)), (r, kind)
     assert ParallelState(tp=tp, pp=pp, dp=dp, cp=cp, rank=3).next_rank == 11

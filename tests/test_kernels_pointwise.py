@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from kernels.testing import check_against_reference, use_interpreter  # noqa: E402
+from megalite.kernels.testing import check_against_reference, use_interpreter  # noqa: E402
 
 K = use_interpreter()
 

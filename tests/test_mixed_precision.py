@@ -11,8 +11,8 @@ import torch
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
-from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
@@ -47,14 +47,14 @@ def _check_fp16_skip(rank: int, stage: int) -> None:
     for i, batches in enumerate([same] * 6):
         inject["on"] = i == 2
         before = opt.full_parameters() if i == 2 else None
-        results.append(train_step(StepContext.build(model, st, torch.float16, tcfg, scaler), opt, batches, i))
+        results.append(train_step(step_context(model, st, torch.float16, tcfg, scaler=scaler), opt, batches, i))
         scales.append(scaler.scale)
         if before is not None:  # a skipped step leaves every parameter untouched
             after = opt.full_parameters()
             assert all(torch.equal(before[k], after[k]) for k in before)
     assert [r.skipped for r in results] == [False, False, True, False, False, False], results
     assert scales == [init_scale] * 2 + [init_scale / 2] * 4, scales
-    assert opt.step_count == 5
+    assert opt.optimizer.step_count == 5
     assert all(math.isfinite(r.loss) and math.isfinite(r.grad_norm) for i, r in enumerate(results) if i != 2)
     assert results[-1].loss < results[3].loss < results[0].loss, \
         f"training did not continue after the skipped step: {[r.loss for r in results]}"
@@ -75,13 +75,13 @@ def _check_bf16_tracks_fp32(rank: int, stage: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         model = GPT(cfg, st, seed=5)
         opt = build_distributed_optimizer(model, st, stage, dtype=dtype, **HYPER)
-        losses[dtype] = [train_step(StepContext.build(model, st, dtype, tiny_train_cfg(5), LossScaler(False)),
+        losses[dtype] = [train_step(step_context(model, st, dtype, tiny_train_cfg(5)),
                                     opt, b, i).loss
                          for i, b in enumerate(_batches(cfg, 1, st.dp_rank) * 5)]  # memorise one batch
         if dtype == torch.bfloat16:
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-            assert all(b.master.dtype == torch.float32 and b.grad_shard.dtype == torch.float32
-                       for b in opt.buckets)
+            assert all(s.master.dtype == torch.float32 for s in opt.optimizer.states)
+            assert all(s.grad.dtype == torch.float32 for s in opt.shards)
     diff = max(abs(a - b) for a, b in zip(losses[torch.float32], losses[torch.bfloat16]))
     assert diff < 0.05, f"bf16 loss deviates from fp32 by {diff}"
     assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0] - 0.1, losses

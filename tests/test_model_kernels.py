@@ -17,11 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 kernels = pytest.importorskip("kernels")
 
 from megalite.model.gpt import GPT  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
-from megalite.optim.reference import ReferenceOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.step import StepContext, train_step  # noqa: E402
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg  # noqa: E402
+from megalite.training.step import train_step  # noqa: E402
+from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg  # noqa: E402
 
 if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -35,12 +33,12 @@ def _cfg(kind: str, arch: str, num_layers: int = 2):
 def _losses(kind: str, arch: str, state: ParallelState, steps: int = 3) -> list[float]:
     cfg = _cfg(kind, arch)
     model = GPT(cfg, state, seed=3)
-    opt = ReferenceOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    opt = reference_optimizer(model, state)
     gen = torch.Generator().manual_seed(4)
     out = []
     for i in range(steps):
         d = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen)
-        out.append(train_step(StepContext.build(model, state, torch.float32, tiny_train_cfg(steps), LossScaler(False)),
+        out.append(train_step(step_context(model, state, torch.float32, tiny_train_cfg(steps)),
                               opt, [(d[:, :-1], d[:, 1:])], i).loss)
     return out
 

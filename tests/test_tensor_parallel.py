@@ -19,14 +19,12 @@ from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.model.gpt import GPT
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel import comm
 from megalite.perfmodel.accounting import tp_bytes_per_step
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
-from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
 
 ATOL = 1e-5
 PARAM_ATOL = 1e-4
@@ -125,9 +123,9 @@ def test_layers_match_unsharded_reference(dist_world, world: int, sp: bool) -> N
 
 
 def _train(model: GPT, state: ParallelState, batches_per_step: list, steps: int) -> list[float]:
-    opt = ReferenceOptimizer(model, state, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    opt = reference_optimizer(model, state)
     tcfg = tiny_train_cfg(steps)
-    return [train_step(StepContext.build(model, state, torch.float32, tcfg, LossScaler(False)),
+    return [train_step(step_context(model, state, torch.float32, tcfg),
                        opt, batches_per_step[i], i).loss
             for i in range(steps)]
 

@@ -28,7 +28,8 @@ from megalite.observability.wire import (GLOO_FRAMING_BYTES_PER_CALL, WrittenByt
                                          process_written_bytes)
 from megalite.parallel import comm
 from megalite.parallel.counter import COMM_CONVENTION
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+                                  tiny_train_cfg)
 
 PAYLOAD = 1 << 20  # bytes: large against the framing (see the module doc)
 LINUX = process_written_bytes() is not None
@@ -72,7 +73,7 @@ def _one_collective(rank: int, op: str) -> tuple[int, float, float, int]:
     elif op == "reduce_scatter":
         comm.reduce_scatter(t, st, "dp", dim=0)
     elif op == "send":  # rank 0 -> 1 (world 2), through the pipeline's counted send and uncounted receive
-        (comm.isend(t, st, 1, "dp", tag=0) if rank == 0 else comm.irecv(t, st, 0, "dp", tag=0)).wait()
+        comm.post_p2p([comm.P2PMessage(t, 1 - rank, 0, "dp", send=rank == 0)], st)[0].wait()
     written = meter.stop()
     assert written is not None
     counted = st.counter.exact_by_collective()
@@ -103,8 +104,7 @@ def _one_step(rank: int, tp: int, sp: bool, zero: int) -> tuple[int, float, floa
     """One training step: (written, counted, expected on gloo, counted calls) on this rank."""
     from megalite.model.gpt import GPT
     from megalite.optim import build_distributed_optimizer
-    from megalite.optim.adamw import LossScaler
-    from megalite.training.step import StepContext, train_step
+    from megalite.training.step import train_step
 
     st = layout(tp, sp=sp)
     # Activations of 2 x 64 x 256 fp32 (128 KiB per sequence-parallel reduce-scatter) and ~0.5 M parameters:
@@ -112,7 +112,7 @@ def _one_step(rank: int, tp: int, sp: bool, zero: int) -> tuple[int, float, floa
     cfg = tiny_model_cfg("llama", hidden_size=256, ffn_hidden_size=512, num_layers=2, seq_len=64, vocab_size=512)
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
-    ctx = StepContext.build(model, st, torch.float32, tiny_train_cfg(), LossScaler(False))
+    ctx = step_context(model, st, torch.float32, tiny_train_cfg())
     batches = micro_batches(random_steps(cfg, 1, 4)[0], 2)  # the data does not change the bytes
     train_step(ctx, opt, batches, 0)  # warm-up: lazy buffers, first-use handshakes
     opt.finish_param_sync()

@@ -24,13 +24,12 @@ import torch
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
-from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.training.step import StepContext, evaluate, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import evaluate, train_step
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+                                  step_context, tiny_model_cfg, tiny_train_cfg)
 
 STEPS, MICRO, M = 5, 2, 2  # 5 optimizer steps of M micro-batches of MICRO sequences per DP rank
 
@@ -75,16 +74,16 @@ def _check_parity(rank: int, tp: int, sp: bool, stage: int, arch: str, recompute
     data = random_steps(cfg, STEPS, global_batch)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
+    ref_opt = reference_optimizer(ref, ref_state)
     tcfg = tiny_train_cfg(STEPS)
-    ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
+    ref_losses = [train_step(step_context(ref, ref_state, torch.float32, tcfg),
                              ref_opt, micro_batches(d, MICRO), i).loss
                   for i, d in enumerate(data)]
     model = GPT(cfg, st, seed=5)
     opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, **HYPER)
     per_rank = global_batch // st.dp
     st.counter.reset()
-    losses = [train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)),
+    losses = [train_step(step_context(model, st, torch.float32, tcfg),
                          opt, micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i).loss
               for i, d in enumerate(data)]
     measured_dp = st.counter.exact_bytes("dp")
@@ -138,14 +137,14 @@ def _check_mixed_precision_accounting(rank: int, dtype: torch.dtype) -> None:
         opt = build_distributed_optimizer(model, st, stage, dtype=dtype, **HYPER)
         assert all(p.dtype == dtype for p in model.parameters()) or stage == 3
         st.counter.reset()
-        res = train_step(StepContext.build(model, st, dtype, tiny_train_cfg(1), LossScaler(False)),
+        res = train_step(step_context(model, st, dtype, tiny_train_cfg(1)),
                          opt, micro_batches(data[0], MICRO), 0)
         assert res.loss == res.loss and not res.skipped, f"zero={stage}: loss {res.loss}"
         psi, padded = _padded_size(model, stage, st.dp)
         assert opt.memory_bytes() == expected_memory(stage, psi, padded, st.dp, 2), f"zero={stage} {dtype}"
         assert st.counter.exact_bytes("dp") == expected_dp_bytes(stage, psi, padded, st.dp, 2, M), stage
         if stage > 0:
-            assert all(b.master.dtype == torch.float32 for b in opt.buckets)
+            assert all(s.master.dtype == torch.float32 for s in opt.optimizer.states)
 
 
 def test_mixed_precision_memory_and_bytes(dist_world) -> None:
@@ -171,9 +170,9 @@ def _check_reductions_only_in_last_micro_batch(rank: int, stage: int) -> list[in
         reductions.append(sum(1 for k in ("dp/all_reduce", "dp/reduce_scatter") if ops.get(k, 0) > 0))
     assert reductions[:-1] == [0, 0, 0], f"zero={stage}: dp reduction inside no_sync: {reductions}"
     assert reductions[-1] == 1
-    assert all(b.launched for b in opt.buckets), "a bucket's reduction waited for finish_grad_sync"
+    assert all(b.launched for b in opt.sync.buckets), "a bucket's reduction waited for finish_grad_sync"
     opt.finish_grad_sync()
-    return [len(opt.buckets)]
+    return [len(opt.sync.buckets)]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -194,8 +193,9 @@ def test_zero_with_dp1_falls_back_to_stage0() -> None:
     _check_dp1_fallback(0)
 
 
-def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
-    """Resume from `state_dict()` into a fresh model+optimizer: the next step is identical."""
+def _check_state_roundtrip(rank: int, stage: int) -> None:
+    """Resume from `param_states()` (what a checkpoint saves: fp32 masters and moments) into a fresh
+    model+optimizer, whose parameters the masters then overwrite: the next step is identical."""
     st = layout(1)
     cfg = tiny_model_cfg("llama")
     data = random_steps(cfg, 3, MICRO * 2 * st.dp)
@@ -207,18 +207,18 @@ def _check_state_dict_roundtrip(rank: int, stage: int) -> None:
         models.append(GPT(cfg, st, seed=5))
         opts.append(build_distributed_optimizer(models[-1], st, stage, dtype=torch.bfloat16, **HYPER))
     for i in range(2):
-        train_step(StepContext.build(models[0], st, torch.bfloat16, tcfg, LossScaler(False)), opts[0], mine[i], i)
-    opts[1].load_state_dict(opts[0].state_dict())
-    a = train_step(StepContext.build(models[0], st, torch.bfloat16, tcfg, LossScaler(False)), opts[0], mine[2], 2)
-    b = train_step(StepContext.build(models[1], st, torch.bfloat16, tcfg, LossScaler(False)), opts[1], mine[2], 2)
+        train_step(step_context(models[0], st, torch.bfloat16, tcfg), opts[0], mine[i], i)
+    opts[1].load_param_states(opts[0].param_states())
+    a = train_step(step_context(models[0], st, torch.bfloat16, tcfg), opts[0], mine[2], 2)
+    b = train_step(step_context(models[1], st, torch.bfloat16, tcfg), opts[1], mine[2], 2)
     assert a.loss == b.loss and a.grad_norm == b.grad_norm, (a, b)
     fa, fb = opts[0].full_parameters(), opts[1].full_parameters()
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_state_dict_resumes_exactly(dist_world, stage: int) -> None:
-    dist_world(2).run(_check_state_dict_roundtrip, stage)
+def test_param_states_resume_exactly(dist_world, stage: int) -> None:
+    dist_world(2).run(_check_state_roundtrip, stage)
 
 
 def _check_pipeline(rank: int, stage: int, arch: str) -> None:
@@ -231,15 +231,15 @@ def _check_pipeline(rank: int, stage: int, arch: str) -> None:
     data = random_steps(cfg, 3, per_rank * st.dp)
     ref_state = ParallelState()
     ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = ReferenceOptimizer(ref, ref_state, **HYPER)
+    ref_opt = reference_optimizer(ref, ref_state)
     tcfg = tiny_train_cfg(3)
-    ref_losses = [train_step(StepContext.build(ref, ref_state, torch.float32, tcfg, LossScaler(False)),
+    ref_losses = [train_step(step_context(ref, ref_state, torch.float32, tcfg),
                              ref_opt, micro_batches(d, MICRO), i).loss
                   for i, d in enumerate(data)]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=1)
     # One chunk per rank (vpp=1): hand the optimizer the stage's GPT itself, as the trainer does.
     opt = build_distributed_optimizer(engine.chunks[0], st, stage, dtype=torch.float32, **HYPER)
-    losses = [train_step(StepContext.build(engine, st, torch.float32, tcfg, LossScaler(False), "1f1b"),
+    losses = [train_step(step_context(engine, st, torch.float32, tcfg, "1f1b"),
                          opt, micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i).loss
               for i, d in enumerate(data)]
     for i, (a, b) in enumerate(zip(losses, ref_losses)):

@@ -13,9 +13,8 @@ import torch
 from megalite.checkpoint import sharded
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
-from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import layout, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
 
 
 def _batches(step: int, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -31,7 +30,7 @@ def _check(rank: int, root: str, src: int, dst: int) -> None:
     opt = build_distributed_optimizer(model, st, src, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.float32)
     mine = lambda s: _batches(s, cfg)[st.dp_rank:st.dp_rank + 1]  # noqa: E731
     for s in range(2):
-        train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)), opt, mine(s), s)
+        train_step(step_context(model, st, torch.float32, tcfg), opt, mine(s), s)
     path = sharded.save_sharded(root, 2, model, opt, {}, st, keep=2)
     model2 = GPT(cfg, st, seed=77)  # different init: everything must come from the checkpoint
     opt2 = build_distributed_optimizer(model2, st, dst, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.float32)
@@ -47,8 +46,8 @@ def _check(rank: int, root: str, src: int, dst: int) -> None:
         for kind in ("exp_avg", "exp_avg_sq"):
             rows = cfg.vocab_size if k in ("head.weight", "embedding.weight") else None
             assert torch.equal(sa[k][kind][:rows], sb[k][kind][:rows]), f"{k} {kind}"
-    la = train_step(StepContext.build(model, st, torch.float32, tcfg, LossScaler(False)), opt, mine(2), 2).loss
-    lb = train_step(StepContext.build(model2, st, torch.float32, tcfg, LossScaler(False)), opt2, mine(2), 2).loss
+    la = train_step(step_context(model, st, torch.float32, tcfg), opt, mine(2), 2).loss
+    lb = train_step(step_context(model2, st, torch.float32, tcfg), opt2, mine(2), 2).loss
     assert abs(la - lb) <= 1e-6, (la, lb)
 
 

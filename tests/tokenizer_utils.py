@@ -38,11 +38,18 @@ def train_hf_bpe(path: Path, vocab_size: int = 400, llama_style: bool = False, t
 MERGES = [b"th", b"he", b"the", b" the", b"in", b"re", b"er", b"  ", b"    ", b"de", b"def"]
 
 
-def write_tiktoken(path: Path, filler: int = 0) -> Path:
+# Merges across the places where split rules differ: digit runs longer than 3, contractions, space runs.
+RICH_MERGES = [b"20", b"02", b"24", b"202", b"024", b"2024", b"12", b"123", b"1234", b"'s", b"'r", b"'re", b"'t",
+               b"'l", b"'ll", b"'v", b"'ve", b"  ", b"   ", b"    ", b" \n", b"\n\n", b"in", b"ing", b"th", b"the",
+               b" the", b"<|", b"|>", b"<|e", b"nd", b"of", b"\xc3\xa9"]
+
+
+def write_tiktoken(path: Path, filler: int = 0, merges: list[bytes] | None = None) -> Path:
     """A tiktoken file: the 256 single bytes (rank = byte value), `filler` unreachable 3-byte tokens (to
-    push ids past 65,535), then a few real merges. Ranks are dense, as tiktoken's own files are."""
+    push ids past 65,535), then a few real merges (`merges`, default MERGES; each must be two earlier tokens
+    joined). Ranks are dense, as tiktoken's own files are."""
     tokens = [bytes([b]) for b in range(256)]
     tokens += [b"\x00" + i.to_bytes(2, "big") for i in range(filler)]
-    tokens += MERGES
+    tokens += MERGES if merges is None else merges
     path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
     return path

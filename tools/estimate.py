@@ -39,7 +39,7 @@ from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_param
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "seq_len", "head_dim")
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size", "global_batch_size",
-                 "recompute", "cp")
+                 "recompute", "cp", "cp_mode")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention; devices = tp x cp x pp x dp")
     p.add_argument("--ep", type=positive_int, default=1,
                    help="expert parallel size for a MoE preset (experts split over ep of the dp x cp ranks)")
+    p.add_argument("--cp-mode", choices=["ring", "allgather", "a2a"],
+                   help="context-parallel attention (also --parallel.cp_mode): ring (default) | allgather | a2a")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--schedule", choices=list(SCHEDULES),
@@ -203,8 +205,10 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     data = getattr(cfg, "data", None)
     demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
     dims = _model_dims_kwargs(model, demo_vocab)
-    lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp")}
+    lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
+                                                      "cp_mode")}
     lay["zero"] = getattr(par, "zero", 0)
+    lay["document_mask"] = bool(getattr(data, "document_mask", False))
     lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
                global_batch_size=getattr(train, "global_batch_size", None) or None,
                recompute=getattr(model, "recompute", None))
@@ -313,11 +317,15 @@ def render(est: Estimate, kw: dict) -> str:
     if est.compute_seconds is not None:
         out.append(f"compute incl. bubble: {est.compute_seconds:.4g} s")
     if lay.cp > 1 and dims is not None:
-        out.append(f"context parallel: {dims.seq_len // lay.cp} of {dims.seq_len} tokens per rank; the cp ring "
-                   f"(K/V forward, K/V + fp32 dK/dV backward) moves {est.comm_bytes.get('cp', 0.0) / GB:.4g} GB")
+        moved = {"ring": "K/V forward, K/V + fp32 dK/dV backward", "allgather": "K/V gathered, fp32 dK/dV "
+                 "reduce-scattered", "a2a": "q, k, v and the output all-to-all'd, their gradients back"}[lay.cp_mode]
+        out.append(f"context parallel ({lay.cp_mode}): {dims.seq_len // lay.cp} of {dims.seq_len} tokens per rank; "
+                   f"the cp attention ({moved}) moves {est.comm_bytes.get('cp', 0.0) / GB:.4g} GB")
     if est.cp_exposed_seconds is not None:
-        out.append(f"cp ring: {est.comm_seconds.get('cp', 0.0):.4g} s of transfers, {est.cp_exposed_seconds:.4g} s "
-                   f"exposed (each ring step overlaps one block's transfer with one block's attention)")
+        how = ("each ring step overlaps one block's transfer with one block's attention" if lay.cp_mode == "ring"
+               else "its collectives are not overlapped: all exposed")
+        out.append(f"cp {lay.cp_mode}: {est.comm_seconds.get('cp', 0.0):.4g} s of transfers, "
+                   f"{est.cp_exposed_seconds:.4g} s exposed ({how})")
     if est.step_seconds is not None:
         hidden = "DP traffic" + (" and the cp ring" if lay.cp > 1 else "")
         out += [f"step time: {est.step_seconds:.4g} s no overlap, {est.step_seconds_overlapped:.4g} s "

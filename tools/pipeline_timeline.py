@@ -61,11 +61,19 @@ def draw(timelines: list[tuple[str, Timeline]], p: int, m: int, path: str) -> No
         fig.savefig(tmp, dpi=110, format=os.path.splitext(path)[1].lstrip(".") or "png")
 
 
+# The simulation walks every (stage, micro-batch, chunk) operation; these keep it to seconds and the
+# printed timeline to something a terminal shows.
+LIMITS = {"--pp": 32, "--micro-batches": 128, "--vpp": 4}
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Sizes and times the simulation can use, or ConfigError naming the flag."""
     for flag, value in (("--pp", args.pp), ("--micro-batches", args.micro_batches), ("--vpp", args.vpp)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
+        if value > LIMITS[flag]:
+            raise ConfigError(f"{flag} {value} must be at most {LIMITS[flag]} (a timeline beyond that takes minutes "
+                              "to simulate and cannot be read)")
     for flag, value in (("--t-forward", args.t_f), ("--t-backward", args.t_b), ("--t-weight", args.t_w)):
         if not 0 < value < float("inf"):
             raise ConfigError(f"{flag} {value} must be a positive finite time")

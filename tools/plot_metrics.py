@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.checkpoint.files import atomic_output  # noqa: E402
-from megalite.errors import DataError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.errors import ConfigError, DataError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.untrusted import loads_json  # noqa: E402
 
 Records = list[dict]
 
@@ -37,15 +38,49 @@ def load_metrics(path: str | Path) -> Records:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = loads_json(line, f"{p}:{lineno}", DataError)
         except json.JSONDecodeError as exc:
             raise DataError(f"{p}:{lineno} is not JSON ({exc.msg}); was the run killed mid-write? "
                             f"delete that line") from exc
         if isinstance(rec, dict) and "step" in rec:
-            records.append(rec)
+            records.append(_checked_record(rec, f"{p}:{lineno}"))
     if not records:
         raise DataError(f"{p} holds no step records; let the run log at least one step")
     return records
+
+
+NUMBER_FIELDS = ("loss", "valid_loss", "lr", "grad_norm", "tokens_per_s", "mem_peak_bytes")
+FORMATS = ("png", "pdf", "svg")  # what matplotlib's Agg backend writes
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _checked_record(rec: dict, where: str) -> dict:
+    """A step record whose plotted fields have the types megalite writes (a number or null; comm_bytes an
+    object of numbers), or DataError naming the line and field: a record is not trusted to be well formed."""
+    step = rec["step"]
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        raise DataError(f"{where}: step is {step!r}, not a whole number >= 0: the file was edited or is not a "
+                        "megalite metrics.jsonl")
+    for key in NUMBER_FIELDS:
+        if rec.get(key) is not None and not _is_number(rec[key]):
+            raise DataError(f"{where}: {key} is {type(rec[key]).__name__} {rec[key]!r}, not a number or null")
+    comm = rec.get("comm_bytes")
+    if comm is not None and not (isinstance(comm, dict) and all(isinstance(k, str) and (v is None or _is_number(v))
+                                                                for k, v in comm.items())):
+        raise DataError(f"{where}: comm_bytes is {type(comm).__name__}, not an object of group -> bytes")
+    return rec
+
+
+def output_path(out: str | Path) -> Path:
+    """The plot's path; its suffix picks the format, one of FORMATS (ConfigError otherwise)."""
+    out = Path(out)
+    fmt = out.suffix.lstrip(".").lower()
+    if fmt not in FORMATS:
+        raise ConfigError(f"-o {out}: the suffix picks the format; use .{', .'.join(FORMATS)}")
+    return out
 
 
 def split_runs(records: Records) -> list[Records]:
@@ -126,10 +161,10 @@ def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
             if a.get_legend_handles_labels()[0]:
                 a.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out)
+    out = output_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(out) as tmp:  # an existing PNG is replaced only by a complete one
-        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".") or "png")
+        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".").lower())
     plt.close(fig)
     return out
 
@@ -137,7 +172,7 @@ def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("metrics", nargs="+", help="metrics.jsonl files or run directories")
-    ap.add_argument("-o", "--output", help="PNG to write (default: metrics.png in the first run's folder)")
+    ap.add_argument("-o", "--output", help="plot to write, .png, .pdf or .svg (default: metrics.png in the first run's folder)")
     ap.add_argument("--labels", nargs="+", help="one legend label per run (default: the run's folder)")
     args = ap.parse_args(argv)
     if args.labels and len(args.labels) != len(args.metrics):
@@ -145,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
+        if args.output:
+            output_path(args.output)  # refused before any file is read
         runs: dict[str, Records] = {}
         for i, path in enumerate(args.metrics):
             p = Path(path)

@@ -31,13 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", required=True, metavar="CKPT", help="checkpoint step directory or root")
     p.add_argument("--output", required=True, metavar="DIR", help="new checkpoint directory (must not exist)")
-    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
-    p.add_argument("--vpp", type=int, default=1, help="target virtual stages (chunks) per pipeline rank")
-    p.add_argument("--pp-layers", default="", metavar="N,N,...", help="layers per virtual stage (default: even)")
+    add_layout_arguments(p)
     p.add_argument("--unsharded", action="store_true", help="one file of full tensors (same as tp=pp=vpp=1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def add_layout_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
+    """--tp/--pp/--vpp/--pp-layers of a target checkpoint layout (`when`: a prefix for the help texts)."""
+    p.add_argument("--tp", type=int, default=1, help=f"{when}target tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help=f"{when}target pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=1, help=f"{when}target virtual stages (chunks) per pipeline rank")
+    p.add_argument("--pp-layers", default="", metavar="N,N,...", help=f"{when}layers per virtual stage (default: even)")
 
 
 def parse_pp_layers(text: str) -> list[int] | None:

@@ -45,9 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_VOCAB = 2**20
+
+
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.vocab_size > MAX_VOCAB:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is above {MAX_VOCAB} (2^20, five times the largest "
+                          "common tokenizer): training would need memory no machine has")
     if args.kind != "hf" and args.vocab_size < 300:  # SentencePiece with byte fallback
         raise ConfigError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 259 ids; use >= 300")
     if args.max_bytes is not None and args.max_bytes < 1:

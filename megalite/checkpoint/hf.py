@@ -35,13 +35,14 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megalite.checkpoint.files import atomic_output, inside
+from megalite.checkpoint.files import atomic_output, inside, refuse_link, refuse_output_in_checkpoint
 from megalite.checkpoint.index_check import model_info_problems
 from megalite.checkpoint.offline import write_checkpoint
 from megalite.checkpoint.sharded import find, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError, one_line
 from megalite.observability.progress import Progress
+from megalite.untrusted import loads_json
 
 # (megalite name, HF names, split sizes along megalite dim 0 or None, transposed)
 Rule = tuple[str, list[str], list[int] | None, bool]
@@ -135,12 +136,20 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     kind = cfg.get("model_type")
     if kind == "llama":
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+        for key in ("rope_parameters", "rope_scaling"):  # the current name and the older one: check both
+            given = cfg.get(key)
+            if given is not None and not isinstance(given, dict):
+                raise CheckpointError(f"this Llama config cannot be imported: {key}={given!r} is not an object")
+            kind = (given or {}).get("rope_type", (given or {}).get("type", "default"))  # "type": legacy spelling
+            if kind != "default":
+                raise CheckpointError(f"this Llama config cannot be imported: rope scaling {kind!r} ({key}) is not "
+                                      "supported (megalite computes plain RoPE; importing it would be another model)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         bad = [what for what, ok in (
             ("hidden_act must be silu", cfg.get("hidden_act", "silu") == "silu"),
             ("attention_bias/mlp_bias must be false", not cfg.get("attention_bias") and not cfg.get("mlp_bias")),
             ("head_dim must be hidden_size / num_attention_heads", cfg.get("head_dim") in (None, h // nh)),
-            ("rope scaling is not supported", rope.get("rope_type", "default") == "default")) if not ok]
+            ) if not ok]
         if bad:
             raise CheckpointError(f"this Llama config cannot be imported: {'; '.join(bad)}")
         return {"arch": "llama", "num_layers": cfg["num_hidden_layers"], "hidden_size": h, "num_heads": nh,
@@ -176,6 +185,8 @@ def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _checked_info(info: dict[str, Any], source: str) -> None:
+    """Every dim is a bounded integer, eps/theta positive finite numbers (`model_info_problems`): an HF
+    `max_position_embeddings` of -5 or "32" is refused, not imported as is."""
     problems = model_info_problems(info)
     problems += [f"{k} is missing" for k in ("seq_len", "norm_eps", "rope_theta") if k not in info]
     if problems:
@@ -199,6 +210,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     src = find(str(ckpt), "")
     if src is None:
         raise CheckpointError(f"--input {ckpt}: give a checkpoint directory")
+    refuse_output_in_checkpoint(out)
     index = read_index(src)
     info = index["model"]
     _checked_info(info, str(src / "index.json"))
@@ -240,6 +252,8 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
             from megalite.checkpoint.hf_tokenizer import export_tokenizer
 
             export_tokenizer(tok, staged)
+            for f in staged.iterdir():
+                refuse_link(out / f.name, hard_links=False)  # before the weights: all or nothing
         with atomic_output(out / "model.safetensors") as tmp_model, atomic_output(out / "config.json") as tmp_cfg:
             writer = StreamingWriter(tmp_model, plan)
             try:
@@ -277,19 +291,23 @@ def _opened(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path} ({one_line(str(e))}): not a complete safetensors file") from e
 
 
+HF_WEIGHT_DTYPES = ("F32", "BF16", "F16")
+
+
 def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Callable[[str], list[int]]]:
     """(name -> tensor, name -> shape) over model.safetensors or a sharded set (model.safetensors.index.json); accepts
     GPT-2 names with or without the `transformer.` prefix."""
     index_file = hf_dir / "model.safetensors.index.json"
     if index_file.exists():
         try:
-            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = loads_json(index_file.read_text(encoding="utf-8"), str(index_file),
+                                    CheckpointError)["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"cannot read the weight_map of {index_file} ({e!r})") from e
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_file}: weight_map must map tensor names to file names")
         for file in set(weight_map.values()):
-            inside(hf_dir, file, "weight_map")  # refuse names that leave the directory before reading any
+            inside(hf_dir, file, "weight_map", links_out=True)  # refuse names that leave the directory before reading any
     elif (hf_dir / "model.safetensors").exists():
         with _opened(hf_dir / "model.safetensors") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
@@ -304,11 +322,15 @@ def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Call
             raise CheckpointError(f"{hf_dir} has no tensor {name}: the HF model is incomplete or of another kind")
         file = weight_map[key]
         if file not in handles:
-            handles[file] = _opened(inside(hf_dir, file, "weight_map"))
+            handles[file] = _opened(inside(hf_dir, file, "weight_map", links_out=True))
         return handles[file], key
 
     def get(name: str) -> torch.Tensor:
         handle, key = open_(name)
+        dtype = handle.get_slice(key).get_dtype()
+        if dtype not in HF_WEIGHT_DTYPES:  # an integer tensor read as weights would be a silent misread
+            raise CheckpointError(f"{hf_dir}: tensor {key} is {dtype}; weights must be one of "
+                                  f"{', '.join(HF_WEIGHT_DTYPES)}")
         return handle.get_tensor(key).float()
 
     def shape(name: str) -> list[int]:
@@ -322,7 +344,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True) -
     """A megalite checkpoint (step 0, no optimizer state, one file of full tensors) from an HF directory."""
     hf_dir = Path(hf_dir)
     try:
-        cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+        cfg = loads_json((hf_dir / "config.json").read_text(encoding="utf-8"), str(hf_dir / "config.json"),
+                         CheckpointError)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {hf_dir / 'config.json'} ({e}): point --input at an HF model directory") from e
     if not isinstance(cfg, dict):

@@ -3,8 +3,10 @@
 
   hf        the `tokenizer.json` is copied as is; the config names its EOD/BOS (as megalite resolved them)
   tiktoken  the ranks become a byte-level BPE (`transformers`' TikTokenConverter: merges recovered from the
-            ranks, tiktoken's split regex as a pre-tokenizer); special tokens get their tiktoken ids, gaps
-            between them filled with reserved placeholders so that every id stays where tiktoken puts it
+            ranks, tiktoken's split regex as a pre-tokenizer, translated for the regex engine of `tokenizers`
+            (see `onig_pattern`)); special tokens get their tiktoken ids, gaps between them filled with
+            reserved placeholders so that every id stays where tiktoken puts it. The result is checked
+            against tiktoken on probe texts (digit runs, contractions, whitespace, unicode) before it is written
   sentencepiece  megalite's models (tools/train_tokenizer.py: identity normalisation, no dummy prefix, byte
             fallback) become a `tokenizers` BPE: the pieces keep their ids, every way of splitting a piece
             into two pieces is a merge ranked by the piece's score (SentencePiece BPE merges the highest-
@@ -15,11 +17,17 @@
             (U+2581) in the text, which megalite encodes as its UTF-8 bytes, becomes the space piece.
 
 `add_special_tokens=True` (AutoTokenizer's default) prepends BOS exactly when megalite's tokenizer does.
+
+Special-token text inside a document (a literal "<|endoftext|>" typed in the text) is ordinary text in
+megalite, for every kind (a document cannot forge an end of document): the exported config says
+`split_special_tokens: true`, so AutoTokenizer encodes it the same way, as ordinary characters. The
+special ids still come from `add_special_tokens` framing and from `convert_tokens_to_ids`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,97 @@ from megalite.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["export_tokenizer", "load_tokenizer"]
 from megalite.errors import CheckpointError
+
+
+_INTERVAL = re.compile(r"\{\d+(?:,\d*)?\}")
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index just past the character class opening at `pattern[i] == '['` (nested classes, escapes)."""
+    j = i + 1
+    if pattern[j:j + 1] == "^":
+        j += 1
+    if pattern[j:j + 1] == "]":  # a leading ']' is a literal
+        j += 1
+    while j < len(pattern):
+        c = pattern[j]
+        if c == "\\":
+            j = _escape_end(pattern, j)
+        elif c == "[":
+            j = _class_end(pattern, j)
+        elif c == "]":
+            return j + 1
+        else:
+            j += 1
+    raise CheckpointError(f"cannot translate the tiktoken pattern {pattern!r}: unclosed character class")
+
+
+def _escape_end(pattern: str, i: int) -> int:
+    """The index just past the escape starting at `pattern[i] == '\\'` (`\\p{L}`, `\\x{..}`, `\\n` ...)."""
+    if pattern[i + 1:i + 2] in ("p", "P", "x", "u") and pattern[i + 2:i + 3] == "{":
+        return pattern.index("}", i) + 1
+    return i + 2
+
+
+def onig_pattern(pattern: str) -> str:
+    """tiktoken's split regex (Rust `fancy-regex` syntax) rewritten for Oniguruma, the engine behind the
+    `Split` pre-tokenizer of `tokenizers`, wherever the two read the same text differently:
+      * a possessive interval `X{n,m}+` is, in Onig's Ruby syntax, `(?:X{n,m})+` (a repeat of the
+        interval: "2024" -> one piece instead of tiktoken's "202", "4"); it becomes the atomic group
+        `(?>X{n,m})`, which is what possessive means. (`?+`, `*+`, `++` are possessive in both.)
+      * `$` is the end of the text in fancy-regex but the end of any line in Onig: it becomes `\\z`.
+    Everything else (classes, `\\p{..}`, `(?i:..)`, look-ahead) reads the same in both engines."""
+    out: list[str] = []
+    open_groups: list[int] = []  # indices into `out` where each open group starts
+    atom = 0  # index into `out` where the last complete atom starts
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        interval = _INTERVAL.match(pattern, i) if c == "{" else None
+        if c == "\\":
+            j = _escape_end(pattern, i)
+            atom = len(out)
+            out.append(pattern[i:j])
+        elif c == "[":
+            j = _class_end(pattern, i)
+            atom = len(out)
+            out.append(pattern[i:j])
+        elif c == "(":
+            j = i + 1
+            open_groups.append(len(out))
+            out.append(c)
+        elif c == ")":
+            j = i + 1
+            out.append(c)
+            atom = open_groups.pop()
+        elif interval is not None:
+            j = interval.end()
+            if pattern[j:j + 1] == "+":  # possessive interval -> atomic group around atom + interval
+                quantified = "".join(out[atom:]) + interval.group()
+                del out[atom:]
+                out.append(f"(?>{quantified})")
+                j += 1
+            else:
+                out.append(interval.group())
+        elif c == "$":
+            j = i + 1
+            out.append("\\z")
+        else:
+            j = i + 1
+            if c not in "*+?|^":
+                atom = len(out)
+            out.append(c)
+        i = j
+    return "".join(out)
+
+
+# Texts on which an exported tokenizer must give megalite's ids exactly: the constructs whose split rules
+# differ between regex engines or tokenizer libraries (digit runs, contractions, whitespace runs at line and
+# text ends, unicode letters, marks, digits and spaces).
+PROBES = ("def main(argv):\n    return 0\n", "  two  spaces,\ttab\r\n", "digits 1234567 x1.5e-3 2024 12,345 ٣٤٥٦",
+          "héllo wörld — 漢字 🙂 ǅungla Ωmega", "\n\n\n    indented\n        more  ", "The quick brown fox. " * 3,
+          "I'm, you're, it's, we'll, they've, he'd, DON'T, O'Neil's", "end of text   ", "a\u3000b\u00a0c\u2003d",
+          "line one  \nline two   \n\n", "CamelCase HTTPServer foo!!!\n\nbar??\r\n", "x = [1, 2, 3]  # ok")
 
 
 def _tiktoken_to_json(tok: Any, out: Path) -> None:
@@ -41,7 +140,7 @@ def _tiktoken_to_json(tok: Any, out: Path) -> None:
     class _FromRanks(TikTokenConverter):  # type: ignore[misc]
         load_tiktoken_bpe = staticmethod(lambda tiktoken_url: ranks)  # the ranks we read, never a URL
 
-    backend = _FromRanks(vocab_file=tok.path, pattern=tok.pattern).converted()
+    backend = _FromRanks(vocab_file=tok.path, pattern=onig_pattern(tok.pattern)).converted()
     by_id = {i: text for text, i in tok.special_tokens.items()}
     for i in range(backend.get_vocab_size(with_added_tokens=True), max(by_id) + 1):
         backend.add_special_tokens([AddedToken(by_id.get(i, f"<|reserved_{i}|>"), normalized=False, special=True)])
@@ -49,12 +148,17 @@ def _tiktoken_to_json(tok: Any, out: Path) -> None:
         if backend.token_to_id(text) != i:
             raise CheckpointError(f"cannot place tiktoken special token {text!r} at id {i} in tokenizer.json "
                                   "(its ranks are not dense)")
+    _check_probes(backend, tok, "its split pattern has a construct the `tokenizers` regex engine reads otherwise")
     backend.save(str(out / "tokenizer.json"))
 
 
-# Texts on which a converted SentencePiece model must give SentencePiece's ids exactly.
-_PROBES = ("def main(argv):\n    return 0\n", "  two  spaces,\ttab\r\n", "digits 1234567 x1.5e-3",
-           "héllo wörld — 漢字 🙂", "\n\n\n    indented\n        more  ", "The quick brown fox. " * 3)
+def _check_probes(backend: Any, tok: Any, why: str) -> None:
+    """Refuse an export whose tokenizer.json would give other ids than megalite's on a probe text."""
+    backend.encode_special_tokens = True  # special-token text is ordinary text (`split_special_tokens`)
+    for text in PROBES + ("a literal <|endoftext|> and </s> inside",):
+        if backend.encode(text, add_special_tokens=False).ids != tok.encode(text):
+            raise CheckpointError(f"--tokenizer {tok.path}: the exported tokenizer.json would tokenize {text!r} "
+                                  f"differently ({why}): not exported")
 
 
 def _sentencepiece_to_json(tok: Any, out: Path) -> None:
@@ -79,11 +183,9 @@ def _sentencepiece_to_json(tok: Any, out: Path) -> None:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("\u2581+[^\u2581]*|[^\u2581]+"), behavior="isolated")
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     backend.add_special_tokens([AddedToken(sp.id_to_piece(i), special=True, normalized=False) for i in special])
-    for text in _PROBES:
-        if backend.encode(text, add_special_tokens=False).ids != tok.encode(text):
-            raise CheckpointError(f"--tokenizer {tok.path}: this SentencePiece model normalises text in a way the "
-                                  "exported tokenizer.json would not reproduce (e.g. a dummy prefix or NFKC, as in "
-                                  "Llama 2's); export a model trained by tools/train_tokenizer.py or a tokenizer.json")
+    _check_probes(backend, tok, "this SentencePiece model normalises text in a way a tokenizer.json does not "
+                  "reproduce, e.g. a dummy prefix or NFKC as in Llama 2's; export a model trained by "
+                  "tools/train_tokenizer.py or a tokenizer.json")
     backend.save(str(out / "tokenizer.json"))
 
 
@@ -102,6 +204,7 @@ def export_tokenizer(tok: Tokenizer, out: Path) -> None:
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod_text,
                               "bos_token": bos_text if tok.add_bos else None, "add_bos_token": tok.add_bos,
                               "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                              "split_special_tokens": True,  # special-token text is ordinary text, as in megalite
                               "model_max_length": None}
     (out / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
                                                           indent=2))

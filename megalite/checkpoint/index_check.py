@@ -15,7 +15,13 @@ from typing import Any
 from megalite.errors import CheckpointError
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
+_OPTIONAL_DIMS = ("seq_len", "make_vocab_divisible_by")  # recorded by megalite, absent in older files
 _ARCHS = ("llama", "gpt2")
+# Far beyond any real model, small enough that nothing sized from them overflows or allocates absurdly
+# (a vocab_size of 1e10 would be a 10^10-row embedding; a token id must fit the data's uint32).
+MAX_DIM = {"num_layers": 100_000, "hidden_size": 2**20, "num_heads": 2**16, "num_kv_heads": 2**16,
+           "ffn_hidden_size": 2**22, "vocab_size": 2**32, "seq_len": 2**24, "make_vocab_divisible_by": 2**16}
+MAX_COUNT = 2**62  # steps, samples: a counter no run reaches, and that stays exact in float64 arithmetic
 
 
 def _is_int(x: Any) -> bool:
@@ -31,8 +37,8 @@ def model_info_problems(info: Any) -> list[str]:
     """What is wrong with a model-dims dict (as stored in index.json "model"), one phrase each."""
     if not isinstance(info, dict):
         return [f"model dims are a {type(info).__name__}, not an object"]
-    out = [f"{k}={info.get(k)!r} must be a positive integer" for k in _DIMS
-           if not (_is_int(info.get(k)) and info[k] >= 1)]
+    out = [f"{k}={info.get(k)!r} must be an integer in [1, {MAX_DIM[k]}]" for k in _DIMS + _OPTIONAL_DIMS
+           if (k in _DIMS or k in info) and not (_is_int(info.get(k)) and 1 <= info[k] <= MAX_DIM[k])]
     if info.get("arch") not in _ARCHS:
         out.append(f"arch={info.get('arch')!r} must be one of {', '.join(_ARCHS)}")
     if not isinstance(info.get("tie_embeddings"), bool):
@@ -78,10 +84,11 @@ def _extra_problems(extra: dict[str, Any]) -> list[str]:
     out: list[str] = []
     sampler = extra.get("sampler")
     if sampler is not None and not (
-            isinstance(sampler, dict) and _is_int(sampler.get("consumed_samples")) and sampler["consumed_samples"] >= 0
-            and all(_is_int(sampler[k]) and sampler[k] >= 0 for k in ("seed", "dataset_len") if k in sampler)):
-        out.append(f"extra.sampler={sampler!r} needs an integer consumed_samples >= 0 (and integer seed, "
-                   "dataset_len if given)")
+            isinstance(sampler, dict) and _is_int(sampler.get("consumed_samples"))
+            and 0 <= sampler["consumed_samples"] <= MAX_COUNT
+            and all(_is_int(sampler[k]) and 0 <= sampler[k] < 2**64 for k in ("seed", "dataset_len") if k in sampler)):
+        out.append(f"extra.sampler={sampler!r} needs an integer consumed_samples in [0, 2^62] (and integer seed, "
+                   "dataset_len in [0, 2^64) if given)")
     scaler = extra.get("scaler")
     if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
                                    and math.isfinite(scaler["scale"]) and scaler["scale"] > 0
@@ -90,11 +97,24 @@ def _extra_problems(extra: dict[str, Any]) -> list[str]:
     return out
 
 
+def _rng_problems(index: dict[str, Any]) -> list[str]:
+    """Per-rank RNG states: tensor names and file names (a file is verified against 'files' when read)."""
+    keys, files = index.get("rng_keys", []), index.get("rng_files", {})
+    if not isinstance(keys, list) or not isinstance(files, dict):
+        return []  # reported with the other container types
+    out = []
+    if not all(isinstance(k, str) and k for k in keys):
+        out.append(f"rng_keys={keys!r} must be tensor names")
+    if not all(isinstance(r, str) and r.isdigit() and isinstance(f, str) for r, f in files.items()):
+        out.append(f"rng_files={files!r} must map rank numbers to file names")  # each verified when read
+    return out
+
+
 def check_index(index: dict[str, Any], path: Path) -> None:
     """Raise one CheckpointError listing what makes `index` (a parsed index.json) unusable."""
     problems: list[str] = []
-    if not (_is_int(index.get("step")) and index["step"] >= 0):
-        problems.append(f"step={index.get('step')!r} must be an integer >= 0")
+    if not (_is_int(index.get("step")) and 0 <= index["step"] <= MAX_COUNT):
+        problems.append(f"step={index.get('step')!r} must be an integer in [0, 2^62]")
     if not isinstance(index.get("files"), dict) or not all(
             isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in index["files"].items()):
         problems.append("'files' must map each file name to its sha256")
@@ -103,6 +123,7 @@ def check_index(index: dict[str, Any], path: Path) -> None:
     for key, kind in (("extra", dict), ("layout", dict), ("rng_files", dict), ("rng_keys", list)):
         if key in index and not isinstance(index[key], kind):
             problems.append(f"'{key}' must be a JSON {'object' if kind is dict else 'list'}")
+    problems += _rng_problems(index)
     opt = index.get("optimizer_step")
     if opt is not None and not (isinstance(opt, (int, float)) and math.isfinite(opt) and opt >= 0):
         problems.append(f"optimizer_step={opt!r} must be a number >= 0")

@@ -61,8 +61,12 @@ def apply_checkpoint_shape(cfg: Config, argv: list[str] | None) -> Config:
     diff = [f for f in SHAPE_FIELDS if f in given and f in saved and not _same(getattr(cfg.model, f), saved[f])]
     if diff:
         pairs = ", ".join(f"model.{f}={getattr(cfg.model, f)!r} but the checkpoint has {saved[f]!r}" for f in diff)
-        raise CheckpointError(f"checkpoint {path} is a different model: {pairs}; drop these flags (the model shape "
-                          "is taken from the checkpoint) or load another checkpoint")
+        # Two ways out, and which one the user meant depends on intent: a new model wants its own
+        # directory; continuing this checkpoint wants its shape, i.e. no contradicting flags.
+        where = ("--checkpoint.load another checkpoint" if cfg.checkpoint.load
+                 else f"give this run its own --checkpoint.dir ({cfg.checkpoint.dir!r} holds that model)")
+        raise CheckpointError(f"checkpoint {path} is a different model: {pairs}; to train a new model, {where}; "
+                              "to continue that checkpoint, drop these flags (its model shape is taken from it)")
     for f in SHAPE_FIELDS + ("make_vocab_divisible_by",):
         if f in saved and f not in given:
             setattr(cfg.model, f, saved[f])

@@ -17,11 +17,11 @@ from typing import Any, Callable
 import torch
 
 from megalite.checkpoint.layout import layout_for, local_shape_for, shard_map, stage_of
-from megalite.checkpoint.files import sha256, temp_name
+from megalite.checkpoint.files import refuse_output_in_checkpoint, sha256, temp_name
 from megalite.checkpoint.sharded import FORMAT, INDEX, _write_json, publish, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
-from megalite.parallel.state import coords_rank
+from megalite.parallel.state import layout_grid
 from megalite.observability.progress import Progress
 
 
@@ -36,6 +36,7 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
     `out` is an error, never overwritten).
     """
     out = Path(out)
+    refuse_output_in_checkpoint(out)
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"output {out} already exists: choose a new directory or delete it first")
     tmp = temp_name(out)  # this process's own name: a user's `out.tmp` is never touched
@@ -60,6 +61,7 @@ def _write_into(tmp: Path, out: Path, shapes: dict[str, tuple[int, ...]], fetch:
     files: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for r in range(tp * pp):
         files[f"rank_{r:05d}.safetensors"] = []
+    ranks = layout_grid(tp=tp, pp=pp)  # the written layout: dp = cp = 1
     for key, shape in shapes.items():
         name = key.split("/", 1)[1]
         layout = layout_for(name, info)
@@ -71,7 +73,7 @@ def _write_into(tmp: Path, out: Path, shapes: dict[str, tuple[int, ...]], fetch:
             if smap.global_shape != tuple(shape):
                 raise CheckpointError(f"{key}: shape {list(shape)} does not fit the model dims {info} "
                                       "(the checkpoint is inconsistent)")
-            file = f"rank_{coords_rank(tp_rank, 0, stage, tp, 1):05d}.safetensors"
+            file = f"rank_{ranks.rank(tp=tp_rank, cp=0, dp=0, pp=stage):05d}.safetensors"
             for i, pc in enumerate(smap.pieces):
                 slab = f"{key}/{tp_rank}.{i}"
                 plan[key].append((file, slab, pc.glob, pc.shape))

@@ -41,22 +41,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.checkpoint.layout import Piece, ShardMap, logical_name, model_info, shard_map
-from megalite.checkpoint.files import LATEST, fsync_file, inside, prune, sha256, step_dir_name
+from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
+                                      refuse_link, sha256, step_dir_name, write_atomic)
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
-from megalite.moe.checkpoint_layout import expert_shard_map, routing_buffers
+from megalite.checkpoint.moe_layout import expert_shard_map, routing_buffers
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
+from megalite.untrusted import loads_json
 
 SAME_PARAMS: GroupKind = "dp_cp"  # the ranks holding the same parameters, among which the writes are dealt
 INDEX = "index.json"
@@ -104,21 +107,25 @@ def _local(t: torch.Tensor, smap: ShardMap, i: int) -> torch.Tensor:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1))
-    fsync_file(path)
+    with open_no_link(path, "w", exclusive=True) as f:  # a new file inside megalite's own temp directory
+        f.write(json.dumps(obj, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def publish(tmp: Path, final: Path, keep: int | None = None) -> None:
-    """Rename a complete temp directory into place; with `keep`, move `latest` (last) and prune."""
+    """Rename a complete temp directory into place; with `keep`, move `latest` (last) and prune.
+    A link at `final` or `latest` is refused (files.refuse_link), never followed or replaced."""
+    refuse_link(final)
+    if keep is not None:
+        refuse_link(final.parent / LATEST, hard_links=False)  # before the step is published: all or nothing
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     if keep is None:
         return
-    pointer = final.parent / (LATEST + ".tmp")
-    pointer.write_text(final.name + "\n")
-    fsync_file(pointer)
-    os.replace(pointer, final.parent / LATEST)
+    write_atomic(final.parent / LATEST, (final.name + "\n").encode())
     prune(final.parent, keep, final.name)
 
 
@@ -136,10 +143,36 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
                  optimizer: DistributedOptimizer | None, extra: dict[str, Any], state: ParallelState,
                  keep: int) -> Path:
     """Every rank calls this; each writes only its own slices. Returns the published step directory."""
+    return write_planned(plan_save(root, step, model_chunks, optimizer, extra, state, keep),
+                         lambda: _barrier(state))
+
+
+@dataclass
+class SavePlan:
+    """One rank's share of a checkpoint, ready to be written by `write_planned` (on any thread).
+
+    `slabs` are (safetensors key, tensor) in file order; `snapshot` replaces them by host copies so the
+    training loop may go on changing the live tensors while the copies are written (async save)."""
+
+    base: Path
+    step: int
+    keep: int
+    rank: int
+    world_size: int
+    file: str
+    slabs: list[tuple[str, torch.Tensor]]
+    tensors: dict[str, Any]         # this rank's index entries
+    opt_step: float | None
+    rng_keys: list[str]
+    head: dict[str, Any]            # the index's common part (rank 0 writes it)
+
+
+def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Module],
+              optimizer: DistributedOptimizer | None, extra: dict[str, Any], state: ParallelState,
+              keep: int) -> SavePlan:
+    """What this rank writes for step `step` (main thread: may gather ZeRO shards collectively)."""
     chunks = _chunks(model_chunks)
     info = model_info(chunks[0].cfg)
-    base = Path(root)
-    final, tmp = base / step_dir_name(step), base / (step_dir_name(step) + ".tmp")
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     items: list[tuple[str, ShardMap, torch.Tensor]] = []
@@ -162,56 +195,63 @@ def save_sharded(root: str | Path, step: int, model_chunks: nn.Module | list[nn.
     mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)] + experts[state.rank_in("edp")::state.size("edp")]
     rng: dict[str, torch.Tensor] = extra.get("rng") or {}
     file = f"rank_{state.rank:05d}.safetensors"
-    plan = [(f"{key}/{i}", torch.float32, pc.shape) for key, smap, _ in mine for i, pc in enumerate(smap.pieces)]
-    plan += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
+    slabs = [(f"{key}/{i}", _local(t.detach(), smap, i)) for key, smap, t in mine for i in range(len(smap.pieces))]
+    slabs += [(f"rng/{k}", v.to("cpu", torch.uint8)) for k, v in rng.items()]
+    tensors = {key: {"shape": list(smap.global_shape), "dtype": "float32",
+                     "slabs": [{"file": file, "key": f"{key}/{i}", "offset": list(pc.glob),
+                                "shape": list(pc.shape)} for i, pc in enumerate(smap.pieces)]}
+               for key, smap, _ in mine}
+    head = {"format": FORMAT, "step": step, "layout": _layout(state, chunks, optimizer), "model": info,
+            "extra": _json_extra(extra)}
+    return SavePlan(Path(root), step, keep, state.rank, state.world_size, file, slabs, tensors, opt_step,
+                    sorted(rng), head)
+
+
+def write_planned(plan: SavePlan, barrier: Callable[[], None]) -> Path:
+    """Write `plan` into step_N.tmp, then (rank 0, after `barrier`: every rank's file is durable) merge the
+    index, rename the directory and move `latest`. Every rank calls it with a barrier over all ranks."""
+    base, file, rank = plan.base, plan.file, plan.rank
+    final, tmp = base / step_dir_name(plan.step), base / (step_dir_name(plan.step) + ".tmp")
+    entries = [(key, torch.uint8 if key.startswith("rng/") else torch.float32, tuple(t.shape))
+               for key, t in plan.slabs]
     try:
-        if state.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            tmp.mkdir(parents=True, exist_ok=True)
-        _barrier(state)
-        writer = StreamingWriter(tmp / file, plan)
+        if rank == 0:
+            make_fresh_dir(tmp)  # leftovers of a crashed save go; a link planted there is refused
+        barrier()
+        writer = StreamingWriter(tmp / file, entries)
         try:
             with torch.no_grad():
-                for key, smap, t in mine:
-                    for i in range(len(smap.pieces)):
-                        writer.write(f"{key}/{i}", _local(t.detach(), smap, i).float())
-                for k, v in rng.items():
-                    writer.write(f"rng/{k}", v.to("cpu", torch.uint8))
+                for (key, t), (_, dtype, _) in zip(plan.slabs, entries):
+                    writer.write(key, t.to(dtype))
         except BaseException:
             writer.abort()
             raise
         writer.close()
-        tensors = {key: {"shape": list(smap.global_shape), "dtype": "float32",
-                         "slabs": [{"file": file, "key": f"{key}/{i}", "offset": list(pc.glob),
-                                    "shape": list(pc.shape)} for i, pc in enumerate(smap.pieces)]}
-                   for key, smap, _ in mine}
-        _write_json(tmp / f"rank_{state.rank:05d}.json",
-                    {"file": file, "sha256": sha256(tmp / file), "tensors": tensors, "optimizer_step": opt_step,
-                     "rng": sorted(rng)})
+        _write_json(tmp / f"rank_{rank:05d}.json",
+                    {"file": file, "sha256": sha256(tmp / file), "tensors": plan.tensors,
+                     "optimizer_step": plan.opt_step, "rng": plan.rng_keys})
     except BaseException as e:
-        _remove_partial(tmp, file, state)  # a failed save must not keep the disk full
+        _remove_partial(tmp, file, rank)  # a failed save must not keep the disk full
         if isinstance(e, OSError):
             raise CheckpointError(f"cannot write checkpoint under {base}: {e.strerror or e} "
                                   "(check the directory is writable and the disk has space)") from e
         raise
-    _barrier(state)
-    if state.rank == 0:
-        _merge_index(tmp, state.world_size, {
-            "format": FORMAT, "step": step, "layout": _layout(state, chunks, optimizer), "model": info,
-            "extra": _json_extra(extra)})
-        publish(tmp, final, keep)
-    _barrier(state)
+    barrier()
+    if rank == 0:
+        _merge_index(tmp, plan.world_size, plan.head)
+        publish(tmp, final, plan.keep)
+    barrier()
     return final
 
 
-def _remove_partial(tmp: Path, file: str, state: ParallelState) -> None:
+def _remove_partial(tmp: Path, file: str, rank: int) -> None:
     """Delete this rank's partial files of a failed save; rank 0 also the (megalite-made) step_N.tmp."""
-    for leftover in (tmp / file, tmp / f"rank_{state.rank:05d}.json"):
+    for leftover in (tmp / file, tmp / f"rank_{rank:05d}.json"):
         try:
             leftover.unlink(missing_ok=True)
         except OSError:
             pass  # nothing to remove, or the directory itself is gone
-    if state.rank == 0:
+    if rank == 0 and not tmp.is_symlink():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -270,7 +310,8 @@ def _follow_latest(root: Path) -> Path:
 def read_index(path: Path) -> dict[str, Any]:
     """index.json of a checkpoint, checked field by field (see `megalite.checkpoint.index_check`)."""
     try:
-        index = json.loads((Path(path) / INDEX).read_text(encoding="utf-8"))
+        index = loads_json((Path(path) / INDEX).read_text(encoding="utf-8"), str(Path(path) / INDEX),
+                           CheckpointError)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {Path(path) / INDEX} ({e}): not a complete megalite checkpoint; "
                               "load an earlier one") from e

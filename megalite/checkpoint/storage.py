@@ -20,19 +20,19 @@ import fcntl
 import json
 import math
 import os
-import re
 import socket
 import struct
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from megalite.checkpoint.files import LATEST, inside, sha256
-from megalite.errors import CheckpointError
+from megalite.checkpoint.files import (LATEST, inside, open_no_link, refuse_link, saved_steps, sha256,
+                                      step_of_dir_name)
+from megalite.errors import CheckpointError, ConfigError, MegaliteError
 from megalite.parallel.state import ParallelState
 
 _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
@@ -54,7 +54,7 @@ class StreamingWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors aligns the data start to 8 bytes
         self.path = path
-        self._f = open(path, "wb")
+        self._f = open_no_link(path, "wb", exclusive=True)  # a fresh file in megalite's own step_N.tmp
         self._f.write(struct.pack("<Q", len(blob)))
         self._f.write(blob)
         self._next = 0
@@ -65,7 +65,7 @@ class StreamingWriter:
             raise RuntimeError(f"{self.path}: wrote {key} {tensor.dtype} {tuple(tensor.shape)}, "
                                f"planned {want_key} {dtype} {shape}")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self._f.write(memoryview(flat.view(torch.uint8).numpy()))
+        self._f.write(flat.view(torch.uint8).numpy().data)
         self._next += 1
 
     def close(self) -> None:
@@ -140,8 +140,13 @@ class SlabReader:
             src = tuple(slice(l - o, l - o + s) for l, o, s in zip(lo, slab["offset"], size))
             dst = tuple(slice(l - o, l - o + s) for l, o, s in zip(lo, start, size))
             try:
-                piece = self._handle(slab["file"]).get_slice(slab["key"])[src] if src else \
-                    self._handle(slab["file"]).get_tensor(slab["key"])
+                stored = self._handle(slab["file"]).get_slice(slab["key"])
+                found = (stored.get_dtype(), list(stored.get_shape()))
+                if found != ("F32", list(slab["shape"])):  # the header contradicts index.json: never reinterpret
+                    raise CheckpointError(f"checkpoint file {self.root / slab['file']}: {slab['key']} is "
+                                          f"{found[0]} {found[1]} but index.json says F32 {slab['shape']}: the "
+                                          "file or the index was edited; load an earlier checkpoint")
+                piece = stored[src] if src else self._handle(slab["file"]).get_tensor(slab["key"])
             except SafetensorError as e:
                 raise CheckpointError(f"checkpoint file {self.root / slab['file']} has no readable "
                                       f"{slab['key']} ({e}): the file is damaged; load an earlier checkpoint") from e
@@ -152,8 +157,17 @@ class SlabReader:
                                   f"{math.prod(shape)} elements requested; index.json is inconsistent")
         return out
 
-    def read_file_tensor(self, file: str, key: str) -> torch.Tensor:
-        return self._handle(file).get_tensor(key)
+    def read_file_tensor(self, file: str, key: str, dtype: str = "U8") -> torch.Tensor:
+        """A whole stored tensor (the RNG states: bytes), which must exist with `dtype`."""
+        try:
+            stored = self._handle(file).get_slice(key)
+            if stored.get_dtype() != dtype:
+                raise CheckpointError(f"checkpoint file {self.root / file}: {key} is {stored.get_dtype()}, "
+                                      f"expected {dtype}: the file was edited; load an earlier checkpoint")
+            return self._handle(file).get_tensor(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"checkpoint file {self.root / file} has no readable {key} (named by index.json's "
+                                  f"rng_keys; {e}): the index was edited; load an earlier checkpoint") from e
 
     def close(self) -> None:
         self._handles.clear()
@@ -162,7 +176,6 @@ class SlabReader:
 # ----------------------------------------------------------------------------- owning a checkpoint directory
 
 LOCK_FILE = ".megalite.lock"
-_STEP_DIR = re.compile(r"step_(\d{8})")
 
 
 class DirectoryClaim:
@@ -180,25 +193,25 @@ class DirectoryClaim:
 
 def newest_step(directory: Path) -> int:
     """The newest complete step saved in `directory` (its `latest` or a step_* with an index.json); -1 if none."""
-    steps = [int(m.group(1)) for p in directory.glob("step_*")
-             if (m := _STEP_DIR.fullmatch(p.name)) and (p / "index.json").is_file()]
+    steps = list(saved_steps(directory))
     pointer = directory / LATEST
     if pointer.is_file():
-        m = _STEP_DIR.fullmatch(pointer.read_text(errors="replace").strip())
-        steps += [int(m.group(1))] if m else []
+        step = step_of_dir_name(pointer.read_text(errors="replace").strip())
+        steps += [step] if step is not None else []
     return max(steps, default=-1)
 
 
-def _lock(directory: Path) -> IO[str]:
-    handle = open(directory / LOCK_FILE, "a+")
+def _lock(directory: Path, what: str = "checkpoint.dir",
+          error: type[MegaliteError] = CheckpointError) -> IO[str]:
+    handle = open_no_link(directory / LOCK_FILE, "a+", error)  # a link there is refused, never rewritten
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         owner = handle.read().strip() or "unknown owner"
         handle.close()
-        raise CheckpointError(f"checkpoint.dir {directory} is in use by another run ({owner}): two runs would "
-                              "interleave their checkpoints; wait for it to end or choose another checkpoint.dir")
+        raise error(f"{what} {directory} is in use by another run ({owner}): two runs would interleave their "
+                    f"files; wait for it to end or choose another {what}")
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
@@ -207,15 +220,29 @@ def _lock(directory: Path) -> IO[str]:
     return handle
 
 
+def _refuse_planted_links(directory: Path) -> None:
+    """Every name a run writes, renames over or prunes in its checkpoint directory (`latest`, its temporary
+    name, `step_N`, `step_N.tmp`) must not be a link: refused here, before step 1 and on every rank (the
+    writers check again), so a directory from someone else cannot redirect a save to a file elsewhere."""
+    for entry in directory.iterdir():
+        name = entry.name
+        ours = name in (LATEST, LOCK_FILE) or name.startswith(f".{LATEST}.tmp-") \
+            or step_of_dir_name(name.removesuffix(".tmp")) is not None
+        if ours:
+            refuse_link(entry, hard_links=False)
+
+
 def _probe_writable(directory: Path) -> None:
     probe = directory / f".megalite.write-test-{os.getpid()}"
+    if os.path.lexists(probe):
+        probe.unlink()  # a stale one of this pid (or a link planted there: removed, not followed)
     try:
-        with open(probe, "wb") as f:
+        with open_no_link(probe, "wb", exclusive=True) as f:
             f.write(b"\0" * 4096)
             f.flush()
             os.fsync(f.fileno())
     finally:
-        if probe.exists():
+        if os.path.lexists(probe):
             probe.unlink()
 
 
@@ -228,6 +255,7 @@ def _claim_on_rank0(directory: Path, start_step: int, resume_from: Path | None) 
                               "choose a writable directory") from e
     claim = DirectoryClaim(handle)
     try:
+        _refuse_planted_links(directory)
         _probe_writable(directory)
         newest = newest_step(directory)
         rewind_asked = resume_from is not None and resume_from.resolve().parent == directory.resolve()
@@ -256,11 +284,32 @@ def claim_directory(directory: str, start_step: int, resume_from: Path | None,
     rank 0 checks and the verdict is shared, so no rank trains while another has refused."""
     if not directory:
         return DirectoryClaim(None)
+    return _rank0_verdict(state, lambda: _claim_on_rank0(Path(directory), start_step, resume_from), CheckpointError,
+                          f"rank 0 refused checkpoint.dir {directory} (its message says why)")
+
+
+def claim_log_directory(log_dir: str, checkpoint_dir: str, state: ParallelState) -> DirectoryClaim:
+    """Lock `logging.dir` for this run (rank 0 writes there; the verdict is shared), so that a second run
+    with the same logging.dir is refused (ConfigError) before it rotates or rewrites the live run's
+    metrics.jsonl and config.toml. Nothing to do when it is the checkpoint directory (already locked)."""
+    if not log_dir or (checkpoint_dir and Path(log_dir).resolve() == Path(checkpoint_dir).resolve()):
+        return DirectoryClaim(None)
+
+    def attempt() -> DirectoryClaim:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        return DirectoryClaim(_lock(Path(log_dir), "logging.dir", ConfigError))
+
+    return _rank0_verdict(state, attempt, ConfigError, f"rank 0 refused logging.dir {log_dir} (its message says why)")
+
+
+def _rank0_verdict(state: ParallelState, attempt: Callable[[], DirectoryClaim], error: type[MegaliteError],
+                   fallback: str) -> DirectoryClaim:
+    """Run `attempt` on rank 0 and share whether it refused (an `error`), so every rank stops together."""
     claim, problem = DirectoryClaim(None), ""
     if state.rank == 0:
         try:
-            claim = _claim_on_rank0(Path(directory), start_step, resume_from)
-        except CheckpointError as e:
+            claim = attempt()
+        except error as e:
             if state.world_size == 1:
                 raise
             problem = str(e)
@@ -268,5 +317,5 @@ def claim_directory(directory: str, start_step: int, resume_from: Path | None,
         flag = torch.tensor([float(bool(problem))], device=state.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
-            raise CheckpointError(problem or f"rank 0 refused checkpoint.dir {directory} (its message says why)")
+            raise error(problem or fallback)
     return claim

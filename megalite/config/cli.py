@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megalite.errors import ConfigError
+from megalite.untrusted import loads_toml
 
 try:  # Python >= 3.11 ships tomllib; pyproject pulls tomli for 3.10.
     import tomllib
@@ -193,7 +194,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
         with p.open("rb") as fh:
-            return tomllib.load(fh)
+            text = fh.read().decode("utf-8")
+        return loads_toml(text, f"config file '{p}'", ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"config file '{p}' not found: check the path given to --config") from None
     except IsADirectoryError:

@@ -35,7 +35,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
 
 def load_config(path: str | os.PathLike[str]) -> Config:
     """A Config from a TOML file (e.g. a run's saved `config.toml`)."""
-    return config_from_dict(cli.read_toml(path))
+    return config_from_dict(cli.read_toml(Path(path)))
 
 
 def help_text() -> str:
@@ -75,9 +75,12 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
-    """Write `cfg` as TOML, creating parent directories; atomic so a crash never leaves half a file."""
+    """Write `cfg` as TOML, creating parent directories; atomic so a crash never leaves half a file, and never
+    through a link (`megalite.atomic.write_atomic`). The text is encoded before any file exists."""
+    from megalite.atomic import write_atomic
+    from megalite.errors import ConfigError
+
+    data = tomli_w.dumps(config_to_dict(cfg)).encode("utf-8")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(tomli_w.dumps(config_to_dict(cfg)), encoding="utf-8")
-    os.replace(tmp, p)
+    write_atomic(p, data, ConfigError)

@@ -65,6 +65,8 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size (Megatron column/row-parallel linears)")
     pp: int = _f(1, "pipeline-parallel stages")
     cp: int = _f(1, "context-parallel size: each sequence split over cp ranks (ring attention, zigzag split)")
+    cp_mode: str = _f("ring", "context-parallel attention: ring (K/V passed around) | allgather (K/V gathered, "
+                              "Llama 3) | a2a (all-to-all to head-sharded, DeepSpeed-Ulysses)")
     dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*cp*pp)")
     sp: bool = _f(False, "sequence parallelism: shard norm/dropout activations over the tp ranks")
     ep: int = _f(1, "expert-parallel size: MoE experts split over ep ranks taken from dp x cp (all-to-all dispatch)")
@@ -120,6 +122,9 @@ class DataConfig:
     cache_dir: str = _f("", "empty = $MEGALITE_CACHE or ~/.cache/megalite")
     demo_max_bytes: int = _f(3_000_000, "bytes of the embedded demo corpus to use")
     demo_vocab_size: int = _f(2048, "vocabulary size of the demo tokenizer")
+    document_mask: bool = _f(False, "attend only within each document of a packed sample (the EOD tokens end them) "
+                                    "and restart positions at each document (Llama 3; Megatron's "
+                                    "--reset-attention-mask --reset-position-ids)")
 
 
 @dataclass
@@ -128,6 +133,8 @@ class CheckpointConfig:
     interval: int = _f(0, "steps between saves; 0 = only at the end (when dir is set)")
     load: str = _f("", '"" (resume from the newest in dir if any) | "none" | "latest" | a checkpoint directory')
     keep: int = _f(3, "most recent checkpoints kept in dir (older ones are deleted)")
+    async_save: bool = _f(False, "copy the tensors to host memory and write them in a background thread while "
+                          "training goes on (at most one save in flight; same files and guarantees)")
 
 
 @dataclass

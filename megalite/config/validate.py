@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
+from megalite.config.validate_fields import field_problems, text_problems
+from megalite.model.params import count_params
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -28,6 +30,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "model.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"),
     "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.cp_mode": ("ring", "allgather", "a2a"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
 })
@@ -111,8 +114,6 @@ def _size_problems(cfg: Config) -> list[str]:
     if m.arch == "llama" and head_dim % 2:
         out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
                    "rotary embeddings rotate pairs of dims: choose an even head dim")
-    from megalite.perfmodel.estimate import count_params
-
     n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
                      max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings))
     weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold
@@ -162,12 +163,9 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     """Shapes against the parallel layout (Megatron-core's rules) and the batch arithmetic."""
     m, p = cfg.model, cfg.parallel
     out: list[str] = []
-    if p.zero == 3 and p.vpp > 1:
-        out.append("parallel.zero=3 with parallel.vpp > 1 (several model chunks per rank) is not supported yet: "
-                   "use parallel.zero<=2 with the interleaved schedule, or vpp=1")
-    if p.zero == 3 and p.pp > 1 and m.tie_embeddings:
-        out.append("parallel.zero=3 with pp > 1 and tied embeddings is not supported yet: set "
-                   "model.tie_embeddings=false or use parallel.zero<=2")
+    from megalite.optim.zero3 import zero3_problems  # the one place ZeRO-3's limits live (torch: imported late)
+
+    out += zero3_problems(p.zero, p.vpp, p.pp > 1 and bool(m.tie_embeddings))
     if m.num_heads >= 1 and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}: "
                    f"make hidden_size a multiple of num_heads")
@@ -184,6 +182,7 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
         out.append(f"world_size {world_size} != {sizes} x pp {p.pp} x dp {p.dp} = {model_parallel * p.dp}: "
                    f"{fix} or change {names.replace('*', '/')}")
     out += _context_problems(cfg)
+    out += _cp_mode_problems(cfg)
     stages = p.pp * p.vpp
     if not p.pp_layers:
         if m.num_layers % stages:
@@ -230,6 +229,21 @@ def _context_problems(cfg: Config) -> list[str]:
     return out
 
 
+def _cp_mode_problems(cfg: Config) -> list[str]:
+    """The cp mode's own needs (megalite/context/options.py): a2a gives each cp rank 1/cp of the heads."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1 or p.cp_mode != "a2a" or min(p.tp, m.num_heads, m.num_kv_heads) < 1:
+        return []
+    heads, kv = m.num_heads // p.tp, m.num_kv_heads // p.tp
+    if heads % p.cp == 0 and kv % p.cp == 0:
+        return []
+    fit = math.gcd(heads, kv)
+    other = f", or a cp dividing {fit}" if fit > 1 else ""
+    return [f"parallel.cp_mode=a2a splits each tp rank's {heads} query and {kv} kv heads (num_heads "
+            f"{m.num_heads}, num_kv_heads {m.num_kv_heads} over tp {p.tp}) into cp = {p.cp} equal groups: both "
+            f"must be divisible by cp; use cp_mode=ring or allgather{other}"]
+
+
 def _batch_problems(cfg: Config) -> list[str]:
     """Global batch vs micro-batch x dp, and micro-batches vs pipeline stages (the bubble)."""
     p, t = cfg.parallel, cfg.train
@@ -247,15 +261,13 @@ def _batch_problems(cfg: Config) -> list[str]:
                    f"(M = global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
                    f"x dp {p.dp})): the pipeline would idle most of the time; set train.global_batch_size "
                    f">= {per_step * p.pp} (or lower micro_batch_size)")
-    if p.vpp > 1 and p.schedule not in ("interleaved", "zbv"):
-        out.append(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved or zbv (got {p.schedule})")
+    from megalite.pipeline.schedules import CHUNKS, layout_problems  # lazily: megalite.config stays torch-free
+
+    if p.schedule in CHUNKS:  # an unknown name is reported with the other choices
+        out += layout_problems(p.schedule, p.pp, p.vpp)
     out += _zero_bubble_problems(cfg)
     if p.schedule == "interleaved":
-        if p.vpp == 1:
-            out.append("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual chunks per rank)")
-        if p.pp == 1:
-            out.append("parallel.schedule=interleaved needs parallel.pp > 1")
-        elif m_count % p.pp:
+        if p.pp > 1 and m_count % p.pp:
             out.append(f"parallel.schedule=interleaved needs M={m_count} micro-batches per step to be a "
                        f"multiple of pp={p.pp}: set train.global_batch_size to a multiple of "
                        f"{per_step * p.pp}")
@@ -263,18 +275,12 @@ def _batch_problems(cfg: Config) -> list[str]:
 
 
 def _zero_bubble_problems(cfg: Config) -> list[str]:
-    """ZB-H1 and ZB-V (Qi et al. 2024): what each needs (docs/parallelism.md, the schedule table)."""
+    """ZB-V (Qi et al. 2024) beyond its layout rules (`pipeline.schedules.layout_problems`): tied embeddings."""
+    from megalite.pipeline.schedules import V_SHAPED
+
     p, m = cfg.parallel, cfg.model
     out: list[str] = []
-    if p.schedule in ("zb-h1", "zbv") and p.pp == 1:
-        out.append(f"parallel.schedule={p.schedule} needs parallel.pp > 1 (it fills the pipeline's bubble)")
-    if p.schedule == "zb-h1" and p.vpp != 1:
-        out.append(f"parallel.schedule=zb-h1 runs one chunk per rank: set parallel.vpp=1 (got {p.vpp}), "
-                   "or use zbv for two")
-    if p.schedule == "zbv":
-        if p.vpp != 2:
-            out.append(f"parallel.schedule=zbv places exactly 2 chunks per rank in a V: set parallel.vpp=2 "
-                       f"(got {p.vpp})")
+    if p.schedule in V_SHAPED:
         if m.tie_embeddings and p.pp > 1:
             out.append("parallel.schedule=zbv puts the embedding and the head on the same rank, which tied "
                        "embeddings do not support yet: set model.tie_embeddings=false or use zb-h1")
@@ -362,13 +368,16 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems: list[str] = []
     if world_size < 1:
         problems.append(f"world_size must be >= 1, got {world_size}: check WORLD_SIZE from the launcher")
+    texts = text_problems(cfg)  # NUL / non-UTF-8 text: paths that cannot even be looked at (validate_fields.py)
+    problems += texts
     problems += _value_problems(cfg)
     problems += _finite_problems(cfg)
-    problems += _path_problems(cfg)
+    problems += _path_problems(cfg) if not texts else []
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     problems += _moe_problems(cfg)
     problems += _environment_problems(cfg, device_type)
+    problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     cli.raise_if(problems, "invalid config")
 
 

@@ -19,10 +19,12 @@ import math
 
 import torch
 
-from megalite.context.blockwise import Backend, PositionMask, block_backward, block_forward, from_grouped, to_grouped
+from megalite.context.blockwise import (Backend, Mask, PositionMask, block_backward, block_forward, from_grouped,
+                                        to_grouped)
+from megalite.context.documents import DocumentIds
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.ring import check_heads, stack_kv
-from megalite.context.zigzag import zigzag_positions
+from megalite.context.zigzag import zigzag_positions, zigzag_split
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 
@@ -37,16 +39,25 @@ def _global_causal_mask(seq_local: int, cpg: ContextGroup, device: torch.device)
     return PositionMask(q_pos, k_pos)
 
 
+def _mask(positions: PositionMask, docs: DocumentIds | None, cp: int) -> Mask:
+    """The causal mask in global positions, and (document masking) the same-document test, [b, sq, S]."""
+    if docs is None:
+        return positions
+    key_docs = torch.cat([zigzag_split(docs.full, cp, r) for r in range(cp)], dim=1)  # the gathered order
+    return positions.keep() & docs.keep(docs.local, key_docs)
+
+
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cpg: ContextGroup, scale: float,  # type: ignore[override]
-                backend: Backend) -> Tensor:
+                backend: Backend, docs: DocumentIds | None) -> Tensor:
         kv_all = comm.all_gather(stack_kv(k, v), cpg.state, GROUP, dim=3)  # [2, b, hk, S, d]
         keep = _global_causal_mask(q.shape[1], cpg, q.device)
-        out, lse = block_forward(to_grouped(q, k.shape[2]), kv_all[0], kv_all[1], scale, keep, backend)
+        out, lse = block_forward(to_grouped(q, k.shape[2]), kv_all[0], kv_all[1], scale, _mask(keep, docs, cpg.cp),
+                                 backend)
         result = from_grouped(out).to(q.dtype)
         ctx.save_for_backward(q, kv_all, result, lse, keep.query, keep.key)  # positions: O(S), not the S^2/cp mask
-        ctx.cpg, ctx.scale, ctx.kv_dtype, ctx.backend = cpg, scale, k.dtype, backend
+        ctx.cpg, ctx.scale, ctx.kv_dtype, ctx.backend, ctx.docs = cpg, scale, k.dtype, backend, docs
         return result
 
     @staticmethod
@@ -56,17 +67,19 @@ class _AllGatherAttention(torch.autograd.Function):
         dog = to_grouped(d_out, hk).float()
         delta = (dog * to_grouped(out, hk).float()).sum(dim=-1)
         dq, dk_all, dv_all = block_backward(to_grouped(q, hk), kv_all[0], kv_all[1], dog, lse, delta,
-                                            ctx.scale, PositionMask(q_pos, k_pos), ctx.backend)
+                                            ctx.scale, _mask(PositionMask(q_pos, k_pos), ctx.docs, ctx.cpg.cp),
+                                            ctx.backend)
         dkv = comm.reduce_scatter(torch.stack([dk_all, dv_all]), ctx.cpg.state, GROUP, dim=3)
         dk, dv = (t.transpose(1, 2).to(ctx.kv_dtype) for t in dkv)
-        return from_grouped(dq).to(q.dtype), dk, dv, None, None, None
+        return from_grouped(dq).to(q.dtype), dk, dv, None, None, None, None
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState,
-                        scale: float | None = None, backend: Backend = "torch") -> Tensor:
+                        scale: float | None = None, backend: Backend = "torch", docs: DocumentIds | None = None
+                        ) -> Tensor:
     """Same contract as `ring_attention` (zigzag-split q/k/v in, this rank's rows of causal attention out)."""
     check_heads(q.shape[2], k.shape[2])
     if k.shape[1] != q.shape[1] or v.shape != k.shape:
         raise ValueError(f"allgather_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _AllGatherAttention.apply(q, k, v, ContextGroup.of(state), scale, backend)
+    return _AllGatherAttention.apply(q, k, v, ContextGroup.of(state), scale, backend, docs)

@@ -71,20 +71,21 @@ def _scores(q: Tensor, k: Tensor, scale: float, keep: Mask) -> Tensor:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     elif isinstance(keep, PositionMask):
         s.masked_fill_(~keep.keep(), float("-inf"))
-    elif isinstance(keep, Tensor):
-        s.masked_fill_(~keep, float("-inf"))
+    elif isinstance(keep, Tensor):  # [sq, sk], or [b, sq, sk] (document masks: one per sequence)
+        s.masked_fill_(~(keep if keep.dim() == 2 else keep[:, None, None]), float("-inf"))
     return s
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask,
                   backend: Backend = "torch") -> tuple[Tensor, Tensor]:
     """(O, L) of softmax(scale q k^T, masked to `keep`) v: O fp32 [b, hk, rep, sq, d], L fp32 [b, hk, rep, sq].
-    Every query row must keep at least one key (true of the causal blocks context parallelism computes)."""
+    A query row that keeps no key (a document mask can cut one off a whole block) gets O = 0, L = -inf, which
+    the merge ignores."""
     if _use_flash(backend):
         return _flash_forward(q, k, v, scale, keep)
     s = _scores(q, k, scale, keep)
     lse = torch.logsumexp(s, dim=-1)
-    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    p = s.sub_(lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp_()  # exp(-inf - 0) = 0 on a row with no key
     return torch.matmul(p, v.float().unsqueeze(2)), lse
 
 
@@ -131,7 +132,7 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask) -> tuple[Tensor, Tensor]:
-    import kernels  # the top-level kernel package; importing it does not import Triton
+    import megalite.kernels as kernels  # importing it does not import Triton
 
     causal, positions = _flash_mask(keep)
     out, lse = kernels.flash_attention_block(_seq_major(q), _seq_major(k), _seq_major(v), causal, scale, positions)
@@ -140,7 +141,7 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask) ->
 
 def _flash_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, scale: float,
                     keep: Mask) -> tuple[Tensor, Tensor, Tensor]:
-    import kernels
+    import megalite.kernels as kernels
 
     causal, positions = _flash_mask(keep)
     dq, dk, dv = kernels.flash_attention_block_backward(

@@ -7,6 +7,7 @@ cp ranks do not lose bits in bf16.
 
     ring        forward (cp-1) kv e     backward (cp-1) kv (e + 4)
     all-gather  forward (cp-1) kv e     backward (cp-1) kv 4
+    a2a         forward (cp-1)/cp t (2 hq + 2 hk) e = backward, t = b (S/cp) d  (q, k, v out; the output back)
 
 tests/test_context_parallel.py holds the counter equal to these.
 """
@@ -43,3 +44,21 @@ def allgather_attention_bytes(batch: int, seq_len: int, kv_heads: int, head_dim:
                               elem_bytes: int) -> CpBytes:
     kv = local_kv_elements(batch, seq_len, kv_heads, head_dim, cp)
     return CpBytes((cp - 1) * kv * elem_bytes, (cp - 1) * kv * GRAD_BYTES)
+
+
+def a2a_attention_bytes(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                        elem_bytes: int) -> CpBytes:
+    """All-to-all (Ulysses, megalite/context/ulysses.py): q, k, v to head-sharded and the output back; the
+    backward sends their gradients the reverse ways, in the same dtype. `heads`/`kv_heads` per tp rank."""
+    per_head = batch * (seq_len // cp) * head_dim * elem_bytes
+    moved = (cp - 1) * per_head * (2 * heads + 2 * kv_heads) // cp
+    return CpBytes(moved, moved)
+
+
+def cp_attention_bytes(mode: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                       elem_bytes: int) -> CpBytes:
+    """The closed form of `mode` (ring | allgather | a2a): heads and kv heads are per tp rank."""
+    if mode == "a2a":
+        return a2a_attention_bytes(batch, seq_len, heads, kv_heads, head_dim, cp, elem_bytes)
+    form = {"ring": ring_attention_bytes, "allgather": allgather_attention_bytes}[mode]
+    return form(batch, seq_len, kv_heads, head_dim, cp, elem_bytes)

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.parallel.state import GroupKind, ParallelState, coords_rank, group_ranks
+from megalite.parallel.state import GroupKind, ParallelState
 
 GROUP: GroupKind = "cp"
-
-
-def context_group_ranks(tp: int, cp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every cp ring of the layout (ranks that differ only in cp_rank), each in cp-rank (= ring) order: the
-    state's 'cp' groups (a group's sorted ranks are its cp-rank order, cp_rank being the second-fastest digit)."""
-    return group_ranks(GROUP, tp, pp, dp, cp)
 
 
 @dataclass(frozen=True)
@@ -30,9 +24,7 @@ class ContextGroup:
 
     @classmethod
     def of(cls, state: ParallelState) -> ContextGroup:
-        c = state.coords
-        return cls(state, tuple(coords_rank(c.tp, c.dp, c.pp, state.tp, state.dp, r, state.cp)
-                                for r in range(state.cp)))
+        return cls(state, tuple(state.ranks(GROUP)))  # a sub-grid's ranks in index (= cp_rank) order
 
     @property
     def cp(self) -> int:

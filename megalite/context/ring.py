@@ -31,9 +31,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.context.blockwise import (CAUSAL, Backend, block_backward, block_forward, from_grouped, merge_into,
-                                        to_grouped)
+from megalite.context.blockwise import (CAUSAL, Backend, Mask, block_backward, block_forward, from_grouped,
+                                        merge_into, to_grouped)
+from megalite.context.documents import DocumentIds
 from megalite.context.group import GROUP, ContextGroup
+from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -72,30 +74,45 @@ def _step_blocks(owner: int, cp_rank: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, 2 * c), slice(0, 2 * c), False
 
 
+def _block_mask(docs: DocumentIds | None, cpg: ContextGroup, owner: int, rows: slice, keys: slice,
+                causal: bool) -> tuple[Mask, bool]:
+    """(mask, skip) of a block pair: the chunk-level causal shape, and under document masking the same-document
+    test too; `skip` when no query of the block sees any of its keys (its FLOPs are saved; its K/V still
+    travel on, the next rank may need them, so the bytes do not change)."""
+    if docs is None:
+        return (CAUSAL if causal else None), False
+    keep = docs.keep(docs.local[:, rows], zigzag_split(docs.full, cpg.cp, owner)[:, keys])
+    if causal:
+        keep &= torch.ones(keep.shape[-2:], dtype=torch.bool, device=keep.device).tril_()
+    return keep, not bool(keep.any())
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cpg: ContextGroup, scale: float,  # type: ignore[override]
-                backend: Backend) -> Tensor:
+                backend: Backend, docs: DocumentIds | None) -> Tensor:
         hk, c = k.shape[2], q.shape[1] // 2
         qg = to_grouped(q, hk)
         kv = stack_kv(k, v)
         out = lse = None
         for step in range(cpg.cp):
             nxt, works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])  # before computing with kv
-            rows, keys, causal = _step_blocks((cpg.cp_rank - step) % cpg.cp, cpg.cp_rank, c)
-            keep = CAUSAL if causal else None
-            blk_out, blk_lse = block_forward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale, keep,
-                                             backend)
-            if out is None or lse is None:
-                out, lse = blk_out, blk_lse        # step 0 covers every query row
-            else:
-                merge_into(out[:, :, :, rows], lse[:, :, :, rows], blk_out, blk_lse)
+            owner = (cpg.cp_rank - step) % cpg.cp
+            rows, keys, causal = _step_blocks(owner, cpg.cp_rank, c)
+            keep, skip = _block_mask(docs, cpg, owner, rows, keys, causal)
+            if not skip:                           # never at step 0: every token sees itself
+                blk_out, blk_lse = block_forward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale,
+                                                 keep, backend)
+                if out is None or lse is None:
+                    out, lse = blk_out, blk_lse    # step 0 covers every query row
+                else:
+                    merge_into(out[:, :, :, rows], lse[:, :, :, rows], blk_out, blk_lse)
             _wait(works)
             kv = nxt
         assert out is not None and lse is not None
         result = from_grouped(out).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.cpg, ctx.scale, ctx.backend = cpg, scale, backend
+        ctx.cpg, ctx.scale, ctx.backend, ctx.docs = cpg, scale, backend, docs
         return result
 
     @staticmethod
@@ -111,15 +128,17 @@ class _RingAttention(torch.autograd.Function):
         acc_works: list[dist.Work] = []
         for step in range(cpg.cp):
             nxt, kv_works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])
-            rows, keys, causal = _step_blocks((cpg.cp_rank - step) % cpg.cp, cpg.cp_rank, c)
-            keep = CAUSAL if causal else None
-            dq_blk, dk_blk, dv_blk = block_backward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                                    dog[:, :, :, rows], lse[:, :, :, rows],
-                                                    delta[:, :, :, rows], scale=ctx.scale, keep=keep,
-                                                    backend=ctx.backend)
-            dq[:, :, :, rows] += dq_blk
+            owner = (cpg.cp_rank - step) % cpg.cp
+            rows, keys, causal = _step_blocks(owner, cpg.cp_rank, c)
+            keep, skip = _block_mask(ctx.docs, cpg, owner, rows, keys, causal)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dkv[0][:, :, keys], dkv[1][:, :, keys] = dk_blk, dv_blk
+            if not skip:
+                dq_blk, dk_blk, dv_blk = block_backward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                                        dog[:, :, :, rows], lse[:, :, :, rows],
+                                                        delta[:, :, :, rows], scale=ctx.scale, keep=keep,
+                                                        backend=ctx.backend)
+                dq[:, :, :, rows] += dq_blk
+                dkv[0][:, :, keys], dkv[1][:, :, keys] = dk_blk, dv_blk
             if step == 0:
                 own = dkv                            # our share of our own block: added when the rest returns
             else:
@@ -133,21 +152,23 @@ class _RingAttention(torch.autograd.Function):
         if acc_in is not None:
             own.add_(acc_in)
         dk, dv = own[0].transpose(1, 2).to(k.dtype), own[1].transpose(1, 2).to(v.dtype)
-        return from_grouped(dq).to(q.dtype), dk, dv, None, None, None
+        return from_grouped(dq).to(q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, scale: float | None = None,
-                   backend: Backend = "torch") -> Tensor:
+                   backend: Backend = "torch", docs: DocumentIds | None = None) -> Tensor:
     """Causal GQA attention of this rank's zigzag-split queries against the whole sequence's keys/values.
 
     q [b, S/cp, hq, d], k/v [b, S/cp, hk, d] (this rank's two chunks, `zigzag_split`) -> [b, S/cp, hq, d],
     equal to the matching rows of causal attention over the unsplit sequence. Collective over the state's
     'cp' ring (bytes counted under 'cp'): every rank of the ring must call it with the same shapes.
     `backend` computes each block pair: the torch block math or the Triton flash kernel (the model's kernels).
+    `docs` (document masking, torch backend): attend within documents only; block pairs no query of which sees
+    any key are skipped (`_block_mask`).
     """
     check_heads(q.shape[2], k.shape[2])
     if q.shape[1] % 2 or k.shape[1] != q.shape[1] or v.shape != k.shape:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          "expected equal local lengths, even (two zigzag chunks)")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ContextGroup.of(state), scale, backend)
+    return _RingAttention.apply(q, k, v, ContextGroup.of(state), scale, backend, docs)

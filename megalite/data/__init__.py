@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Union
 
 from megalite.data.demo import default_cache_dir, prepare_demo_data
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, split_documents
@@ -16,6 +15,9 @@ from megalite.data.preprocess import preprocess
 from megalite.data.sampler import DataSampler, make_batch
 from megalite.data.tokenizer import Tokenizer, document_ids, load_tokenizer, train_tokenizer
 from megalite.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from megalite.config.schema import Config
 
 Dataset = Union[GPTDataset, BlendedDataset]
 
@@ -39,7 +41,7 @@ def _blend(parts: list[GPTDataset], weights: list[float]) -> Dataset:
     return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights)
 
 
-def build_data(cfg: Any) -> DataBundle:
+def build_data(cfg: Config) -> DataBundle:
     """Datasets and tokenizer for `cfg` (reads cfg.data.*, cfg.model.seq_len, cfg.train.seed only).
 
     Empty `data.path` -> the embedded demo corpus (built once, cached). Several paths -> a blend with
@@ -60,10 +62,12 @@ def build_data(cfg: Any) -> DataBundle:
     # vocab_size= makes IndexedDataset reject data holding ids the tokenizer does not have.
     indexed = [IndexedDataset(p, vocab_size=tokenizer.vocab_size) for p in paths]
     for ix in indexed:
+        # Another vocabulary size means another tokenizer: its ids would be read as other tokens (the
+        # range check above only catches ids past the end), so the run is refused, not warned about.
         if ix.vocab_size and ix.vocab_size != tokenizer.vocab_size:
-            warnings.warn(f"{ix.prefix!r} was preprocessed with a tokenizer of {ix.vocab_size} ids, but "
-                          f"data.tokenizer has {tokenizer.vocab_size}: check that it is the same tokenizer",
-                          stacklevel=2)
+            raise DataError(f"{ix.prefix!r} was preprocessed with a tokenizer of {ix.vocab_size} ids, but "
+                            f"data.tokenizer {tokenizer.path!r} has {tokenizer.vocab_size}: pass the tokenizer the "
+                            "data was made with, or preprocess it again with this one")
     weights = list(data.weights) or [float(ix.num_tokens) for ix in indexed]
     if len(weights) != len(indexed):
         raise ConfigError(f"data.weights has {len(weights)} entries for {len(indexed)} paths in data.path: give "

@@ -116,6 +116,14 @@ def _lock_is_stale(lock: str) -> bool:
     return False
 
 
+def cached_demo_data(cache_dir: str, max_bytes: int, vocab_size: int) -> tuple[str, str] | None:
+    """`(data_prefix, tokenizer_model_path)` of an already built demo corpus, or None; builds nothing (for
+    tools that only read a checkpoint: they must not write into the cache a saved config names)."""
+    final = os.path.join(default_cache_dir(cache_dir), f"demo-{_cache_key(max_bytes, vocab_size)}")
+    result = (os.path.join(final, DATA_NAME), os.path.join(final, TOKENIZER_NAME))
+    return result if os.path.isfile(result[1]) else None
+
+
 def prepare_demo_data(cache_dir: str, max_bytes: int, vocab_size: int,
                       timeout_s: float = 1800.0) -> tuple[str, str]:
     """Build (once) and return `(data_prefix, tokenizer_model_path)` of the demo corpus under `cache_dir`."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 
 from megalite.errors import DataError
+from megalite.untrusted import loads_json
 
 # A blank line: a newline, then any number of lines holding only spaces/tabs, then a newline.
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
@@ -41,14 +43,14 @@ def _read_text(path: str) -> str:
         raise DataError(f"{path!r} is not UTF-8 text (byte {e.start}): convert it, e.g. `iconv -t utf-8`") from e
 
 
-def _iter_jsonl(path: str, json_key: str) -> Iterator[str]:
+def _iter_jsonl(path: str, json_key: str, replaced: Replacements | None) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = loads_json(line, f"{path}:{lineno}", DataError)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); --json-key expects one JSON "
                                     "object per line") from e
@@ -59,15 +61,34 @@ def _iter_jsonl(path: str, json_key: str) -> Iterator[str]:
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
                 if text:
-                    yield without_lone_surrogates(text)
+                    yield without_lone_surrogates(text, replaced)
     except UnicodeDecodeError as e:
         raise DataError(f"{path!r} is not UTF-8 text (byte {e.start}): convert it, e.g. `iconv -t utf-8`") from e
 
 
-def without_lone_surrogates(text: str) -> str:
+@dataclass
+class Replacements:
+    """What `without_lone_surrogates` changed, so a tool can say so instead of altering text silently."""
+
+    code_points: int = 0
+    documents: int = 0
+
+    def note(self) -> str | None:
+        if not self.code_points:
+            return None
+        return (f"note: replaced {self.code_points} unpaired surrogate escape(s) (\\ud800-\\udfff, not text) by U+FFFD "
+                f"in {self.documents} document(s)")
+
+
+def without_lone_surrogates(text: str, replaced: Replacements | None = None) -> str:
     """`text` with each unpaired UTF-16 surrogate (JSON allows `"\\ud800"`; UTF-8 cannot encode it, so the
-    tokenizer would crash) replaced by U+FFFD, the Unicode replacement character; valid text is unchanged."""
-    return _SURROGATE.sub("\ufffd", text)  # a valid pair is already one code point after json.loads
+    tokenizer would crash) replaced by U+FFFD, the Unicode replacement character; valid text is unchanged.
+    `replaced` counts the replacements and the documents that had any."""
+    out, n = _SURROGATE.subn("\ufffd", text)  # a valid pair is already one code point after json.loads
+    if n and replaced is not None:
+        replaced.code_points += n
+        replaced.documents += 1
+    return out
 
 
 def split_into_paragraphs(text: str) -> list[str]:
@@ -76,12 +97,13 @@ def split_into_paragraphs(text: str) -> list[str]:
 
 
 def iter_documents(paths: Sequence[str], json_key: str | None = None,
-                   split_paragraphs: bool = False) -> Iterator[str]:
-    """Yield the documents of `paths`, in order (files in the given order, then position in the file)."""
+                   split_paragraphs: bool = False, replaced: Replacements | None = None) -> Iterator[str]:
+    """Yield the documents of `paths`, in order (files in the given order, then position in the file);
+    `replaced` counts the unpaired surrogates of JSON lines replaced on the way."""
     check_inputs(paths, json_key)
     for path in paths:
         if json_key is not None:
-            yield from _iter_jsonl(path, json_key)
+            yield from _iter_jsonl(path, json_key, replaced)
             continue
         text = _read_text(path)
         if split_paragraphs:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from megalite.atomic import open_no_link, refuse_link
 from megalite.errors import DataError
 
 MAGIC = b"MGLTIDX\x00"
@@ -72,7 +73,9 @@ class IndexedDatasetWriter:
         os.makedirs(parent, exist_ok=True)
         self._tmp_bin = f"{self.prefix}.bin.tmp-{os.getpid()}"
         self._tmp_idx = f"{self.prefix}.idx.tmp-{os.getpid()}"
-        self._bin = open(self._tmp_bin, "wb")
+        for final in (self.prefix + ".bin", self.prefix + ".idx"):
+            refuse_link(final, DataError, hard_links=False)  # renamed over at the end: never a link's target
+        self._bin = open_no_link(self._tmp_bin, "wb", DataError)
         self._lengths: list[int] = []
         self._max_id = -1
         self._done = False
@@ -108,7 +111,7 @@ class IndexedDatasetWriter:
         np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
         header = _HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(self._lengths), int(offsets[-1]),
                               self.vocab_size, self._max_id)
-        with open(self._tmp_idx, "wb") as f:
+        with open_no_link(self._tmp_idx, "wb", DataError) as f:
             f.write(header)
             f.write(offsets.tobytes())
             f.flush()
@@ -120,12 +123,16 @@ class IndexedDatasetWriter:
         return self.prefix
 
     def abort(self) -> None:
-        """Drop the temporary files (called on an exception inside a `with` block)."""
-        self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
-            if os.path.exists(path):
-                os.remove(path)
+        """Drop the temporary files (called on an exception inside a `with` block). Closing may fail again
+        (a full disk refuses the buffered bytes once more): the files are removed all the same."""
         self._done = True
+        try:
+            self._bin.close()
+        except OSError:
+            pass  # the removal below is what matters; the caller's exception is the one reported
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.lexists(path):
+                os.remove(path)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self

@@ -13,11 +13,12 @@ from typing import Iterator
 
 import functools
 import multiprocessing as mp
+import signal
 from collections.abc import Sequence
 
 import numpy as np
 
-from megalite.data.documents import check_inputs, iter_documents
+from megalite.data.documents import Replacements, check_inputs, iter_documents
 from megalite.data.indexed import IndexedDatasetWriter
 from megalite.data.tokenizer import Tokenizer, document_ids, load_tokenizer
 from megalite.observability.progress import Progress
@@ -40,8 +41,9 @@ def encode_document(tokenizer_path: str, add_bos: bool | None, text: str) -> np.
 
 def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, json_key: str | None = None,
                workers: int = 1, split_paragraphs: bool = False, show_progress: bool = True,
-               add_bos: bool | None = None) -> str:
-    """Tokenize `inputs` into `output_prefix.bin/.idx`; returns the prefix.
+               add_bos: bool | None = None, replaced: Replacements | None = None) -> str:
+    """Tokenize `inputs` into `output_prefix.bin/.idx`; returns the prefix. `replaced` counts the unpaired
+    surrogates of JSON inputs replaced by U+FFFD (see `megalite.data.documents`).
 
     Text files are one document each (or one per blank-line-separated paragraph with
     `split_paragraphs`); with `json_key`, inputs are JSON lines and each line's `json_key` is a document.
@@ -51,7 +53,7 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
     check_inputs(inputs, json_key)
     tok = load_tokenizer(tokenizer_path)  # fail here, in the parent, if the file is missing or unreadable
     document_ids(tok, "", add_bos)  # an impossible --add-bos fails here too, not in a worker
-    docs = iter_documents(inputs, json_key, split_paragraphs)
+    docs = iter_documents(inputs, json_key, split_paragraphs, replaced)
     encode = functools.partial(encode_document, tokenizer_path, add_bos)
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as writer, \
             Progress(desc=f"tokenizing into {output_prefix}", unit="docs", enabled=show_progress) as bar:
@@ -62,7 +64,7 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
         else:
             # spawn, not fork: forking a process that already runs threads (a launcher's, a test
             # harness's, torch's) can deadlock the children on a lock held by a thread that was not copied.
-            with mp.get_context("spawn").Pool(workers) as pool:
+            with mp.get_context("spawn").Pool(workers, initializer=_ignore_sigint) as pool:
                 # Read documents here, in the main thread, a batch at a time: a bad input line raises
                 # where it is read, never inside the pool's feeder thread (which would wedge the pool).
                 for batch in _batches(docs, workers * _CHUNKSIZE * 4):
@@ -70,6 +72,12 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
                         writer.add_document(ids)
                         bar.update()
         return writer.finalize()
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent: it stops the pool and removes the partial output, and one line
+    is printed instead of a KeyboardInterrupt traceback from every worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:

@@ -14,12 +14,12 @@ Special tokens are where a `tokenizer.json` says least, so they are resolved exp
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from megalite.errors import DataError
+from megalite.untrusted import loads_json
 
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
@@ -48,6 +48,9 @@ class HFTokenizer:
         self.path = path
         self.backend.encode_special_tokens = True
         vocab = self.backend.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise DataError(f"tokenizer {path!r} has an empty vocabulary: train it (tools/train_tokenizer.py "
+                            "--kind hf) or pass another tokenizer.json")
         self.vocab_size: int = max(vocab.values()) + 1
         config = self._config(Path(path).with_name("tokenizer_config.json"))
         eod_text = _token_text(config.get("eos_token")) or next((t for t in EOD_CANDIDATES if t in vocab), None)
@@ -71,7 +74,7 @@ class HFTokenizer:
         if not path.is_file():
             return {}
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
+            config = loads_json(path.read_text(encoding="utf-8"), str(path), DataError)
         except (OSError, ValueError) as e:
             raise DataError(f"cannot read {str(path)!r} ({e}): fix or remove it") from e
         return config if isinstance(config, dict) else {}

@@ -27,7 +27,7 @@ from io import BytesIO
 import sentencepiece as spm
 
 from megalite.data.documents import iter_documents
-from megalite.checkpoint.files import atomic_output
+from megalite.atomic import atomic_output
 from megalite.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2

@@ -26,28 +26,49 @@ ENDOFTEXT = "<|endoftext|>"
 SUFFIXES = (".tiktoken",)
 
 
+MAX_RANK = 2**32 - 1  # ids are stored as uint32 (megalite/data/indexed.py)
+
+
 def read_ranks(path: str) -> dict[bytes, int]:
-    """The `<base64> <rank>` lines of a tiktoken file; a malformed line is a DataError naming it."""
+    """The `<base64> <rank>` lines of a tiktoken file, checked as tiktoken itself does not (it would fail
+    later, inside its Rust code): a malformed line, a rank that is negative, >= 2^32 or given twice, a token
+    listed twice, or a missing single byte (tiktoken panics on text holding it) is a DataError naming it."""
     ranks: dict[bytes, int] = {}
+    seen: dict[int, int] = {}  # rank -> the line that gave it
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
+                token_text, rank_text = line.split()
+                token, rank = base64.b64decode(token_text, validate=True), int(rank_text)
             except (ValueError, binascii.Error) as e:
                 raise DataError(f"{path!r} line {number} is not `<base64 token> <rank>` ({e}): not a tiktoken "
                                 "encoding file") from e
+            if not 0 <= rank <= MAX_RANK:
+                raise DataError(f"{path!r} line {number}: rank {rank} is outside [0, 2^32): fix the file")
+            if not token:
+                raise DataError(f"{path!r} line {number}: the token is empty: fix the file")
+            if rank in seen:
+                raise DataError(f"{path!r} line {number}: rank {rank} is given twice (also line {seen[rank]}): "
+                                "every token needs its own rank")
+            if token in ranks:
+                raise DataError(f"{path!r} line {number}: token {token!r} is listed twice: fix the file")
+            ranks[token] = rank
+            seen[rank] = number
     if not ranks:
         raise DataError(f"{path!r} is empty: not a tiktoken encoding file")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise DataError(f"{path!r} lacks {len(missing)} of the 256 single-byte tokens (first: byte {missing[0]}): "
+                        "a tiktoken file needs every byte to encode any text")
     return ranks
 
 
 def _encoding_spec(name: str, ranks: dict[bytes, int]) -> dict[str, Any]:
     """tiktoken's definition (pattern, special tokens) of encoding `name`, built on `ranks` (no download:
     the constructor's loader is handed the ranks we read instead of fetching its URL)."""
-    from tiktoken_ext import openai_public
+    from tiktoken_ext import openai_public  # type: ignore[import-untyped]
 
     constructor = openai_public.ENCODING_CONSTRUCTORS.get(name)
     known = constructor is not None

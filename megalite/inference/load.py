@@ -51,22 +51,37 @@ def tokenizer_for(index: dict[str, Any], given: str = "") -> Tokenizer:
     if given:
         return load_tokenizer(given)
     extra = index.get("extra", {})
-    data = (extra.get("config") or {}).get("data")
-    if data is not None:
+    config = extra.get("config")
+    data = config.get("data") if isinstance(config, dict) else None
+    if isinstance(data, dict):
         if data.get("tokenizer"):
-            return load_tokenizer(data["tokenizer"])
-        if not data.get("path"):  # the run trained on the demo corpus: rebuild (or reuse) its cached tokenizer
-            from megalite.data.demo import prepare_demo_data
-
-            defaults = DataConfig()
-            _, tokenizer = prepare_demo_data(data.get("cache_dir", defaults.cache_dir),
-                                             int(data.get("demo_max_bytes", defaults.demo_max_bytes)),
-                                             int(data.get("demo_vocab_size", defaults.demo_vocab_size)))
-            return load_tokenizer(tokenizer)
+            return load_tokenizer(str(data["tokenizer"]))
+        if not data.get("path"):  # the run trained on the demo corpus: its cached tokenizer, if still there
+            return load_tokenizer(_cached_demo_tokenizer(data))
     source = extra.get("imported_from")
     if source and os.path.isfile(os.path.join(source, "tokenizer.json")):
         return load_tokenizer(source)
     raise DataError("the checkpoint does not say which tokenizer it was trained with: pass --tokenizer FILE")
+
+
+def _cached_demo_tokenizer(data: dict[str, Any]) -> str:
+    """The demo tokenizer the run trained with, from the cache its saved config names. Never built here:
+    a tool that only reads a checkpoint writes nothing outside its own outputs (the saved cache_dir may be
+    another user's directory, or a path that no longer means what it did)."""
+    from megalite.data.demo import cached_demo_data
+
+    defaults = DataConfig()
+    cache_dir, max_bytes, vocab = (data.get("cache_dir", defaults.cache_dir),
+                                   data.get("demo_max_bytes", defaults.demo_max_bytes),
+                                   data.get("demo_vocab_size", defaults.demo_vocab_size))
+    if not (isinstance(cache_dir, str) and type(max_bytes) is int and type(vocab) is int):
+        raise DataError("the checkpoint's saved data settings are not a megalite config: pass --tokenizer FILE")
+    found = cached_demo_data(cache_dir, max_bytes, vocab)
+    if found is None:
+        raise DataError(f"the checkpoint trained on the demo corpus (data.demo_max_bytes={max_bytes}, "
+                        f"demo_vocab_size={vocab}) whose tokenizer is not in the cache {cache_dir or '(default)'}: "
+                        "pass --tokenizer FILE, or rebuild it with a pretrain.py run of those settings")
+    return found[1]
 
 
 def check_vocab(model: GPT, tok: Tokenizer) -> None:

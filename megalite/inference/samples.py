@@ -16,7 +16,6 @@ and SP runs log one note and no samples.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Protocol, cast
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from megalite.data.tokenizer import Tokenizer
 from megalite.inference.generate import SamplingConfig, generate_ids
 from megalite.model.gpt import GPT
+from megalite.observability.metrics import append_record
 from megalite.parallel.state import ParallelState
 
 
@@ -39,6 +39,14 @@ class _Tracker(Protocol):
     def enabled(self) -> bool: ...
 
     def log(self, metrics: dict, step: int) -> None: ...
+
+
+def sample_prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a sample continues: the prompt (with BOS where the tokenizer adds one), or an EOD."""
+    ids = tok.encode(prompt)
+    if tok.add_bos and tok.bos_id is not None:
+        return [tok.bos_id] + ids
+    return ids or [tok.eod_id]  # nothing to continue: start a new document, as after an EOD in the data
 
 
 class TrainingSamples:
@@ -57,11 +65,7 @@ class TrainingSamples:
             self.interval = 0
 
     def prompt_ids(self) -> list[int]:
-        tok = self.tokenizer
-        ids = tok.encode(self.prompt)
-        if tok.add_bos and tok.bos_id is not None:
-            return [tok.bos_id] + ids
-        return ids or [tok.eod_id]  # nothing to continue: start a new document, as after an EOD in the data
+        return sample_prompt_ids(self.tokenizer, self.prompt)
 
     def maybe_sample(self, step: int, optimizer: Any) -> str | None:
         """Every rank calls this after each step; on sample steps rank 0 generates and logs. Returns the text."""
@@ -79,8 +83,7 @@ class TrainingSamples:
 
     def _log(self, step: int, text: str) -> None:
         self.logger.note(f"sample at step {step}: {self.prompt!r} -> {text!r}")
-        with open(self.logger.path, "a") as f:
-            f.write(json.dumps({"step": step, "sample_prompt": self.prompt, "sample": text}) + "\n")
+        append_record(self.logger.path, {"step": step, "sample_prompt": self.prompt, "sample": text})
         self.rows.append([step, self.prompt, text])
         if self.tracker.enabled:
             try:

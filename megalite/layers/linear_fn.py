@@ -9,34 +9,26 @@ One matmul per part writes each output contiguous and reads each gradient where 
 matmuls are the same FLOPs (Hugging Face's separate q/k/v/gate/up layers do the same).
 
 Why the weight gradient bypasses autograd (Megatron-LM's `gradient_accumulation_fusion`): the
-ZeRO optimizer keeps fp32 gradients in flat buffers. The usual path materialises dW, stores it in
+gradient sync keeps fp32 gradients in flat buffers. The usual path materialises dW, stores it in
 `.grad`, and a Python hook adds it to the buffer and drops it. When the caller passes a `fold` (the
-linear layers pass the one `ZeroOptimizer` registered with them, for weights used by one linear only),
-backward instead passes it a function that accumulates dW into the fp32 buffer view it is handed:
+linear layers pass the one the gradient sync registered with them, for weights used by one linear
+only), backward instead hands it a function that accumulates dW into the fp32 buffer view it is given:
 `addmm_` (the add happens inside the GEMM) when the activations are fp32, `add_` of the matmul
 otherwise (the same rounding as the hook path). Autograd then sees no weight gradient at all.
 
-Deferred weight gradients (zero-bubble pipeline schedules, Qi et al. 2024): while a
-`DeferredWeightGrads` is active (`defer_weight_grads`, entered by the pipeline engine around a
-micro-batch's forward and its input-gradient backward "B"), each linear's backward computes only dx
-and records its weight-gradient work instead; the schedule's "W" action runs it later
-(`run_weight_grads`), in the same order, through the same `_accumulate_wgrad`, so the fp32 main grad
-is bitwise what the undeferred backward gives. A deferred W holds, per linear call: the linear's
-saved input (the [tokens, in] activation that forward already kept) and the gradients of its
-outputs ([tokens, out] per part), until the W runs. The layer picks the active store up in forward
-(where the caller's context is visible; backward may run on autograd's device threads). Under
-activation recompute the recomputed forward runs inside B: on CPU it sees the store the engine
-activates around B and records; on a device thread (CUDA) it sees none, and those linears compute
-their weight gradient in B as usual (still exact, just not deferred).
+The fold decides *when* that function runs. Normally at once; for the zero-bubble pipeline schedules
+(Qi et al. 2024) the gradient sync records it in a `DeferredWeightGrads` during a micro-batch's
+input-gradient backward "B", and the schedule's "W" action runs the recorded work later with
+`DeferredWeightGrads.run()`, a plain call, in the same order and through the same `_accumulate_wgrad`,
+so the fp32 main grad is bitwise what the undeferred backward gives. Until W runs, each recorded call
+holds the linear's saved input ([tokens, in], which forward already kept) and the gradients of its
+outputs ([tokens, out] per part). A linear without a fold computes dW in its backward, as autograd does.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -68,89 +60,22 @@ def _accumulate_wgrad(main: Tensor, grads: list[Tensor], x2: Tensor, blocks: Blo
 
 
 @dataclass
-class _WeightGradWork:
-    weight: Tensor
-    fold: Fold | None
-    x2: Tensor                # the linear's input, [tokens, in]
-    grads: list[Tensor]       # the gradient of each part's output, [tokens, part rows]
-    blocks: Blocks
-
-
-@dataclass
 class DeferredWeightGrads:
-    """The weight-gradient work of one micro-batch's backward through one model chunk, recorded by
-    the linears during B and run by W (see the module doc for what it holds)."""
+    """The weight-gradient work of one micro-batch's backward through one model chunk, recorded by a
+    fold during B and run by W (see the module doc for what it holds)."""
 
-    work: list[_WeightGradWork] = field(default_factory=list)
+    work: list[Callable[[], None]] = field(default_factory=list)
 
-    def compute(self) -> list[tuple[Tensor, Tensor | None]]:
-        """Run the recorded work in recording order: a folded weight's gradient goes into the
-        optimizer's main grad (None returned for it), any other weight's dW is returned. Releases the
-        held tensors."""
-        out: list[tuple[Tensor, Tensor | None]] = []
-        for w in self.work:
-            if w.fold is not None:
-                w.fold(functools.partial(_accumulate_wgrad, grads=w.grads, x2=w.x2, blocks=w.blocks))
-                out.append((w.weight, None))
-            else:
-                out.append((w.weight, _weight_grad(w.weight, w.grads, w.x2, w.blocks)))
-        self.work = []
-        return out
+    def add(self, fn: Callable[[], None]) -> None:
+        self.work.append(fn)
 
-
-_ACTIVE: contextvars.ContextVar[DeferredWeightGrads | None] = contextvars.ContextVar("deferred_wgrad", default=None)
-
-
-@contextlib.contextmanager
-def defer_weight_grads(store: DeferredWeightGrads | None) -> Iterator[None]:
-    """Linears run forward inside this record their weight-gradient work into `store` in backward
-    (None: compute it in backward as usual)."""
-    token = _ACTIVE.set(store)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-class _WeightGradPass(torch.autograd.Function):
-    """A one-node graph whose backward runs a W: folds happen, and other gradients reach their
-    parameters through autograd's own accumulation (and the optimizer's hooks), inside a backward
-    pass, exactly as they would in an undeferred backward."""
-
-    @staticmethod
-    def forward(ctx: Any, run: Callable[[], list[Tensor | None]], *params: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.run = run
-        return torch.zeros((), device=params[0].device)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *ctx.run())
-
-
-def run_weight_grads(store: DeferredWeightGrads, held: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
-    """The W action: run `store`'s work and deliver `held` (parameter, gradient) pairs computed
-    earlier, all in one backward pass (so an optimizer that counts a bucket's gradients per backward
-    sees all of them there)."""
-    params: list[Tensor] = []
-    index: dict[int, int] = {}
-    for p in [w.weight for w in store.work] + [p for p, _ in held]:
-        if id(p) not in index:
-            index[id(p)] = len(params)
-            params.append(p)
-    if not params:
-        return
-
-    def run() -> list[Tensor | None]:
-        grads: list[Tensor | None] = [None] * len(params)
-        for p, g in list(held) + store.compute():
-            if g is not None:
-                i = index[id(p)]
-                grads[i] = g if grads[i] is None else grads[i] + g  # type: ignore[operator]
-        return grads
-
-    with torch.enable_grad():
-        _WeightGradPass.apply(run, *params).backward()
+    def run(self) -> None:
+        """Run the recorded work in recording order and release what it held. Outside autograd (as a
+        backward runs it): the held activations require grad, the sums must not record a graph."""
+        work, self.work = self.work, []
+        with torch.no_grad():
+            for fn in work:
+                fn()
 
 
 def _weight_grad(weight: Tensor, grads: list[Tensor], x2: Tensor, blocks: Blocks) -> Tensor:
@@ -185,9 +110,6 @@ class LinearParts(torch.autograd.Function):
         ctx.blocks, ctx.x_shape = blocks, x.shape
         ctx.fold = fold
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.deferred = _ACTIVE.get()
-        # The parameter itself, for a deferred W to deliver its gradient to (not the saved alias).
-        ctx.param = weight if ctx.deferred is not None else None
         return tuple(outs)
 
     @staticmethod
@@ -210,10 +132,7 @@ class LinearParts(torch.autograd.Function):
             db = (gs[0].sum(0) if len(gs) == 1 else torch.cat([g.sum(0) for g in gs])).to(ctx.bias_dtype)
         if need_w:
             fold: Fold | None = ctx.fold
-            deferred: DeferredWeightGrads | None = ctx.deferred
-            if deferred is not None:  # a zero-bubble "B": the schedule's "W" computes it later
-                deferred.work.append(_WeightGradWork(ctx.param, fold, x2, gs, blocks))
-            elif fold is not None:
+            if fold is not None:  # now, or in a zero-bubble W (the fold decides)
                 fold(lambda main: _accumulate_wgrad(main, gs, x2, blocks))
             else:
                 dw = _weight_grad(weight, gs, x2, blocks)

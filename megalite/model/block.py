@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context import ring_attention
+from megalite.context import ContextOptions, context_attention
+from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
-from megalite.model.ops import Ops
+from megalite.model.ops import Ops, apply_rope, masked_attention
+from megalite.model.spec import ModelSpec
 from megalite.moe.layer import MoELayer
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings
@@ -66,8 +69,10 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int,
+                 context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
+        self.context = context
         h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         if nh % state.tp or nkv % state.tp:
             raise ValueError(f"num_heads={nh} and num_kv_heads={nkv} must both be divisible by tp={state.tp}")
@@ -83,7 +88,7 @@ class Attention(nn.Module):
         self.out = RowParallelLinear(nh * self.head_dim, h, state, name=f"{name}.out", seed=seed,
                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Callable | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [b, s, heads, head_dim] (this rank's heads), RoPE applied at the positions whose
         cos/sin rows are given (one per token of x; the KV-cached decoder passes later positions)."""
@@ -93,29 +98,46 @@ class Attention(nn.Module):
         k = k.view(b, s, self.local_kv, self.head_dim)
         v = v.view(b, s, self.local_kv, self.head_dim)
         if self.rope:
-            q, k = self.ops.apply_rope(q, k, cos, sin)
+            q, k = (rope or self.ops.apply_rope)(q, k, cos, sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentIds | None = None) -> torch.Tensor:
         x = enter_tp_region(x, self.state)
         b, s, _ = x.shape
+        if docs is not None:
+            # Document masking (megalite/context/documents.py): cos/sin are per sequence [b, s, d/2] (positions
+            # restart at each document) and the mask is causal within each document. The torch RoPE and SDPA
+            # under an explicit mask run it whatever model.kernels says: the Triton kernels take neither yet.
+            q, k, v = self.project(x, cos, sin, rope=apply_rope)
+            if self.state.cp > 1:  # ring / allgather blocks in torch math: the flash blocks take no such mask yet
+                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs, self._core)
+            else:
+                o = self._core(q, k, v, document_causal_mask(docs.local, docs.local))
+            return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
         q, k, v = self.project(x, cos[:s], sin[:s])
         if self.state.cp > 1:
-            # Context parallelism: this rank's queries against the whole sequence's K/V passed around the
-            # cp ring (each block pair on the torch block math or the Triton flash kernel). Its backward keeps only q, k, v, the output
-            # and the log-sum-exp and recomputes the scores block by block, which is what selective
-            # recompute saves, so it is not checkpointed again (no second forward, no extra cp bytes).
-            o = ring_attention(q, k, v, self.state, backend=self.ops.block_backend)
-        elif self.selective and torch.is_grad_enabled():
-            # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
-            o = checkpoint(self.ops.attention, q, k, v, use_reentrant=False)
+            # Context parallelism (parallel.cp_mode): ring / allgather compute block pairs (torch block math
+            # or the Triton flash kernel) whose backward keeps only q, k, v, the output and the log-sum-exp
+            # and recomputes the scores block by block, which is what selective recompute saves, so they are
+            # not checkpointed again (no second forward, no extra cp bytes); a2a runs `_core` on heads/cp.
+            o = context_attention(q, k, v, self.state, self.context, self._core, self.ops.block_backend)
         else:
-            o = self.ops.attention(q, k, v)
+            o = self._core(q, k, v)
         return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention over whole sequences in position order (the model's kernel), or under `keep`."""
+        fn, args = (self.ops.attention, (q, k, v)) if keep is None else (masked_attention, (q, k, v, keep))
+        if self.selective and torch.is_grad_enabled():
+            # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.state, self.ops, self.gated = state, ops, cfg.arch == "llama"
@@ -133,12 +155,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
-                 moe: MoEContext | None = None) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
+                 context: ContextOptions = ContextOptions(), moe: MoEContext | None = None) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.attn = Attention(cfg, state, ops, f"{name}.attn", seed)
+        self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context)
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.mlp: nn.Module
         if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
@@ -151,8 +173,9 @@ class Block(nn.Module):
         # On SP slices each TP rank holds different tokens: draw from the tp-local stream.
         return self.rng.dropout(x, self.dropout, self.training, tp_local=self.sp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentIds | None = None) -> torch.Tensor:
         # x = x + attention branch; h = norm2(x): fused into one pass (the sum is written once and read by
         # the norm in the same kernel) when the backend has the fused kernel.
-        h, x = self.norm2.add_norm(self._drop(self.attn(self.norm1(x), cos, sin)), x)
+        h, x = self.norm2.add_norm(self._drop(self.attn(self.norm1(x), cos, sin, docs)), x)
         return x + self._drop(self.mlp(h))

@@ -14,13 +14,15 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context import zigzag_positions
+from megalite.context import ContextOptions, zigzag_merge, zigzag_positions, zigzag_split
+from megalite.context.documents import DocumentIds, Documents, documents
 from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, MoEContext, Norm
 from megalite.model.ops import get_ops, resolve_kernels
+from megalite.model.spec import ModelSpec
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.parallel import comm
@@ -40,12 +42,14 @@ class GPT(nn.Module):
     """A GPT stage. `forward(ids, labels)` returns the per-token loss [B, S] on the last stage (fp32),
     else the hidden states to send to the next stage."""
 
-    def __init__(self, cfg, state: ParallelState, seed: int, rng: RNGStreams | None = None,
-                 layers: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
+    def __init__(self, cfg: ModelSpec, state: ParallelState, seed: int, rng: RNGStreams | None = None,
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True,
+                 context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
         self.cfg, self.state = cfg, state
+        self.document_eod = context.document_eod
         self.ops = get_ops(resolve_kernels(cfg.kernels, state.device))
         self.rng = rng or RNGStreams(seed, state)
         self.layer_ids = layers if layers is not None else range(cfg.num_layers)
@@ -62,7 +66,7 @@ class GPT(nn.Module):
         moe_settings = MoESettings.from_model(cfg)
         self.aux_scale = AuxScale()
         moe = (MoEContext(moe_settings, self.aux_scale, len(moe_layers(cfg))) if moe_settings is not None else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, moe)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe)
                                      for i in self.layer_ids})
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
@@ -80,6 +84,12 @@ class GPT(nn.Module):
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
         cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
+        # Document masking indexes the whole tables by each token's position in its document.
+        self.cos_full: torch.Tensor
+        self.sin_full: torch.Tensor
+        if self.document_eod is not None:
+            self.register_buffer("cos_full", cos, persistent=False)
+            self.register_buffer("sin_full", sin, persistent=False)
         # Context parallelism: this rank holds the tokens at `positions` (its zigzag split) of every
         # sequence, from embedding to loss; RoPE and learned positions are indexed there.
         positions = zigzag_positions(cfg.seq_len, state.cp, state.cp_rank) if state.cp > 1 else None
@@ -87,6 +97,8 @@ class GPT(nn.Module):
             cos, sin = cos[positions], sin[positions]
         self.positions: torch.Tensor | None
         self.register_buffer("positions", positions, persistent=False)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -114,17 +126,39 @@ class GPT(nn.Module):
         """Tokens of each sequence this rank holds: seq_len / cp (its zigzag split) under context parallelism."""
         return self.cfg.seq_len // self.state.cp
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         assert self.embedding is not None
         if self.positions is not None and ids.shape[1] != self.local_seq_len():
             raise ValueError(f"context parallel: got {ids.shape[1]} tokens per sequence, expected this rank's "
                              f"zigzag split of seq_len {self.cfg.seq_len}: {self.local_seq_len()}")
         x = self.embedding(ids)  # [B, S/tp, H] under SP (reduce-scattered), else [B, S, H]
         if self.position is not None:
-            rows = self.position[: ids.shape[1]] if self.positions is None else self.position[self.positions]
+            if docs is not None:  # positions restart at each document: [B, S, H]
+                rows, seq_dim = self.position[docs.positions], 1
+            else:
+                seq_dim = 0
+                rows = self.position[: ids.shape[1]] if self.positions is None else self.position[self.positions]
             pos = rows.to(x.dtype)
-            x = x + (comm.split(pos, self.state, "tp", dim=0) if self.state.sp else pos)
+            x = x + (comm.split(pos, self.state, "tp", dim=seq_dim) if self.state.sp else pos)
         return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
+
+    def _documents(self, ids: torch.Tensor | None) -> tuple[Documents | None, DocumentIds | None]:
+        """Document masking: this rank's tokens' documents and positions, and the document ids attention
+        needs. Under context parallelism the documents are those of the whole sequence: the cp ranks all-gather
+        their token ids first (int64, b·S/cp each, counted under 'cp'). Every pipeline stage reads the ids (the
+        engine gives them to each chunk)."""
+        if self.document_eod is None:
+            return None, None
+        if ids is None:
+            raise ValueError("data.document_mask: every pipeline stage needs the token ids")
+        cp, rank = self.state.cp, self.state.cp_rank
+        whole = ids if cp == 1 else zigzag_merge(list(comm.all_gather(ids.contiguous(), self.state, "cp", dim=0)
+                                                      .chunk(cp, dim=0)))
+        full = documents(whole, self.document_eod)
+        if cp == 1:
+            return full, DocumentIds(full.ids, full.ids)
+        local = Documents(zigzag_split(full.ids, cp, rank), zigzag_split(full.positions, cp, rank))
+        return local, DocumentIds(local.ids, full.ids)
 
     def _replayable(self, block: nn.Module):
         """Wrap a block for full recompute so the recomputation draws the same dropout masks.
@@ -134,14 +168,15 @@ class GPT(nn.Module):
         from them on the recompute, then put back whatever states the streams had reached meanwhile."""
         start, calls = self.rng.state_dict(), [0]
 
-        def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentIds | None = None) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == 1:
-                return block(x, cos, sin)
+                return block(x, cos, sin, docs)
             now = self.rng.state_dict()
             self.rng.load_state_dict(start)
             try:
-                return block(x, cos, sin)
+                return block(x, cos, sin, docs)
             finally:
                 self.rng.load_state_dict(now)
 
@@ -149,17 +184,20 @@ class GPT(nn.Module):
 
     def forward(self, ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        docs, doc_ids = self._documents(ids)
+        cos, sin = (self.cos, self.sin) if docs is None else (self.cos_full[docs.positions],
+                                                              self.sin_full[docs.positions])
         if self.pre_process:
             assert ids is not None, "the first pipeline stage needs the token ids"
-            x = self.embed(ids).to(dtype)
+            x = self.embed(ids, docs).to(dtype)
         else:
             assert hidden is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
             x = hidden
         for block in self.layers.values():
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(self._replayable(block), x, self.cos, self.sin, use_reentrant=False)
+                x = checkpoint(self._replayable(block), x, cos, sin, doc_ids, use_reentrant=False)
             else:
-                x = block(x, self.cos, self.sin)
+                x = block(x, cos, sin, doc_ids)
         if not self.post_process:
             return x
         assert self.final_norm is not None and self.head is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -97,9 +97,12 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate-half RoPE (Su et al. 2021; Hugging Face Llama's layout); cos/sin are [S, D/2] fp32."""
-    c = torch.cat([cos, cos], dim=-1)[None, :, None, :]
-    s = torch.cat([-sin, sin], dim=-1)[None, :, None, :]
+    """Rotate-half RoPE (Su et al. 2021; Hugging Face Llama's layout); cos/sin are [S, D/2] fp32, or [B, S, D/2]
+    (per-sequence positions: document masking restarts them at each document)."""
+    c = torch.cat([cos, cos], dim=-1).unsqueeze(-2)
+    s = torch.cat([-sin, sin], dim=-1).unsqueeze(-2)
+    if c.dim() == 3:
+        c, s = c[None], s[None]
     return _Rope.apply(q, c, s), _Rope.apply(k, c, s)
 
 
@@ -126,21 +129,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
     if rep > 1 and not _SDPA_HAS_GQA:
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
-    gqa = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
+    gqa: dict[str, Any] = {"enable_gqa": True} if rep > 1 and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), **gqa)
     return out.transpose(1, 2)
 
 
-def attention_repeat_kv(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """The same attention with K/V heads repeated before SDPA (the pre-2.5 path), kept as a baseline
-    for bench/gpu_bench.py's flash-vs-SDPA table."""
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
+    """`attention` under any mask: `keep` [B, 1, Sq, Sk] bool, True where query i sees key j (document masking,
+    megalite/context/documents.py). SDPA; every query row must keep at least one key."""
     rep = q.shape[2] // k.shape[2]
-    if rep > 1:
+    if rep > 1:  # SDPA's enable_gqa with an explicit mask is not on every backend: repeat (same numbers)
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
+                                         scale=1.0 / math.sqrt(q.shape[-1]))
     return out.transpose(1, 2)
 
 
@@ -192,7 +195,7 @@ def get_ops(kind: str) -> Ops:
         return TORCH_OPS
     if kind == "triton":
         try:
-            import kernels
+            from megalite import kernels
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ConfigError(f"model.kernels=triton but the kernels package failed to import: {e}") from e
         if not kernels.available():

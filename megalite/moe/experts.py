@@ -10,19 +10,29 @@ the tp ranks (each computes the tokens it holds: all of them without SP, its 1/t
 from __future__ import annotations
 
 import math
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.model.ops import Ops
 from megalite.moe.grouped import expert_mm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.state import ParallelState
 
 
+class Activations(Protocol):
+    """What the experts use of the model's op backend (`megalite.model.ops.Ops` has it); a Protocol, so this
+    package sits below the model that builds it."""
+
+    @property
+    def swiglu(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]: ...
+    @property
+    def gelu_tanh(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, state: ParallelState, ops: Ops,
+    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, state: ParallelState, ops: Activations,
                  name: str, seed: int, std: float, num_layers: int) -> None:
         super().__init__()
         ep = state.size("ep")

@@ -13,9 +13,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from megalite.model.ops import Ops
 from megalite.moe.dispatch import combine, dispatch
-from megalite.moe.experts import Experts
+from megalite.moe.experts import Activations, Experts
 from megalite.moe.losses import AuxScale, attach, balance_share, z_share
 from megalite.moe.router import Router
 from megalite.moe.settings import MoESettings
@@ -25,7 +24,7 @@ from megalite.parallel.state import ParallelState
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg, s: MoESettings, state: ParallelState, ops: Ops, name: str, seed: int,
+    def __init__(self, cfg, s: MoESettings, state: ParallelState, ops: Activations, name: str, seed: int,
                  aux_scale: AuxScale, num_moe_layers: int, mlp_cls: type[nn.Module]) -> None:
         super().__init__()
         self.s, self.state, self.aux_scale = s, state, aux_scale

@@ -3,13 +3,16 @@
 Every field named in the public contract is written on every logged step (null where unknown),
 with the loss at full float precision so runs can be compared bit for bit. One file holds one run:
 a fresh run moves an existing `metrics.jsonl` aside to `metrics.<n>.jsonl` (n = 1, 2, ... oldest
-first), a resumed run keeps it, drops the records after the step it resumed from, and appends.
+first), a resumed run keeps it, drops the records after the step it resumed from, and appends. The kept
+records go to a new file beside it that is renamed over it when complete (a full disk leaves the old file
+whole), and no write goes through a link (`megalite.checkpoint.files`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -19,7 +22,10 @@ from typing import Any
 
 import torch
 
+from megalite.atomic import open_no_link, refuse_link, write_atomic
+from megalite.errors import ConfigError
 from megalite.observability.tracking import Tracker
+from megalite.untrusted import loads_json
 
 ETA_WINDOW = 20  # steps whose median time predicts the rest
 
@@ -59,15 +65,17 @@ def format_step_time(seconds: float) -> str:
 
 def start_metrics_file(path: Path, resumed_step: int) -> Path | None:
     """Make `path` hold this run only (see the module doc); returns where an old file was moved."""
+    refuse_link(path, ConfigError, hard_links=False)
     if not path.exists():
         return None
     if resumed_step > 0:
-        kept = [line for line in path.read_text().splitlines()
-                if (step := _step_of(line)) is not None and step <= resumed_step]
-        path.write_text("".join(line + "\n" for line in kept))
+        with open(path, encoding="utf-8", errors="replace") as f:
+            kept = [line for line in f.read().splitlines()
+                    if (step := _step_of(line)) is not None and step <= resumed_step]
+        write_atomic(path, "".join(line + "\n" for line in kept).encode(), ConfigError)
         return None
     n = 1
-    while (path.parent / f"{path.stem}.{n}{path.suffix}").exists():
+    while os.path.lexists(path.parent / f"{path.stem}.{n}{path.suffix}"):
         n += 1
     rotated = path.parent / f"{path.stem}.{n}{path.suffix}"
     path.rename(rotated)
@@ -76,9 +84,16 @@ def start_metrics_file(path: Path, resumed_step: int) -> Path | None:
 
 def _step_of(line: str) -> int | None:
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):  # a torn last line of a killed run: dropped
+        step = loads_json(line, "a metrics.jsonl line", ConfigError)["step"]
+    except (ValueError, KeyError, TypeError, ConfigError):  # a torn last line of a killed run: dropped
         return None
+    return step if type(step) is int else None
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line at the end of metrics.jsonl (never through a link)."""
+    with open_no_link(path, "a", ConfigError) as f:
+        f.write(json.dumps(record) + "\n")
 
 
 @dataclass
@@ -130,8 +145,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {**record, "timestamp": round(time.time(), 3)}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
         self.tracker.log(record, step=record["step"])
         eta = None
         if self._step_times:

@@ -2,6 +2,9 @@
 
 Prints `desc: done/total unit  rate unit/s  ETA h:mm:ss` to stderr, at most once every
 `min_interval` seconds, so that tokenizing millions of documents does not spend its time printing.
+The rate is counted from the first finished item, not from the start: a pool of workers that takes a
+minute to start (each imports its libraries and loads the tokenizer) would otherwise read as
+"0.0 docs/s" for that minute and an ETA far too long after it; the start-up time is shown instead.
 On a terminal it redraws one line with `\\r`; in a log file (not a TTY) it writes whole lines, less
 often, so that logs stay readable.
 """
@@ -36,15 +39,26 @@ class Progress:
         self.min_interval = min_interval if self.is_tty else min_interval * 20
         self.count = 0
         self.start = time.monotonic()
+        self._first: float | None = None  # when the first item finished (the rate is counted from there)
+        self._at_first = 0  # items counted by then
         self._last_print = self.start
         self._closed = False
+        self._print()  # "starting": something on screen before the first item (a pool may take a while)
 
     def line(self) -> str:
         """The current status line (without the carriage return)."""
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = self.count / elapsed
+        now = time.monotonic()
+        elapsed = max(now - self.start, 1e-9)
         done = f"{self.count}/{self.total}" if self.total is not None else f"{self.count}"
-        text = f"{self.desc}: {done} {self.unit}  {rate:,.1f} {self.unit}/s"
+        text = f"{self.desc}: {done} {self.unit}"
+        rate = 0.0
+        if self._first is None:
+            text += "  starting"
+        elif now - self._first < 1e-3 or self.count == self._at_first:
+            text += f"  first after {self._first - self.start:.1f} s"
+        else:
+            rate = (self.count - self._at_first) / (now - self._first)
+            text += f"  {rate:,.1f} {self.unit}/s (first after {self._first - self.start:.1f} s)"
         if self.total is not None and rate > 0 and self.count < self.total:
             text += f"  ETA {_fmt_duration((self.total - self.count) / rate)}"
         else:
@@ -64,6 +78,8 @@ class Progress:
         """Add `n` finished items; prints if `min_interval` has passed since the last print."""
         self.count += n
         now = time.monotonic()
+        if self._first is None and self.count > 0:
+            self._first, self._at_first = now, self.count
         if now - self._last_print >= self.min_interval:
             self._last_print = now
             self._print()

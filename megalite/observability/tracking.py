@@ -18,7 +18,10 @@ import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from megalite.atomic import write_atomic
+from megalite.errors import ConfigError
 
 RUN_ID_FILE = "wandb_run_id"
 DEFAULT_HOST = "api.wandb.ai"
@@ -39,7 +42,7 @@ def has_wandb_credentials(env: Mapping[str, str], netrc_path: Path | None = None
         return False
 
 
-def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> str | None:
+def wandb_mode(env: Mapping[str, str], netrc_path: Path | None = None) -> Literal["online", "offline"] | None:
     """The `mode` to pass to `wandb.init`: None to honour a user-set WANDB_MODE, else offline
     without credentials and online with them."""
     if env.get("WANDB_MODE"):
@@ -83,7 +86,7 @@ class Tracker:
             self._run = wandb.init(project=project, entity=entity or None, name=run_name or None,
                                    config=config, dir=str(directory), id=run_id, resume="allow",
                                    mode=wandb_mode(os.environ))
-            id_file.write_text(self._run.id + "\n")
+            write_atomic(id_file, (self._run.id + "\n").encode(), ConfigError)  # never through a link
         except Exception as exc:
             self._warn(f"could not start a wandb run ({exc}); set WANDB_MODE=offline or fix the "
                        f"login (`wandb login`)")

@@ -27,7 +27,8 @@ PROC_IO = Path("/proc/self/io")
 
 # Bytes a rank writes on gloo per byte the counter counts, per collective (measured; see the module doc).
 GLOO_WRITTEN_PER_COUNTED: dict[CollectiveOp, Fraction] = {
-    "all_reduce": Fraction(1), "all_gather": Fraction(1), "reduce_scatter": Fraction(2), "send": Fraction(1)}
+    "all_reduce": Fraction(1), "all_gather": Fraction(1), "reduce_scatter": Fraction(2), "send": Fraction(1),
+    "all_to_all": Fraction(1)}
 
 # gloo's per-call framing, measured at N <= 4: at most ~7 KB for a reduce-scatter over 4 ranks (its many
 # small messages), ~0.6 KB per peer for an all-reduce. A bound per counted call, for comparisons.

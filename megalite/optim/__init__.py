@@ -1,38 +1,50 @@
-"""Optimizers: AdamW, the LR schedule, and the ZeRO optimizer behind the `DistributedOptimizer` protocol.
+"""Optimizers: the gradient sync, the optimizer math on its shards, and their composition.
 
-`protocol.py` is the contract (what the training step, the pipeline engine and the checkpoints call);
-`zero.py` (+ `zero_buckets`, `zero3`, `zero_state`) is what runs, `overlap.py` when its collectives
-run; `reference.py` is the replicated oracle the tests compare it with.
+`grad_sync.py` wraps the model (buckets, reductions, parameter gathers; `zero_buckets`, `zero3`,
+`overlap` for when its collectives run); `shards.py` is the typed seam (`Shard`, `ShardOptimizer`, norm
+and clipping); `shard_adamw.py` is AdamW on shards; `zero.py` composes the two behind `protocol.py`'s
+`DistributedOptimizer` (what the training step and the checkpoints call), `zero_state.py` its checkpoint
+state. `reference.py` is the replicated oracle the tests compare with; `torch_private.py` holds the
+private torch APIs used.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn as nn
 
+from megalite.optim.grad_sync import GradSync
 from megalite.optim.overlap import (DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, EventSink, OverlapEvent,
                                     OverlapSettings, mib_to_bytes)
 from megalite.optim.protocol import DistributedOptimizer
+from megalite.optim.shard_adamw import ShardAdamW
 from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.state import ParallelState
 
 
-def build_distributed_optimizer(model: nn.Module, state: ParallelState, zero: int, lr: float, weight_decay: float,
-                                betas: tuple[float, float], eps: float, dtype: torch.dtype,
+def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: ParallelState, zero: int, lr: float,
+                                weight_decay: float, betas: tuple[float, float], eps: float, dtype: torch.dtype,
                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
                                 overlap_param_gather: bool = True, zero3_prefetch: int = 1,
                                 on_event: EventSink | None = None) -> ZeroOptimizer:
-    """The optimizer for `parallel.zero` = 0..3 (a `DistributedOptimizer`).
+    """The optimizer for `parallel.zero` = 0..3 (a `DistributedOptimizer`) over this rank's model chunks
+    (a model, or a list / `nn.ModuleList` of the pipeline chunks): a `GradSync` plus `ShardAdamW`.
 
     Converts the model's parameters to `dtype` in place (bf16/fp16 keep fp32 master weights inside the
     optimizer); zero > 0 with dp = 1 falls back to zero = 0 with one warning. The bucket sizes, the
     ZeRO-1/2 parameter-gather overlap and ZeRO-3's prefetch depth only move collectives in time
     (`megalite.optim.overlap`); `on_event` receives an `OverlapEvent` for each launch and wait.
+    `lr` is the starting rate; each step is given its own (`step(lr, ...)`).
     """
     settings = OverlapSettings(bucket_bytes, first_bucket_bytes, overlap_param_gather, zero3_prefetch)
-    return ZeroOptimizer(model, state, zero, lr, weight_decay, betas, eps, dtype, settings, on_event)
+    parts: list[nn.Module] = [chunks] if isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList) \
+        else list(chunks)
+    sync = GradSync(parts, state, zero, dtype, settings, on_event)
+    return ZeroOptimizer(sync, ShardAdamW(sync.shards(), sync.take_fp32_values(), weight_decay, betas, eps))
 
 
-__all__ = ["build_distributed_optimizer", "DistributedOptimizer", "ZeroOptimizer", "OverlapSettings",
-           "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "mib_to_bytes"]
+__all__ = ["build_distributed_optimizer", "DistributedOptimizer", "GradSync", "ZeroOptimizer", "ShardAdamW",
+           "OverlapSettings", "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "mib_to_bytes"]

@@ -1,5 +1,5 @@
 """Gradient reduction, the global gradient norm and clipping over `.grad` tensors (the reference
-optimizer's), and the `no_sync()` switch both optimizers share.
+optimizer's, `megalite.optim.reference`).
 
 Order matters (a classic pitfall): reduce first, then measure the norm over all ranks, then clip.
 How each parameter is treated comes from its `ParamSpec` (`megalite.parallel.param_spec`).
@@ -7,9 +7,8 @@ How each parameter is treated comes from its `ParamSpec` (`megalite.parallel.par
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -20,55 +19,35 @@ from megalite.parallel.state import GroupKind, ParallelState
 
 Specs = Mapping[nn.Parameter, ParamSpec]
 
-# The ranks holding the same parameters: dp x cp (at cp = 1 the dp group, one communicator). Gradients are
-# averaged over it (cp ranks saw other tokens of the same sequences, each its own mean over S/cp of them)
-# and ZeRO shards over it. Its traffic is counted under 'dp' (megalite.parallel.comm).
-GRAD_GROUP: GroupKind = "dp_cp"
-
-
-class GradSyncSwitch:
-    """The `no_sync()` part of the optimizer protocol: backward passes inside it must not communicate;
-    the optimizer reads `self._sync` (in its gradient hooks, or not at all when it reduces only in
-    `finish_grad_sync`)."""
-
-    _sync: bool = True
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, without communicating."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-
 def unique_params(model: nn.Module) -> list[nn.Parameter]:
     """Parameters with gradients, each once (a tied embedding/head is one parameter)."""
     return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
 
 
 def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> None:
-    """Sum SP-partial grads over TP, then average all grads over DP in one flat bucket.
+    """Sum SP-partial grads over TP, then average each grad over its `grad_group` (dp x cp for a dense
+    model), one flat buffer per group.
 
     Under SP each TP rank saw 1/tp of the sequence, so replicated params (norms, row biases,
     positions) hold partial grads; Megatron all-reduces them over TP. The DP all-reduce of every
-    gradient is DDP's 2 (N-1)/N Psi (one flat buffer; bucketing/overlap come with the ZeRO optimizer).
+    gradient is DDP's 2 (N-1)/N Psi (one flat buffer; bucketing/overlap come with the gradient sync).
     """
     params = unique_params(model)
-    partial = [p for p in params if specs[p].sp_partial and p.grad is not None]
+    partial = [p.grad for p in params if specs[p].sp_partial and p.grad is not None]
     if state.tp > 1 and partial:
-        flat = torch.cat([p.grad.reshape(-1) for p in partial])
+        flat = torch.cat([g.reshape(-1) for g in partial])
         comm.all_reduce(flat, state, "tp")
-        _unflatten_into(flat, [p.grad for p in partial])
-    for kind in dict.fromkeys(specs[p].grad_group for p in params):
-        grads = [p.grad for p in params if p.grad is not None and specs[p].grad_group == kind]
-        if state.size(GRAD_GROUP) == 1 or not grads:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, state, kind)
-        flat /= state.size(GRAD_GROUP)  # the global-token mean for every group (see ZeroOptimizer.finish_grad_sync)
-        _unflatten_into(flat, grads)
+        _unflatten_into(flat, partial)
+    groups: dict[GroupKind, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(specs[p].grad_group, []).append(p.grad)
+    for group, grads in groups.items():
+        if state.size(group) > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, state, group)
+            flat /= state.size(group)
+            _unflatten_into(flat, grads)
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -82,19 +61,13 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def global_grad_norm(model: nn.Module, state: ParallelState, specs: Specs) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
     only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
-    sq = torch.zeros(1, dtype=torch.float64, device=state.device)
-    for expert in (False, True):  # expert weights (grad_group "edp") differ over the ep ranks: summed there
-        counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
-                   and (specs[p].layout.split or state.tp_rank == 0)
-                   and (specs[p].grad_group == "edp") == expert
-                   and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
-        # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
-        norms = torch._foreach_norm(counted) if counted else []
-        part = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
-                                                                                device=state.device)).reshape(1)
-        if expert:
-            comm.all_reduce(part, state, "ep", count_as="norm")
-        sq += part
+    counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
+               and (specs[p].layout.split or state.tp_rank == 0)
+               and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
+    # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
+    norms = list(torch._foreach_norm(counted)) if counted else []
+    sq = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                          device=state.device)).reshape(1)
     comm.all_reduce(sq, state, "mp")
     return math.sqrt(sq.item())
 

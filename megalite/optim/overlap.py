@@ -1,4 +1,4 @@
-"""When the ZeRO optimizer's data-parallel collectives run: bucket sizes, the parameter-gather overlap,
+"""When the gradient sync's data-parallel collectives run: bucket sizes, the parameter-gather overlap,
 ZeRO-3's prefetch depth, and a typed record of what was launched and waited on when.
 
 Three overlaps hide DP communication behind compute (none changes what is computed):
@@ -13,7 +13,7 @@ Three overlaps hide DP communication behind compute (none changes what is comput
   bucket's all-gather of the updated parameters and returns; a forward pre-hook on every module that
   owns parameters waits for its buckets just before it runs (Megatron-LM's overlapped parameter gather).
   Whatever reads the parameters between steps without a forward (checkpoint save, generation, tests)
-  first calls the optimizer's `finish_param_sync()`.
+  first calls `finish_param_sync()`.
 - **ZeRO-3 prefetch** (`zero3_prefetch` units ahead): while one unit computes, the all-gathers of the
   next units (forward order in the forward, reverse order in the backward) are already in flight.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -43,7 +43,7 @@ def mib_to_bytes(mib: float) -> int:
 
 @dataclass(frozen=True)
 class OverlapSettings:
-    """How the ZeRO optimizer schedules its DP collectives (`parallel.bucket_mb`, `first_bucket_mb`,
+    """How the gradient sync schedules its DP collectives (`parallel.bucket_mb`, `first_bucket_mb`,
     `overlap_param_gather`, `zero3_prefetch`). Results are identical for every setting."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -61,7 +61,7 @@ EventKind = Literal["reduce", "gather", "gather_wait"]
 
 @dataclass(frozen=True)
 class OverlapEvent:
-    """`kind` happened to bucket `bucket` (its index in `ZeroOptimizer.buckets`): "reduce" = its gradient
+    """`kind` happened to bucket `bucket` (its index in `GradSync.buckets`): "reduce" = its gradient
     reduction was launched, "gather" = its parameter all-gather was launched, "gather_wait" = that gather
     was waited on. Tests and benchmarks read the order of these against the model's own hooks."""
 
@@ -125,6 +125,9 @@ class ParamGatherOverlap:
             self.on_event(OverlapEvent(kind, bucket))
 
 
-def ahead(units: list[Bucket], i: int, step: int, depth: int) -> list[Bucket]:
+T = TypeVar("T")
+
+
+def ahead(units: list[T], i: int, step: int, depth: int) -> list[T]:
     """The (at most) `depth` units after position `i` in direction `step` (+1: forward, -1: backward)."""
     return [units[j] for j in range(i + step, i + step * (depth + 1), step) if 0 <= j < len(units)]

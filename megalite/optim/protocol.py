@@ -1,17 +1,19 @@
 """The optimizer's typed contracts: what the rest of megalite calls on it, and what it needs from the model.
 
-`DistributedOptimizer` is everything the training step (`megalite.training`), the pipeline engine
-(`megalite.pipeline.engine`) and the checkpoint code (`megalite.checkpoint.sharded`) use of an
-optimizer. Two classes implement it: `ZeroOptimizer` (`megalite.optim.zero`, ZeRO stages 0-3: what
-`pretrain.py` runs) and `ReferenceOptimizer` (`megalite.optim.reference`, replicated `torch.optim.AdamW`:
-the oracle the tests compare against). tests/test_optim_protocol.py checks that both have every
-member with the same signature.
+`DistributedOptimizer` is everything the training step (`megalite.training`) and the checkpoint code
+(`megalite.checkpoint.sharded`) use of an optimizer; the pipeline engine needs only its backward-side
+part (`megalite.pipeline.engine.BackwardSync`: `no_sync`, `defer_weight_grads`). Two classes implement
+it: `ZeroOptimizer` (`megalite.optim.zero`, a `GradSync` and AdamW on its shards at ZeRO stages 0-3:
+what `pretrain.py` runs) and `ReferenceOptimizer` (`megalite.optim.reference`, replicated
+`torch.optim.AdamW`: the oracle the tests compare against). tests/test_optim_protocol.py checks that
+both have every member with the same signature. Between the gradient sync and the optimizer math the
+contract is `megalite.optim.shards` (`Shard`, `ShardOptimizer`).
 
-The other way round, the ZeRO optimizer asks the model two things, each through a small Protocol the
+The other way round, the gradient sync asks the model two things, each through a small Protocol the
 model satisfies structurally (besides the `ParamSpec` of every parameter, `megalite.parallel.param_spec`):
   `ShardableModel.zero3_units()`  the modules ZeRO-3 gathers one at a time (a GPT stage's blocks)
   `FoldsWeightGrad`               a linear whose weight gradient can be added straight into the
-                                  optimizer's fp32 buffer (`megalite.layers.linear_fn`)
+                                  sync's fp32 buffer (`megalite.layers.linear_fn`)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from megalite.layers.linear_fn import Fold
+from megalite.layers.linear_fn import DeferredWeightGrads, Fold
 
 
 @runtime_checkable
@@ -31,6 +33,8 @@ class DistributedOptimizer(Protocol):
 
         zero_grad()
         forward/backward over the micro-batches, every backward but each chunk's last inside no_sync()
+                                  (a split last backward: its B and its W outside; B inside
+                                  defer_weight_grads(store), W = store.run())
         finish_grad_sync()        gradients reduced over dp exactly once per step (and SP / tied sums)
         scale_grads(1 / scale)    undo the loss scale (fp16)
         norm = grad_norm()        the global norm, each parameter once; the same on every rank
@@ -52,6 +56,11 @@ class DistributedOptimizer(Protocol):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communicating."""
+        ...
+
+    @contextlib.contextmanager
+    def defer_weight_grads(self, store: DeferredWeightGrads) -> Iterator[None]:
+        """Backward passes inside record the linears' weight-gradient work in `store` for a later W."""
         ...
 
     def finish_grad_sync(self) -> None: ...

@@ -1,6 +1,7 @@
 """The reference optimizer: replicated AdamW over plain `.grad` tensors, the oracle tests compare against.
 
-Production always uses `ZeroOptimizer` (`megalite.optim.zero`, every ZeRO stage); this one implements
+Production always uses `ZeroOptimizer` (`megalite.optim.zero`, a gradient sync + AdamW on its shards, every
+ZeRO stage); this one implements
 the same `DistributedOptimizer` protocol (`megalite.optim.protocol`) in the most direct way —
 `torch.optim.AdamW` on the model's parameters, one flat DP all-reduce after the last micro-batch,
 the global norm over `.grad` — so that the ZeRO stages, the pipeline and the checkpoints can be
@@ -18,13 +19,13 @@ import torch.nn as nn
 
 from megalite.errors import ConfigError
 from megalite.optim.adamw import build_optimizer
-from megalite.optim.grads import (GradSyncSwitch, clip_gradients, global_grad_norm, reduce_gradients,
-                                  sync_tied_embeddings, unique_params)
+from megalite.layers.linear_fn import DeferredWeightGrads
+from megalite.optim.grads import clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings, unique_params
 from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
 
 
-class ReferenceOptimizer(GradSyncSwitch):
+class ReferenceOptimizer:
     """Replicated AdamW; after the last micro-batch the gradients are all-reduced over DP."""
 
     stage = 0  # nothing is sharded over dp (ZeRO stage 0)
@@ -37,6 +38,16 @@ class ReferenceOptimizer(GradSyncSwitch):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Nothing communicates during a backward here (the reduction is all in `finish_grad_sync`)."""
+        yield
+
+    @contextlib.contextmanager
+    def defer_weight_grads(self, store: DeferredWeightGrads) -> Iterator[None]:
+        """The linears get no fold here, so nothing is deferred: B computes the weight gradients, W is empty."""
+        yield
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -63,12 +74,6 @@ class ReferenceOptimizer(GradSyncSwitch):
             group["lr"] = lr
         clip_gradients(self.model, clip, norm)
         self.optimizer.step()
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, d: dict) -> None:
-        self.optimizer.load_state_dict(d)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
         """Global parameter names (the "0." / "1." chunk prefix of an nn.ModuleList dropped), each once."""

@@ -1,16 +1,17 @@
-"""The checkpoint protocol of the ZeRO optimizer: per-parameter fp32 master weights and Adam moments.
+"""The checkpoint protocol of the ZeRO optimizer: per-parameter fp32 master weights and optimizer states.
 
 `megalite.checkpoint.sharded` saves and loads logical tensors by global parameter name, whatever the
-layout; the ZeRO optimizer keeps them in flat buckets of which each rank owns 1/dp. So saving gathers
-a bucket's shards over dp (counted under "checkpoint", not "dp", so step traffic stays exact) and cuts
-it into parameters; loading rebuilds each bucket's flat fp32 buffers from the per-parameter tensors
-and keeps this rank's range. Every rank then holds the same dict (only dp rank r's share is written).
+layout; the gradient sync keeps parameters in flat buckets of which each rank's optimizer owns 1/N. So
+saving gathers each of a bucket's state shards over the bucket's group (counted under "checkpoint", not
+"dp", so step traffic stays exact) and cuts it into parameters; loading rebuilds each bucket's flat fp32
+buffers from the per-parameter tensors and keeps this rank's range. Every rank then holds the same dict
+(only dp rank r's share is written). The kinds of state ("master", "exp_avg", ...) are the optimizer's.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 
 Names = Mapping[int, str]  # id(parameter) -> its name in the model
+States = dict[str, dict[str, torch.Tensor]]
 
 
 def _global_name(name: str) -> str:
@@ -36,49 +38,46 @@ def _full(b: Bucket, shard: torch.Tensor, sharded: bool, state: ParallelState) -
 
 
 @torch.no_grad()
-def param_states(buckets: list[Bucket], names: Names, sharded: bool, step: int,
-                 state: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
-    """Every parameter's fp32 master and (after the first `step`) Adam moments, whole over dp; `sharded`:
-    the buckets hold 1/dp each (ZeRO stage >= 1)."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for b in buckets:
-        master = _full(b, b.master.float(), sharded, state)
-        moments = (_full(b, b.exp_avg, sharded, state), _full(b, b.exp_avg_sq, sharded, state)) if step > 0 else None
+def param_states(buckets: Sequence[Bucket], shard_states: Sequence[Mapping[str, torch.Tensor]], names: Names,
+                 sharded: bool, step: int, state: ParallelState) -> States:
+    """Every parameter's optimizer state (`shard_states[i]`: bucket i's own range of each kind), whole over
+    the bucket's group, plus "step" once a step was taken; `sharded`: the buckets hold 1/N each (ZeRO >= 1)."""
+    out: States = {}
+    for b, kinds in zip(buckets, shard_states):
+        fulls = {kind: _full(b, t, sharded, state) for kind, t in kinds.items()}
         for p, off in zip(b.params, b.offsets):
             sl = slice(off, off + p.numel())
-            entry = {"master": master[sl].view(p.shape).clone()}
-            if moments is not None:
-                entry["exp_avg"] = moments[0][sl].view(p.shape).clone()
-                entry["exp_avg_sq"] = moments[1][sl].view(p.shape).clone()
+            entry = {kind: full[sl].view(p.shape).clone() for kind, full in fulls.items()}
+            if step > 0:
                 entry["step"] = torch.tensor(float(step))
             out[_global_name(names[id(p)])] = entry
     return out
 
 
 @torch.no_grad()
-def load_param_states(buckets: list[Bucket], names: Names, states: dict[str, dict[str, torch.Tensor]]) -> int:
-    """Fill each bucket's master and Adam shards from per-parameter tensors; returns the optimizer step
-    (0 when the states have none). The caller publishes the new master weights into the model."""
+def load_param_states(buckets: Sequence[Bucket], names: Names, states: States,
+                      kinds: Sequence[str]) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Each bucket's own range of every state kind, from per-parameter tensors (zeros for a parameter or
+    kind the states lack), and the optimizer step (0 when the states have none)."""
     steps = {int(e["step"]) for e in states.values() if "step" in e}
+    out = []
     for b in buckets:
-        flats = {k: torch.zeros(b.padded, dtype=torch.float32, device=b.exp_avg.device)
-                 for k in ("master", "exp_avg", "exp_avg_sq")}
+        device = b.grad_shard.device if b.grad_shard is not None else b.param_flat.device
+        flats = {k: torch.zeros(b.padded, dtype=torch.float32, device=device) for k in kinds}
         for p, off in zip(b.params, b.offsets):
             entry = states.get(_global_name(names[id(p)]), {})
             for kind, flat in flats.items():
                 if kind in entry:
                     flat[off:off + p.numel()] = entry[kind].reshape(-1).to(flat.device, torch.float32)
-        b.master.copy_(flats["master"][b.lo:b.hi])
-        b.exp_avg.copy_(flats["exp_avg"][b.lo:b.hi])  # zeros for parameters that start fresh
-        b.exp_avg_sq.copy_(flats["exp_avg_sq"][b.lo:b.hi])
-    return max(steps) if steps else 0
+        out.append({k: flat[b.lo:b.hi] for k, flat in flats.items()})
+    return out, (max(steps) if steps else 0)
 
 
 @torch.no_grad()
-def full_parameters(buckets: list[Bucket], names: Names, sharded_params: bool,
+def full_parameters(buckets: Sequence[Bucket], names: Names, sharded_params: bool,
                     state: ParallelState) -> dict[str, torch.Tensor]:
-    """Every parameter, whole over dp, by its model name; `sharded_params`: ZeRO-3, where each rank
-    keeps only its 1/(dp·cp) (`param_shard`), gathered here (counted under "dp", the dp x cp group's traffic)."""
+    """Every parameter, whole over its group, by its model name; `sharded_params`: ZeRO-3, where each rank
+    keeps only its 1/N (`param_shard`), gathered here (counted under the group's key, "dp" for dp x cp)."""
     out: dict[str, torch.Tensor] = {}
     for b in buckets:
         if sharded_params:

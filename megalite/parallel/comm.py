@@ -36,8 +36,10 @@ SEQ_DIM = 1
 # The counter key of each group kind's own traffic: every pipeline communicator (one per kind and direction)
 # is 'pp', and the gradient reduction over dp x cp (dp_cp) is still the data-parallel traffic 'dp'.
 GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "mp": "mp", "embedding": "embedding", "cp": "cp",
-                                              "dp_cp": "dp", "edp": "dp", "ep": "ep",
-                                              **{kind: "pp" for kind in PP_KINDS}}
+                                              "dp_cp": "dp", **{kind: "pp" for kind in PP_KINDS},
+                                              # Expert replicas reduce gradients like dp; the MoE dispatch
+                                              # all-to-all files under its own key.
+                                              "edp": "dp", "ep": "ep"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -89,6 +91,19 @@ def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim:
     out = torch.empty_like(chunks[0])
     dist.reduce_scatter(out, chunks, group=state.group(group))
     return out
+
+
+def all_to_all(t: torch.Tensor, state: ParallelState, group: GroupKind) -> torch.Tensor:
+    """Chunk j of `t` along dim 0 (of n equal chunks) goes to the group's rank j; returns the chunks
+    received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/ulysses.py).
+    `all_to_all_single` with equal splits: counted as the (n-1)/n of `t` that leaves this rank."""
+    n = state.size(group)
+    if n == 1:
+        return t
+    if t.shape[0] % n:
+        raise ValueError(f"all_to_all: dim 0 of size {t.shape[0]} not divisible by {n}")
+    splits = [t.shape[0] // n] * n
+    return all_to_all_single(t, state, group, splits, splits).view_as(t)
 
 
 def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
@@ -175,17 +190,6 @@ class _GatherLastDim(torch.autograd.Function):
         return split(grad, ctx.state, "tp", dim=-1), None
 
 
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
-        ctx.state = state
-        return split(x, state, "tp", dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return all_gather(grad, ctx.state, "tp", dim=-1), None
-
-
 # ---------------------------------------------------------------- sequence parallel
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
@@ -209,17 +213,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather(grad, ctx.state, "tp", dim=SEQ_DIM), None
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:  # type: ignore[override]
-        ctx.state = state
-        return split(x, state, "tp", dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return all_gather(grad, ctx.state, "tp", dim=SEQ_DIM), None
-
-
 def copy_to_tp(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Megatron's f: identity forward, all-reduce of the gradient backward."""
     return x if state.tp == 1 else _CopyToTP.apply(x, state)
@@ -234,10 +227,6 @@ def gather_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return x if state.tp == 1 else _GatherLastDim.apply(x, state)
 
 
-def scatter_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    return x if state.tp == 1 else _ScatterLastDim.apply(x, state)
-
-
 def gather_from_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """SP entry to a TP region: all-gather the sequence forward, reduce-scatter backward."""
     return x if state.tp == 1 else _GatherFromSequence.apply(x, state)
@@ -246,34 +235,6 @@ def gather_from_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
 def reduce_scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """SP exit from a TP region: reduce-scatter the sequence forward, all-gather backward."""
     return x if state.tp == 1 else _ReduceScatterToSequence.apply(x, state)
-
-
-def scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """Keep this rank's sequence slice of a replicated tensor (backward all-gathers)."""
-    return x if state.tp == 1 else _ScatterToSequence.apply(x, state)
-
-
-# ---------------------------------------------------------------- point-to-point (pipeline)
-# Asynchronous only: the pipeline engine never blocks on a send and waits on a receive right before the
-# action that needs it. `group` picks the communicator (one per kind and direction: `p2p.channel`; see
-# `create_groups`); ranks are global. The sender counts the bytes, once, under the group's counter key
-# ('pp' for every pipeline communicator).
-def isend(t: torch.Tensor, state: ParallelState, dst: int, group: GroupKind, tag: int) -> dist.Work:
-    """Start sending `t` to global rank `dst`; wait on the returned Work before reusing `t`'s storage."""
-    state.counter.record(_count_key(group, None), "send", _nbytes(t), 2)
-    work = dist.isend(t.contiguous(), dst, group=state.group(group), tag=tag)
-    assert work is not None, "isend returns None only to a rank outside the group"
-    return work
-
-
-def irecv(buf: torch.Tensor, state: ParallelState, src: int, group: GroupKind, tag: int) -> dist.Work:
-    """Start receiving into `buf` from global rank `src`. Uncounted (the sender counts), but noted as the
-    operation this rank entered, for the hang watchdog: the engine waits on it right away."""
-    check_group(group)
-    state.counter.enter(f"recv from rank {src} over '{group}' (tag {tag}, {_nbytes(buf)} bytes)")
-    work = dist.irecv(buf, src, group=state.group(group), tag=tag)
-    assert work is not None, "irecv returns None only to a rank outside the group"
-    return work
 
 
 # ---------------------------------------------------------------- async (overlapped) collectives
@@ -360,7 +321,7 @@ class P2PMessage:
 
 def post_p2p(messages: list[P2PMessage], state: ParallelState) -> list[P2PWork]:
     """Post every send and receive of `messages` now, in the order given; return one handle per message.
-    Sends are counted by the sender under the group's counter key, exactly like `isend`; receives are not
+    Sends are counted by the sender under the group's counter key (op 'send'); receives are not
     counted (the hang watchdog learns of a receive when the caller waits on it).
 
     Each message is its own operation, deliberately not one `batch_isend_irecv`: on gloo that call is the

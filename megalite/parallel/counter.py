@@ -6,6 +6,7 @@ the unit of the papers' formulas and of the estimator):
     all-reduce of X bytes over N ranks        2 (N-1)/N * X
     all-gather producing X bytes in total      (N-1)/N * X
     reduce-scatter consuming X bytes in total  (N-1)/N * X
+    all-to-all of X bytes (this rank's input)  (N-1)/N * X   (the 1/N it keeps does not travel)
     point-to-point send of X bytes             X
 
 so a DDP step over N ranks with Psi gradient elements of b bytes counts 2 (N-1)/N * Psi * b, the
@@ -32,7 +33,7 @@ from typing import Callable, Literal, cast, get_args
 
 CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep"]
 COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
-CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all"]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 # The value of metrics.jsonl's `comm_convention`: the bytes in `comm_bytes` are the ring algorithm's per rank.
 COMM_CONVENTION = "ring"
 
@@ -48,9 +49,10 @@ RING_FACTORS: dict[CollectiveOp, Callable[[int], Fraction]] = {
     "all_reduce": lambda n: Fraction(2 * (n - 1), n),
     "all_gather": lambda n: Fraction(n - 1, n),
     "reduce_scatter": lambda n: Fraction(n - 1, n),
-    "send": lambda n: Fraction(1),
-    # MoE dispatch/combine: `payload_bytes` is what this rank sends to the *other* ranks (its own rows stay).
+    # `payload_bytes` of an all-to-all is what this rank sends to the *other* ranks (its own rows stay):
+    # (n-1)/n of the tensor for equal chunks (Ulysses), the routed rows' bytes for MoE's variable splits.
     "all_to_all": lambda n: Fraction(1),
+    "send": lambda n: Fraction(1),
 }
 
 

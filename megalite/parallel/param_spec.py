@@ -91,8 +91,10 @@ class ParamSpec:
     # gradient is a partial sum to be all-reduced over TP (Korthikanti et al. 2022).
     sp_partial: bool = False
     tied: Tied = Tied.NONE
-    # The group over which the gradient is reduced and ZeRO shards the states ("edp" for MoE experts,
-    # which expert parallelism splits over the "ep" ranks). Buckets never mix groups.
+    # The ranks over which this parameter's gradient is averaged and ZeRO shards its states: dp x cp for
+    # every dense weight (cp ranks saw other tokens of the same sequences); a parameter replicated over
+    # another set of ranks (e.g. an expert's weights over the expert-data-parallel ranks) names that group.
+    # The gradient sync never puts parameters of two groups into one bucket (`megalite.optim.grad_sync`).
     grad_group: GroupKind = "dp_cp"
 
     @property

@@ -9,7 +9,7 @@ dropout on can be repeated exactly.
 Both streams are `torch.Generator`s owned by `RNGStreams`: building a model (which builds one) reads and
 writes no global RNG state, so it cannot change what unrelated code draws from torch's default generator.
 The replicated stream draws exactly what torch's default generator would after `torch.manual_seed` with
-the same seed (the same engine, seeded the same way), the stream earlier versions used.
+the same seed (the same engine, seeded the same way).
 
 Activation recompute replays both streams itself (see `GPT._replayable`): torch's checkpoint restores only
 the global generators.
@@ -41,15 +41,9 @@ class RNGStreams:
         return x * keep.to(x.dtype) / (1.0 - p)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Both generator states. The replicated one keeps the checkpoint key "default" it had when it was
-        torch's default generator, so checkpoints written before and after load alike."""
+        """Both generator states, under the checkpoint format's keys ("default" is the replicated stream)."""
         return {"tp_local": self.tp_local.get_state(), "default": self.replicated.get_state()}
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         self.tp_local.set_state(d["tp_local"])
-        replicated = d["default"]
-        # A checkpoint from a CUDA run of an earlier version saved the *CPU* default generator's state under
-        # "default" while dropout drew from the CUDA one, whose state was never saved (a different size):
-        # that run resumed on the fresh seed, and so does this one.
-        if replicated.numel() == self.replicated.get_state().numel():
-            self.replicated.set_state(replicated)
+        self.replicated.set_state(d["default"])

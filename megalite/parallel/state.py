@@ -11,13 +11,18 @@ reduction per step) strides by tp*cp, and pipeline stages are the outermost, che
 dimension (one p2p per micro-batch boundary). With cp = 1 the formula is the (tp, dp, pp) one, so
 adding cp moved no existing layout.
 
-The arithmetic is in pure functions (`rank_coords`, `group_ranks`) tested without any process group.
+The arithmetic is one `RankGrid` (megalite/parallel/grid.py), tested without any process group:
+`layout_grid` declares the dimensions in that order, and every group kind is a sub-grid named by its
+dimensions (`GROUPS`). Expert parallelism is a second reading of the same dp x cp ranks (`layout_grid`),
+so no rank moves.
+Sequence parallelism is not a dimension: it is a mode of the tp group (`ParallelState.sp`), on the same ranks.
 `ParallelState` is built once in `pretrain.py` and passed to every layer: nothing reads a global.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, cast, get_args
@@ -27,6 +32,7 @@ import torch.distributed as dist
 
 from megalite.errors import ConfigError, LaunchError
 from megalite.parallel.counter import CommCounter
+from megalite.parallel.grid import RankGrid
 
 # The process groups a layout has, a closed set: a typo'd kind is a type error (Literal) and, at run time,
 # a ValueError at the first call that names it (`check_group`), even where the group has one rank.
@@ -42,27 +48,35 @@ from megalite.parallel.counter import CommCounter
 #   dp_cp            dp x cp: ranks holding the same parameters (same tp_rank and pp_rank). The gradients of
 #                    replicated parameters are reduced over it (each cp rank saw other tokens of the same
 #                    sequences) and ZeRO shards over it. At cp = 1 it is the dp group itself (same communicator).
-#   ep, edp          expert parallelism, taken from the dp x cp ranks: with i = dp_rank * cp + cp_rank (the index
-#                    in dp_cp), ep_rank = i % ep and edp_rank = i // ep. 'ep' is the ranks with the same tp_rank,
-#                    pp_rank and edp_rank (the MoE all-to-all), 'edp' the ranks with the same tp_rank, pp_rank and
-#                    ep_rank (expert weights' gradient reduction). At ep = 1, 'edp' is 'dp_cp' (same communicator).
+#   ep, edp          expert parallelism, a second factorisation of the dp_cp ranks: with i = dp_rank * cp +
+#                    cp_rank (the rank's index in its dp_cp group), ep_rank = i % ep and edp_rank = i // ep.
+#                    'ep' spans ep_rank (the ranks an expert layer's experts are spread over), 'edp' edp_rank
+#                    (the replicas of one expert, which reduce its gradients). At ep = 1 'ep' is one rank
+#                    (no communicator) and 'edp' is the dp_cp group itself (same communicator).
 GroupKind = Literal["tp", "dp", "pp", "pp_act_down", "pp_grad", "pp_grad_up", "mp", "embedding", "cp", "dp_cp",
                     "ep", "edp"]
 GROUP_KINDS: frozenset[str] = frozenset(get_args(GroupKind))
 # The communicators over the pipeline ranks (pp_rank is the only coordinate they span).
 PP_KINDS: tuple[GroupKind, ...] = ("pp", "pp_act_down", "pp_grad", "pp_grad_up")
-# The kinds `create_groups` builds one family of groups for, in the order every rank creates them.
-_CREATION_ORDER: tuple[GroupKind, ...] = ("tp", "dp", "pp", "mp", "embedding", "pp_act_down", "pp_grad",
-                                          "pp_grad_up", "cp", "dp_cp", "ep", "edp")
 
 
-class Coords(NamedTuple):
-    """A rank's position in the grid, one coordinate per dimension."""
+class GroupDecl(NamedTuple):
+    """A group kind as a sub-grid: the dimensions it spans (every other coordinate is the same across the
+    group); `ends` keeps only the first and last rank of each sub-grid (a tied embedding's two copies)."""
 
-    tp: int
-    dp: int
-    pp: int
-    cp: int = 0
+    dims: tuple[str, ...]
+    ends: bool = False
+
+
+# Every kind, in the order `create_groups` builds them on every rank (new kinds go at the end: the order of
+# `new_group` calls must not change under existing layouts).
+GROUPS: dict[GroupKind, GroupDecl] = {
+    "tp": GroupDecl(("tp",)), "dp": GroupDecl(("dp",)), "pp": GroupDecl(("pp",)), "mp": GroupDecl(("tp", "pp")),
+    "embedding": GroupDecl(("pp",), ends=True), "pp_act_down": GroupDecl(("pp",)), "pp_grad": GroupDecl(("pp",)),
+    "pp_grad_up": GroupDecl(("pp",)), "cp": GroupDecl(("cp",)), "dp_cp": GroupDecl(("cp", "dp")),
+    "ep": GroupDecl(("ep",)), "edp": GroupDecl(("edp",)),
+}
+assert set(GROUPS) == GROUP_KINDS
 
 
 def check_group(kind: str) -> GroupKind:
@@ -72,45 +86,14 @@ def check_group(kind: str) -> GroupKind:
     return cast(GroupKind, kind)
 
 
-def rank_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> Coords:
-    """(tp_rank, dp_rank, pp_rank, cp_rank) of a global rank."""
-    if not 0 <= rank < tp * cp * pp * dp:
-        raise ValueError(f"rank {rank} outside world of size {tp * cp * pp * dp}")
-    return Coords(rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp)
-
-
-def coords_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
-    """Inverse of `rank_coords`."""
-    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
-
-
-def group_ranks(kind: GroupKind, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[list[int]]:
-    """Every group of one kind, as sorted lists of global ranks (each rank in exactly one group).
-
-    A group is the ranks that agree on every coordinate the kind does not span: tp spans tp_rank, cp
-    cp_rank (sorted = ring order), dp dp_rank, dp_cp both dp_rank and cp_rank, the four pp kinds pp_rank,
-    mp (model parallel, tp x pp: the gradient norm's reduction) tp_rank and pp_rank; embedding is the first
-    and last pipeline stage of each (tp, cp, dp) column — the ranks holding the two copies of a tied embedding.
-    """
-    spans: dict[GroupKind, tuple[str, ...]] = {
-        "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp"), "mp": ("tp", "pp"), "embedding": ("pp",),
-        **{pp_kind: ("pp",) for pp_kind in PP_KINDS}}
-    groups: dict[tuple[int, ...], list[int]] = {}
-    if kind in ("ep", "edp"):  # from the dp x cp index i: ep_rank = i % ep, edp_rank = i // ep
-        for r in range(tp * cp * pp * dp):
-            c = rank_coords(r, tp, pp, dp, cp)
-            i = c.dp * cp + c.cp
-            groups.setdefault((c.tp, c.pp, i // ep if kind == "ep" else i % ep), []).append(r)
-        return sorted(sorted(g) for g in groups.values())
-    spanned = spans[check_group(kind)]
-    for r in range(tp * cp * pp * dp):
-        c = rank_coords(r, tp, pp, dp, cp)
-        key = tuple(v for name, v in c._asdict().items() if name not in spanned)
-        groups.setdefault(key, []).append(r)
-    result = [sorted(g) for g in groups.values()]
-    if kind == "embedding":
-        result = [sorted({g[0], g[-1]}) for g in result]
-    return sorted(result)
+@functools.lru_cache(maxsize=64)  # pure in its ints; every rank query reads it
+def layout_grid(tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1) -> RankGrid:
+    """The layout's rank grid: (tp, cp, dp, pp) in rank order, and (ep, edp) as a second factorisation of
+    the consecutive (cp, dp) digits — i = dp_rank * cp + cp_rank is their value, ep_rank its fast digit."""
+    base = RankGrid.of(("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp))
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp}")
+    return base.refactor(("cp", "dp"), (("ep", ep), ("edp", dp * cp // ep)))
 
 
 @dataclass
@@ -126,43 +109,40 @@ class ParallelState:
     dp: int = 1
     rank: int = 0
     cp: int = 1
-    sp: bool = False
-    ep: int = 1
+    sp: bool = False  # sequence parallelism: a mode of the tp group (activations sharded over it), no dimension
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict[GroupKind, dist.ProcessGroup] = field(default_factory=dict)
     counter: CommCounter = field(default_factory=CommCounter)
+    ep: int = 1
+
+    @property
+    def grid(self) -> RankGrid:
+        return layout_grid(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
-    def coords(self) -> Coords:
-        return rank_coords(self.rank, self.tp, self.pp, self.dp, self.cp)
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every dimension of the grid (tp, cp, dp, pp, ep, edp)."""
+        return self.grid.coords(self.rank)
 
     @property
     def tp_rank(self) -> int:
-        return self.coords.tp
+        return self.coords["tp"]
 
     @property
     def dp_rank(self) -> int:
-        return self.coords.dp
+        return self.coords["dp"]
 
     @property
     def pp_rank(self) -> int:
-        return self.coords.pp
+        return self.coords["pp"]
 
     @property
     def cp_rank(self) -> int:
-        return self.coords.cp
-
-    @property
-    def ep_rank(self) -> int:
-        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
-
-    @property
-    def edp_rank(self) -> int:
-        return (self.dp_rank * self.cp + self.cp_rank) // self.ep
+        return self.coords["cp"]
 
     @property
     def is_first_stage(self) -> bool:
@@ -188,27 +168,36 @@ class ParallelState:
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same tp, cp and dp coordinates)."""
-        return coords_rank(self.tp_rank, self.dp_rank, pp_rank, self.tp, self.dp, self.cp_rank, self.cp)
+        return self.ranks("pp")[pp_rank]
 
     def size(self, kind: GroupKind) -> int:
         """Ranks in this rank's group of `kind` (1: every collective over it is a no-op)."""
-        kind = check_group(kind)
-        if kind in PP_KINDS:
-            return self.pp
-        return {"tp": self.tp, "dp": self.dp, "mp": self.tp * self.pp, "embedding": 1 if self.pp == 1 else 2,
-                "cp": self.cp, "dp_cp": self.dp * self.cp, "ep": self.ep, "edp": self.dp * self.cp // self.ep}[kind]
+        decl = GROUPS[check_group(kind)]
+        n = self.grid.size(*decl.dims)
+        return min(n, 2) if decl.ends else n
 
     def rank_in(self, kind: GroupKind) -> int:
-        """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list)."""
-        kind = check_group(kind)
-        if kind in PP_KINDS:
-            return self.pp_rank
-        return {"tp": self.tp_rank, "dp": self.dp_rank, "mp": self.pp_rank * self.tp + self.tp_rank,
-                "embedding": 0 if self.is_first_stage else 1, "cp": self.cp_rank,
-                "dp_cp": self.dp_rank * self.cp + self.cp_rank, "ep": self.ep_rank, "edp": self.edp_rank}[kind]
+        """This rank's position in its group of `kind` (the index in `group_ranks`' sorted list; for the
+        embedding kind 0 on the first stage, 1 on every other)."""
+        decl = GROUPS[check_group(kind)]
+        index = self.grid.index_in(self.rank, *decl.dims)
+        return min(index, 1) if decl.ends else index
+
+    def ranks(self, kind: GroupKind) -> list[int]:
+        """The global ranks of this rank's group of `kind`, sorted (= index order)."""
+        decl = GROUPS[check_group(kind)]
+        members = self.grid.group(self.rank, *decl.dims)
+        return sorted({members[0], members[-1]}) if decl.ends else members
+
+    def group_ranks(self, kind: GroupKind) -> list[list[int]]:
+        """Every group of `kind` in the layout (each rank in at most one), sorted lists of global ranks, sorted.
+        The embedding kind holds only each pipeline's first and last stage."""
+        decl = GROUPS[check_group(kind)]
+        groups = self.grid.groups(*decl.dims)
+        return sorted(sorted({g[0], g[-1]}) for g in groups) if decl.ends else groups
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
-        """The torch process group of `kind` this rank belongs to (None when the world is 1)."""
+        """The torch process group of `kind` this rank belongs to (None when the world or the group is 1)."""
         return self.groups.get(check_group(kind))
 
 
@@ -222,15 +211,13 @@ def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str =
     rank, world, local_rank = launcher_env()
     if world != tp * cp * pp * dp:
         raise ConfigError(f"world size {world} != tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp}")
-    if ep < 1 or (dp * cp) % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide dp x cp = {dp * cp} (experts are split over dp x cp ranks)")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=sp, ep=ep, device=dev)
+    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=sp, device=dev, ep=ep)
     if world == 1:
         return state
     if not dist.is_initialized():
@@ -280,18 +267,17 @@ def create_groups(state: ParallelState) -> None:
     communicator only for a pair that actually talks on the group (torch creates them lazily, at the
     first send or receive between the two ranks), so an unused group costs no GPU memory.
     """
-    for kind in _CREATION_ORDER:
+    for kind in GROUPS:
         if kind in PP_KINDS and kind != "pp" and state.pp == 1:
             continue
         if kind == "dp_cp" and state.cp == 1:  # the same ranks as dp: share its communicator
             state.groups["dp_cp"] = state.groups["dp"]
             continue
-        if kind == "ep" and state.ep == 1:  # one rank each: no collective ever runs over it
+        if kind in ("ep", "edp") and state.ep == 1:  # 'ep' is one rank, 'edp' the dp_cp ranks: share theirs
+            if kind == "edp":
+                state.groups["edp"] = state.groups["dp_cp"]
             continue
-        if kind == "edp" and state.ep == 1:  # the same ranks as dp_cp: share its communicator
-            state.groups["edp"] = state.groups["dp_cp"]
-            continue
-        for ranks in group_ranks(kind, state.tp, state.pp, state.dp, state.cp, state.ep):
+        for ranks in state.group_ranks(kind):
             pg = dist.new_group(ranks)
             if state.rank in ranks:
                 state.groups[kind] = pg

@@ -4,6 +4,7 @@ stage holds, the last stage's logits; every term for the S/cp tokens a rank hold
 
 from __future__ import annotations
 
+from megalite.perfmodel.context import cp_held_kv_bytes
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 from megalite.perfmodel.schedules import microbatches_in_flight
 
@@ -50,8 +51,9 @@ def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_
     s = layout.local_seq_len(dims.seq_len)
 
     def per_layer(recompute: str) -> float:
-        return activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, recompute, prec.activation,
-                                          kv_len=dims.seq_len)
+        held = 0.0 if recompute == "full" else cp_held_kv_bytes(dims, layout, prec.activation)  # allgather's K/V
+        return held + activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, recompute, prec.activation,
+                                                 kv_len=dims.seq_len)
 
     acts = per_layer(layout.recompute) * dims.num_layers / layout.pp * microbatches_in_flight(layout, pp_rank, m)
     if layout.recompute == "full":

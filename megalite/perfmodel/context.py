@@ -1,5 +1,5 @@
-"""Context parallelism in the cost model: the ring's bytes per step and the part of its transfers that
-attention compute does not hide.
+"""Context parallelism in the cost model: each cp mode's bytes per step and the part of its transfers that
+attention compute does not hide (`Layout.cp_mode`: ring | allgather | a2a, megalite/context/options.py).
 
 Ring attention (Liu et al. 2023; megalite/context/ring.py) over cp ranks, per attention layer call, per
 micro-batch, in the counter's wire bytes (what one rank sends): with kv = 2·b·(S/cp)·hk·d elements of this
@@ -12,6 +12,12 @@ size (the compute dtype),
 and full recompute re-runs the block's forward, ring included, so it sends the forward again. Selective recompute
 does not: the ring's backward already keeps only q, k, v, the output and the log-sum-exp (megalite/model/block.py),
 so the model does not checkpoint it a second time.
+The other modes (megalite/context/allgather.py, ulysses.py), per call, hq = num_heads/tp, t = b·(S/cp)·d:
+
+    allgather forward (cp-1)·kv·e, backward (cp-1)·kv·4   (the K/V once, the fp32 dK/dV reduce-scattered)
+    a2a       forward = backward = (cp-1)/cp·t·(2·hq + 2·hk)·e   (q, k, v all-to-all'd, the output back)
+
+Neither overlaps its transfers with compute in megalite: all of their time is exposed.
 These are `megalite/context/costs.py`'s closed forms (restated here so the estimator stays torch-free;
 tests/test_estimate_cp.py holds the two equal).
 
@@ -24,18 +30,44 @@ QKᵀ and PV, 2 FLOPs per multiply-add), twice that in backward.
 
 from __future__ import annotations
 
+from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 
 GRAD_BYTES = 4  # dK/dV partial sums travel in fp32 (megalite/context/costs.py)
 
 
+def check_cp_mode(dims: ModelDims, layout: Layout) -> None:
+    """a2a gives each cp rank 1/cp of a tp rank's query and kv heads: a ConfigError unless both split."""
+    heads, kv = dims.num_heads // layout.tp, dims.kv_heads // layout.tp
+    if layout.cp > 1 and layout.cp_mode == "a2a" and (heads % layout.cp or kv % layout.cp):
+        raise ConfigError(f"cp_mode=a2a at cp={layout.cp}: {heads} query and {kv} kv heads per tp rank are not both "
+                          f"divisible by cp; use cp_mode=ring or allgather, or a smaller cp (or tp)")
+
+
 def ring_bytes_per_call(dims: ModelDims, layout: Layout, elem_bytes: int) -> tuple[float, float]:
-    """(forward, backward) bytes one rank sends in one ring attention call of one micro-batch."""
+    """(forward, backward) bytes one rank sends in one cp attention call of one micro-batch, by `layout.cp_mode`
+    (the name is the ring's, the default)."""
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    kv = 2.0 * layout.micro_batch_size * layout.local_seq_len(dims.seq_len) * (dims.kv_heads // layout.tp) * dims.hd
+    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
+    if layout.cp_mode == "a2a":
+        heads = dims.num_heads // layout.tp + dims.kv_heads // layout.tp
+        moved = float((cp - 1) * tokens * dims.hd * elem_bytes * 2 * heads // cp)
+        return moved, moved
+    kv = 2.0 * tokens * (dims.kv_heads // layout.tp) * dims.hd
+    if layout.cp_mode == "allgather":
+        return (cp - 1) * kv * elem_bytes, (cp - 1) * kv * GRAD_BYTES
     return (cp - 1) * kv * elem_bytes, (cp - 1) * kv * (elem_bytes + GRAD_BYTES)
+
+
+def cp_held_kv_bytes(dims: ModelDims, layout: Layout, elem_bytes: int) -> float:
+    """Activation bytes per layer and micro-batch a mode keeps beyond the ring's: the all-gather form keeps
+    every rank's K/V (cp-1 more than its own) from forward to backward; ring and a2a keep S/cp tokens' worth."""
+    if layout.cp == 1 or layout.cp_mode != "allgather":
+        return 0.0
+    kv = 2.0 * layout.micro_batch_size * layout.local_seq_len(dims.seq_len) * (dims.kv_heads // layout.tp) * dims.hd
+    return (layout.cp - 1) * kv * elem_bytes
 
 
 def ring_passes(layout: Layout) -> tuple[int, int]:
@@ -48,7 +80,10 @@ def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int) -> f
     the forward (twice under full recompute) and the backward ring."""
     fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
     n_fwd, n_bwd = ring_passes(layout)
-    return float(m) * dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd)
+    # Document masking: each model chunk's forward all-gathers the int64 token ids over cp (megalite/model/gpt.py)
+    ids = (layout.cp - 1) * layout.micro_batch_size * layout.local_seq_len(dims.seq_len) * 8 * layout.vpp \
+        if layout.document_mask else 0
+    return float(m) * (dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd) + ids)
 
 
 def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: int, flops_per_s: float,
@@ -58,11 +93,13 @@ def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: in
     and the micro-batches. `flops_per_s` is the achieved rate (efficiency x peak)."""
     if layout.cp == 1:
         return 0.0
+    fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
+    n_fwd, n_bwd = ring_passes(layout)
+    if layout.cp_mode != "ring":  # allgather / a2a: collectives on the critical path, nothing hides them
+        return float(m) * dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd) / bytes_per_s
     s_local = layout.local_seq_len(dims.seq_len)
     block_flops = 2.0 * layout.micro_batch_size * s_local * s_local * dims.num_heads * dims.hd / layout.tp
-    fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
     steps = layout.cp - 1
     exposed_fwd = max(0.0, fwd / steps / bytes_per_s - block_flops / flops_per_s)
     exposed_bwd = max(0.0, bwd / steps / bytes_per_s - 2.0 * block_flops / flops_per_s)
-    n_fwd, n_bwd = ring_passes(layout)
     return float(m) * dims.num_layers / layout.pp * steps * (n_fwd * exposed_fwd + n_bwd * exposed_bwd)

@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
+from megalite.model.params import count_params  # noqa: F401  (re-exported)
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
-from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
+from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.flops import flops_per_token
 from megalite.perfmodel.schedules import (SCHEDULES, Schedule, bubble_overhead, microbatches_in_flight,  # noqa: F401
                                           pipeline_bubble, schedule)  # (re-exported: the public names)
@@ -30,27 +31,6 @@ GB = 1e9
 
 
 # ---------------------------------------------------------------- parameters
-
-def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 ffn: int, vocab: int, seq_len: int, tie: bool, head_dim: int | None = None) -> int:
-    """Parameters of megalite's GPT (unpadded vocabulary, no parallelism).
-
-    llama, per layer: q and o h x h each, k and v h x (kv·head_dim) each; SwiGLU 3·h·ffn;
-    two RMSNorm weights. Then a final RMSNorm, the V x h embedding and an untied head unless `tie`.
-    gpt2 adds biases (qkv, out, both MLP linears), LayerNorm weight+bias, a 2·h·ffn GeLU MLP
-    and learned positions (s x h); its head is normally tied. `head_dim` defaults to hidden/heads.
-    """
-    hd = hidden // num_heads if head_dim is None else head_dim
-    q, kv = num_heads * hd, num_kv_heads * hd
-    attn = hidden * (q + 2 * kv) + q * hidden
-    if arch == "llama":
-        layer = attn + 3 * hidden * ffn + 2 * hidden
-        outside = hidden + vocab * hidden
-    else:
-        layer = attn + (q + 2 * kv) + hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
-        outside = 2 * hidden + vocab * hidden + seq_len * hidden
-    return num_layers * layer + outside + (0 if tie else vocab * hidden)
-
 
 def dims_params(dims: ModelDims) -> int:
     return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
@@ -304,6 +284,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
         raise ConfigError("give model dimensions (a preset or --num-layers ...) or --params")
     if dims is not None:
         layout.local_seq_len(dims.seq_len)  # the zigzag split's 2·cp chunks: one clear error, up front
+        check_cp_mode(dims, layout)
     warnings: list[str] = []
     if p > 1 and m < p:
         warnings.append(f"{m} micro-batches < pp={p}: stages idle {sched.bubble(p, m, v):.0%} of "

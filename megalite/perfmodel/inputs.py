@@ -98,16 +98,20 @@ class Layout:
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size x dp (one micro-batch)
     recompute: str = "none"  # none | selective | full
-    cp: int = 1  # context parallel: every sequence split over cp ranks (S/cp tokens each, ring attention)
+    cp: int = 1  # context parallel: every sequence split over cp ranks (S/cp tokens each)
+    cp_mode: str = "ring"  # ring | allgather | a2a (megalite/context/options.py)
+    document_mask: bool = False  # data.document_mask: under cp the token ids are all-gathered once per forward
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, numbers.Integral) and value >= 1):
+            if value is not None and not (isinstance(value, numbers.Integral) and int(value) >= 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer; pass "
                                   f"--{name.replace('_', '-')} 1 or more")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero={self.zero!r} is invalid; use 0, 1, 2 or 3")
+        if self.cp_mode not in ("ring", "allgather", "a2a"):
+            raise ConfigError(f"cp_mode={self.cp_mode!r} is invalid; use ring, allgather or a2a")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"recompute={self.recompute!r} is invalid; use none, selective or full")
 

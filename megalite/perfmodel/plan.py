@@ -306,8 +306,12 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
                             break
                     if best_zero == 0:
                         break
+    if smallest is None:  # every split left fewer micro-batches per replica than pipeline stages
+        raise ConfigError(f"global batch {gbs} is too small for {cluster.world} GPUs: every (tp, pp, dp) split "
+                          f"leaves a pipeline with fewer micro-batches than stages (or a micro-batch above "
+                          f"{max_micro_batch}); use a global batch of at least {cluster.world} (a multiple of the "
+                          "GPU count), or fewer nodes")
     if not ranked:
-        assert smallest is not None
         mem, lay = smallest
         raise ConfigError(
             f"the model ({dims_params(dims) / 1e9:.1f} B parameters) fits on no layout of "

@@ -9,30 +9,29 @@ Memory: as soon as a stage's output has been sent, its storage is released (Mega
 `deallocate_output_tensor`): only the autograd graph is kept, and backward is started from it with
 the received gradient. So a stage holds each in-flight micro-batch's saved activations, not its output.
 
-Split backwards (ZB-H1, ZB-V; `schedules.py`): for a (micro-batch, chunk) that has a "W", the
-forward and the "B" run under `defer_weight_grads`, so B computes the input gradient (and the small
-non-linear parameters' gradients) and the linears' weight GEMMs wait for W, which holds the
-linears' inputs and output gradients until then (`layers.linear_fn`). The micro-batch stays "in
-flight" (`peak_in_flight`) until its W. Gradient reduction: every B and W runs inside `no_sync()`
-except the chunk's last gradient-producing action (its last W, or its last whole B); and the B
-before that last W holds back *all* its parameter gradients (computed, not accumulated) for the W
-to deliver, so the optimizer sees every gradient of the last micro-batch in one backward pass, the
-last W, and starts each bucket's reduction there as it fills, overlapped with the rest of the W.
-With a V placement (zbv) the stage after P-1 is on the same rank: that hand-off stays local.
+Split backwards (ZB-H1, ZB-V; `schedules.py`): for a (micro-batch, chunk) that has a "W", its "B" runs
+inside the gradient sync's `defer_weight_grads(store)`, so B computes the input gradient (and the small
+non-linear parameters' gradients) and the linears' weight GEMMs are recorded in the store; the W is then
+`store.run()`, a plain call, which holds the linears' inputs and output gradients until then
+(`layers.linear_fn`). The micro-batch stays "in flight" (`peak_in_flight`) until its W. Gradient
+reduction: every B and W runs inside `no_sync()` except those of each chunk's last micro-batch (its
+whole B, or its B and its W; `sync_actions`): each parameter's gradient of that micro-batch arrives
+once, in one of them, and the sync starts a bucket's reduction as soon as all of its parameters have
+arrived, overlapped with the rest of the backward. With a V placement (zbv) the stage after P-1 is on the same
+rank: that hand-off stays local.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
-from megalite.layers.linear_fn import DeferredWeightGrads, defer_weight_grads, run_weight_grads
+from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.moe.losses import ScalesAuxLoss
-from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.p2p import Exchange, routes
 from megalite.pipeline.partition import stage_rank
@@ -41,12 +40,47 @@ from megalite.pipeline.schedules import Action, split_backwards
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+class BackwardSync(Protocol):
+    """What the engine needs of the gradient sync (an optimizer's `DistributedOptimizer` has it)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients without communicating."""
+        ...
+
+    def defer_weight_grads(self, store: DeferredWeightGrads) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside record the linears' weight-gradient work in `store`."""
+        ...
+
+
+def run_weight_grads(store: DeferredWeightGrads) -> None:
+    """A "W" action: the weight-gradient work its "B" recorded."""
+    store.run()
+
+
+def sync_actions(actions: list[Action], chunks: int) -> set[int]:
+    """The backward actions that run outside `no_sync()`: the B and the W of each chunk's last micro-batch
+    (the one its last backward action belongs to). Other micro-batches' W's may still follow that B (they
+    touch only the linears' weights, which arrive in the last W); a B may not (its gradients could land
+    in a bucket whose reduction already started)."""
+    out: set[int] = set()
+    for c in range(chunks):
+        grads = [i for i, (kind, _, cc) in enumerate(actions) if cc == c and kind != "F"]
+        if not grads:
+            continue
+        last_micro = actions[grads[-1]][1]
+        mine = [i for i in grads if actions[i][1] == last_micro]
+        late = [actions[i] for i in grads if i > mine[0] and i not in mine and actions[i][0] == "B"]
+        if late:
+            raise ValueError(f"chunk {c}: {late} run after the last micro-batch's backward began")
+        out.update(mine)
+    return out
+
+
 @dataclass
 class _InFlight:
     inp: torch.Tensor | None      # received input (requires grad), None on virtual stage 0
     out: torch.Tensor             # stage output (its storage freed once sent) or the scaled loss
     wgrad: DeferredWeightGrads | None = None            # split backward: the W's work, recorded in B
-    held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # grads the last W delivers
 
 
 @dataclass
@@ -66,43 +100,42 @@ class PipelineEngine:
         return stage_rank(vstage, self.state.pp, self.v_shape)
 
     def run(self, actions: list[Action], batches: list[Batch], loss_scale: float,
-            optimizer: DistributedOptimizer | None) -> torch.Tensor:
+            optimizer: BackwardSync | None) -> torch.Tensor:
         """Execute the schedule; returns the sum over micro-batches of the mean token loss (0 off the
         last stage). The loss is scaled by loss_scale / M for backward (gradient accumulation). Of the
-        optimizer only `no_sync()` is used (None: forward-only evaluation, no backward actions)."""
+        optimizer only `no_sync()` and `defer_weight_grads()` are used (None: forward-only evaluation,
+        no backward actions)."""
         m = len(batches)
         live: dict[tuple[int, int], _InFlight] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.state.device)
         split = split_backwards(actions)
-        # Each chunk's last gradient-producing action (its last W, or its last whole B) reduces over DP.
-        last_grads = {c: max((i for i, (k, mb, cc) in enumerate(actions)
-                              if cc == c and (k == "W" or (k == "B" and (mb, cc) not in split))), default=-1)
-                      for c in range(len(self.chunks))}
+        synced = sync_actions(actions, len(self.chunks))
         plan = routes(actions, self.chunk_stages, self.num_stages, self._pp_rank, self.state.stage_rank)
         self._exchange = ex = Exchange(self.state, plan, self.act_shape, self.dtype, self.p2p_depth)
         ex.start()
         for i, (kind, micro, c) in enumerate(actions):
             sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            if kind != "F" and i != last_grads[c]:  # DP reduction only in the chunk's last gradient action
+            if kind != "F":
                 assert optimizer is not None, "a schedule with backward actions needs the optimizer"
-                sync = optimizer.no_sync()
+                if i not in synced:  # DP reduction only in each chunk's last micro-batch
+                    sync = optimizer.no_sync()
             if kind == "F":
                 item = self._forward(i, micro, c, batches[micro], loss_scale / m, total, (micro, c) in split)
                 if item is not None:  # evaluation runs forward-only under no_grad
                     live[(micro, c)] = item
                     self.peak_in_flight = max(self.peak_in_flight, len(live))
             elif kind == "B":
+                assert optimizer is not None
                 item = live[(micro, c)] if (micro, c) in split else live.pop((micro, c))
-                # The B before the chunk's last W keeps every gradient for that W (see the module doc).
-                hold = actions[last_grads[c]] == ("W", micro, c)
-                with sync:
-                    self._backward(i, c, item, hold)
+                defer = (optimizer.defer_weight_grads(item.wgrad) if item.wgrad is not None
+                         else contextlib.nullcontext())
+                with sync, defer:
+                    self._backward(i, c, item)
             else:
                 item = live.pop((micro, c))
                 assert item.wgrad is not None, f"W{micro} of chunk {c} without a split B"
                 with sync:
-                    run_weight_grads(item.wgrad, item.held)
-                item.held = []
+                    run_weight_grads(item.wgrad)
                 ex.send(i, None, None)  # a W sends nothing, but posts the receives now due
         ex.finish()
         self._exchange = None
@@ -120,8 +153,8 @@ class PipelineEngine:
         wgrad = DeferredWeightGrads() if split and torch.is_grad_enabled() else None
         if isinstance(chunk, ScalesAuxLoss):  # MoE router losses are backpropagated with the loss's factor
             chunk.set_aux_loss_scale(scale)
-        with defer_weight_grads(wgrad):
-            out = chunk(ids if first else None, labels if last else None, hidden=inp, dtype=self.dtype)
+        # Every chunk gets the ids: the first embeds them, document masking reads them on every stage.
+        out = chunk(ids, labels if last else None, hidden=inp, dtype=self.dtype)
         if last:
             loss = out.mean()
             total += loss.detach().double()
@@ -131,24 +164,16 @@ class PipelineEngine:
             self._exchange.send(i, out.detach(), release=out)
         return _InFlight(inp, out, wgrad) if torch.is_grad_enabled() else None
 
-    def _backward(self, i: int, c: int, item: _InFlight, hold: bool) -> None:
-        """A whole backward, or a split one's B (the linears record their W into item.wgrad). With
-        `hold`, parameter gradients are returned instead of accumulated, and kept for the W."""
+    def _backward(self, i: int, c: int, item: _InFlight) -> None:
+        """A whole backward, or a split one's B (the sync records the linears' W work)."""
         vs = self.chunk_stages[c]
         first, last = vs == 0, vs == self.num_stages - 1
         assert self._exchange is not None
         grad = torch.ones_like(item.out) if last else self._exchange.receive(i)
-        params = [p for p in self.chunks[c].parameters() if p.requires_grad] if hold else []
-        inputs = ([] if first else [item.inp]) + params
-        with defer_weight_grads(item.wgrad):  # a recomputed forward (model.recompute) records too
-            # The output's storage may be freed: bypass backward()'s shape check.
-            grads = Variable._execution_engine.run_backward(
-                (item.out,), (grad,), False, False, tuple(inputs) if hold else (), True, not hold)
-        if hold:
-            input_grad = None if first else grads[0]
-            item.held = [(p, g) for p, g in zip(params, grads[len(inputs) - len(params):]) if g is not None]
-        else:
-            input_grad = None if first else item.inp.grad  # type: ignore[union-attr]
+        # A sent output's storage is released to a one-element broadcast of its shape (`p2p`), so the
+        # public backward's shape check holds while the memory is gone.
+        torch.autograd.backward(item.out, grad)
+        input_grad = None if first else item.inp.grad  # type: ignore[union-attr]
         assert first or input_grad is not None
         self._exchange.send(i, input_grad, release=None)
 

@@ -201,6 +201,8 @@ class Exchange:
 
 
 def _free(t: torch.Tensor | None) -> None:
+    """Release a sent output's memory, keeping its shape (one element broadcast over it): the engine's
+    backward from it then passes torch's shape check without a private API."""
     if t is not None:
-        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 

@@ -46,6 +46,34 @@ Action = tuple[Kind, int, int]
 
 ZERO_BUBBLE = ("zb-h1", "zbv")
 SCHEDULES = ("1f1b", "gpipe", "interleaved") + ZERO_BUBBLE
+# What each schedule fixes of the layout, the one place these rules live (config validation, the pipeline
+# builder and `build_schedule` all ask `layout_problems`): chunks per rank (None = any vpp > 1), whether
+# the chunks sit in a V (rank r: stages r and 2P-1-r), whether it needs pp > 1. A new schedule is a row
+# here, its action list above, and its row in the cost model (megalite/perfmodel/schedules.py).
+CHUNKS: dict[str, int | None] = {"1f1b": 1, "gpipe": 1, "interleaved": None, "zb-h1": 1, "zbv": 2}
+V_SHAPED: frozenset[str] = frozenset({"zbv"})
+NEEDS_PP: frozenset[str] = frozenset({"interleaved", "zb-h1", "zbv"})
+assert set(CHUNKS) == set(SCHEDULES)
+
+
+def layout_problems(name: str, pp: int, vpp: int) -> list[str]:
+    """Why schedule `name` cannot run `vpp` chunks per rank on `pp` stages (empty: it can), one line each."""
+    out: list[str] = []
+    chunks = CHUNKS[name]
+    if vpp > 1 and chunks == 1:
+        out.append(f"parallel.vpp={vpp} needs parallel.schedule=interleaved or zbv (got {name})")
+    if name in NEEDS_PP and name in ZERO_BUBBLE and pp == 1:
+        out.append(f"parallel.schedule={name} needs parallel.pp > 1 (it fills the pipeline's bubble)")
+    if name in ZERO_BUBBLE and chunks != vpp:
+        out.append(f"parallel.schedule={name} runs one chunk per rank: set parallel.vpp=1 (got {vpp}), or use zbv "
+                   "for two" if chunks == 1 else
+                   f"parallel.schedule={name} places exactly {chunks} chunks per rank in a V: set "
+                   f"parallel.vpp={chunks} (got {vpp})")
+    if chunks is None and vpp == 1:
+        out.append(f"parallel.schedule={name} needs parallel.vpp > 1 (virtual chunks per rank)")
+    if name in NEEDS_PP and name not in ZERO_BUBBLE and pp == 1:
+        out.append(f"parallel.schedule={name} needs parallel.pp > 1")
+    return out
 
 
 def gpipe(num_micro: int, pp: int, pp_rank: int) -> list[Action]:
@@ -196,15 +224,15 @@ def build_schedule(name: str, num_micro: int, pp: int, pp_rank: int, vpp: int = 
     if name == "zb-h1":
         return zb_h1(num_micro, pp, pp_rank)
     if name == "zbv":
-        if vpp != 2:
-            raise ValueError(f"zbv places exactly 2 chunks per rank: needs vpp=2, got {vpp}")
+        if problems := layout_problems(name, pp, vpp):
+            raise ValueError("; ".join(problems))
         return list(_zero_bubble_v(num_micro, pp)[pp_rank])
     raise ValueError(f"unknown pipeline schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
 
 
 def chunk_stages(name: str, pp_rank: int, pp: int, vpp: int) -> list[int]:
     """The virtual stage of each of the rank's chunks: V-shaped for zbv, else r, r+P, r+2P, ..."""
-    return chunk_virtual_stages(pp_rank, pp, vpp, v_shape=name == "zbv")
+    return chunk_virtual_stages(pp_rank, pp, vpp, v_shape=name in V_SHAPED)
 
 
 def split_backwards(actions: list[Action]) -> set[tuple[int, int]]:

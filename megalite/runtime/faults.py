@@ -4,6 +4,8 @@ Set MEGALITE_FAULT to one or more `;`-separated faults, each `KIND:key=value:...
     kill:rank=1:step=5     SIGKILL this process at the start of step 5 on global rank 1
     hang:rank=1:step=5     sleep forever at the start of step 5 on rank 1 (the watchdog should fire)
     nan:step=3             make the gradient non-finite at step 3 (all ranks) — use step=3-9 for a range
+    kill_save:rank=0:step=4  SIGKILL while step 4's checkpoint is written, after the rank's file is written and
+                           before the checkpoint is published (the worst moment: all data on disk, no index)
 Faults fire only on a first attempt (TORCHELASTIC_RESTART_COUNT unset or 0), so a run restarted by
 `torchrun --max-restarts` goes on normally. Nothing happens when the variable is unset.
 """
@@ -51,6 +53,11 @@ class FaultInjector:
             if f.hits(self.rank, step) and f.kind == "hang":
                 while True:
                     time.sleep(3600)
+
+    def in_save(self, step: int, barrier: int) -> None:
+        """Called before each barrier of a checkpoint write; the second follows this rank's durable file."""
+        if barrier == 2 and any(f.kind == "kill_save" and f.hits(self.rank, step) for f in self.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def poison_grads(self, step: int) -> bool:
         """True when this step's gradients should be made non-finite."""

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch.nn as nn
 
 from megalite.checkpoint import sharded
+from megalite.checkpoint.async_save import AsyncSaver, Outcome, raise_if_failed
 from megalite.config import CheckpointConfig
 from megalite.data import DataSampler
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
+from megalite.runtime.faults import FaultInjector
+
+Note = Callable[[str], None]
 
 
 @dataclass
@@ -29,6 +34,13 @@ class RunCheckpoints:
     rng: RNGStreams
     state: ParallelState
     last_saved: Path | None = None
+    saver: AsyncSaver | None = field(default=None, init=False)  # checkpoint.async_save: the background writer
+
+    def __post_init__(self) -> None:
+        if self.settings.async_save and self.settings.dir:  # every rank builds it (it makes a process group)
+            faults = FaultInjector(self.state.rank)
+            self.saver = AsyncSaver(self.state, float(self.config.get("parallel", {}).get("timeout_s", 600.0)),
+                                    pin=self.state.device.type == "cuda", on_barrier=faults.in_save)
 
     def resume(self) -> tuple[str | None, int]:
         """Load the checkpoint `checkpoint.load` names (or the newest in `checkpoint.dir`), if any:
@@ -52,13 +64,51 @@ class RunCheckpoints:
         every = self.settings.interval > 0 and step % self.settings.interval == 0
         return bool(self.settings.dir) and (every or step == total_steps)
 
-    def save(self, step: int) -> Path | None:
-        """Write step `step`'s checkpoint (no-op without `checkpoint.dir`); returns its directory."""
+    def save(self, step: int, note: Note) -> Path | None:
+        """Write step `step`'s checkpoint (no-op without `checkpoint.dir`); returns its directory, or None
+        when it is being written in the background (`poll` / `finish` report it once published)."""
         if not self.settings.dir:
             return None
         self.optimizer.finish_param_sync()  # the model's parameters are read: none may still be in flight
         extra = {"config": self.config, "sampler": self.sampler.state_dict(),
                  "scaler": self.scaler.state_dict(), "rng": self.rng.state_dict()}
-        self.last_saved = Path(sharded.save_sharded(self.settings.dir, step, self.model, self.optimizer, extra,
-                                                    self.state, self.settings.keep))
-        return self.last_saved
+        if self.saver is None:
+            self.last_saved = Path(sharded.save_sharded(self.settings.dir, step, self.model, self.optimizer, extra,
+                                                        self.state, self.settings.keep))
+            return self.last_saved
+        busy = self.saver.busy()
+        if busy is not None:  # at most one save in flight: this one waits, and says so
+            note(f"checkpoint step {step}: waiting for the save of step {busy}, still being written (a save takes "
+                 "longer than checkpoint.interval steps)")
+        waited, outcome = self.saver.wait()
+        self._report(outcome, note)
+        if busy is not None:
+            note(f"checkpoint step {step}: waited {waited:.2f} s for the save of step {busy}")
+        plan = sharded.plan_save(self.settings.dir, step, self.model, self.optimizer, extra, self.state,
+                                 self.settings.keep)
+        copy_s = self.saver.submit(plan)
+        note(f"checkpoint step {step}: copied {self.saver.buffers.nbytes / 2**20:.1f} MiB to host memory in "
+             f"{copy_s:.3f} s; writing in the background")
+        return None
+
+    def poll(self, note: Note) -> None:
+        """Report a background save that has finished (its error as one CheckpointError); never blocks."""
+        if self.saver is not None:
+            self._report(self.saver.done(), note)
+
+    def finish(self, note: Note, quiet: bool = False) -> None:
+        """Wait for the save in flight (end of run, stop signal, error); `quiet`: an error is already being
+        raised, so a failed save is only noted, not raised over it."""
+        if self.saver is None:
+            return
+        _, outcome = self.saver.wait()
+        if quiet and outcome is not None and outcome.error is not None:
+            note(f"the background save of step {outcome.step} failed too: {outcome.error}")
+            return
+        self._report(outcome, note)
+
+    def _report(self, outcome: Outcome | None, note: Note) -> None:
+        path = raise_if_failed(outcome)
+        if path is not None and outcome is not None:
+            self.last_saved = path
+            note(f"saved checkpoint {path} (written in the background in {outcome.write_s:.2f} s)")

@@ -18,7 +18,8 @@ import torch
 
 from megalite.config import PRESETS, Config, ModelConfig
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
-from megalite.errors import ConfigError, DataError
+from megalite.data.tokenizer import load_tokenizer
+from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 
 GiB = 2**30
@@ -46,7 +47,8 @@ def run_estimate(cfg: Config) -> Estimate:
                      make_vocab_divisible_by=m.make_vocab_divisible_by)
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
-                    recompute=m.recompute, cp=par.cp)
+                    recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode,
+                    document_mask=cfg.data.document_mask)
     dtype = resolved_dtype(cfg, resolved_device(cfg))
     return estimate(dims, layout, run_precision(dtype))
 
@@ -123,32 +125,27 @@ def check_memory(cfg: Config, world_size: int, local_rank: int = 0, available: i
     """Before any process group exists (so a refusing rank leaves none of the others waiting in a
     collective): raise ConfigError when the predicted peak exceeds `available` (default: what this
     machine or this rank's GPU has). The vocabulary is the tokenizer's where the config leaves it
-    at 0; a tokenizer that cannot be read is left for the data loader to report."""
+    at 0; a tokenizer that cannot be read is a DataError here (a check that cannot run is no pass)."""
     device = torch.device(resolved_device(cfg))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
     # CPU: the processes on this machine share its RAM; GPU: one device each.
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
-    try:
-        vocab = tokenizer_vocab_size(cfg)
-    except DataError:
-        return
+    vocab = tokenizer_vocab_size(cfg)
     sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     check_memory_of(sized, device, processes, available)
 
 
 def tokenizer_vocab_size(cfg: Config) -> int:
-    """What `model.vocab_size = 0` becomes: the tokenizer's size (the demo tokenizer's without one)."""
+    """What `model.vocab_size = 0` becomes: the tokenizer's size (the demo tokenizer's without one).
+
+    Read by the same loader the data uses (`load_tokenizer`: SentencePiece, tokenizer.json or tiktoken),
+    so a file the run can train with is one this check can size; one it cannot read is its DataError."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     if not cfg.data.tokenizer:
         return cfg.data.demo_vocab_size
-    import sentencepiece as spm
-
-    try:
-        return int(spm.SentencePieceProcessor(model_file=cfg.data.tokenizer).vocab_size())
-    except (OSError, RuntimeError) as e:
-        raise DataError(f"data.tokenizer {cfg.data.tokenizer!r} cannot be loaded: {e}") from e
+    return load_tokenizer(cfg.data.tokenizer).vocab_size
 
 
 def check_memory_of(cfg: Config, device: torch.device, processes: int, available: int | None = None) -> None:

@@ -6,7 +6,7 @@ has the same token count in pretraining). The DP average is taken by the optimiz
 
 Context parallelism: each cp rank's loss is the mean over its S/cp tokens of each sequence, so its
 gradient is cp times its share of the sequence's; the optimizer sums the gradients over dp x cp and divides
-by dp x cp (`megalite.optim.grads.GRAD_GROUP`), which gives the single-process gradient.
+by dp x cp (each parameter's `ParamSpec.grad_group`), which gives the single-process gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from megalite.moe.stats import finish_step as finish_moe_step
+from megalite.moe.step_metrics import finish_step as finish_moe_step
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.schedule import lr_at
@@ -36,7 +36,7 @@ class StepResult:
     grad_norm: float     # global norm before clipping (inf/nan when the step was skipped)
     lr: float
     skipped: bool
-    moe: dict[str, Any] | None = None  # MoE layers' loads and router losses (megalite.moe.stats), None if dense
+    moe: dict[str, Any] | None = None  # MoE layers' loads and router losses (megalite.moe.step_metrics), None if dense
 
 
 def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dtype) -> PipelineEngine:

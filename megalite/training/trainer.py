@@ -8,7 +8,6 @@ process group, dataset or model exists, so a bad flag costs seconds, not a GPU a
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,9 +20,12 @@ import torch.nn as nn
 from megalite import config as config_mod
 from megalite.checkpoint import storage
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
+from megalite.config.validate_fields import check_text_fields
+from megalite.context import ContextOptions
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
-from megalite.errors import ConfigError, DataError, MegaliteError, from_os_error, report
-from megalite.inference.samples import TrainingSamples
+from megalite.data.tokenizer import Tokenizer
+from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
+from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -36,6 +38,7 @@ from megalite.parallel.state import ParallelState, init_distributed, launcher_en
 from megalite.pipeline import build_pipeline
 from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
+from megalite.runtime.threads import configure_threads, local_processes
 from megalite.runtime.watchdog import Watchdog
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
@@ -49,6 +52,7 @@ from megalite.training.stop import StopFlag
 
 def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
     cfg = config_mod.parse_args(argv)
+    check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
     cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
     _, world, _ = launcher_env()
     cfg = config_mod.resolve(cfg, world)
@@ -57,13 +61,25 @@ def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
 
 
 def pin_resolved(cfg: config_mod.Config) -> config_mod.Config:
-    """Replace the "auto" choices by what this run uses (device, dtype, kernels), so the saved
+    """Replace the "auto" choices by what this run uses (device, dtype, kernels, backend), so the saved
     config.toml describes the run exactly and `tools/estimate.py --config` reads the same run."""
     device = config_mod.resolved_device(cfg)
     cfg.train.dtype = DTYPE_NAMES[config_mod.resolved_dtype(cfg, device)]
     cfg.train.device = device
     cfg.model.kernels = resolve_kernels(cfg.model.kernels, torch.device(device))
+    if cfg.parallel.backend == "auto":  # the rule init_distributed applies
+        cfg.parallel.backend = "nccl" if device == "cuda" else "gloo"
     return cfg
+
+
+def _check_sample_prompt(cfg: config_mod.Config, tokenizer: Tokenizer) -> None:
+    """The sample prompt must leave room for new tokens: found now, not at the first sample after step 1."""
+    if cfg.logging.sample_interval <= 0:
+        return
+    n = len(sample_prompt_ids(tokenizer, cfg.logging.sample_prompt))
+    if n >= cfg.model.seq_len:
+        raise ConfigError(f"logging.sample_prompt is {n} tokens but model.seq_len is {cfg.model.seq_len}: shorten "
+                          "the prompt (samples continue it within one sequence)")
 
 
 @dataclass
@@ -81,7 +97,7 @@ class Run:
 
 
 def build_run(cfg: config_mod.Config) -> Run:
-    """Process group, data, model, optimizer and sampler; the config is resolved and saved (rank 0)."""
+    """Process group, data, model, optimizer and sampler; the config is resolved (nothing is written)."""
     par, tr = cfg.parallel, cfg.train
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
@@ -95,16 +111,15 @@ def build_run(cfg: config_mod.Config) -> Run:
     elif cfg.model.vocab_size < tok_vocab:
         raise DataError(f"the tokenizer has {tok_vocab} tokens but model.vocab_size={cfg.model.vocab_size}: "
                         f"set model.vocab_size >= {tok_vocab} (or 0 to take the tokenizer's)")
-    pin_resolved(cfg)
-    if state.rank == 0:
-        config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
+    _check_sample_prompt(cfg, data.tokenizer)
+    pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
-                            pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule)
+                            pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
+                            context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None))
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
-    # ZeRO-3 hooks a GPT's blocks directly, so give it the chunk itself when there is only one.
-    optimizer = build_distributed_optimizer(engine.chunks[0] if len(engine.chunks) == 1 else model, state, par.zero,
-                                            tr.lr, tr.weight_decay, (tr.beta1, tr.beta2), tr.adam_eps, dtype,
+    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
+                                            (tr.beta1, tr.beta2), tr.adam_eps, dtype,
                                             bucket_bytes=mib_to_bytes(par.bucket_mb),
                                             first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
                                             overlap_param_gather=par.overlap_param_gather,
@@ -138,10 +153,20 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     tr = cfg.train
     malloc_note = tune_malloc() if tr.tune_malloc else "malloc: glibc defaults (train.tune_malloc=false)"
     _, world_size, local_rank = launcher_env()
+    # Intra-op threads = cores / processes on this machine unless OMP_NUM_THREADS says (runtime/threads.py).
+    malloc_note += " | " + configure_threads(local_processes(world_size))
     check_memory(cfg, world_size, local_rank)
-    stop = StopFlag()  # from here on SIGTERM/SIGUSR1 end the run cleanly, even before step 1
+    # From here on Ctrl-C/SIGTERM/SIGUSR1 end the run cleanly, even before step 1; the caller's handlers
+    # come back when the run ends.
+    with StopFlag(saves=bool(cfg.checkpoint.dir), rank=launcher_rank()) as stop:
+        return _train(cfg, stop, malloc_note)
+
+
+def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+    """Build the run, resume, and claim its directories; then the loop (`_loop`)."""
+    tr = cfg.train
     r = build_run(cfg)
-    state, optimizer = r.state, r.optimizer
+    state = r.state
     resumed_from, start_step = r.checkpoints.resume()
     if stop.agreed(state):
         print(f"megalite: stop requested by signal before step {start_step + 1}: exiting, nothing trained",
@@ -151,6 +176,23 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
         return {}
     claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
                                     Path(resumed_from) if resumed_from else None, state)
+    log_claim = storage.DirectoryClaim(None)
+    try:
+        log_claim = storage.claim_log_directory(cfg.logging.dir, cfg.checkpoint.dir, state)
+        return _loop(cfg, r, resumed_from, start_step, stop, malloc_note)
+    finally:
+        log_claim.release()
+        claim.release()
+
+
+def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
+          start_step: int, stop: StopFlag, malloc_note: str) -> dict[str, float]:
+    """The loop, once the run is allowed to start: the first write into logging.dir happens here, after
+    the checkpoint directory is locked, checked for a rewind and the resume has loaded (a refused or
+    failing run leaves the previous run's config.toml and metrics.jsonl untouched)."""
+    tr, state, optimizer = cfg.train, r.state, r.optimizer
+    if state.rank == 0:
+        config_mod.save_config(cfg, f"{cfg.logging.dir}/config.toml")
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
                       config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=state.rank == 0)
     logger = MetricsLogger(cfg.logging.dir, state.rank == 0, tracker, tr.steps, resumed_step=start_step)
@@ -164,10 +206,12 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
     written = WrittenBytes(state.device.type)  # what this process wrote to its sockets during each step
     last: dict[str, float] = {}
+    stop.started(start_step)
     try:  # the watchdog thread and the wandb run must end with this function, even on an error
         for step in range(start_step, tr.steps):
             done = step + 1
             faults.at_step_start(done)
+            r.checkpoints.poll(logger.note)  # a background save that finished: reported, or its error raised
             watchdog.begin_step(done)
             state.counter.reset()
             written.start()
@@ -187,18 +231,18 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
                 logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written))
             samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             watchdog.end_step()
-            stopping = stop.agreed(state)
+            stopping = stop.agreed(state, done)
             if r.checkpoints.due(done, tr.steps) or stopping:
-                saved = r.checkpoints.save(done)
+                saved = r.checkpoints.save(done, logger.note)
                 if saved is not None:
                     logger.note(f"saved checkpoint {saved}")
             if stopping:
                 logger.note(f"stop requested by signal: exiting cleanly after step {done}")
                 break
     finally:
+        r.checkpoints.finish(logger.note, quiet=sys.exc_info()[0] is not None)  # the save in flight, if any
         watchdog.close()
         tracker.finish()
-        claim.release()
     optimizer.finish_param_sync()  # no parameter gather left in flight when the process group goes
     last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
     logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
@@ -226,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         return report(e, "megalite: error")
     except OSError as e:  # e.g. a full disk for the logs: one line too
         return report(from_os_error(e), "megalite: error")
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers exist (startup, --check-config)
+        if launcher_rank() == 0:
+            print("megalite: interrupted (Ctrl-C) before training started: nothing trained or saved",
+                  file=sys.stderr)
+        return 130
     return 0
 
 
@@ -248,6 +297,9 @@ def _leave_it_to_rank_0() -> None:
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 when alone or unreadable)."""
-    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    return int(value) if value.isdigit() else 0
+    """This process's rank as the launcher set it (`parallel.state.launcher_env`, the one reader of the
+    launcher's variables); 0 when alone or when they are unreadable (that error is rank 0's to report)."""
+    try:
+        return launcher_env()[0]
+    except LaunchError:
+        return 0

@@ -1,0 +1,174 @@
+"""torch.distributed.checkpoint (DCP) as an exchange format: a megalite checkpoint to plain DCP and back.
+
+A DCP directory (`.metadata` + `__<rank>_<n>.distcp` files, written by `torch.distributed.checkpoint.save`) is
+what torchtitan, torchtune and the other DCP-aware tools load. megalite writes it from one process with full,
+unpadded tensors, in the nested form torch's own `get_state_dict` produces, so any tool loads it with
+`dcp.load` (at any sharding: DCP reshards on load) and `set_optimizer_state_dict`:
+
+    {"model":     {<megalite name>: fp32 tensor, ...},
+     "optimizer": {"state": {<name>: {"exp_avg", "exp_avg_sq", "step"}},      (once the optimizer has stepped)
+                   "param_groups": [{"params": [<name>, ...], "lr", "betas", "eps", "weight_decay"}]},
+     "megalite":  JSON string: model dims, step, optimizer step, extra (config, sampler position, scaler)}
+
+Names are megalite's (`megalite.checkpoint.hf` lists them); a tied head is not stored (it is the embedding).
+Guarantees: the directory is written under a temporary name, fsynced (DCP's `sync_files`) and renamed, so a
+crash never leaves a partial `out`; megalite adds `megalite.sha256.json` (the sha256 of every file) and checks
+it, and that every file `.metadata` names exists, before reading. Other tools ignore that file and get plain
+DCP (their own loaders do not verify checksums). The training run itself always writes megalite's format
+(per-rank writes, any-layout loads); DCP is produced and read by `tools/convert_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
+from megalite.checkpoint.interop.source import Source
+from megalite.errors import CheckpointError
+
+META_KEY = "megalite"
+SUMS = "megalite.sha256.json"
+_STATES = ("exp_avg", "exp_avg_sq")
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that it runs without a process group: that is the intent here (one process, no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def save_dcp(out: Path, state_dict: dict[str, Any], side_files: dict[str, str] | None = None) -> Path:
+    """`dcp.save` into a temporary directory next to `out`, add `side_files` (name -> text) and the checksums,
+    rename to `out`."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(f"output {out} already exists: choose a new directory or delete it first")
+    tmp = temp_name(out)
+    try:
+        tmp.mkdir(parents=True)
+        with _one_process():
+            dcp.save(state_dict, checkpoint_id=str(tmp), no_dist=True)
+        for name, text in (side_files or {}).items():
+            (tmp / name).write_text(text)
+            fsync_file(tmp / name)
+        sums = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / SUMS).write_text(json.dumps(sums, indent=1))
+        fsync_file(tmp / SUMS)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # only what this call created
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write {out} ({e.strerror or e}): choose a writable location") from e
+        raise
+    return out
+
+
+def read_metadata(src: Path) -> Metadata:
+    """The `.metadata` of DCP directory `src`, after checking every data file it names exists (the missing one
+    is named) and, when `megalite.sha256.json` is there, that every file matches its checksum."""
+    src = Path(src)
+    if not (src / ".metadata").is_file():
+        raise CheckpointError(f"{src} is not a torch.distributed.checkpoint directory (no .metadata file)")
+    try:
+        md = FileSystemReader(str(src)).read_metadata()
+    except Exception as e:  # a truncated or foreign .metadata: torch raises pickle/EOF errors of many kinds
+        raise CheckpointError(f"cannot read {src / '.metadata'} ({type(e).__name__}: {e}): the checkpoint is "
+                              "damaged or incomplete") from e
+    files = sorted({info.relative_path for info in (md.storage_data or {}).values()})
+    for name in files:
+        if not inside(src, name, ".metadata").is_file():
+            raise CheckpointError(f"{src}: shard file {name} named in .metadata is missing: the checkpoint is "
+                                  "incomplete (copy it completely, or re-save it)")
+    if (src / SUMS).is_file():
+        sums = json.loads((src / SUMS).read_text())
+        for name, digest in sums.items():
+            if sha256(inside(src, name, SUMS)) != digest:
+                raise CheckpointError(f"{src / name} is corrupt (sha256 mismatch with {SUMS}): restore it from a copy")
+    return md
+
+
+def tensor_shapes(md: Metadata) -> dict[str, tuple[int, ...]]:
+    """Flattened DCP key ("model.layers.0.attn.qkv.weight") -> shape, for every tensor in the checkpoint."""
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def load_tensor(src: Path, path: list[str], shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One tensor of a DCP checkpoint, by its nested key path: memory stays at one tensor."""
+    t = torch.empty(shape, dtype=dtype)
+    nested: dict[str, Any] = {path[-1]: t}
+    for part in reversed(path[:-1]):
+        nested = {part: nested}
+    with _one_process():
+        dcp.load(nested, checkpoint_id=str(src), no_dist=True)
+    return t
+
+
+def load_object(src: Path, key: str) -> Any:
+    holder: dict[str, Any] = {key: ""}
+    with _one_process():
+        dcp.load(holder, checkpoint_id=str(src), no_dist=True)
+    return holder[key]
+
+
+def to_dcp(source: Source, out: Path) -> Path:
+    """Write `source` as a plain DCP directory `out` in megalite's names (memory: the whole model, as
+    `dcp.save` takes one state dict)."""
+    try:
+        full = {k: source.fetch(k) for k in source.shapes}
+    finally:
+        source.close()
+    model = {k.split("/", 1)[1]: t for k, t in full.items() if k.startswith("param/")}
+    step = torch.tensor(float(source.optimizer_step or 0.0))
+    state = {name: {**{kind: full[f"{kind}/{name}"] for kind in _STATES}, "step": step.clone()}
+             for name in model if f"exp_avg/{name}" in full}
+    train = source.extra.get("config", {}).get("train", {})
+    group = {"params": list(model), "lr": float(train.get("lr", 0.0)),
+             "betas": (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95))),
+             "eps": float(train.get("adam_eps", 1e-8)), "weight_decay": float(train.get("weight_decay", 0.0))}
+    meta = {"format": "megalite-dcp-1", "model": source.info, "step": source.step,
+            "optimizer_step": source.optimizer_step, "extra": source.extra}
+    return save_dcp(out, {"model": model, "optimizer": {"state": state, "param_groups": [group]},
+                          META_KEY: json.dumps(meta)})
+
+
+def from_dcp(src: Path) -> Source:
+    """A DCP directory written by `to_dcp` (or any with the same keys and a '{META_KEY}' entry)."""
+    md = read_metadata(src)
+    if META_KEY not in md.state_dict_metadata:
+        raise CheckpointError(f"{src} is a DCP checkpoint without megalite's '{META_KEY}' entry (model dims): "
+                              "for a torchtitan checkpoint use --from torchtitan")
+    meta = json.loads(load_object(src, META_KEY))
+    shapes, where = logical_keys(tensor_shapes(md))
+    return Source(meta["model"], shapes, lambda k: load_tensor(src, where[k], shapes[k]), int(meta["step"]),
+                  meta.get("optimizer_step"), meta.get("extra") or {})
+
+
+def logical_keys(flat: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
+    """megalite's logical keys ("param/<name>", "exp_avg/<name>") of a megalite-layout DCP, and each one's
+    nested DCP path."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, list[str]] = {}
+    for key, shape in flat.items():
+        if key.startswith("model."):
+            name = key[len("model."):]
+            shapes[f"param/{name}"], where[f"param/{name}"] = shape, ["model", name]
+        elif key.startswith("optimizer.state."):
+            name, _, kind = key[len("optimizer.state."):].rpartition(".")
+            if kind in _STATES:
+                shapes[f"{kind}/{name}"], where[f"{kind}/{name}"] = shape, ["optimizer", "state", name, kind]
+    return shapes, where

@@ -1,0 +1,226 @@
+"""torchtitan's Llama 3 DCP checkpoints, both ways (torchtitan 0.3's names and layout).
+
+What torchtitan's CheckpointManager writes for `checkpoint/step-N` is one DCP directory whose state dict has the
+model's keys at the top level (its `ModelWrapper.state_dict()`, flattened in) and the optimizer's state under
+"optimizer", flat and keyed by parameter name (`get_flat_optim_state_dict`: "state.<fqn>.exp_avg",
+"state.<fqn>.step", "param_groups.<fqn>.lr", ...). The mapping (megalite's name on the left):
+
+    embedding.weight           tok_embeddings.weight
+    layers.i.norm1.weight      layers.i.attention_norm.weight
+    layers.i.attn.qkv.weight   layers.i.attention.qkv_linear.{wq,wk,wv}.weight   rows [q; k; v], q and k
+                               permuted per head (see below); a fused `wqkv` (kv-group-major rows:
+                               per kv head its queries, then k, then v) is read too
+    layers.i.attn.out.weight   layers.i.attention.wo.weight
+    layers.i.norm2.weight      layers.i.ffn_norm.weight
+    layers.i.mlp.up.weight     layers.i.feed_forward.{w1,w3}.weight               rows [gate (w1); up (w3)]
+    layers.i.mlp.down.weight   layers.i.feed_forward.w2.weight
+    final_norm.weight          norm.weight
+    head.weight                lm_head.weight   (tied: the embedding)
+
+RoPE: torchtitan rotates interleaved pairs (x[2j], x[2j+1]) as complex numbers (Meta's layout); megalite rotates
+halves (x[j], x[j + hd/2]), as Hugging Face does. The same rotation in the other layout is a fixed permutation
+of each head's rows of wq and wk (the one Hugging Face's Llama converter applies), so logits agree and the
+conversion is exact both ways; Adam moments are elementwise and get the same permutation.
+
+torchtitan does not store the model's config in a checkpoint, so heads, norm eps and RoPE theta come from a
+small JSON file (`megalite_model_args.json`, written next to every torchtitan output and read from the input
+directory, or given with --model-args); the other dims are read from the tensor shapes, and a file that
+contradicts them is refused. The lr scheduler, data loader and train-step states are not converted (load the
+output in torchtitan with `checkpoint.exclude_from_loading = ["lr_scheduler", "dataloader", "train_state"]`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megalite.checkpoint.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
+from megalite.checkpoint.interop.source import Source
+from megalite.errors import CheckpointError
+
+ARGS_FILE = "megalite_model_args.json"
+_STATES = ("exp_avg", "exp_avg_sq")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def meta_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of one projection from torchtitan's interleaved-pair RoPE order to rotate-half order, per head."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def hf_to_meta(w: torch.Tensor, heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _titan_tensors(info: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(megalite name, its torchtitan names) for every parameter."""
+    out = [("embedding.weight", ["tok_embeddings.weight"])]
+    for i in range(info["num_layers"]):
+        p = f"layers.{i}."
+        out += [(p + "norm1.weight", [p + "attention_norm.weight"]),
+                (p + "attn.qkv.weight", [p + f"attention.qkv_linear.w{x}.weight" for x in "qkv"]),
+                (p + "attn.out.weight", [p + "attention.wo.weight"]),
+                (p + "norm2.weight", [p + "ffn_norm.weight"]),
+                (p + "mlp.up.weight", [p + "feed_forward.w1.weight", p + "feed_forward.w3.weight"]),
+                (p + "mlp.down.weight", [p + "feed_forward.w2.weight"])]
+    out.append(("final_norm.weight", ["norm.weight"]))
+    if not info["tie_embeddings"]:
+        out.append(("head.weight", ["lm_head.weight"]))
+    return out
+
+
+def _to_titan(name: str, t: torch.Tensor, info: dict[str, Any]) -> list[torch.Tensor]:
+    """megalite tensor -> its torchtitan piece(s), in `_titan_tensors` order."""
+    if name.endswith("attn.qkv.weight"):
+        hd = info["hidden_size"] // info["num_heads"]
+        q, k, v = t.split([info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd])
+        return [hf_to_meta(q, info["num_heads"]), hf_to_meta(k, info["num_kv_heads"]), v.contiguous()]
+    if name.endswith("mlp.up.weight"):
+        return [x.contiguous() for x in t.chunk(2)]
+    return [t]
+
+
+def _fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """torchtitan's fused wqkv rows: per kv head g, its queries, then k_g, then v_g."""
+    groups = [t.reshape(kv_heads, -1, t.shape[-1]) for t in (q, k, v)]
+    return torch.cat(groups, dim=1).reshape(-1, q.shape[-1]).contiguous()
+
+
+def to_torchtitan(source: Source, out: Path, fused_qkv: bool = False) -> Path:
+    """Write `source` (a Llama) as torchtitan's DCP checkpoint of model + optimizer (memory: the whole model).
+    `fused_qkv`: for a torchtitan model built with fuse_qkv=True, whose optimizer holds the fused `wqkv`
+    (its model state dict shows wq/wk/wv either way)."""
+    info = source.info
+    if info.get("arch") != "llama":
+        raise CheckpointError(f"torchtitan's Llama holds arch 'llama' models; this checkpoint is {info.get('arch')!r}")
+    try:
+        full = {k: source.fetch(k) for k in source.shapes}
+    finally:
+        source.close()
+    sd: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    train = source.extra.get("config", {}).get("train", {})
+    group = {"lr": float(train.get("lr", 0.0)), "betas": (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95))),
+             "eps": float(train.get("adam_eps", 1e-8)), "weight_decay": float(train.get("weight_decay", 0.0)),
+             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+             "fused": None, "decoupled_weight_decay": True}
+    for name, titan in _titan_tensors(info):
+        for kind in ("param",) + _STATES:
+            key = f"{kind}/{name}"
+            if key not in full:
+                continue
+            pieces = _to_titan(name, full[key], info)
+            for tname, piece in zip(titan, pieces):
+                if kind == "param":
+                    sd[tname] = piece
+                elif not (fused_qkv and name.endswith("attn.qkv.weight")):
+                    optim[f"state.{tname}.{kind}"] = piece
+            if kind != "param" and fused_qkv and name.endswith("attn.qkv.weight"):
+                optim[f"state.{_fused_name(titan[0])}.{kind}"] = _fuse(pieces[0], pieces[1], pieces[2],
+                                                                       info["num_kv_heads"])
+        for tname in ([_fused_name(titan[0])] if fused_qkv and name.endswith("attn.qkv.weight") else titan):
+            if f"exp_avg/{name}" in full:
+                optim[f"state.{tname}.step"] = torch.tensor(float(source.optimizer_step or 0.0))
+            optim.update({f"param_groups.{tname}.{k}": v for k, v in group.items()})
+    if info["tie_embeddings"]:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+    sd["optimizer"] = optim
+    args = {"dim": info["hidden_size"], "n_layers": info["num_layers"], "n_heads": info["num_heads"],
+            "n_kv_heads": info["num_kv_heads"], "vocab_size": info["vocab_size"], "hidden_dim": info["ffn_hidden_size"],
+            "norm_eps": info["norm_eps"], "rope_theta": info["rope_theta"], "max_seq_len": info["seq_len"],
+            "enable_weight_tying": bool(info["tie_embeddings"]), "rope_scaling": "none", "step": source.step}
+    return save_dcp(out, sd, {ARGS_FILE: json.dumps(args, indent=1) + "\n"})  # beside the DCP files: torchtitan ignores it
+
+
+def _fused_name(wq_name: str) -> str:
+    return wq_name.replace(".wq.", ".wqkv.")
+
+
+def _model_args(src: Path, given: Path | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    path = given or src / ARGS_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{src}: torchtitan checkpoints do not record the model's heads, norm eps and RoPE "
+                              f"theta; give them with --model-args FILE.json ({path} not found)")
+    try:
+        args = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the model args {path} ({e})") from e
+    scaling = args.get("rope_scaling", "none")
+    if scaling not in ("none", None):
+        raise CheckpointError(f"{path}: rope_scaling {scaling!r} (Llama 3.1 frequency scaling) is not in megalite's "
+                              "model: only unscaled RoPE converts exactly")
+    if "layers.0.attention.qkv_linear.wqkv.weight" not in shapes and "layers.0.attention.qkv_linear.wq.weight" not in shapes:
+        found = sorted({k.split(".")[3] for k in shapes if k.startswith("layers.0.") and k.count(".") > 3})
+        raise CheckpointError(f"{src}: layer 0 has no grouped-query attention projections (found {found}): not a "
+                              "torchtitan Llama 3 checkpoint (MoE, MLA and vision models are not supported)")
+    return args
+
+
+def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
+    """torchtitan's Llama 3 DCP checkpoint directory (`checkpoint/step-N`) as megalite tensors."""
+    md = read_metadata(src)
+    flat = tensor_shapes(md)
+    args = _model_args(src, model_args, flat)
+    moe = sorted(k for k in flat if ".moe." in k or ".experts." in k)[:1]
+    if moe:
+        raise CheckpointError(f"{src}: {moe[0]} is a mixture-of-experts tensor; megalite has no MoE layers yet")
+    dim, vocab = flat["tok_embeddings.weight"][1], flat["tok_embeddings.weight"][0]
+    layers = 1 + max(int(m.group(1)) for k in flat if (m := _LAYER.match(k)))
+    hidden = flat["layers.0.feed_forward.w1.weight"][0]
+    info: dict[str, Any] = {"arch": "llama", "num_layers": layers, "hidden_size": dim, "num_heads": int(args["n_heads"]),
+            "num_kv_heads": int(args.get("n_kv_heads") or args["n_heads"]), "ffn_hidden_size": hidden,
+            "vocab_size": vocab, "seq_len": int(args.get("max_seq_len", 2048)), "make_vocab_divisible_by": 1,
+            "tie_embeddings": bool(args.get("enable_weight_tying", False)), "norm_eps": float(args.get("norm_eps", 1e-5)),
+            "rope_theta": float(args.get("rope_theta", 10000.0))}
+    for key, have in (("dim", dim), ("n_layers", layers), ("vocab_size", vocab), ("hidden_dim", hidden)):
+        if key in args and int(args[key]) != have:
+            raise CheckpointError(f"{src}: the model args say {key}={args[key]} but the tensors have {have}: "
+                                  "give the args of this checkpoint's model")
+    nh, nkv = int(info["num_heads"]), int(info["num_kv_heads"])
+    hd = dim // nh
+    step_key = next((k for k in flat if k.startswith("optimizer.state.") and k.endswith(".step")), None)
+
+    def titan(prefix: str, tname: str) -> torch.Tensor:
+        key = f"{prefix}{tname}" if not prefix else f"optimizer.state.{tname}.{prefix}"
+        if key not in flat:
+            raise CheckpointError(f"{src}: tensor {key} is missing from the checkpoint")
+        path = [key] if not prefix else ["optimizer", f"state.{tname}.{prefix}"]
+        return load_tensor(src, path, flat[key])
+
+    def fetch(key: str) -> torch.Tensor:
+        kind, name = key.split("/", 1)
+        prefix = "" if kind == "param" else kind
+        names = dict(_titan_tensors(info))[name]
+        if name.endswith("attn.qkv.weight"):
+            wqkv = _fused_name(names[0])
+            if (f"optimizer.state.{wqkv}.{prefix}" if prefix else wqkv) in flat:  # fused: kv-group-major rows
+                w = titan(prefix, wqkv)
+                g = w.reshape(nkv, nh // nkv + 2, hd, dim)
+                q, k, v = g[:, :-2].reshape(nh * hd, dim), g[:, -2].reshape(nkv * hd, dim), g[:, -1].reshape(nkv * hd, dim)
+            else:
+                q, k, v = (titan(prefix, n) for n in names)
+            return torch.cat([meta_to_hf(q, nh), meta_to_hf(k, nkv), v])
+        return torch.cat([titan(prefix, n) for n in names]) if len(names) > 1 else titan(prefix, names[0])
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, titan_names in _titan_tensors(info):
+        first = titan_names[0]
+        if first not in flat and _fused_name(first) in flat:
+            first = _fused_name(first)
+        if first not in flat:
+            raise CheckpointError(f"{src}: tensor {first} is missing from the checkpoint")
+        full = {"attn.qkv.weight": ((nh + 2 * nkv) * hd, dim), "mlp.up.weight": (2 * hidden, dim)}.get(
+            name.split(".", 2)[-1], flat[first])
+        shapes[f"param/{name}"] = tuple(full)
+        if {f"optimizer.state.{n}.exp_avg" for n in (first, _fused_name(first))} & set(flat):
+            shapes[f"exp_avg/{name}"] = shapes[f"exp_avg_sq/{name}"] = tuple(full)
+    opt_step = float(load_tensor(src, ["optimizer", step_key[len("optimizer."):]], ())) if step_key else None
+    fetch_fn: Callable[[str], torch.Tensor] = fetch
+    return Source(info, shapes, fetch_fn, int(args.get("step", 0)), opt_step, {})
+

@@ -1,0 +1,39 @@
+"""The model's one call into context parallelism: this rank's attention rows by the configured cp mode."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megalite.context.allgather import allgather_attention
+from megalite.context.blockwise import Backend
+from megalite.context.documents import DocumentIds, document_causal_mask
+from megalite.context.options import ContextOptions
+from megalite.context.ring import ring_attention
+from megalite.context.ulysses import LocalAttention, a2a_attention
+from megalite.parallel.state import ParallelState
+
+Tensor = torch.Tensor
+MaskedAttention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (q, k, v, keep [B, 1, S, S]) -> out
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: ContextOptions,
+                      attend: LocalAttention, backend: Backend, docs: DocumentIds | None = None,
+                      masked: MaskedAttention | None = None) -> Tensor:
+    """Causal attention of this rank's zigzag-split q/k/v against the whole sequence ([b, S/cp, h, d] in
+    and out). ring / allgather compute block pairs on `backend` (torch block math or the flash kernel);
+    a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`docs`) the
+    ring and all-gather forms add the same-document test to their masks, and a2a runs `masked` (attention
+    under an explicit mask) with the whole sequence's document-causal mask."""
+    if options.mode == "ring":
+        return ring_attention(q, k, v, state, backend=backend, docs=docs)
+    if options.mode == "allgather":
+        return allgather_attention(q, k, v, state, backend=backend, docs=docs)
+    if options.mode == "a2a":
+        if docs is not None:
+            assert masked is not None, "a2a with document masking needs the masked attention"
+            keep, run = document_causal_mask(docs.full, docs.full), masked
+            return a2a_attention(q, k, v, state, lambda q_, k_, v_: run(q_, k_, v_, keep))
+        return a2a_attention(q, k, v, state, attend)
+    raise ValueError(f"cp mode {options.mode!r}: expected one of ring, allgather, a2a")

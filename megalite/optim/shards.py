@@ -1,0 +1,117 @@
+"""The typed hand-off between the gradient sync and the optimizer: the shards a rank updates.
+
+The gradient sync (`megalite.optim.grad_sync`) owns the model's parameters and gradients in flat buckets
+and reduces them; after `finish_grad_sync()` it hands each bucket's *own* range to the optimizer as a
+`Shard`: the parameter elements this rank updates (model dtype, written back by the optimizer's step),
+the fp32 reduced gradient of exactly those elements, and the `Segment`s saying which pieces of which
+parameters the range holds. The optimizer (`ShardOptimizer`, e.g. `megalite.optim.shard_adamw`) is only
+math on these: it never sees a module, a hook or a collective. At ZeRO 0 the range is the whole bucket,
+at ZeRO >= 1 it is 1/N of it (N = the size of the bucket's `group`).
+
+Loss scaling and the global gradient norm / clipping are math on the same shards (below); the norm's
+sum over ranks is the only communication on this side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from megalite.parallel import comm
+from megalite.parallel.state import GroupKind, ParallelState
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece [lo, hi) of a shard that belongs to one parameter."""
+
+    lo: int
+    hi: int
+    decay: bool       # AdamW weight decay applies (matrices only, like `build_optimizer`)
+    replicated: bool  # same values on every TP rank (a replicated `TPLayout`): counted once in the norm
+    sp_partial: bool  # grads are partial sums over TP under sequence parallelism
+    copy: bool = False  # the last pipeline stage's copy of a tied embedding: not counted in the norm
+
+
+@dataclass(frozen=True, eq=False)
+class Shard:
+    """One bucket's range that this rank updates. The tensors stay the same objects for the whole run
+    (the sync allocates them once), so an optimizer may keep per-shard state aligned with them."""
+
+    params: torch.Tensor            # [n] this rank's elements of the parameters, model dtype
+    grad: torch.Tensor              # [n] fp32: the reduced gradient of those elements
+    segments: tuple[Segment, ...]   # which parameter pieces the range holds (padding belongs to none)
+    group: GroupKind                # the ranks the bucket's gradient was averaged over
+    sharded: bool                   # the range is 1/N of the bucket (ZeRO >= 1), not all of it
+
+    @property
+    def numel(self) -> int:
+        return self.params.numel()
+
+
+@runtime_checkable
+class ShardOptimizer(Protocol):
+    """An optimizer over `Shard`s: keeps its state (fp32 master weights, moments) per shard, updates the
+    shards' `params` in `step`. Its state is checkpointed per parameter by `megalite.optim.zero_state`
+    from `state_shards()` (fp32 tensors aligned with each shard) and restored by `load_state_shards`."""
+
+    step_count: int
+    state_kinds: tuple[str, ...]  # the names of its per-shard fp32 state tensors, "master" first
+
+    def step(self, lr: float) -> None:
+        """One update of every shard from its `grad`, written into its `params` (cast to their dtype)."""
+        ...
+
+    def state_shards(self) -> list[dict[str, torch.Tensor]]:
+        """Per shard, the fp32 state tensors to save, each [numel], among `state_kinds` ("master" always)."""
+        ...
+
+    def load_state_shards(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
+        """Restore every kind of `state_kinds` per shard (zeros where a checkpoint had none: that state
+        starts fresh) and write the masters into the shards' `params`."""
+        ...
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of state held: {"master": ..., "optimizer": ...}."""
+        ...
+
+
+def scale_shards(shards: Sequence[Shard], factor: float) -> None:
+    """Multiply every reduced gradient by `factor` (undoing an fp16 loss scale)."""
+    for s in shards:
+        s.grad.mul_(factor)
+
+
+def grad_norm(shards: Sequence[Shard], state: ParallelState) -> float:
+    """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank 0 only,
+    summed over tp x pp ranks, and, for sharded buckets, over the ranks of each bucket's group."""
+    by_group: dict[GroupKind | None, list[torch.Tensor]] = {}
+    for s in shards:
+        key = s.group if s.sharded else None
+        by_group.setdefault(key, []).extend(
+            s.grad[g.lo:g.hi] for g in s.segments if not ((g.replicated and state.tp_rank != 0) or g.copy))
+    if not by_group:
+        by_group[None] = []
+    total: torch.Tensor | None = None
+    for group, pieces in by_group.items():
+        # One fused fp32 norm per piece (no float64 copy of the gradients), their squares summed in float64.
+        norms = list(torch._foreach_norm(pieces)) if pieces else []
+        sq = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
+              else torch.zeros(1, dtype=torch.float64, device=state.device))
+        if group is not None:
+            comm.all_reduce(sq, state, group, count_as="norm")
+        total = sq if total is None else total + sq
+    assert total is not None
+    comm.all_reduce(total, state, "mp")
+    return math.sqrt(total.item())
+
+
+def clip_shards(shards: Sequence[Shard], clip: float, norm: float) -> None:
+    """Scale every gradient by clip / norm when the (already global) norm exceeds `clip`."""
+    if clip > 0 and math.isfinite(norm) and norm > clip:
+        scale = clip / (norm + 1e-6)  # the same factor as `grads.clip_gradients`
+        for s in shards:
+            s.grad.mul_(scale)

@@ -1,0 +1,45 @@
+"""The private torch APIs megalite uses, each in one place (tests/test_torch_private.py fails, naming the
+missing API, on a torch that lacks one).
+
+- `torch._fused_adamw_`: the kernel behind `torch.optim.AdamW(fused=True)`, called on the flat shards
+  directly (`megalite.optim.shard_adamw`): one pass over memory for the whole update.
+- the autograd engine's `queue_callback`: runs a function when the current backward pass ends. ZeRO-3
+  (`megalite.optim.zero3`) frees every gathered unit there; torch's FSDP does the same.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.autograd import Variable
+
+REQUIRED = {
+    "torch._fused_adamw_": lambda: torch._fused_adamw_,
+    "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
+}
+
+
+def missing() -> list[str]:
+    """The private APIs above that this torch does not have."""
+    out = []
+    for name, get in REQUIRED.items():
+        try:
+            get()
+        except AttributeError:
+            out.append(name)
+    return out
+
+
+def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], lr: float, beta1: float,
+                 beta2: float, weight_decay: float, eps: float) -> None:
+    """AdamW (decoupled decay, no amsgrad) in place on lists of equally shaped fp32 tensors."""
+    torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps), lr=lr,
+                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                        maximize=False)
+
+
+def at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run `callback` when the backward pass now running finishes (call from inside a backward hook)."""
+    Variable._execution_engine.queue_callback(callback)

@@ -1,0 +1,112 @@
+"""Writes Megatron-LM checkpoints of a tiny Llama-style GPTModel with megatron-core's own code, for
+tests/test_interop_megatron.py (run in a subprocess: it initialises torch.distributed and patches CUDA-only calls).
+
+    python tests/megatron_writer.py OUT [--tied]
+
+OUT/torch_dist: `megatron.core.dist_checkpointing.save` of the model's sharded state dict with Megatron-LM's
+`args` and iteration in the common state (what Megatron-LM's save_checkpoint does for --ckpt-format torch_dist);
+OUT/legacy: the same weights as Megatron-LM's legacy files at TP 2 x PP 2 (mp_rank_0T_00P/model_optim_rng.pt,
+split by Megatron's rules: query groups, [gate_r; up_r], row-parallel columns, vocab rows; layers renumbered per
+stage); OUT/logits.pt: megatron-core's forward on fixed tokens. Small CPU patches (megatron-core assumes CUDA
+for RNG forks, the causal mask, RoPE frequencies and a synchronize) are the only changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB, LAYERS, HIDDEN, HEADS, GROUPS, FFN, SEQ = 64, 4, 32, 4, 2, 64, 12
+
+
+def megatron_args(tied: bool) -> argparse.Namespace:
+    return argparse.Namespace(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                              group_query_attention=True, num_query_groups=GROUPS, ffn_hidden_size=FFN,
+                              padded_vocab_size=VOCAB, seq_length=64, max_position_embeddings=64,
+                              normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                              add_bias_linear=False, untie_embeddings_and_output_weights=not tied, norm_epsilon=1e-5,
+                              rotary_base=10000, params_dtype=torch.float32, num_experts=None)
+
+
+def _split_legacy(sd: dict[str, torch.Tensor], tp: int, pp: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    per = LAYERS // pp
+    for key, v in sd.items():
+        if v is None or "_extra_state" in key:
+            continue
+        if key.startswith("decoder.layers."):
+            i, rest = key.split(".", 3)[2:]
+            p, local = int(i) // per, int(i) % per
+            key = f"decoder.layers.{local}.{rest}"
+        else:
+            p = 0 if key.startswith("embedding.") else pp - 1
+        for t in range(tp):
+            if key.endswith("mlp.linear_fc1.weight"):
+                gate, up = v.chunk(2)
+                piece = torch.cat([gate.chunk(tp)[t], up.chunk(tp)[t]])
+            elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                piece = v.chunk(tp, dim=1)[t]
+            elif key.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+                piece = v.chunk(tp)[t]  # qkv rows are whole query groups in order: a plain row split
+            else:
+                piece = v
+            out[(t, p)][key] = piece.clone()
+    return out
+
+
+def main() -> int:
+    out, tied = Path(sys.argv[1]), "--tied" in sys.argv
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 and sys.argv[2].isdigit() else "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                            ffn_hidden_size=FFN, use_cpu_initialization=True, normalization="RMSNorm",
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                            params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB, max_sequence_length=64,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=tied).eval()
+    # CPU patches: megatron-core forks a CUDA RNG for dropout (0 here), and puts a few small tensors on CUDA.
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()
+    with torch.no_grad():
+        logits = model(ids, pos, attention_mask=mask)  # [b, s, vocab]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": ids, "logits": logits}, out / "logits.pt")
+    args = megatron_args(tied)
+    root = out / "torch_dist"
+    (root / "iter_0000005").mkdir(parents=True)
+    sharded = model.sharded_state_dict()
+    sharded.update(args=args, iteration=5)
+    dist_checkpointing.save(sharded, str(root / "iter_0000005"))
+    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    legacy = out / "legacy" / "iter_0000005"
+    for (t, p), part in _split_legacy(model.state_dict(), 2, 2).items():
+        (legacy / f"mp_rank_{t:02d}_{p:03d}").mkdir(parents=True)
+        torch.save({"args": args, "iteration": 5, "checkpoint_version": 3.0, "model": part},
+                   legacy / f"mp_rank_{t:02d}_{p:03d}" / "model_optim_rng.pt")
+    (out / "legacy" / "latest_checkpointed_iteration.txt").write_text("5")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

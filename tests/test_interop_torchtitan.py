@@ -1,0 +1,140 @@
+"""torchtitan's Llama 3 DCP checkpoints both ways (tools/convert_checkpoint.py --from/--to torchtitan).
+
+A tiny torchtitan Llama 3 (its own model code and config classes) is saved the way torchtitan's CheckpointManager
+saves it (model keys flattened in from its `ModelWrapper`, the optimizer through its `get_flat_optim_state_dict`,
+one `dcp.save`), converted, and:
+- the converted megalite model's logits equal torchtitan's on the same tokens (fp32; the two compute the same
+  function with different kernels and RoPE layouts, so they agree to round-off: atol 2e-5 on logits of size ~1,
+  while one misplaced row of wq/wk or a wrong RoPE permutation moves them by > 1e-2);
+- torchtitan -> megalite -> torchtitan loads back into torchtitan's model and AdamW (its `load_flat_optim_state_dict`)
+  with every parameter and Adam moment bit-equal, and megalite -> torchtitan -> megalite is bit-exact.
+Installed with `pip install --no-deps torchtitan` plus spmd_types, tyro and docstring_parser (its other
+dependencies are for its data loaders and logging); the module is skipped, saying so, where it is absent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.llama3", reason="torchtitan is not installed (pip install --no-deps torchtitan "
+                    "spmd_types tyro docstring_parser)")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torchtitan.components.checkpoint import ModelWrapper  # noqa: E402
+from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, load_flat_optim_state_dict  # noqa: E402
+
+from megalite.checkpoint.interop.source import from_megalite  # noqa: E402
+from megalite.inference.load import load_model  # noqa: E402
+from tests.test_interop_dcp import _all, saved  # noqa: E402,F401  (the tiny megalite checkpoint fixture)
+from tools.convert_checkpoint import main as convert  # noqa: E402
+
+DIM, HEADS, KV, LAYERS, VOCAB, HIDDEN, THETA = 32, 4, 2, 2, 61, 64, 10000.0
+
+
+def _titan(fuse_qkv: bool, seed: int) -> torch.nn.Module:
+    import torchtitan.models.llama3 as L
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    cfg = L.Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=L._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=L._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=L._output_linear_init(DIM)),
+        layers=L._build_llama3_layers(fuse_qkv=fuse_qkv, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV,
+                                      hidden_dim=HIDDEN, attn_backend="flex",
+                                      rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=THETA)))
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def _titan_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():  # flex attention has no CPU backward; the forward is all this needs
+        return model(ids, pos, model.get_attention_masks(pos))
+
+
+def _adam(model: torch.nn.Module) -> torch.optim.AdamW:
+    opt = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):  # synthetic gradients: what matters is Adam state of the real shapes and names
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt
+
+
+def _save_titan(model: torch.nn.Module, opt: torch.optim.Optimizer, out: Path) -> None:
+    """What torchtitan's CheckpointManager.dcp_save writes: model keys at the top level, the flat optimizer."""
+    dcp.save({**ModelWrapper(model).state_dict(), "optimizer": get_flat_optim_state_dict(opt)}, checkpoint_id=str(out),
+             no_dist=True)
+
+
+def _args(path: Path) -> Path:
+    path.write_text(json.dumps({"n_heads": HEADS, "n_kv_heads": KV, "norm_eps": 1e-5, "rope_theta": THETA,
+                                "max_seq_len": 64}))
+    return path
+
+
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_torchtitan_to_megalite_same_logits_and_back_loads_in_torchtitan(tmp_path: Path, fuse_qkv: bool) -> None:
+    model = _titan(fuse_qkv, seed=3)
+    opt = _adam(model)
+    _save_titan(model, opt, tmp_path / "titan")
+    assert convert(["--from", "torchtitan", "--to", "megalite", "--input", str(tmp_path / "titan"), "--output",
+                    str(tmp_path / "ml"), "--model-args", str(_args(tmp_path / "args.json")), "--quiet"]) == 0
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(tmp_path / "ml")
+    with torch.no_grad():
+        logits = ours(ids)[..., :VOCAB]  # every position
+    torch.testing.assert_close(logits, _titan_logits(model, ids), rtol=0, atol=2e-5)
+    # ... and back: torchtitan's own loaders restore every parameter and moment exactly.
+    assert convert(["--from", "megalite", "--to", "torchtitan", "--input", str(tmp_path / "ml"), "--output",
+                    str(tmp_path / "titan2")] + (["--torchtitan-fused-qkv"] if fuse_qkv else [])) == 0
+    fresh = _titan(fuse_qkv, seed=9)
+    fresh_opt = _adam(fresh)  # other values, same structure: loading must overwrite all of it
+    want = {"model": ModelWrapper(model).state_dict(), "optimizer": get_flat_optim_state_dict(opt)}
+    wrapper = ModelWrapper(fresh)
+    template = {**wrapper.state_dict(), "optimizer": get_flat_optim_state_dict(fresh_opt)}
+    dcp.load(template, checkpoint_id=str(tmp_path / "titan2"), no_dist=True)  # as torchtitan's CheckpointManager.load
+    wrapper.load_state_dict(template)
+    load_flat_optim_state_dict(fresh_opt, template["optimizer"])
+    for k, v in want["model"].items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    got_state = get_flat_optim_state_dict(fresh_opt)
+    for k, v in want["optimizer"].items():
+        if isinstance(v, torch.Tensor) and not k.startswith("param_groups."):
+            assert torch.equal(got_state[k], v), k
+
+
+def test_megalite_to_torchtitan_to_megalite_is_bit_exact(saved: Path, tmp_path: Path) -> None:  # noqa: F811
+    assert convert(["--from", "megalite", "--to", "torchtitan", "--input", str(saved), "--output",
+                    str(tmp_path / "titan")]) == 0
+    assert convert(["--from", "torchtitan", "--to", "megalite", "--input", str(tmp_path / "titan"), "--output",
+                    str(tmp_path / "back"), "--tp", "2", "--quiet"]) == 0
+    want, got = _all(saved), _all(tmp_path / "back")
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+    back = from_megalite(tmp_path / "back")
+    assert back.step == 2 and back.optimizer_step == 2.0
+    back.close()
+
+
+def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model = _titan(False, seed=3)
+    _save_titan(model, _adam(model), tmp_path / "titan")
+    out = ["--from", "torchtitan", "--to", "megalite", "--input", str(tmp_path / "titan"), "--output", str(tmp_path / "o")]
+    assert convert(out) == 4 and "--model-args" in capsys.readouterr().err  # no dims file
+    (tmp_path / "wrong.json").write_text(json.dumps({"n_heads": HEADS, "dim": 64}))
+    assert convert(out + ["--model-args", str(tmp_path / "wrong.json")]) == 4
+    assert "dim=64 but the tensors have 32" in capsys.readouterr().err
+    (tmp_path / "scaled.json").write_text(json.dumps({"n_heads": HEADS, "rope_scaling": "llama"}))
+    assert convert(out + ["--model-args", str(tmp_path / "scaled.json")]) == 4
+    assert "rope_scaling 'llama'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

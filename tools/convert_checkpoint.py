@@ -1,0 +1,104 @@
+"""Convert checkpoints between megalite and other frameworks (CPU, one process).
+
+    python tools/convert_checkpoint.py --from megalite --to dcp --input ckpt --output ckpt_dcp
+    python tools/convert_checkpoint.py --from dcp --to megalite --input ckpt_dcp --output ckpt2 --tp 2 --pp 2
+    python tools/convert_checkpoint.py --from megalite --to torchtitan --input ckpt --output titan_step
+    python tools/convert_checkpoint.py --from torchtitan --to megalite --input titan/checkpoint/step-1000 \\
+        --output ckpt --model-args titan_model_args.json
+    python tools/convert_checkpoint.py --from megatron --to megalite --input megatron_ckpt --output ckpt --tp 2
+
+Formats: `megalite` (a step directory or a root with `latest`); `dcp`: plain torch.distributed.checkpoint in
+megalite's names, with the optimizer state (docs/checkpoints.md); `torchtitan`: torchtitan's Llama 3 DCP
+checkpoint (its names, its RoPE layout; model and optimizer state); `megatron`: a Megatron-LM checkpoint,
+`torch_dist` (DCP) or legacy `iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`, GPT or Llama-style (input only).
+A megalite output can be laid out for any --tp/--pp/--vpp; the model dims always come from the input.
+Bad input is one line and exit code 4; the output is written under a temporary name and renamed when
+complete, so nothing that exists is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`: make `megalite` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.checkpoint.interop.source import Source, from_megalite, to_megalite  # noqa: E402
+from megalite.checkpoint.sharded import find  # noqa: E402
+from megalite.errors import CheckpointError, entry_point, one_line_arguments  # noqa: E402
+from tools.reshard_checkpoint import add_layout_arguments, check_target, parse_pp_layers  # noqa: E402
+
+SOURCES = ("megalite", "dcp", "torchtitan", "megatron")
+TARGETS = ("megalite", "dcp", "torchtitan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    p.add_argument("--from", dest="src", required=True, choices=SOURCES, help="input format")
+    p.add_argument("--to", dest="dst", required=True, choices=TARGETS, help="output format")
+    p.add_argument("--input", required=True, metavar="DIR", help="input checkpoint directory")
+    p.add_argument("--output", required=True, metavar="DIR", help="new output directory (must not exist)")
+    add_layout_arguments(p, "--to megalite: ")
+    p.add_argument("--model-args", default="", metavar="JSON",
+                   help="--from torchtitan: the model's dims (a JSON file of torchtitan's model args: dim, "
+                        "n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, ffn_dim_multiplier, norm_eps, "
+                        "rope_theta, max_seq_len); default: the 'model_args.json' megalite writes next to its output")
+    p.add_argument("--torchtitan-fused-qkv", action="store_true",
+                   help="--to torchtitan: for a model built with fuse_qkv=True (its optimizer state is of the fused wqkv)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def read_source(fmt: str, path: Path, model_args: str) -> Source:
+    if fmt == "megalite":
+        src = find(str(path), "")
+        if src is None:
+            raise CheckpointError(f"--input {path}: give a checkpoint directory")
+        return from_megalite(src)
+    if fmt == "dcp":
+        from megalite.checkpoint.dcp import from_dcp
+
+        return from_dcp(path)
+    if fmt == "torchtitan":
+        from megalite.checkpoint.interop.torchtitan import from_torchtitan
+
+        return from_torchtitan(path, Path(model_args) if model_args else None)
+    from megalite.checkpoint.interop.megatron import from_megatron
+
+    return from_megatron(path)
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.src == args.dst and args.src != "megalite":
+        raise CheckpointError(f"--from {args.src} --to {args.dst}: nothing to convert")
+    out = Path(args.output)
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(f"--output {out} already exists: choose a new directory or delete it first")
+    pp_layers = parse_pp_layers(args.pp_layers)
+    source = read_source(args.src, Path(args.input), args.model_args)
+    if args.dst == "megalite":
+        check_target(source.info, args.tp, args.pp, args.vpp, pp_layers)
+        to_megalite(source, out, args.tp, args.pp, args.vpp, pp_layers, show_progress=not args.quiet)
+        where = f" (tp={args.tp} pp={args.pp} vpp={args.vpp})"
+    elif args.dst == "dcp":
+        from megalite.checkpoint.dcp import to_dcp
+
+        to_dcp(source, out)
+        where = " (torch.distributed.checkpoint)"
+    else:
+        from megalite.checkpoint.interop.torchtitan import to_torchtitan
+
+        to_torchtitan(source, out, fused_qkv=args.torchtitan_fused_qkv)
+        where = " (torchtitan DCP)"
+    print(f"wrote {out}{where}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
