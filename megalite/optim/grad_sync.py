@@ -256,8 +256,8 @@ class GradSync:
             b.launched, b.ready, b.work, b.scatter_out = False, 0, None, None
 
     def finish_grad_sync(self) -> None:
-        """Wait for every bucket's reduction (starting any that never filled), average over its group,
-        then sum the SP-partial pieces over TP (the average and the TP sum commute: both are linear)."""
+        """Wait for every bucket's reduction (starting any that never filled), sum over its group and divide
+        by dp x cp, then sum the SP-partial pieces over TP (the division and the TP sum commute: linear)."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
@@ -269,8 +269,13 @@ class GradSync:
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            n = self.state.size(b.group)
-            if n > 1:  # the average over the group (a full pass over the gradients: skip it when alone)
+            # Divided by dp x cp, not by the group's size: each rank's loss is the mean over its own tokens,
+            # so the global-token mean is the sum over the dp x cp ranks / (dp x cp). For a dp_cp bucket that
+            # is its group's average; an expert bucket ('edp', megalite.moe) is summed over edp only, but each
+            # expert's gradient already holds the tokens of every ep rank (the all-to-all's backward), so its
+            # sum covers all dp x cp ranks too and takes the same divisor. (A pass over the grads: skip at 1.)
+            n = self.state.size("dp_cp")
+            if n > 1:
                 b.grad_shard.div_(n)
             if self.stage >= 2:
                 b.grad_flat = None  # ZeRO-2: only the reduced shard is kept
