@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from megalite.errors import ConfigError
 from megalite.layers.linear_fn import DeferredWeightGrads
-from megalite.optim.grads import unique_params
+from megalite.optim.grads import grad_divisor, unique_params
 from megalite.optim.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
 from megalite.optim.protocol import FoldsWeightGrad, ShardableModel
 from megalite.optim.shards import Shard
@@ -256,8 +256,8 @@ class GradSync:
             b.launched, b.ready, b.work, b.scatter_out = False, 0, None, None
 
     def finish_grad_sync(self) -> None:
-        """Wait for every bucket's reduction (starting any that never filled), sum over its group and divide
-        by dp x cp, then sum the SP-partial pieces over TP (the division and the TP sum commute: linear)."""
+        """Wait for every bucket's reduction (starting any that never filled), average over its group
+        (`grad_divisor`), then sum the SP-partial pieces over TP (the average and the TP sum commute)."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
@@ -269,13 +269,8 @@ class GradSync:
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            # Divided by dp x cp, not by the group's size: each rank's loss is the mean over its own tokens,
-            # so the global-token mean is the sum over the dp x cp ranks / (dp x cp). For a dp_cp bucket that
-            # is its group's average; an expert bucket ('edp', megalite.moe) is summed over edp only, but each
-            # expert's gradient already holds the tokens of every ep rank (the all-to-all's backward), so its
-            # sum covers all dp x cp ranks too and takes the same divisor. (A pass over the grads: skip at 1.)
-            n = self.state.size("dp_cp")
-            if n > 1:
+            n = grad_divisor(self.state, b.group)  # the group's average; dp x cp for experts (see there)
+            if n > 1:  # a full pass over the gradients: skip it when alone
                 b.grad_shard.div_(n)
             if self.stage >= 2:
                 b.grad_flat = None  # ZeRO-2: only the reduced shard is kept

@@ -24,9 +24,18 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
 
 
+def grad_divisor(state: ParallelState, group: GroupKind) -> int:
+    """What a gradient summed over `group` is divided by: the group's size (its average), except for the
+    experts ('edp', megalite.moe), divided by dp x cp. Each rank's loss is the mean over its own tokens, so
+    the global-token mean is the sum over the dp x cp ranks / (dp x cp); an expert's gradient already holds
+    the tokens of every ep rank (the dispatch all-to-all's backward), so its sum over edp covers all dp x cp
+    ranks and takes the same divisor (the edp size would make expert gradients ep times too large)."""
+    return state.size("dp_cp") if group == "edp" else state.size(group)
+
+
 def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> None:
-    """Sum SP-partial grads over TP, then sum each grad over its `grad_group` (dp x cp for a dense model),
-    one flat buffer per group, and divide by dp x cp (why not by the group's size: `GradSync.finish_grad_sync`).
+    """Sum SP-partial grads over TP, then average each grad over its `grad_group` (dp x cp for a dense
+    model; the divisor is `grad_divisor`), one flat buffer per group.
 
     Under SP each TP rank saw 1/tp of the sequence, so replicated params (norms, row biases,
     positions) hold partial grads; Megatron all-reduces them over TP. The DP all-reduce of every
@@ -46,7 +55,7 @@ def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> No
         if state.size(group) > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce(flat, state, group)
-            flat /= state.size("dp_cp")
+            flat /= grad_divisor(state, group)
             _unflatten_into(flat, grads)
 
 
