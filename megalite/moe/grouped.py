@@ -1,6 +1,6 @@
 """Grouped expert GEMMs: rows sorted by expert, `counts[e]` rows for expert e, one weight per expert.
 
-`torch._grouped_mm` (a private API, hence this one wrapper) runs every expert's GEMM in one call where
+`torch._grouped_mm` (a private API, called in `megalite.moe.torch_private`) runs every expert's GEMM in one call where
 torch has it (CUDA in bf16; CPU in fp32 and bf16, forward and backward, checked with torch 2.13) and the row strides are
 16-byte aligned; elsewhere a loop over the experts computes the same products (`grouped_mm_loop`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+from megalite.moe.torch_private import HAS_GROUPED_MM, grouped_mm_raw
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -40,7 +40,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     if not HAS_GROUPED_MM:
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm: use grouped_mm_loop")
     offs = counts.cumsum(0).to(torch.int32)
-    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offs))
+    return _ContiguousGrad.apply(grouped_mm_raw(x, weight.transpose(1, 2), offs))
 
 
 def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
