@@ -126,7 +126,7 @@ def test_ep2_alone_and_a_rank_with_no_tokens(dist_world) -> None:
 CASES = [  # tp, cp, pp, sp, zero, ep, router, schedule: one world of 4 ranks, one case per composition
     (1, 1, 1, False, 1, 4, "mixtral", "1f1b"),  # ep4 (edp 1) with ZeRO-1: dense states over dp 4
     (2, 1, 1, True, 2, 2, "qwen3", "1f1b"),     # tp2 + sp with ep2 (dp 2, edp 1), ZeRO-2
-    (1, 2, 1, False, 0, 2, "qwen3", "1f1b"),    # cp2 x ep2: ep from the cp ranks
+    (1, 2, 1, False, 2, 2, "qwen3", "1f1b"),    # cp2 x ep2 (ep from the cp ranks), ZeRO-2: experts over edp 2
     (1, 1, 2, False, 0, 2, "mixtral", "zb-h1"),  # pp2 ZB-H1 (split backward) x ep2
 ]
 
