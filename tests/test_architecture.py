@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("atomic", "untrusted"),                      # base: link-safe atomic writes; bounded JSON/TOML reading
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
+    ("moe",),                                     # core: mixture-of-experts layers (routers, experts, dispatch)
     ("model", "optim"),                           # core: the GPT; the optimizers and gradient reduction
     ("pipeline",),                                # core: stages, schedules, the p2p engine
     ("training.step",),                           # core: one optimizer step

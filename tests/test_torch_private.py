@@ -1,5 +1,6 @@
-"""The private torch APIs megalite relies on all live in `megalite.optim.torch_private`: this fails, naming
-the API, on a torch that lacks one, and nothing else in the package reaches into torch's private names."""
+"""The private torch APIs megalite relies on all live in `megalite.optim.torch_private` (the MoE layers'
+optional one in `megalite.moe.torch_private`): this fails, naming the API, on a torch that lacks one, and
+nothing else in the package reaches into torch's private names."""
 
 from __future__ import annotations
 

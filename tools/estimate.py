@@ -29,6 +29,7 @@ from typing import Callable, NoReturn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=positive_int,
                    help="context parallel size (also --parallel.cp): each sequence split over cp ranks, ring "
                         "attention; devices = tp x cp x pp x dp")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert parallel size for a MoE preset (experts split over ep of the dp x cp ranks)")
     p.add_argument("--cp-mode", choices=["ring", "allgather", "a2a"],
                    help="context-parallel attention (also --parallel.cp_mode): ring (default) | allgather | a2a")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
@@ -430,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kw = resolve(args, config_argv)
         est, sections, lines = answer_questions(args, kw)
+        moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"])  # MoE presets only
+        sections, lines = {**sections, **moe_section}, lines + moe_lines
     except MegaliteError as exc:
         return report(exc)
     if args.json:

@@ -49,12 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.checkpoint.layout import ShardMap, logical_name, model_info, shard_map
+from megalite.checkpoint.layout import Piece, ShardMap, logical_name, model_info, shard_map
 from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
                                       refuse_link, sha256, step_dir_name, write_atomic)
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
+from megalite.checkpoint.moe_layout import expert_shard_map, routing_buffers
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
@@ -175,17 +176,23 @@ def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Mod
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     items: list[tuple[str, ShardMap, torch.Tensor]] = []
+    experts: list[tuple[str, ShardMap, torch.Tensor]] = []
     opt_step: float | None = None
     for name, p, _, spec in params:
         if spec.tied is Tied.HEAD_COPY or (not spec.layout.split and state.tp_rank != 0):
             continue
-        smap = shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank, info["vocab_size"])
+        smap = expert_shard_map(shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank,
+                                          info["vocab_size"]), spec, state)
         st = pstates.get(name, {})
-        items.append((f"param/{name}", smap, st.get("master", p)))
-        items += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
+        group = experts if spec.grad_group == "edp" else items  # MoE experts: dealt over the ranks holding them
+        group.append((f"param/{name}", smap, st.get("master", p)))
+        group += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
         if "step" in st:
             opt_step = float(st["step"])
-    mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)]
+    if state.tp_rank == 0:  # MoE routers' bias: not a parameter, but routing depends on it
+        items += [(f"buffer/{name}", ShardMap(tuple(b.shape), tuple(b.shape), (Piece((0,), (0,), tuple(b.shape)),)), b)
+                  for name, b in routing_buffers(chunks)]
+    mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)] + experts[state.rank_in("edp")::state.size("edp")]
     rng: dict[str, torch.Tensor] = extra.get("rng") or {}
     file = f"rank_{state.rank:05d}.safetensors"
     slabs = [(f"{key}/{i}", _local(t.detach(), smap, i)) for key, smap, t in mine for i in range(len(smap.pieces))]
@@ -340,7 +347,8 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     states: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, p, source, spec in params:
-            smap = shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank, info["vocab_size"])
+            smap = expert_shard_map(shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank,
+                                              info["vocab_size"]), spec, state)
             key = f"param/{source}"
             if reader.has(key) and reader.shape(key) != smap.global_shape:
                 raise CheckpointError(f"checkpoint {path}: tensor {source} has shape {list(reader.shape(key))} but "
@@ -361,6 +369,9 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
                     states[name][kind] = local.to(p.device)
             if "exp_avg" in states[name]:
                 states[name]["step"] = torch.tensor(float(index["optimizer_step"] or 0.0))
+        for name, buf in routing_buffers(chunks):
+            if reader.has(f"buffer/{name}"):
+                buf.copy_(reader.read_region(f"buffer/{name}", (0,), tuple(buf.shape)))
     if optimizer is not None:
         optimizer.load_param_states(states)
     saved = index.get("layout", {})

@@ -26,4 +26,21 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                      tie_embeddings=True),
     "llama-7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
                      seq_len=4096, vocab_size=32000),
+    # Mixtures of experts (docs/moe.md). tiny-moe trains on the demo corpus in minutes on a CPU; the three
+    # published shapes are for the estimator (Mixtral 8x7B: Jiang et al. 2024; Qwen3-30B-A3B: its HF config;
+    # DeepSeek-V3: Liu et al. 2024, without its multi-head latent attention and multi-token prediction:
+    # plain GQA attention of the same width stands in for MLA here).
+    "tiny-moe": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128,
+                     moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_router="qwen3", moe_aux_loss=0.01,
+                     moe_z_loss=0.001),
+    "mixtral-8x7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=14336, seq_len=4096, vocab_size=32000, rope_theta=1e6, moe_experts=8,
+                         moe_top_k=2, moe_router="mixtral", moe_aux_loss=0.02),
+    "qwen3-30b-a3b": dict(arch="llama", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+                          ffn_hidden_size=6144, seq_len=4096, vocab_size=151936, rope_theta=1e6, moe_experts=128,
+                          moe_top_k=8, moe_ffn_hidden_size=768, moe_router="qwen3", moe_aux_loss=0.001),
+    "deepseek-v3": dict(arch="llama", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
+                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280, moe_experts=256, moe_top_k=8,
+                        moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="deepseek",
+                        moe_route_scale=2.5, moe_groups=8, moe_group_top_k=4),
 })

@@ -39,6 +39,25 @@ class ModelConfig:
     init_std: float = _f(0.02, "std of the normal weight init")
     kernels: str = _f("auto", "auto | torch | triton (auto = triton on CUDA, torch elsewhere)")
     recompute: str = _f("none", "activation recompute: none | selective (attention core) | full (whole block)")
+    # Mixture of experts (megalite/moe, docs/moe.md); moe_experts = 0 is a dense model.
+    moe_experts: int = _f(0, "routed experts per MoE layer; 0 = dense MLP everywhere")
+    moe_top_k: int = _f(2, "experts each token is routed to")
+    moe_ffn_hidden_size: int = _f(0, "each routed expert's FFN width; 0 = ffn_hidden_size")
+    moe_shared_experts: int = _f(0, "shared experts every token goes through (DeepSeek), fused in one MLP")
+    moe_shared_ffn_hidden_size: int = _f(0, "each shared expert's FFN width; 0 = moe_ffn_hidden_size")
+    moe_first_dense: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek's first_k_dense)")
+    moe_every: int = _f(1, "after moe_first_dense, every n-th layer is MoE (1 = all of them)")
+    moe_router: str = _f("mixtral", "mixtral (softmax over the top-k logits) | qwen3 (softmax over all, top-k) | "
+                                    "deepseek (sigmoid scores, aux-loss-free bias)")
+    moe_renorm: bool = _f(True, "qwen3/deepseek: renormalise the top-k weights to sum to 1")
+    moe_route_scale: float = _f(1.0, "deepseek: factor on the routing weights (routed_scaling_factor)")
+    moe_groups: int = _f(1, "deepseek group-limited routing: expert groups (1 = off)")
+    moe_group_top_k: int = _f(1, "deepseek group-limited routing: groups each token may use")
+    moe_bias_rate: float = _f(0.001, "deepseek: aux-loss-free bias update per step (0 = no bias update)")
+    moe_aux_loss: float = _f(0.0, "load-balancing loss coefficient (Switch/GShard form, mean over MoE layers)")
+    moe_z_loss: float = _f(0.0, "router z-loss coefficient (ST-MoE)")
+    moe_capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
+                                                 "unset = dropless")
 
 
 @dataclass
@@ -50,6 +69,7 @@ class ParallelConfig:
                               "Llama 3) | a2a (all-to-all to head-sharded, DeepSpeed-Ulysses)")
     dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*cp*pp)")
     sp: bool = _f(False, "sequence parallelism: shard norm/dropout activations over the tp ranks")
+    ep: int = _f(1, "expert-parallel size: MoE experts split over ep ranks taken from dp x cp (all-to-all dispatch)")
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved; zbv: 2)")
     schedule: str = _f("1f1b", "pipeline schedule: 1f1b | gpipe | interleaved | zb-h1 | zbv")
     zero: int = _f(0, "ZeRO stage 0..3: shard optimizer state (1), + grads (2), + params (3) over dp")

@@ -339,6 +339,52 @@ def _fp8_problems(cfg: Config, device_type: str) -> list[str]:
     return out
 
 
+def _moe_problems(cfg: Config) -> list[str]:
+    """Mixture-of-experts fields and expert parallelism (megalite/moe, docs/moe.md)."""
+    m, p = cfg.model, cfg.parallel
+    out: list[str] = []
+    if m.moe_experts < 0:
+        out.append(f"model.moe_experts must be >= 0 (0 = dense), got {m.moe_experts}")
+    if p.ep < 1:
+        out.append(f"parallel.ep must be >= 1, got {p.ep}")
+        return out
+    if m.moe_experts <= 0:
+        if p.ep > 1:
+            out.append(f"parallel.ep={p.ep} needs a mixture-of-experts model: set model.moe_experts > 0 or ep=1")
+        return out
+    if m.moe_router not in ("mixtral", "qwen3", "deepseek"):
+        out.append(f"model.moe_router: {m.moe_router!r} is not one of mixtral, qwen3, deepseek")
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        out.append(f"model.moe_top_k {m.moe_top_k} must be between 1 and model.moe_experts {m.moe_experts}")
+    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
+        out.append(f"model.moe_capacity_factor must be > 0 (or unset for dropless), got {m.moe_capacity_factor}")
+    for key in ("moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size", "moe_first_dense"):
+        if getattr(m, key) < 0:
+            out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
+    if m.moe_every < 1:
+        out.append(f"model.moe_every must be >= 1, got {m.moe_every}")
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
+        if not getattr(m, key) >= 0:
+            out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
+    if m.moe_groups < 1 or m.moe_experts % m.moe_groups:
+        out.append(f"model.moe_groups {m.moe_groups} must divide model.moe_experts {m.moe_experts}")
+    elif not 1 <= m.moe_group_top_k <= m.moe_groups or m.moe_top_k > m.moe_group_top_k * (m.moe_experts // m.moe_groups):
+        out.append(f"model.moe_group_top_k {m.moe_group_top_k} must be in 1..moe_groups {m.moe_groups} and leave "
+                   f"at least moe_top_k {m.moe_top_k} experts")
+    if m.moe_experts % p.ep:
+        out.append(f"model.moe_experts {m.moe_experts} is not divisible by parallel.ep {p.ep}: each expert-parallel "
+                   "rank needs an equal share of the experts")
+    if p.dp >= 1 and p.cp >= 1 and (p.dp * p.cp) % p.ep:
+        out.append(f"parallel.ep {p.ep} does not divide dp x cp = {p.dp} x {p.cp} = {p.dp * p.cp}: expert "
+                   "parallelism takes its ranks from the data- and context-parallel ones")
+    if p.zero == 3 and p.ep > 1:
+        out.append("parallel.zero=3 with parallel.ep > 1 is not supported yet: use parallel.zero<=2")
+    shared = m.moe_shared_experts * (m.moe_shared_ffn_hidden_size or m.moe_ffn_hidden_size or m.ffn_hidden_size)
+    if shared and shared % p.tp:
+        out.append(f"the shared experts' width {shared} is not divisible by parallel.tp {p.tp}")
+    return out
+
+
 def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     """Check every rule and raise one ConfigError listing all problems, one line each.
 
@@ -357,6 +403,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _path_problems(cfg) if not texts else []
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
+    problems += _moe_problems(cfg)
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     problems += _fp8_problems(cfg, device_type)

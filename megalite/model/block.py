@@ -12,6 +12,7 @@ residuals and dropout run on a 1/tp slice of the sequence.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,9 +24,21 @@ from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops, apply_rope, masked_attention
 from megalite.model.spec import ModelSpec
+from megalite.moe.layer import MoELayer
+from megalite.moe.losses import AuxScale
+from megalite.moe.settings import MoESettings
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class MoEContext:
+    """What a block needs to build a MoE FFN: the settings, the model's shared aux-loss scale, the MoE layer count."""
+
+    settings: MoESettings
+    aux_scale: AuxScale
+    num_layers: int
 
 
 class Norm(nn.Module):
@@ -143,13 +156,17 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
-                 context: ContextOptions = ContextOptions()) -> None:
+                 context: ContextOptions = ContextOptions(), moe: MoEContext | None = None) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context)
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
+        self.mlp: nn.Module
+        if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
+            self.mlp = MoELayer(cfg, moe.settings, state, ops, f"{name}.mlp", seed, moe.aux_scale, moe.num_layers, MLP)
+        else:
+            self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
         self.dropout, self.rng, self.sp = cfg.dropout, rng, state.sp
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,11 @@ from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
-from megalite.model.block import Block, Norm
+from megalite.model.block import Block, MoEContext, Norm
 from megalite.model.ops import get_ops, resolve_kernels
 from megalite.model.spec import ModelSpec
+from megalite.moe.losses import AuxScale
+from megalite.moe.settings import MoESettings, moe_layers
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
 from megalite.parallel.random import RNGStreams
@@ -61,7 +63,10 @@ class GPT(nn.Module):
                                                     name="embedding", seed=seed, std=cfg.init_std)
             if cfg.arch == "gpt2":
                 self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
-        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context)
+        moe_settings = MoESettings.from_model(cfg)
+        self.aux_scale = AuxScale()
+        moe = (MoEContext(moe_settings, self.aux_scale, len(moe_layers(cfg))) if moe_settings is not None else None)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe)
                                      for i in self.layer_ids})
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
@@ -108,6 +113,10 @@ class GPT(nn.Module):
         if self.cfg.tie_embeddings and self.head is not None and self.embedding is None:
             specs["head.weight"] = replace(specs["head.weight"], tied=Tied.HEAD_COPY)
         return specs
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """`megalite.moe.losses.ScalesAuxLoss`: the factor on this micro-batch's loss, for the router losses."""
+        self.aux_scale.value = scale
 
     def zero3_units(self) -> list[nn.Module]:
         """ZeRO-3 gathers each transformer block just before it runs (the rest of the stage is one unit)."""
@@ -205,6 +214,8 @@ class GPT(nn.Module):
 
 def count_parameters(model: nn.Module, state: ParallelState) -> int:
     """Parameters of the *whole* model on this stage (TP shards counted at full size, padding excluded
-    from neither: the padded vocab rows are real memory). Each shared parameter counted once."""
+    from neither: the padded vocab rows are real memory). Each shared parameter counted once; MoE experts
+    (grad_group 'edp') at all ep ranks' experts."""
     specs = spec_table(model, ConfigError)
-    return sum(p.numel() * (state.tp if spec.layout.split else 1) for p, spec in specs.items())
+    return sum(p.numel() * (state.tp if spec.layout.split else 1) * (state.size("ep") if spec.grad_group == "edp" else 1)
+               for p, spec in specs.items())

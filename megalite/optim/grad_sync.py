@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from megalite.errors import ConfigError
 from megalite.layers.linear_fn import DeferredWeightGrads
-from megalite.optim.grads import unique_params
+from megalite.optim.grads import grad_divisor, unique_params
 from megalite.optim.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
 from megalite.optim.protocol import FoldsWeightGrad, ShardableModel
 from megalite.optim.shards import Shard
@@ -256,8 +256,8 @@ class GradSync:
             b.launched, b.ready, b.work, b.scatter_out = False, 0, None, None
 
     def finish_grad_sync(self) -> None:
-        """Wait for every bucket's reduction (starting any that never filled), average over its group,
-        then sum the SP-partial pieces over TP (the average and the TP sum commute: both are linear)."""
+        """Wait for every bucket's reduction (starting any that never filled), average over its group
+        (`grad_divisor`), then sum the SP-partial pieces over TP (the average and the TP sum commute)."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
@@ -269,8 +269,8 @@ class GradSync:
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            n = self.state.size(b.group)
-            if n > 1:  # the average over the group (a full pass over the gradients: skip it when alone)
+            n = grad_divisor(self.state, b.group)  # the group's average; dp x cp for experts (see there)
+            if n > 1:  # a full pass over the gradients: skip it when alone
                 b.grad_shard.div_(n)
             if self.stage >= 2:
                 b.grad_flat = None  # ZeRO-2: only the reduced shard is kept

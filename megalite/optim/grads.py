@@ -24,9 +24,18 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
 
 
+def grad_divisor(state: ParallelState, group: GroupKind) -> int:
+    """What a gradient summed over `group` is divided by: the group's size (its average), except for the
+    experts ('edp', megalite.moe), divided by dp x cp. Each rank's loss is the mean over its own tokens, so
+    the global-token mean is the sum over the dp x cp ranks / (dp x cp); an expert's gradient already holds
+    the tokens of every ep rank (the dispatch all-to-all's backward), so its sum over edp covers all dp x cp
+    ranks and takes the same divisor (the edp size would make expert gradients ep times too large)."""
+    return state.size("dp_cp") if group == "edp" else state.size(group)
+
+
 def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> None:
     """Sum SP-partial grads over TP, then average each grad over its `grad_group` (dp x cp for a dense
-    model), one flat buffer per group.
+    model; the divisor is `grad_divisor`), one flat buffer per group.
 
     Under SP each TP rank saw 1/tp of the sequence, so replicated params (norms, row biases,
     positions) hold partial grads; Megatron all-reduces them over TP. The DP all-reduce of every
@@ -46,7 +55,7 @@ def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> No
         if state.size(group) > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce(flat, state, group)
-            flat /= state.size(group)
+            flat /= grad_divisor(state, group)
             _unflatten_into(flat, grads)
 
 
@@ -60,16 +69,22 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def global_grad_norm(model: nn.Module, state: ParallelState, specs: Specs) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
-    only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks."""
-    counted = [p.grad.detach() for p in unique_params(model) if p.grad is not None
+    only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks, experts ('edp') over ep."""
+    counted = [p for p in unique_params(model) if p.grad is not None
                and (specs[p].layout.split or state.tp_rank == 0)
                and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
-    # One fused per-tensor norm pass (no float64 copy of every gradient), squares summed in float64.
-    norms = list(torch._foreach_norm(counted)) if counted else []
-    sq = (torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64,
-                                                                          device=state.device)).reshape(1)
-    comm.all_reduce(sq, state, "mp")
-    return math.sqrt(sq.item())
+    total = _squared_norm([p.grad for p in counted if specs[p].grad_group != "edp"], state)
+    experts = _squared_norm([p.grad for p in counted if specs[p].grad_group == "edp"], state)
+    total += comm.all_reduce(experts, state, "ep", count_as="norm")  # distinct experts on each ep rank
+    comm.all_reduce(total, state, "mp")
+    return math.sqrt(total.item())
+
+
+def _squared_norm(grads: list[torch.Tensor | None], state: ParallelState) -> torch.Tensor:
+    """[1] float64: the sum of squares of `grads`, one fused per-tensor norm pass (no float64 copy)."""
+    norms = list(torch._foreach_norm([g.detach() for g in grads if g is not None])) if grads else []
+    return (torch.stack(norms).double().pow(2).sum() if norms
+            else torch.zeros((), dtype=torch.float64, device=state.device)).reshape(1)
 
 
 def clip_gradients(model: nn.Module, max_norm: float, norm: float) -> None:

@@ -85,12 +85,21 @@ def scale_shards(shards: Sequence[Shard], factor: float) -> None:
         s.grad.mul_(factor)
 
 
+def norm_group(group: GroupKind, sharded: bool) -> GroupKind | None:
+    """The ranks whose squared norms of a `group` bucket add up to distinct parts of the model (None: none).
+    A sharded bucket's ranks each hold 1/N of it. Experts ('edp' buckets, megalite.moe) differ across the
+    ep ranks too: an unsharded one is summed over ep, a sharded one over ep x edp = dp x cp."""
+    if group == "edp":
+        return "dp_cp" if sharded else "ep"
+    return group if sharded else None
+
+
 def grad_norm(shards: Sequence[Shard], state: ParallelState) -> float:
     """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank 0 only,
-    summed over tp x pp ranks, and, for sharded buckets, over the ranks of each bucket's group."""
+    summed over tp x pp ranks, and over the ranks of `norm_group` (sharded buckets, experts)."""
     by_group: dict[GroupKind | None, list[torch.Tensor]] = {}
     for s in shards:
-        key = s.group if s.sharded else None
+        key = norm_group(s.group, s.sharded)
         by_group.setdefault(key, []).extend(
             s.grad[g.lo:g.hi] for g in s.segments if not ((g.replicated and state.tp_rank != 0) or g.copy))
     if not by_group:

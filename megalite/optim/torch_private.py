@@ -5,6 +5,8 @@ missing API, on a torch that lacks one).
   directly (`megalite.optim.shard_adamw`): one pass over memory for the whole update.
 - the autograd engine's `queue_callback`: runs a function when the current backward pass ends. ZeRO-3
   (`megalite.optim.zero3`) frees every gathered unit there; torch's FSDP does the same.
+
+The MoE layers' optional `torch._grouped_mm` is in `megalite.moe.torch_private` (a lower layer than this).
 """
 
 from __future__ import annotations

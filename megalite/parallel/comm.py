@@ -21,6 +21,7 @@ sequence. Activations are [batch, seq, hidden]: the sequence dim is 1, the hidde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,9 +37,9 @@ SEQ_DIM = 1
 # is 'pp', and the gradient reduction over dp x cp (dp_cp) is still the data-parallel traffic 'dp'.
 GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "mp": "mp", "embedding": "embedding", "cp": "cp",
                                               "dp_cp": "dp", **{kind: "pp" for kind in PP_KINDS},
-                                              # Expert replicas reduce gradients like dp; no layer sends over
-                                              # 'ep' yet (its all-to-all gets its own key with the layer).
-                                              "edp": "dp", "ep": "dp"}
+                                              # Expert replicas reduce gradients like dp; the MoE dispatch
+                                              # all-to-all files under its own key.
+                                              "edp": "dp", "ep": "ep"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -94,18 +95,15 @@ def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim:
 
 def all_to_all(t: torch.Tensor, state: ParallelState, group: GroupKind) -> torch.Tensor:
     """Chunk j of `t` along dim 0 (of n equal chunks) goes to the group's rank j; returns the chunks
-    received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/ulysses.py)."""
-    key = _count_key(group, None)
+    received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/ulysses.py).
+    `all_to_all_single` with equal splits: counted as the (n-1)/n of `t` that leaves this rank."""
     n = state.size(group)
     if n == 1:
         return t
     if t.shape[0] % n:
         raise ValueError(f"all_to_all: dim 0 of size {t.shape[0]} not divisible by {n}")
-    t = t.contiguous()
-    state.counter.record(key, "all_to_all", _nbytes(t), n)
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t, group=state.group(group))
-    return out
+    splits = [t.shape[0] // n] * n
+    return all_to_all_single(t, state, group, splits, splits).view_as(t)
 
 
 def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
@@ -116,6 +114,47 @@ def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> 
     if t.shape[dim] % n:
         raise ValueError(f"split: dim {dim} of size {t.shape[dim]} not divisible by {n}")
     return t.chunk(n, dim=dim)[state.rank_in(group)].contiguous()
+
+
+def all_to_all_single(t: torch.Tensor, state: ParallelState, group: GroupKind, send_splits: list[int],
+                      recv_splits: list[int]) -> torch.Tensor:
+    """Rank i sends rows [sum(send_splits[:j]), +send_splits[j]) of `t` (dim 0) to rank j of `group` and
+    receives `recv_splits[j]` rows from each rank j, concatenated in rank order. Splits may be 0 (a rank
+    that sends or receives nothing is normal: MoE routing). Counted as the bytes sent to the *other*
+    ranks (op 'all_to_all'; the rows a rank keeps do not cross a link)."""
+    key = _count_key(group, None)
+    n = state.size(group)
+    if len(send_splits) != n or len(recv_splits) != n or sum(send_splits) != t.shape[0]:
+        raise ValueError(f"all_to_all_single: splits {send_splits} / {recv_splits} do not fit {n} ranks and "
+                         f"{t.shape[0]} rows")
+    if n == 1:
+        return t
+    t = t.contiguous()
+    row = t.element_size() * math.prod(t.shape[1:])  # bytes of one row
+    me = state.rank_in(group)
+    state.counter.record(key, "all_to_all", row * (sum(send_splits) - send_splits[me]), n)
+    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+    dist.all_to_all_single(out, t, recv_splits, send_splits, group=state.group(group))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState, group: GroupKind,  # type: ignore[override]
+                send: list[int], recv: list[int]) -> torch.Tensor:
+        ctx.args = (state, group, send, recv)
+        return all_to_all_single(x, state, group, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        state, group, send, recv = ctx.args
+        return all_to_all_single(grad.contiguous(), state, group, recv, send), None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, state: ParallelState, group: GroupKind, send_splits: list[int],
+                    recv_splits: list[int]) -> torch.Tensor:
+    """`all_to_all_single` with autograd: the backward sends each row's gradient back where it came from."""
+    return x if state.size(group) == 1 else _AllToAll.apply(x, state, group, send_splits, recv_splits)
 
 
 # ---------------------------------------------------------------- Megatron f / g (tensor parallel)

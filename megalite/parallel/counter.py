@@ -31,7 +31,7 @@ from collections import defaultdict
 from fractions import Fraction
 from typing import Callable, Literal, cast, get_args
 
-CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp"]
+CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep"]
 COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 # The value of metrics.jsonl's `comm_convention`: the bytes in `comm_bytes` are the ring algorithm's per rank.
@@ -49,7 +49,9 @@ RING_FACTORS: dict[CollectiveOp, Callable[[int], Fraction]] = {
     "all_reduce": lambda n: Fraction(2 * (n - 1), n),
     "all_gather": lambda n: Fraction(n - 1, n),
     "reduce_scatter": lambda n: Fraction(n - 1, n),
-    "all_to_all": lambda n: Fraction(n - 1, n),
+    # `payload_bytes` of an all-to-all is what this rank sends to the *other* ranks (its own rows stay):
+    # (n-1)/n of the tensor for equal chunks (Ulysses), the routed rows' bytes for MoE's variable splits.
+    "all_to_all": lambda n: Fraction(1),
     "send": lambda n: Fraction(1),
 }
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.linear_fn import DeferredWeightGrads
+from megalite.moe.losses import ScalesAuxLoss
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.p2p import Exchange, routes
 from megalite.pipeline.partition import stage_rank
@@ -150,6 +151,8 @@ class PipelineEngine:
         if inp is not None and torch.is_grad_enabled():
             inp.requires_grad_()
         wgrad = DeferredWeightGrads() if split and torch.is_grad_enabled() else None
+        if isinstance(chunk, ScalesAuxLoss):  # MoE router losses are backpropagated with the loss's factor
+            chunk.set_aux_loss_scale(scale)
         # Every chunk gets the ids: the first embeds them, document masking reads them on every stage.
         out = chunk(ids, labels if last else None, hidden=inp, dtype=self.dtype)
         if last:

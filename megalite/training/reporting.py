@@ -9,7 +9,7 @@ from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.estimate import count_params
+from megalite.perfmodel.moe import moe_param_counts
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
 from megalite.training.step import StepContext, StepResult
 
@@ -23,10 +23,11 @@ class StepReport:
                  optimizer: DistributedOptimizer, train_samples: int) -> None:
         self.cfg, self.state, self.ctx, self.optimizer, self.train_samples = cfg, state, ctx, optimizer, train_samples
         m = cfg.model
-        self.n_params = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads,
-                                     m.ffn_hidden_size, m.vocab_size, m.seq_len, bool(m.tie_embeddings))
-        self.flops_per_token = model_flops_per_token(self.n_params, m.num_layers, m.hidden_size, m.seq_len)
-        self.flops_per_token_causal = model_flops_per_token(self.n_params, m.num_layers, m.hidden_size, m.seq_len,
+        counts = moe_param_counts(m)  # the dense count for a dense model
+        self.n_params, self.n_active = counts.total, counts.active
+        # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters).
+        self.flops_per_token = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len)
+        self.flops_per_token_causal = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len,
                                                             causal=True)
         device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
         self.peak = peak_flops(device_name, DTYPE_NAMES[ctx.engine.dtype])
@@ -34,8 +35,9 @@ class StepReport:
 
     def startup(self, logger: MetricsLogger, resumed_from: str | None, start_step: int, malloc_note: str) -> None:
         par, st, dtype = self.cfg.parallel, self.state, self.ctx.engine.dtype
-        logger.note(f"megalite: {self.n_params / 1e6:.2f}M params | layout tp={par.tp} "
-                    + (f"cp={par.cp} " if par.cp > 1 else "") + f"pp={par.pp} dp={par.dp} "
+        active = f" ({self.n_active / 1e6:.2f}M active)" if self.n_active != self.n_params else ""
+        logger.note(f"megalite: {self.n_params / 1e6:.2f}M params{active} | layout tp={par.tp} "
+                    + (f"cp={par.cp} " if par.cp > 1 else "") + (f"ep={par.ep} " if par.ep > 1 else "") + f"pp={par.pp} dp={par.dp} "
                     f"sp={par.sp} | {st.device.type} {str(dtype).removeprefix('torch.')} | vocab "
                     f"{self.cfg.model.vocab_size} | {self.tokens_per_step} tokens/step | {self.train_samples} train "
                     "samples" + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else "")
@@ -64,4 +66,4 @@ class StepReport:
                 "comm_convention": COMM_CONVENTION, "comm_written_bytes": written_bytes,
                 "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,
                 "loss_scale": self.ctx.scaler.scale, "spike": spike, "mem_bytes": self.optimizer.memory_bytes(),
-                "tokens_seen": step * self.tokens_per_step}
+                "tokens_seen": step * self.tokens_per_step, **({"moe": result.moe} if result.moe else {})}

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
+from megalite.moe.step_metrics import finish_step as finish_moe_step
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.schedule import lr_at
@@ -35,6 +36,7 @@ class StepResult:
     grad_norm: float     # global norm before clipping (inf/nan when the step was skipped)
     lr: float
     skipped: bool
+    moe: dict[str, Any] | None = None  # MoE layers' loads and router losses (megalite.moe.step_metrics), None if dense
 
 
 def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dtype) -> PipelineEngine:
@@ -95,8 +97,9 @@ def train_step(ctx: StepContext,
     scaler.update(found_inf=skipped)
     if not skipped:
         optimizer.step(lr, settings.clip_grad, norm)
+    moe = finish_moe_step(engine.chunks, state, update_bias=not skipped)  # DeepSeek's bias update, the loads
     total /= len(batches)
-    return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped)
+    return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped, moe=moe)
 
 
 def mean_over_ranks(total: torch.Tensor, state: ParallelState) -> float:

@@ -103,7 +103,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
     state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
-                             timeout_s=par.timeout_s, cp=par.cp)
+                             timeout_s=par.timeout_s, cp=par.cp, ep=par.ep)
     torch.manual_seed(tr.seed)
     data = build_data(cfg)
     tok_vocab = data.tokenizer.vocab_size

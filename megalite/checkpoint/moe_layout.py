@@ -1,0 +1,42 @@
+"""MoE state in checkpoints: where a rank's experts sit in the global tensors (expert parallelism cuts dim 0),
+and the routers' bias buffers.
+
+A stacked expert weight ([E/ep, ...] on each rank, `experts.Experts`) is stored as the whole [E, ...]
+tensor; rank ep_rank holds rows [ep_rank * E/ep, (ep_rank + 1) * E/ep). Its gradient group is 'edp', and
+those ranks hold the same experts: they deal the writes among themselves, as dp x cp does for the rest.
+So a checkpoint saved at one ep loads at any other (every expert's tensor is complete on disk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+
+from megalite.checkpoint.layout import Piece, ShardMap, logical_name
+from megalite.parallel.param_spec import ParamSpec
+from megalite.parallel.state import ParallelState
+
+
+def routing_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of the state a MoE model keeps outside its parameters: DeepSeek's router bias
+    (replicated over tp, dp and ep; one per layer), stored as "buffer/<name>" so a resumed run routes alike."""
+    out = []
+    for chunk in chunks:
+        for name, buf in chunk.named_buffers():
+            if name.endswith("router.bias"):
+                out.append((logical_name(name), buf))
+    return out
+
+
+def expert_shard_map(smap: ShardMap, spec: ParamSpec, state: ParallelState) -> ShardMap:
+    """`smap` (the TP view of this rank's tensor) lifted into the whole-expert tensor when `spec` is an
+    expert weight (grad_group 'edp'); unchanged otherwise."""
+    ep = state.size("ep")
+    if spec.grad_group != "edp" or ep == 1:
+        return smap
+    local = smap.local_shape[0]
+    start = state.rank_in("ep") * local
+    pieces = tuple(Piece(pc.local, (pc.glob[0] + start,) + pc.glob[1:], pc.shape) for pc in smap.pieces)
+    return replace(smap, global_shape=(smap.global_shape[0] * ep,) + smap.global_shape[1:], pieces=pieces)

@@ -1,0 +1,63 @@
+"""The routed experts of one MoE layer, this rank's share: experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+
+Weights are stacked per layer ([E/ep, 2F, H] gate and up fused for SwiGLU, [E/ep, F] GeLU up for gpt2;
+[E/ep, H, F] down), the layout of transformers' fused experts, and each expert is drawn in full from its
+global name (`layers.init`), so expert e has the same numbers at any ep. TP: experts are replicated over
+the tp ranks (each computes the tokens it holds: all of them without SP, its 1/tp slice with SP, whence
+`sp_partial`); expert-parallel over ep, their gradients reduced over 'edp' (`ParamSpec.grad_group`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import torch
+import torch.nn as nn
+
+from megalite.layers.init import full_normal
+from megalite.moe.grouped import expert_mm
+from megalite.parallel.param_spec import REPLICATED, ParamSpec
+from megalite.parallel.state import ParallelState
+
+
+class Activations(Protocol):
+    """What the experts use of the model's op backend (`megalite.model.ops.Ops` has it); a Protocol, so this
+    package sits below the model that builds it."""
+
+    @property
+    def swiglu(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]: ...
+    @property
+    def gelu_tanh(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, state: ParallelState, ops: Activations,
+                 name: str, seed: int, std: float, num_layers: int) -> None:
+        super().__init__()
+        ep = state.size("ep")
+        self.local = num_experts // ep
+        first = state.rank_in("ep") * self.local
+        self.gated, self.ops, self.sp = gated, ops, state.sp
+        out_std = std / math.sqrt(2 * num_layers)  # scaled residual-branch init, as the dense MLP's down
+        ups, downs = [], []
+        for e in range(first, first + self.local):
+            parts = ["gate", "up"] if gated else ["up"]
+            ups.append(torch.cat([full_normal((ffn, hidden), std, seed, f"{name}.{e}.{p}") for p in parts]))
+            downs.append(full_normal((hidden, ffn), out_std, seed, f"{name}.{e}.down"))
+        self.up = nn.Parameter(torch.stack(ups))
+        self.down = nn.Parameter(torch.stack(downs))
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        spec = ParamSpec(REPLICATED, sp_partial=self.sp, grad_group="edp")
+        return {"up": spec, "down": spec}
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, H] sorted by local expert, counts[e] rows each -> [N, H]."""
+        h = expert_mm(x, self.up.to(x.dtype), counts)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.ops.swiglu(gate, up)
+        else:
+            h = self.ops.gelu_tanh(h)
+        return expert_mm(h.contiguous(), self.down.to(x.dtype), counts)

@@ -1,0 +1,79 @@
+"""The MoE feed-forward of a block: route, dispatch, experts, combine, plus optional shared experts.
+
+x [B, S', H] (S' = S/tp under SP, S/cp under CP): each token is routed on its own, so the layer works
+on whatever tokens this rank holds. Without SP the tp ranks hold the same tokens and compute the same
+thing (experts replicated over tp, no tp communication); with SP each routes its own slice. Shared
+experts (DeepSeek) are one dense MLP of width shared x shared_ffn, tensor-parallel like the dense MLP.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from megalite.moe.dispatch import combine, dispatch
+from megalite.moe.experts import Activations, Experts
+from megalite.moe.losses import AuxScale, attach, balance_share, z_share
+from megalite.moe.router import Router
+from megalite.moe.settings import MoESettings
+from megalite.moe.stats import LayerStats
+from megalite.parallel import comm
+from megalite.parallel.state import ParallelState
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg, s: MoESettings, state: ParallelState, ops: Activations, name: str, seed: int,
+                 aux_scale: AuxScale, num_moe_layers: int, mlp_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.s, self.state, self.aux_scale = s, state, aux_scale
+        self.num_moe_layers = max(1, num_moe_layers)
+        self.router = Router(cfg.hidden_size, s, state.sp, f"{name}.router", seed, cfg.init_std)
+        self.experts = Experts(s.experts, cfg.hidden_size, s.ffn, cfg.arch == "llama", state, ops,
+                               f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
+        self.shared: nn.Module | None = None
+        if s.shared:
+            shared_cfg = copy.copy(cfg)  # the model config with the shared experts' fused width
+            shared_cfg.ffn_hidden_size = s.shared * s.shared_ffn
+            self.shared = mlp_cls(shared_cfg, state, ops, f"{name}.shared", seed)
+        self.stats = LayerStats(s.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s_, h = x.shape
+        flat = x.reshape(-1, h)
+        routing = self.router(flat)
+        rows, plan = dispatch(flat, routing.experts, self.s.experts, self.state, self.s.capacity_factor)
+        if self.state.size("ep") > 1:
+            me = self.state.rank_in("ep")
+            self.stats.record_exchange(sum(plan.send) - plan.send[me] + sum(plan.recv) - plan.recv[me])
+        y = combine(self.experts(rows, plan.local_counts), plan, routing.weights, flat.shape[0], self.state)
+        out = y.view(b, s_, h).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if torch.is_grad_enabled() and self.training:
+            out = self._losses(out, routing.experts, routing.probs, routing.logits, plan.dropped)
+        return out
+
+    def _losses(self, out: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor,
+                dropped: int) -> torch.Tensor:
+        st, s = self.state, self.s
+        counts = torch.bincount(experts.reshape(-1), minlength=s.experts).double()
+        # The micro-batch's assignment counts and probability sums over the ranks that split its tokens.
+        stat = torch.cat([counts, probs.detach().sum(0).double(), logits.detach().logsumexp(-1).pow(2).sum()[None].double()])
+        if st.sp:
+            comm.all_reduce(stat, st, "tp", count_as="metrics")
+        comm.all_reduce(stat, st, "cp", count_as="metrics")
+        tokens = experts.shape[0] * (st.tp if st.sp else 1) * st.cp
+        e = s.experts
+        aux_value = float(e * (stat[:e] / tokens * stat[e:2 * e] / tokens).sum())
+        z_value = float(stat[-1] / tokens)
+        self.stats.record(counts, dropped, aux_value, z_value)
+        share = out.new_zeros((), dtype=torch.float32)
+        if s.aux_loss:
+            share = share + s.aux_loss / self.num_moe_layers * balance_share(stat[:e], probs.sum(0), tokens)
+        if s.z_loss:
+            share = share + s.z_loss / self.num_moe_layers * z_share(logits, tokens)
+        if not (s.aux_loss or s.z_loss):
+            return out
+        return attach(out, share * st.cp, self.aux_scale.value)
