@@ -77,6 +77,8 @@ def test_preprocess_and_tokenizer_accept_lone_surrogates(files: dict[str, Any], 
     got, err = _run(train_tokenizer.main, ["--input", str(files["surrogates"]), "--json-key", "text",
                                            "--model-prefix", str(tmp_path / "t"), "--vocab-size", "600"], capsys)
     assert got == 0 and (tmp_path / "t.model").is_file(), err
+    n_docs = len(files["surrogates"].read_text().splitlines())  # two unpaired surrogates in each document
+    assert f"replaced {2 * n_docs} unpaired surrogate escape(s)" in err and f"in {n_docs} document(s)" in err
 
 
 def test_train_tokenizer_bad_arguments_keep_the_old_model(files: dict[str, Any], tmp_path: Path, capsys) -> None:

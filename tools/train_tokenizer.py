@@ -23,6 +23,7 @@ import sys
 if __package__ in (None, ""):  # run as `python tools/train_tokenizer.py`: make `megalite` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.data.documents import Replacements  # noqa: E402
 from megalite.data.tokenizer import train_tokenizer  # noqa: E402
 from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 from megalite.data.tokenizer_hf import train_hf_tokenizer  # noqa: E402
@@ -58,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 259 ids; use >= 300")
     if args.max_bytes is not None and args.max_bytes < 1:
         raise ConfigError(f"--max-bytes {args.max_bytes} must be >= 1 (or left out for all the text)")
+    replaced = Replacements()  # unpaired surrogates of JSON lines become U+FFFD: counted, and said below
     if args.kind == "hf":
         path = train_hf_tokenizer(args.input, args.model_prefix + ".json", args.vocab_size,
-                                  json_key=args.json_key, max_bytes=args.max_bytes)
+                                  json_key=args.json_key, max_bytes=args.max_bytes, replaced=replaced)
     else:
         path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
-                               max_bytes=args.max_bytes)
+                               max_bytes=args.max_bytes, replaced=replaced)
+    if replaced.note():
+        print(replaced.note(), file=sys.stderr)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megalite.errors import DataError
 from megalite.untrusted import loads_json
+
+if TYPE_CHECKING:
+    from megalite.data.documents import Replacements
 
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
@@ -92,7 +95,7 @@ class HFTokenizer:
 
 
 def train_hf_tokenizer(files: list[str], output: str, vocab_size: int, json_key: str | None = None,
-                       max_bytes: int | None = None) -> str:
+                       max_bytes: int | None = None, replaced: Replacements | None = None) -> str:
     """Train a GPT-2-style byte-level BPE `tokenizer.json` on `files` (read like preprocessing inputs);
     returns the written path. No normalizer and no added prefix space, so `decode(encode(x)) == x` for any
     text; `<|endoftext|>` (id 0) ends documents. tools/export_hf.py --tokenizer copies it as is."""
@@ -111,7 +114,7 @@ def train_hf_tokenizer(files: list[str], output: str, vocab_size: int, json_key:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    sentences = list(training_sentences(iter_documents(files, json_key), max_bytes))
+    sentences = list(training_sentences(iter_documents(files, json_key, replaced=replaced), max_bytes))
     if not sentences:
         raise DataError(f"no text found in {files}: the tokenizer needs a non-empty corpus")
     tok.train_from_iterator(sentences, trainer)

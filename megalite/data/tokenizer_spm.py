@@ -26,7 +26,7 @@ from io import BytesIO
 
 import sentencepiece as spm
 
-from megalite.data.documents import iter_documents
+from megalite.data.documents import Replacements, iter_documents
 from megalite.atomic import atomic_output
 from megalite.errors import DataError
 
@@ -140,7 +140,7 @@ def training_sentences(documents: Iterator[str], max_bytes: int | None = None,
 
 
 def train_tokenizer(files: list[str], model_prefix: str, vocab_size: int, json_key: str | None = None,
-                    max_bytes: int | None = None) -> str:
+                    max_bytes: int | None = None, replaced: Replacements | None = None) -> str:
     """Train a byte-fallback BPE SentencePiece model on `files`; returns the written `<model_prefix>.model`.
 
     `files` are read like preprocessing inputs (one document per text file, or JSON lines with
@@ -149,7 +149,7 @@ def train_tokenizer(files: list[str], model_prefix: str, vocab_size: int, json_k
     if vocab_size < 300:
         # 3 special pieces + 256 byte pieces must fit, plus some characters and merges.
         raise DataError(f"vocab_size={vocab_size} is too small: byte fallback alone needs 259 ids; use >= 300")
-    sentences = training_sentences(iter_documents(files, json_key), max_bytes)
+    sentences = training_sentences(iter_documents(files, json_key, replaced=replaced), max_bytes)
     first = next(sentences, None)
     if first is None:
         raise DataError(f"no text found in {files}: the tokenizer needs a non-empty corpus")
