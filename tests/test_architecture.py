@@ -18,7 +18,7 @@ PACKAGE = REPO / "megalite"
 # megalite, or `training.step`) and of lower layers only. Layers 1-5 are the core a learner reads
 # (docs/architecture.md); everything after them uses the core and the core never uses it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megalite", "errors", "kernels"),            # base: the package root, error kinds, Triton
+    ("megalite", "errors", "torch_private", "kernels"),  # base: root, error kinds, private torch calls, Triton
     ("atomic", "untrusted"),                      # base: link-safe atomic writes; bounded JSON/TOML reading
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism

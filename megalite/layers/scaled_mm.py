@@ -1,4 +1,4 @@
-"""The one place megalite calls torch's private FP8 GEMM, `torch._scaled_mm`.
+"""Checks and layouts for torch's private FP8 GEMM, `torch._scaled_mm` (called in `megalite.torch_private`).
 
     out = (a.float() * scale_a) @ (b.float() * scale_b)   rounded once to `out_dtype`
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite import torch_private
 from megalite.errors import ConfigError
 
 Tensor = torch.Tensor
@@ -55,6 +56,6 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype:
         a = a.contiguous()
         b = b.t().contiguous().t()  # column-major
         if rowwise and out_dtype != torch.bfloat16:
-            y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+            y = torch_private.scaled_mm(a, b, scale_a, scale_b, torch.bfloat16)
             return y.to(out_dtype)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return torch_private.scaled_mm(a, b, scale_a, scale_b, out_dtype)

@@ -1,6 +1,6 @@
 """Grouped expert GEMMs: rows sorted by expert, `counts[e]` rows for expert e, one weight per expert.
 
-`torch._grouped_mm` (a private API, called in `megalite.moe.torch_private`) runs every expert's GEMM in one call where
+`torch._grouped_mm` (a private API, called in `megalite.torch_private`) runs every expert's GEMM in one call where
 torch has it (CUDA in bf16; CPU in fp32 and bf16, forward and backward, checked with torch 2.13) and the row strides are
 16-byte aligned; elsewhere a loop over the experts computes the same products (`grouped_mm_loop`).
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite.moe.torch_private import HAS_GROUPED_MM, grouped_mm_raw
+from megalite.torch_private import HAS_GROUPED_MM
+from megalite.torch_private import grouped_mm as grouped_mm_raw
 
 
 class _ContiguousGrad(torch.autograd.Function):

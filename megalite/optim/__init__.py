@@ -4,8 +4,8 @@
 `overlap` for when its collectives run); `shards.py` is the typed seam (`Shard`, `ShardOptimizer`, norm
 and clipping); `shard_adamw.py` is AdamW on shards; `zero.py` composes the two behind `protocol.py`'s
 `DistributedOptimizer` (what the training step and the checkpoints call), `zero_state.py` its checkpoint
-state. `reference.py` is the replicated oracle the tests compare with; `torch_private.py` holds the
-private torch APIs used.
+state. `reference.py` is the replicated oracle the tests compare with; the private torch APIs used are in
+`megalite/torch_private.py`.
 """
 
 from __future__ import annotations

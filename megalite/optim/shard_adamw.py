@@ -7,7 +7,7 @@ After each update the master is cast into the shard's `params`; publishing them 
 the gradient sync's business.
 
 torch's fused kernel (the one `torch.optim.AdamW(fused=True)` and Hugging Face's Trainer use, wrapped in
-`megalite.optim.torch_private`): one pass over memory for the whole update, two calls per shard (the
+`megalite.torch_private`): one pass over memory for the whole update, two calls per shard (the
 decayed pieces, the rest) instead of seven elementwise ops per tensor. It is elementwise and its result
 does not depend on an element's position, so a sharded update equals the replicated one to the last bit
 (tests/test_adamw_flat.py). It differs from the unfused `foreach=False` arithmetic by at most an ulp on
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from megalite.optim import torch_private
+from megalite import torch_private
 from megalite.optim.shards import Segment, Shard
 
 ADAMW_CHUNK = 1 << 16  # fallback loop: elements per chunk (4 fp32 tensors x 256 KiB stay in a 1-2 MiB L2)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from megalite.optim import torch_private
+from megalite import torch_private
 from megalite.optim.overlap import ahead
 from megalite.optim.zero_buckets import Bucket
 from megalite.parallel import comm

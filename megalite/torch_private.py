@@ -1,12 +1,15 @@
-"""The private torch APIs megalite uses, each in one place (tests/test_torch_private.py fails, naming the
-missing API, on a torch that lacks one).
+"""The private torch APIs megalite uses, all in this one module of the base layer, so that every layer may
+call them (tests/test_torch_private.py fails, naming the missing API, on a torch that lacks a required one,
+and fails if any other module reaches into torch's private names).
 
 - `torch._fused_adamw_`: the kernel behind `torch.optim.AdamW(fused=True)`, called on the flat shards
   directly (`megalite.optim.shard_adamw`): one pass over memory for the whole update.
 - the autograd engine's `queue_callback`: runs a function when the current backward pass ends. ZeRO-3
   (`megalite.optim.zero3`) frees every gathered unit there; torch's FSDP does the same.
-
-The MoE layers' optional `torch._grouped_mm` is in `megalite.moe.torch_private` (a lower layer than this).
+- `torch._scaled_mm`: the FP8 GEMM (`megalite.layers.scaled_mm` says which modes this torch supports).
+  Needed only with `train.fp8`, so it is checked there (`scaled_mm.check_available`), not required here.
+- `torch._grouped_mm`: every expert's GEMM in one call (`megalite.moe.grouped`). Optional: without it
+  (`HAS_GROUPED_MM` False) the experts run a per-expert loop.
 """
 
 from __future__ import annotations
@@ -45,3 +48,18 @@ def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
 def at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward pass now running finishes (call from inside a backward hook)."""
     Variable._execution_engine.queue_callback(callback)
+
+
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(x, weight_t, offs=offs)`: x [N, in] sorted by group, weight_t [E, in, out], offs
+    the int32 cumulative row counts -> [N, out]."""
+    return torch._grouped_mm(x, weight_t, offs=offs)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """`torch._scaled_mm(a, b, scale_a=..., scale_b=..., out_dtype=...)`: (a * scale_a) @ (b * scale_b)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
