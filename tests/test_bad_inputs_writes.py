@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from megalite import atomic
 from megalite.checkpoint import files, storage
 from megalite.data import indexed
 from megalite.observability.metrics import start_metrics_file
@@ -189,7 +190,7 @@ def test_metrics_resume_rewrites_beside_and_renames(tmp_path: Path, monkeypatch)
     def full_disk(p: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(p))
 
-    monkeypatch.setattr(files, "fsync_file", full_disk)
+    monkeypatch.setattr(atomic, "fsync_file", full_disk)  # where atomic_output finds it
     with pytest.raises(OSError, match="No space"):
         start_metrics_file(path, resumed_step=3)
     assert path.read_bytes() == original and os.listdir(tmp_path) == ["metrics.jsonl"]
