@@ -14,7 +14,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-kernels = pytest.importorskip("kernels")
+kernels = pytest.importorskip("megalite.kernels")  # the module the model calls (monkeypatched below)
 
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
