@@ -1,0 +1,73 @@
+"""The estimator's human-readable report (`tools/estimate.py` prints it): memory, communication, FLOPs,
+step time and MFU of one `Estimate`, with the layout it was computed for."""
+
+from __future__ import annotations
+
+from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:10.2f}"
+
+
+def render(est: Estimate, kw: dict) -> str:
+    """The human-readable report."""
+    lay: Layout = kw["layout"]
+    dims: ModelDims | None = kw["dims"]
+    name = "custom model" if dims is None else f"{dims.arch} L={dims.num_layers} h={dims.hidden_size}"
+    prec: Precision = kw["prec"]
+    bytes_each = f"{prec.param}+{prec.grad}+{prec.master}+{prec.optimizer} bytes/param"
+    out = [f"{name}: {est.params / 1e9:.3f} B parameters, {kw['dtype']}, {kw['memory_layout']} memory layout "
+           f"({bytes_each} before ZeRO)",
+           f"layout: tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} zero={lay.zero} "
+           f"sp={'on' if lay.sp else 'off'} "
+           f"vpp={lay.vpp} schedule={lay.schedule} recompute={lay.recompute} "
+           f"micro-batch={lay.micro_batch_size} micro-batches/step={est.num_microbatches}",
+           f"pipeline bubble: {est.bubble:.1%}", "",
+           f"memory per device (worst stage), GB   [{est.params_per_device / 1e9:.3f} B params here]"]
+    mem = est.memory
+    for label, value in (("parameters", mem.params), ("gradients", mem.grads),
+                         ("fp32 master weights", mem.master), ("optimizer states", mem.optimizer),
+                         ("model states", mem.model_states), ("activations", mem.activations),
+                         ("total", mem.total)):
+        out.append(f"  {label:<22}{_gb(value)}")
+    header = "communication per step per rank (wire bytes), GB"
+    out += ["", header + ("      seconds" if est.comm_seconds else "")]
+    for group, b in est.comm_bytes.items():
+        secs = est.comm_seconds.get(group)
+        out.append(f"  {group:<22}{_gb(b)}" + (f"   {secs:10.4f}" if secs is not None else ""))
+    if est.model_flops_per_step is not None:
+        out += ["", f"model FLOPs per step (PaLM 6N + 12·L·H·Q·s): {est.model_flops_per_step:.4e}",
+                f"hardware FLOPs per step (Megatron's count, recompute={lay.recompute}): "
+                f"{est.hardware_flops_per_step:.4e}"]
+    if est.compute_seconds is not None:
+        out.append(f"compute incl. bubble: {est.compute_seconds:.4g} s")
+    if lay.cp > 1 and dims is not None:
+        moved = {"ring": "K/V forward, K/V + fp32 dK/dV backward", "allgather": "K/V gathered, fp32 dK/dV "
+                 "reduce-scattered", "a2a": "q, k, v and the output all-to-all'd, their gradients back"}[lay.cp_mode]
+        out.append(f"context parallel ({lay.cp_mode}): {dims.seq_len // lay.cp} of {dims.seq_len} tokens per rank; "
+                   f"the cp attention ({moved}) moves {est.comm_bytes.get('cp', 0.0) / GB:.4g} GB")
+    if est.cp_exposed_seconds is not None:
+        how = ("each ring step overlaps one block's transfer with one block's attention" if lay.cp_mode == "ring"
+               else "its collectives are not overlapped: all exposed")
+        out.append(f"cp {lay.cp_mode}: {est.comm_seconds.get('cp', 0.0):.4g} s of transfers, "
+                   f"{est.cp_exposed_seconds:.4g} s exposed ({how})")
+    if est.step_seconds is not None:
+        hidden = "DP traffic" + (" and the cp ring" if lay.cp > 1 else "")
+        out += [f"step time: {est.step_seconds:.4g} s no overlap, {est.step_seconds_overlapped:.4g} s "
+                f"with {hidden} hidden behind compute",
+                f"predicted MFU (no overlap): {est.predicted_mfu:.1%}, HFU {est.predicted_hfu:.1%} "
+                f"({est.hfu_convention}), causal-halved MFU {est.predicted_mfu_causal:.1%}"]
+    if est.fp8 is not None:
+        f8 = est.fp8
+        names = [g["name"] for g in f8["gemms"] if g["fp8"]]
+        out.append(f"fp8 {f8['recipe']} (min dim {f8['min_dim']}): {', '.join(names) or 'no GEMM'} in FP8, "
+                   f"{f8['fp8_flops_fraction']:.1%} of the hardware FLOPs; amax all-reduces "
+                   + ", ".join(f"{g} {b / 1e6:.3g} MB" for g, b in f8["amax_bytes"].items()) +
+                   f"; largest FP8 weight copy {f8['weight_copy_bytes'] / 2**20:.1f} MiB")
+        if est.predicted_mfu_fp8_peak is not None:
+            out.append(f"MFU is over the bf16 dense peak; over the FP8 dense peak "
+                       f"({f8['fp8_peak_flops'] / 1e12:.0f} TFLOP/s) it is {est.predicted_mfu_fp8_peak:.1%}")
+    for w in est.warnings:
+        out.append(f"WARNING: {w}")
+    return "\n".join(out)
