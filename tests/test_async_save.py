@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +30,7 @@ from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.step import StepContext, train_step
 from tests.conftest import free_port
 from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
-from tests.test_reliability import REPO, _args, _env, _rows, _torchrun
+from tests.test_reliability import _args, _rows, _sigterm_after_3_steps, _torchrun
 
 
 def _tiny() -> tuple[ParallelState, nn.ModuleList, ReferenceOptimizer, StepContext]:
@@ -167,15 +164,7 @@ def test_sigterm_waits_for_the_save_in_flight(demo_cache_dir: str, tmp_path: Pat
     ckpt = tmp_path / "ckpt"
     args = _args(demo_cache_dir, tmp_path / "log", "--train.steps", "100000", "--checkpoint.dir", str(ckpt),
                  "--checkpoint.async_save", "true")
-    proc = subprocess.Popen([sys.executable, str(REPO / "pretrain.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(REPO))
-    metrics = tmp_path / "log" / "metrics.jsonl"
-    deadline = time.time() + 600  # a hang guard only: the loop ends as soon as 3 steps are logged
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-2000:]
+    out, err = _sigterm_after_3_steps(args, tmp_path / "log")
     stopped = int(re.search(r"exiting cleanly after step (\d+)", out + err).group(1))  # type: ignore[union-attr]
     name = f"step_{stopped:08d}"
     assert (ckpt / "latest").read_text().strip() == name and (ckpt / name / "index.json").is_file()

@@ -64,18 +64,25 @@ def test_hang_is_reported_by_the_watchdog(demo_cache_dir: str, tmp_path: Path) -
     assert "last operation entered" in proc.stderr
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes(demo_cache_dir: str, tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    args = _args(demo_cache_dir, tmp_path / "log", "--train.steps", "100000", "--checkpoint.dir", str(ckpt))
+def _sigterm_after_3_steps(args: list[str], log_dir: Path) -> tuple[str, str]:
+    """Start pretrain.py with `args`, SIGTERM it once 3 steps are in `log_dir`'s metrics.jsonl; it must exit 0.
+    Returns its stdout and stderr."""
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain.py"), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(REPO))
-    metrics = tmp_path / "log" / "metrics.jsonl"
+    metrics = log_dir / "metrics.jsonl"
     deadline = time.time() + 600  # a hang guard only: the loop ends as soon as 3 steps are logged
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
+    return out, err
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes(demo_cache_dir: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = _args(demo_cache_dir, tmp_path / "log", "--train.steps", "100000", "--checkpoint.dir", str(ckpt))
+    out, err = _sigterm_after_3_steps(args, tmp_path / "log")
     assert "stop requested by signal" in out
     step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
     assert step >= 3
