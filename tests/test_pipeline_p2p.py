@@ -207,14 +207,16 @@ def _nccl_deadlocks(plans: list[list[p2p.Route]], depth: int, coalesced: bool = 
     recv_group = {(rank, i): where[(rank, on(r.recv.channel), False, r.recv.tag)]
                   for rank, plan in enumerate(plans) for i, r in enumerate(plan)
                   if r.recv is not None and r.recv.peer != rank}
+    # The operation before each one on its stream (None: first on it), looked up once, not per sweep.
+    index = {(rank, stream, k): g for g, (rank, stream, k, _, _) in enumerate(groups)}
+    prev = [index.get((rank, stream, k - 1)) for rank, stream, k, _, _ in groups]
     computed = [-1] * len(plans)  # last action finished per rank
     running, complete = set(), set()
     changed = True
     while changed:
         changed = False
-        for g, (rank, stream, k, after, ops) in enumerate(groups):
-            prev = [h for h, (r2, s2, k2, _, _) in enumerate(groups) if (r2, s2, k2) == (rank, stream, k - 1)]
-            if g not in running and computed[rank] >= after and all(h in complete for h in prev):
+        for g, (rank, _, _, after, _) in enumerate(groups):
+            if g not in running and computed[rank] >= after and (prev[g] is None or prev[g] in complete):
                 running.add(g)
                 changed = True
         for g, (rank, stream, _, _, ops) in enumerate(groups):
