@@ -174,8 +174,8 @@ def _pretrain_torchrun(cache: str, log_dir: Path, nproc: int, *extra: str) -> No
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(REPO / "pretrain.py"), "--data.cache_dir", cache, *SMALL_RUN,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           str(REPO / "pretrain.py"), "--data.cache_dir", cache, *SMALL_RUN,
            "--train.steps", "2", "--logging.dir", str(log_dir), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
