@@ -52,8 +52,7 @@ from megalite.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_UNSUPPORTED = (("num_experts", "mixture-of-experts layers (num_experts={})"),
-                ("multi_latent_attention", "multi-latent attention (MLA)"),
+_UNSUPPORTED = (("multi_latent_attention", "multi-latent attention (MLA)"),
                 ("vision_model_type", "a vision tower ({})"))
 
 
@@ -138,6 +137,9 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
                positions: int | None = None) -> dict[str, Any]:
     """megalite's model dims from Megatron's args, refusing architectures megalite lacks.
     `positions`: the rows of a learned position table (a GPT-2-style model's seq_len)."""
+    if getattr(args, "num_experts", None):  # megalite has MoE layers (megalite/moe), but not Megatron's names for them
+        raise CheckpointError(f"{src}: the checkpoint has mixture-of-experts layers (num_experts={args.num_experts}): "
+                              "Megatron's MoE layers are not converted yet (dense models only)")
     for key, what in _UNSUPPORTED:
         value = getattr(args, key, None)
         if value:
