@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -121,7 +123,13 @@ def _write(model: torch.nn.Module, out: Path, gpt2: bool) -> None:
     legacy = out / "legacy" / "iter_0000005"
     for (t, p), part in _split_legacy(model.state_dict(), 2, 2, gated=not gpt2, tied=gpt2).items():
         (legacy / f"mp_rank_{t:02d}_{p:03d}").mkdir(parents=True)
-        torch.save({"args": args, "iteration": 5, "checkpoint_version": 3.0, "model": part},
+        # What else Megatron-LM's save_checkpoint puts in the file (not converted, but it must be readable):
+        # its RNG states (numpy's among them) and the optimizer and scheduler states.
+        rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+               "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+        rest = {"rng_state": [rng], "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 5},
+                "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0, 1]}]}}}
+        torch.save({"args": args, "iteration": 5, "checkpoint_version": 3.0, "model": part, **rest},
                    legacy / f"mp_rank_{t:02d}_{p:03d}" / "model_optim_rng.pt")
     (out / "legacy" / "latest_checkpointed_iteration.txt").write_text("5")
 

@@ -144,6 +144,11 @@ def test_bad_megatron_inputs_are_one_line_exit_4(written: Path, tmp_path: Path, 
     legacy = _copy(written, tmp_path, "gpt2", "legacy")
     (legacy / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
     refused(legacy, "mp_rank_01_001/model_optim_rng.pt is missing (a 2 x 2 TP x PP checkpoint)")
+    old = _copy(written, tmp_path, "llama", "legacy")
+    first = old / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(first, weights_only=False)
+    torch.save(dict(state, model={"language_model": {"embedding": {}}}), first)  # megatron.legacy.model's nesting
+    refused(first.parent, "the layout of Megatron-LM's pre-core model (language_model.*)")
 
 
 # ------------------------------------------------------------------ docs/checkpoints.md's recipes run as written

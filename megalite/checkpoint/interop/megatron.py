@@ -28,9 +28,9 @@ GPT-2-style (LayerNorm with bias, tanh GeLU, learned absolute positions, biases 
   `.bias` beside its weight (`layer_norm_bias` | `input_layernorm.bias` ...), the QKV bias ungrouped like its
   weight; in legacy files the row-parallel biases (linear_proj, linear_fc2) are whole on every TP rank.
 
-Pickles (common.pt, legacy files) are read with `torch.load(weights_only=True)` and only `argparse.Namespace`
-(and megatron-core's enums, when it is installed) allowed: a file that needs any other class is refused with
-one line naming it. The model's dims come from its `args`; MoE, multi-latent attention, vision towers, the erf
+Pickles (common.pt, legacy files) are read with `torch.load(weights_only=True)` and only `argparse.Namespace`,
+numpy's array reconstruction (the RNG states) and megatron-core's enums (when it is installed) allowed: a file
+that needs any other class is refused with one line naming it. The model's dims come from its `args`; MoE, multi-latent attention, vision towers, the erf
 GeLU, and options megalite's layers lack (post-norm residuals, zero-centred norms, QK norms, ...) are refused,
 naming what was found.
 """
@@ -44,6 +44,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megalite.checkpoint.dcp import load_tensor, read_metadata, tensor_shapes
@@ -57,7 +58,13 @@ _UNSUPPORTED = (("multi_latent_attention", "multi-latent attention (MLA)"),
 
 
 def _allowed() -> list[Any]:
-    allowed: list[Any] = [argparse.Namespace]
+    # Legacy files hold Megatron's RNG states, numpy's among them (`np.random.get_state()`: a uint32 array):
+    # numpy's array reconstruction rebuilds an array from its bytes and dtype, and runs nothing else.
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    allowed: list[Any] = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:  # args hold a few of megatron-core's enums; allowed by class, never by pattern
         from megatron.core.enums import ModelType  # type: ignore[import-untyped]
         from megatron.core.transformer.enums import AttnBackend, AttnMaskType  # type: ignore[import-untyped]
@@ -77,7 +84,7 @@ def safe_load(path: Path) -> Any:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = found.group(1) if found else str(e).splitlines()[0]
         raise CheckpointError(f"{path} needs the class {what} to be unpickled, which is not on the allow-list "
-                              "(argparse.Namespace, megatron-core enums): refusing to run code from it") from e
+                              "(argparse.Namespace, megatron-core enums, numpy arrays): refusing to run code from it") from e
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"cannot read {path} ({e}): the file is damaged or not a torch checkpoint") from e
 
@@ -220,6 +227,17 @@ def _check_conflicts(src: Path, args: Any) -> None:
                               "is inconsistent; not guessing which is right")
 
 
+def _check_core_names(where: Path, names: list[str]) -> None:
+    """The first stage's tensors carry megatron-core's names (else: name what is there instead)."""
+    if "embedding.word_embeddings.weight" in names:
+        return
+    if any(n.startswith("language_model") for n in names):  # megatron.legacy.model's nested state dict
+        raise CheckpointError(f"{where}: the model is in the layout of Megatron-LM's pre-core model (language_model.*); "
+                              "only megatron-core's names (embedding.*, decoder.layers.*) are read")
+    raise CheckpointError(f"{where}: no tensor embedding.word_embeddings.weight (found {sorted(names)[:4]}): not a "
+                          "megatron-core GPT checkpoint")
+
+
 def _from_torch_dist(src: Path) -> Source:
     md = read_metadata(src)  # names a missing shard file
     common = safe_load(src / "common.pt")
@@ -229,6 +247,7 @@ def _from_torch_dist(src: Path) -> Source:
     _check_conflicts(src, args)
     flat = tensor_shapes(md)
     pos = flat.get("embedding.position_embeddings.weight")
+    _check_core_names(src, list(flat))
     info = model_info(args, src, flat["embedding.word_embeddings.weight"][0], list(flat), pos[0] if pos else None)
     names = _top_level(info)
     missing = next((m for m in names.values() if m not in flat), None)
@@ -291,7 +310,8 @@ def _from_legacy(src: Path) -> Source:
     args = first.get("args")
     if args is None:
         raise CheckpointError(f"{ranks[(0, 0)]} has no 'args': the model's dims are unknown")
-    models = {k: v["model"] for k, v in states.items()}
+    models = {k: v.get("model") or {} for k, v in states.items()}
+    _check_core_names(ranks[(0, 0)], list(models[(0, 0)]))
     vocab = sum(models[(t, 0)]["embedding.word_embeddings.weight"].shape[0] for t in range(tp))
     pos = models[(0, 0)].get("embedding.position_embeddings.weight")
     info = model_info(args, src, vocab, [n for m in models.values() for n in m], None if pos is None else pos.shape[0])
