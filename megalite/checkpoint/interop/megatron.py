@@ -115,7 +115,11 @@ _UNMODELLED = (("apply_residual_connection_post_layernorm", "residuals taken aft
                ("qk_layernorm", "query/key norms (qk_layernorm)"),
                ("rotary_interleaved", "interleaved RoPE (rotary_interleaved)"),
                ("use_rope_scaling", "RoPE frequency scaling (use_rope_scaling)"),
-               ("squared_relu", "a squared-ReLU MLP"), ("onnx_safe", "the exact (erf) GeLU of onnx_safe"))
+               ("squared_relu", "a squared-ReLU MLP"), ("onnx_safe", "the exact (erf) GeLU of onnx_safe"),
+               ("window_size", "sliding-window attention (window_size)"), ("qk_l2_norm", "query/key L2 norms"),
+               ("attention_output_gate", "a gated attention output"),
+               ("mtp_num_layers", "multi-token prediction layers (mtp_num_layers)"),
+               ("hybrid_override_pattern", "Mamba / hybrid layers (hybrid_override_pattern)"))
 
 
 def _family(args: Any, src: Path) -> str:
