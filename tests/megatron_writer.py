@@ -113,7 +113,11 @@ def _write(model: torch.nn.Module, out: Path, gpt2: bool) -> None:
         logits = model(ids, pos, attention_mask=mask)  # [b, s, vocab]
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"ids": ids, "logits": logits}, out / "logits.pt")
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
     args = megatron_args(gpt2)
+    args.model_type, args.attention_backend = ModelType.encoder_or_decoder, AttnBackend.auto  # as Megatron-LM's args
     root = out / "torch_dist"
     (root / "iter_0000005").mkdir(parents=True)
     sharded = model.sharded_state_dict()

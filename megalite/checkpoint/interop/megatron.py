@@ -38,6 +38,7 @@ naming what was found.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import pickle
 import re
@@ -65,13 +66,15 @@ def _allowed() -> list[Any]:
     except ImportError:  # numpy 1.x
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
     allowed: list[Any] = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:  # args hold a few of megatron-core's enums; allowed by class, never by pattern
-        from megatron.core.enums import ModelType  # type: ignore[import-untyped]
-        from megatron.core.transformer.enums import AttnBackend, AttnMaskType  # type: ignore[import-untyped]
-
-        allowed += [ModelType, AttnBackend, AttnMaskType]
+    try:  # args hold megatron-core's enums (model_type, attention_backend, fp8_recipe, cuda_graph_scope, ...):
+        # every Enum class its two enum modules define, by class (unpickling an Enum only looks a member up)
+        import megatron.core.enums as core_enums  # type: ignore[import-untyped]
+        import megatron.core.transformer.enums as transformer_enums  # type: ignore[import-untyped]
     except ImportError:
-        pass
+        return allowed
+    for module in (core_enums, transformer_enums):
+        allowed += [v for v in vars(module).values()
+                    if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__]
     return allowed
 
 
