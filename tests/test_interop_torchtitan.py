@@ -137,4 +137,10 @@ def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "scaled.json").write_text(json.dumps({"n_heads": HEADS, "rope_scaling": "llama"}))
     assert convert(out + ["--model-args", str(tmp_path / "scaled.json")]) == 4
     assert "rope_scaling 'llama'" in capsys.readouterr().err
+    moe = {**ModelWrapper(model).state_dict(), "layers.0.moe.experts.w1": torch.zeros(2, DIM, HIDDEN)}
+    dcp.save(moe, checkpoint_id=str(tmp_path / "moe"), no_dist=True)  # a torchtitan MoE model's expert weights
+    assert convert(out[:-4] + ["--input", str(tmp_path / "moe"), "--output", str(tmp_path / "o"),
+                               "--model-args", str(_args(tmp_path / "args.json"))]) == 4
+    err = capsys.readouterr().err.strip()
+    assert "layers.0.moe.experts.w1 is a mixture-of-experts tensor" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()

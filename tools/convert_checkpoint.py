@@ -10,7 +10,8 @@
 Formats: `megalite` (a step directory or a root with `latest`); `dcp`: plain torch.distributed.checkpoint in
 megalite's names, with the optimizer state (docs/checkpoints.md); `torchtitan`: torchtitan's Llama 3 DCP
 checkpoint (its names, its RoPE layout; model and optimizer state); `megatron`: a Megatron-LM checkpoint,
-`torch_dist` (DCP) or legacy `iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`, GPT or Llama-style (input only).
+`torch_dist` (DCP) or legacy `iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`, Llama- or GPT-2-style (input only;
+the model weights and the iteration: the optimizer starts fresh).
 A megalite output can be laid out for any --tp/--pp/--vpp; the model dims always come from the input.
 Bad input is one line and exit code 4; the output is written under a temporary name and renamed when
 complete, so nothing that exists is changed.

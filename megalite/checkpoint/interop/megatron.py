@@ -9,7 +9,8 @@ Layouts read (a root with `latest_checkpointed_iteration.txt`, or an `iter_N` di
   legacy      iter_N/mp_rank_<tp>[_<pp>]/model_optim_rng.pt, one torch.save per (tp, pp) rank: {"args",
               "iteration", "model": that rank's shards, layers numbered from 0 on every stage}.
 
-Model (megatron-core names -> megalite's; Llama-style = RMSNorm, SwiGLU, RoPE, no biases):
+Model (megatron-core names -> megalite's). Llama-style (RMSNorm, SwiGLU, RoPE, no biases) -> arch llama;
+GPT-2-style (LayerNorm with bias, tanh GeLU, learned absolute positions, biases in every linear) -> arch gpt2:
 
   embedding.word_embeddings.weight            embedding.weight   (padded vocab rows kept: vocab_size = padded)
   layers.i.self_attention.linear_qkv.weight   layers.i.attn.qkv.weight: Megatron interleaves by query group,
@@ -18,27 +19,33 @@ Model (megatron-core names -> megalite's; Llama-style = RMSNorm, SwiGLU, RoPE, n
   ...linear_qkv.layer_norm_weight | input_layernorm.weight          layers.i.norm1.weight
   ...self_attention.linear_proj.weight        layers.i.attn.out.weight
   ...linear_fc1.layer_norm_weight | pre_mlp_layernorm.weight        layers.i.norm2.weight
-  ...mlp.linear_fc1.weight                    layers.i.mlp.up.weight: [gate; up] (each TP shard of a legacy
-                                              file is [gate_r; up_r] and is regrouped)
+  ...mlp.linear_fc1.weight                    layers.i.mlp.up.weight: llama [gate; up] (each TP shard of a
+                                              legacy file is [gate_r; up_r] and is regrouped); gpt2 as is
   ...mlp.linear_fc2.weight                    layers.i.mlp.down.weight
   decoder.final_layernorm.weight              final_norm.weight
   output_layer.weight                         head.weight (absent when tied)
+  gpt2 only: embedding.position_embeddings.weight -> position (its rows are seq_len); each norm's and linear's
+  `.bias` beside its weight (`layer_norm_bias` | `input_layernorm.bias` ...), the QKV bias ungrouped like its
+  weight; in legacy files the row-parallel biases (linear_proj, linear_fc2) are whole on every TP rank.
 
-Pickles (common.pt, legacy files) are read with `torch.load(weights_only=True)` and only `argparse.Namespace`
-(and megatron-core's enums, when it is installed) allowed: a file that needs any other class is refused with
-one line naming it. The model's dims come from its `args`; MoE, multi-latent attention, vision towers and
-GPT-style models (LayerNorm, GELU, biases, learned positions) are refused, naming what was found.
+Pickles (common.pt, legacy files) are read with `torch.load(weights_only=True)` and only `argparse.Namespace`,
+numpy's array reconstruction (the RNG states) and megatron-core's enums (when it is installed) allowed: a file
+that needs any other class is refused with one line naming it. The model's dims come from its `args`; MoE, multi-latent attention, vision towers, the erf
+GeLU, and options megalite's layers lack (post-norm residuals, zero-centred norms, QK norms, ...) are refused,
+naming what was found.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megalite.checkpoint.dcp import load_tensor, read_metadata, tensor_shapes
@@ -47,20 +54,27 @@ from megalite.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_UNSUPPORTED = (("num_experts", "mixture-of-experts layers (num_experts={})"),
-                ("multi_latent_attention", "multi-latent attention (MLA)"),
+_UNSUPPORTED = (("multi_latent_attention", "multi-latent attention (MLA)"),
                 ("vision_model_type", "a vision tower ({})"))
 
 
 def _allowed() -> list[Any]:
-    allowed: list[Any] = [argparse.Namespace]
-    try:  # args hold a few of megatron-core's enums; allowed by class, never by pattern
-        from megatron.core.enums import ModelType  # type: ignore[import-untyped]
-        from megatron.core.transformer.enums import AttnBackend, AttnMaskType  # type: ignore[import-untyped]
-
-        allowed += [ModelType, AttnBackend, AttnMaskType]
+    # Legacy files hold Megatron's RNG states, numpy's among them (`np.random.get_state()`: a uint32 array):
+    # numpy's array reconstruction rebuilds an array from its bytes and dtype, and runs nothing else.
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    allowed: list[Any] = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:  # args hold megatron-core's enums (model_type, attention_backend, fp8_recipe, cuda_graph_scope, ...):
+        # every Enum class its two enum modules define, by class (unpickling an Enum only looks a member up)
+        import megatron.core.enums as core_enums  # type: ignore[import-untyped]
+        import megatron.core.transformer.enums as transformer_enums  # type: ignore[import-untyped]
     except ImportError:
-        pass
+        return allowed
+    for module in (core_enums, transformer_enums):
+        allowed += [v for v in vars(module).values()
+                    if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__]
     return allowed
 
 
@@ -73,7 +87,7 @@ def safe_load(path: Path) -> Any:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = found.group(1) if found else str(e).splitlines()[0]
         raise CheckpointError(f"{path} needs the class {what} to be unpickled, which is not on the allow-list "
-                              "(argparse.Namespace, megatron-core enums): refusing to run code from it") from e
+                              "(argparse.Namespace, megatron-core enums, numpy arrays): refusing to run code from it") from e
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"cannot read {path} ({e}): the file is damaged or not a torch checkpoint") from e
 
@@ -97,8 +111,49 @@ def _arg(args: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str]) -> dict[str, Any]:
-    """megalite's model dims from Megatron's args, refusing architectures megalite lacks."""
+# Megatron-LM options that change what the model computes in ways megalite's layers do not: refused, by name.
+_UNMODELLED = (("apply_residual_connection_post_layernorm", "residuals taken after the norm"),
+               ("apply_layernorm_1p", "zero-centred norm weights (apply_layernorm_1p)"),
+               ("layernorm_zero_centered_gamma", "zero-centred norm weights (layernorm_zero_centered_gamma)"),
+               ("qk_layernorm", "query/key norms (qk_layernorm)"),
+               ("rotary_interleaved", "interleaved RoPE (rotary_interleaved)"),
+               ("use_rope_scaling", "RoPE frequency scaling (use_rope_scaling)"),
+               ("squared_relu", "a squared-ReLU MLP"), ("onnx_safe", "the exact (erf) GeLU of onnx_safe"),
+               ("window_size", "sliding-window attention (window_size)"), ("qk_l2_norm", "query/key L2 norms"),
+               ("attention_output_gate", "a gated attention output"),
+               ("mtp_num_layers", "multi-token prediction layers (mtp_num_layers)"),
+               ("hybrid_override_pattern", "Mamba / hybrid layers (hybrid_override_pattern)"))
+
+
+def _family(args: Any, src: Path) -> str:
+    """'llama' (RMSNorm, SwiGLU, RoPE, no biases) or 'gpt2' (LayerNorm, tanh GeLU, learned positions, biases)."""
+    norm, swiglu = _arg(args, "normalization", default="LayerNorm"), bool(_arg(args, "swiglu", default=False))
+    pos = _arg(args, "position_embedding_type", default="learned_absolute")
+    bias = bool(_arg(args, "add_bias_linear", default=True))
+    if (norm, swiglu, pos, bias) == ("RMSNorm", True, "rope", False):
+        if _arg(args, "add_qkv_bias"):
+            raise CheckpointError(f"{src}: the checkpoint has biases in the QKV projection only (add_qkv_bias), "
+                                  "which megalite's llama does not have")
+        return "llama"
+    if (norm, swiglu, pos, bias) == ("LayerNorm", False, "learned_absolute", True):
+        # Megatron-LM's MLP computes the tanh GeLU when it fuses bias and GeLU (its default) or with openai_gelu;
+        # otherwise torch's exact erf GeLU, which megalite's gpt2 MLP (tanh) does not compute.
+        if not (_arg(args, "openai_gelu") or _arg(args, "bias_gelu_fusion", default=True)):
+            raise CheckpointError(f"{src}: the checkpoint's MLP is the exact (erf) GeLU (bias_gelu_fusion=False, "
+                                  "openai_gelu=False); megalite's gpt2 computes the tanh GeLU: not converted")
+        return "gpt2"
+    raise CheckpointError(f"{src}: a model with normalization={norm}, swiglu={swiglu}, position embedding {pos}, "
+                          f"add_bias_linear={bias}: megalite converts Llama-style (RMSNorm, SwiGLU, rope, no biases) "
+                          "and GPT-2-style (LayerNorm, GeLU, learned_absolute, biases) Megatron models")
+
+
+def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
+               positions: int | None = None) -> dict[str, Any]:
+    """megalite's model dims from Megatron's args, refusing architectures megalite lacks.
+    `positions`: the rows of a learned position table (a GPT-2-style model's seq_len)."""
+    if getattr(args, "num_experts", None):  # megalite has MoE layers (megalite/moe), but not Megatron's names for them
+        raise CheckpointError(f"{src}: the checkpoint has mixture-of-experts layers (num_experts={args.num_experts}): "
+                              "Megatron's MoE layers are not converted yet (dense models only)")
     for key, what in _UNSUPPORTED:
         value = getattr(args, key, None)
         if value:
@@ -106,17 +161,22 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str]) -
     vision = next((n for n in tensor_names if "vision" in n), None)
     if vision:
         raise CheckpointError(f"{src}: the checkpoint has a vision tower ({vision}), which megalite does not have")
-    norm, swiglu = _arg(args, "normalization", default="LayerNorm"), bool(_arg(args, "swiglu", default=False))
-    pos = _arg(args, "position_embedding_type", default="learned_absolute")
-    if norm != "RMSNorm" or not swiglu or pos != "rope" or _arg(args, "add_bias_linear", default=True):
-        raise CheckpointError(f"{src}: a GPT-style model (normalization={norm}, swiglu={swiglu}, position embedding "
-                              f"{pos}, add_bias_linear={_arg(args, 'add_bias_linear', default=True)}): only Llama-style "
-                              "Megatron models (RMSNorm, SwiGLU, RoPE, no biases) convert so far")
-    heads = int(args.num_attention_heads)
+    for key, what in _UNMODELLED:
+        if getattr(args, key, None):
+            raise CheckpointError(f"{src}: the checkpoint's model has {what}, which megalite does not have")
+    arch = _family(args, src)
+    heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
+    kv_channels = _arg(args, "kv_channels", default=hidden // heads)
+    if int(kv_channels) * heads != hidden:
+        raise CheckpointError(f"{src}: kv_channels={kv_channels} with {heads} heads of a hidden size {hidden}: "
+                              "megalite's head size is hidden_size / num_heads")
+    if arch == "llama" and float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
+        raise CheckpointError(f"{src}: rotary_percent={args.rotary_percent}: megalite rotates the whole head")
     groups = int(_arg(args, "num_query_groups", default=heads)) if _arg(args, "group_query_attention") else heads
-    return {"arch": "llama", "num_layers": int(args.num_layers), "hidden_size": int(args.hidden_size),
+    seq = int(_arg(args, "seq_length", "max_position_embeddings", default=2048)) if positions is None else positions
+    return {"arch": arch, "num_layers": int(args.num_layers), "hidden_size": hidden,
             "num_heads": heads, "num_kv_heads": groups, "ffn_hidden_size": int(args.ffn_hidden_size),
-            "vocab_size": vocab_rows, "seq_len": int(_arg(args, "seq_length", "max_position_embeddings", default=2048)),
+            "vocab_size": vocab_rows, "seq_len": seq,
             "make_vocab_divisible_by": 1, "tie_embeddings": not bool(_arg(args, "untie_embeddings_and_output_weights",
                                                                            default=False)),
             "norm_eps": float(_arg(args, "norm_epsilon", default=1e-5)),
@@ -124,11 +184,12 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str]) -
 
 
 def ungroup_qkv(w: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
-    """Megatron's [g: q heads of group g, k_g, v_g] rows -> megalite's [q; k; v]."""
+    """Megatron's [g: q heads of group g, k_g, v_g] rows -> megalite's [q; k; v] (a weight or a bias)."""
     nh, ng = info["num_heads"], info["num_kv_heads"]
-    hd = info["hidden_size"] // nh
-    g = w.reshape(ng, nh // ng + 2, hd, w.shape[-1])
-    return torch.cat([g[:, :-2].reshape(nh * hd, -1), g[:, -2].reshape(ng * hd, -1), g[:, -1].reshape(ng * hd, -1)])
+    hd, rest = info["hidden_size"] // nh, tuple(w.shape[1:])
+    g = w.reshape(ng, nh // ng + 2, hd, *rest)
+    return torch.cat([g[:, :-2].reshape(nh * hd, *rest), g[:, -2].reshape(ng * hd, *rest),
+                      g[:, -1].reshape(ng * hd, *rest)])
 
 
 _PER_LAYER = {"norm1.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
@@ -137,6 +198,26 @@ _PER_LAYER = {"norm1.weight": ("self_attention.linear_qkv.layer_norm_weight", "i
               "norm2.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
               "mlp.up.weight": ("mlp.linear_fc1.weight",),
               "mlp.down.weight": ("mlp.linear_fc2.weight",)}
+_GPT2_BIASES = {"norm1.bias": ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+                "attn.qkv.bias": ("self_attention.linear_qkv.bias",),
+                "attn.out.bias": ("self_attention.linear_proj.bias",),
+                "norm2.bias": ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
+                "mlp.up.bias": ("mlp.linear_fc1.bias",),
+                "mlp.down.bias": ("mlp.linear_fc2.bias",)}
+
+
+def _per_layer(info: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    return {**_PER_LAYER, **_GPT2_BIASES} if info["arch"] == "gpt2" else _PER_LAYER
+
+
+def _top_level(info: dict[str, Any]) -> dict[str, str]:
+    """megalite names -> megatron-core names of the tensors outside the layers."""
+    names = {"embedding.weight": "embedding.word_embeddings.weight", "final_norm.weight": "decoder.final_layernorm.weight"}
+    if info["arch"] == "gpt2":
+        names.update({"position": "embedding.position_embeddings.weight", "final_norm.bias": "decoder.final_layernorm.bias"})
+    if not info["tie_embeddings"]:
+        names["head.weight"] = "output_layer.weight"
+    return names
 
 
 def _check_conflicts(src: Path, args: Any) -> None:
@@ -153,6 +234,17 @@ def _check_conflicts(src: Path, args: Any) -> None:
                               "is inconsistent; not guessing which is right")
 
 
+def _check_core_names(where: Path, names: list[str]) -> None:
+    """The first stage's tensors carry megatron-core's names (else: name what is there instead)."""
+    if "embedding.word_embeddings.weight" in names:
+        return
+    if any(n.startswith("language_model") for n in names):  # megatron.legacy.model's nested state dict
+        raise CheckpointError(f"{where}: the model is in the layout of Megatron-LM's pre-core model (language_model.*); "
+                              "only megatron-core's names (embedding.*, decoder.layers.*) are read")
+    raise CheckpointError(f"{where}: no tensor embedding.word_embeddings.weight (found {sorted(names)[:4]}): not a "
+                          "megatron-core GPT checkpoint")
+
+
 def _from_torch_dist(src: Path) -> Source:
     md = read_metadata(src)  # names a missing shard file
     common = safe_load(src / "common.pt")
@@ -161,10 +253,14 @@ def _from_torch_dist(src: Path) -> Source:
         raise CheckpointError(f"{src}/common.pt has no 'args': the model's dims are unknown")
     _check_conflicts(src, args)
     flat = tensor_shapes(md)
-    info = model_info(args, src, flat["embedding.word_embeddings.weight"][0], list(flat))
-    names = {"embedding.weight": "embedding.word_embeddings.weight", "final_norm.weight": "decoder.final_layernorm.weight"}
-    if not info["tie_embeddings"]:
-        names["head.weight"] = "output_layer.weight"
+    pos = flat.get("embedding.position_embeddings.weight")
+    _check_core_names(src, list(flat))
+    info = model_info(args, src, flat["embedding.word_embeddings.weight"][0], list(flat), pos[0] if pos else None)
+    names = _top_level(info)
+    missing = next((m for m in names.values() if m not in flat), None)
+    if missing:
+        raise CheckpointError(f"{src}: no tensor {missing} in the checkpoint")
+    per_layer = _per_layer(info)
     cache: dict[str, torch.Tensor] = {}
 
     def stacked(key: str) -> torch.Tensor:  # one [num_layers, ...] tensor, kept while its layers are fetched
@@ -178,12 +274,12 @@ def _from_torch_dist(src: Path) -> Source:
         if name in names:
             return load_tensor(src, [names[name]], flat[names[name]])
         _, i, rest = name.split(".", 2)
-        mkey = next(f"decoder.layers.{c}" for c in _PER_LAYER[rest] if f"decoder.layers.{c}" in flat)
+        mkey = next(f"decoder.layers.{c}" for c in per_layer[rest] if f"decoder.layers.{c}" in flat)
         t = stacked(mkey)[int(i)].clone()
-        return ungroup_qkv(t, info) if rest == "attn.qkv.weight" else t
+        return ungroup_qkv(t, info) if rest.startswith("attn.qkv.") else t
 
     shapes: dict[str, tuple[int, ...]] = {f"param/{n}": flat[m] for n, m in names.items()}
-    for rest, candidates in _PER_LAYER.items():
+    for rest, candidates in per_layer.items():
         mkey = next((f"decoder.layers.{c}" for c in candidates if f"decoder.layers.{c}" in flat), None)
         if mkey is None:
             raise CheckpointError(f"{src}: no tensor decoder.layers.{candidates[0]} in the checkpoint")
@@ -192,15 +288,15 @@ def _from_torch_dist(src: Path) -> Source:
     return Source(info, shapes, fetch, int(common.get("iteration", 0)))
 
 
-def _merge_tp(rest: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    if rest in ("norm1.weight", "norm2.weight"):
-        return shards[0]
+def _merge_tp(rest: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
+    if rest.startswith(("norm1.", "norm2.")) or rest in ("attn.out.bias", "mlp.down.bias"):
+        return shards[0]  # replicated: norms, and the row-parallel linears' biases (added after the all-reduce)
     if rest in ("attn.out.weight", "mlp.down.weight"):
         return torch.cat(shards, dim=1)
-    if rest == "mlp.up.weight":  # every shard is [gate_r; up_r]
+    if rest == "mlp.up.weight" and gated:  # every shard is [gate_r; up_r]
         halves = [s.chunk(2) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return torch.cat(shards)  # qkv (whole query groups per rank), embedding / output rows
+    return torch.cat(shards)  # qkv (whole query groups per rank), fc1, their biases, embedding / output rows
 
 
 def _from_legacy(src: Path) -> Source:
@@ -221,25 +317,29 @@ def _from_legacy(src: Path) -> Source:
     args = first.get("args")
     if args is None:
         raise CheckpointError(f"{ranks[(0, 0)]} has no 'args': the model's dims are unknown")
-    models = {k: v["model"] for k, v in states.items()}
+    models = {k: v.get("model") or {} for k, v in states.items()}
+    _check_core_names(ranks[(0, 0)], list(models[(0, 0)]))
     vocab = sum(models[(t, 0)]["embedding.word_embeddings.weight"].shape[0] for t in range(tp))
-    info = model_info(args, src, vocab, [n for m in models.values() for n in m])
+    pos = models[(0, 0)].get("embedding.position_embeddings.weight")
+    info = model_info(args, src, vocab, [n for m in models.values() for n in m], None if pos is None else pos.shape[0])
     per_stage = info["num_layers"] // pp
     full: dict[str, torch.Tensor] = {}
-    full["param/embedding.weight"] = torch.cat([models[(t, 0)]["embedding.word_embeddings.weight"] for t in range(tp)])
-    full["param/final_norm.weight"] = models[(0, pp - 1)]["decoder.final_layernorm.weight"]
-    if not info["tie_embeddings"]:
-        full["param/head.weight"] = torch.cat([models[(t, pp - 1)]["output_layer.weight"] for t in range(tp)])
+    for name, mname in _top_level(info).items():
+        stage = 0 if mname.startswith("embedding.") else pp - 1
+        if mname not in models[(0, stage)]:
+            raise CheckpointError(f"{ranks[(0, stage)]}: no tensor {mname}")
+        shards = [models[(t, stage)][mname] for t in range(tp)]
+        full[f"param/{name}"] = torch.cat(shards) if name in ("embedding.weight", "head.weight") else shards[0]
     for p in range(pp):
         for local in range(per_stage):
-            for rest, candidates in _PER_LAYER.items():
+            for rest, candidates in _per_layer(info).items():
                 key = next((f"decoder.layers.{local}.{c}" for c in candidates
                             if f"decoder.layers.{local}.{c}" in models[(0, p)]), None)
                 if key is None:
                     raise CheckpointError(f"{ranks[(0, p)]}: no tensor decoder.layers.{local}.{candidates[0]}")
-                merged = _merge_tp(rest, [models[(r, p)][key] for r in range(tp)]).float()
+                merged = _merge_tp(rest, [models[(r, p)][key] for r in range(tp)], info["arch"] == "llama").float()
                 full[f"param/layers.{p * per_stage + local}.{rest}"] = \
-                    ungroup_qkv(merged, info) if rest == "attn.qkv.weight" else merged
+                    ungroup_qkv(merged, info) if rest.startswith("attn.qkv.") else merged
     return Source(info, {k: tuple(v.shape) for k, v in full.items()}, lambda k: full[k].float(),
                   int(first.get("iteration", 0)))
 

@@ -169,7 +169,8 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
     args = _model_args(src, model_args, flat)
     moe = sorted(k for k in flat if ".moe." in k or ".experts." in k)[:1]
     if moe:
-        raise CheckpointError(f"{src}: {moe[0]} is a mixture-of-experts tensor; megalite has no MoE layers yet")
+        raise CheckpointError(f"{src}: {moe[0]} is a mixture-of-experts tensor: torchtitan's MoE models "
+                              "are not converted yet (dense Llama 3 only)")
     dim, vocab = flat["tok_embeddings.weight"][1], flat["tok_embeddings.weight"][0]
     layers = 1 + max(int(m.group(1)) for k in flat if (m := _LAYER.match(k)))
     hidden = flat["layers.0.feed_forward.w1.weight"][0]
