@@ -61,6 +61,12 @@ def pow2_scale(amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return torch.ldexp(one, k), torch.ldexp(one, -k)
 
 
+def cast_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """t scaled by `pow2_scale(amax)` and cast to `dtype`, and its dequantiser (amax broadcasts against t)."""
+    mult, dequant = pow2_scale(amax, dtype)
+    return (t.float() * mult).to(dtype), dequant
+
+
 @dataclass(frozen=True)
 class Splits:
     """The groups splitting each dimension of a linear's 2-D operands at its GEMMs."""
@@ -85,8 +91,7 @@ class Fp8Gemm:
         amax = amax.float()
         for g in groups:
             comm.all_reduce(amax, self.state, g, op=dist.ReduceOp.MAX)
-        mult, dequant = pow2_scale(amax, dtype)
-        return (t.float() * mult).to(dtype), dequant
+        return cast_scaled(t, amax, dtype)
 
     def grad_dtype(self) -> torch.dtype:
         return smm.E5M2 if self.recipe == "tensorwise" else smm.E4M3  # type: ignore[return-value]
@@ -221,8 +226,11 @@ def linear_shapes(module: nn.Module) -> tuple[str, int, list[int]] | None:
 
 
 def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: ParallelState) -> list[str]:
-    """Give every filtered parallel linear of `chunks` its `Fp8Gemm` (None settings: leave all in the run
-    dtype); returns the names of the FP8 linears."""
+    """Give every filtered parallel linear of `chunks` its `Fp8Gemm`, and every filtered module of experts its
+    `Fp8ExpertGemm` (megalite/layers/fp8_experts.py; None settings: leave all in the run dtype); returns the
+    names of the FP8 modules."""
+    from megalite.layers.fp8_experts import Fp8ExpertGemm, Fp8Experts
+
     if settings is None:
         return []
     smm.check_available()
@@ -231,6 +239,12 @@ def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: Par
     chosen = []
     for chunk in chunks:
         for name, module in chunk.named_modules():
+            if isinstance(module, Fp8Experts):  # the up and down GEMMs share the rule: min(hidden, ffn)
+                hidden, ffn = module.fp8_dims()
+                if fp8_filter(name, hidden, [ffn], settings.min_dim):
+                    module.fp8 = Fp8ExpertGemm(settings.recipe)
+                    chosen.append(name)
+                continue
             shapes = linear_shapes(module)
             if shapes is None or not fp8_filter(name, shapes[1], shapes[2], settings.min_dim):
                 continue

@@ -40,13 +40,14 @@ def check_available() -> None:
                           "lacks: install the torch megalite pins (pyproject.toml) or set train.fp8=none")
 
 
-def is_rowwise(scale_a: Tensor) -> bool:
-    return scale_a.numel() > 1
+def is_rowwise(scale_a: Tensor, scale_b: Tensor) -> bool:
+    """Rowwise when either scale has more than one element (a one-row `a` still has a [1, 1] rowwise scale)."""
+    return scale_a.numel() > 1 or scale_b.numel() > 1
 
 
 def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """(a * scale_a) @ (b * scale_b) in `out_dtype` (see the module doc for the modes and layouts)."""
-    rowwise = is_rowwise(scale_a)
+    rowwise = is_rowwise(scale_a, scale_b)
     if not rowwise:
         scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
     else:
