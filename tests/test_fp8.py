@@ -16,7 +16,8 @@ import torch
 from megalite.config import Config, validate
 from megalite.errors import ConfigError
 from megalite.layers import scaled_mm as smm
-from megalite.layers.fp8 import Fp8Gemm, Splits, fp8_filter, pow2_scale
+from megalite.layers.fp8 import Fp8Gemm, Splits, fp8_filter
+from megalite.layers.scaled_mm import pow2_scale
 from megalite.layers.linear_fn import part_blocks
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import Layout, estimate

@@ -31,9 +31,8 @@ Zero-bubble deferral: an FP8 linear computes its weight gradient in B (exact, no
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,30 +40,14 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from megalite.layers import scaled_mm as smm
+from megalite.layers.scaled_mm import Recipe, cast_scaled
 from megalite.layers.linear_fn import Blocks, Fold
 from megalite.parallel import comm
 from megalite.parallel.state import GroupKind, ParallelState
 
 Tensor = torch.Tensor
-Recipe = Literal["tensorwise", "rowwise"]
 FP8_CHOICES = ("none", "tensorwise", "rowwise")
 Groups = tuple[GroupKind, ...]
-
-
-def pow2_scale(amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(multiplier, dequantiser): 2^k and 2^-k for the largest k with amax * 2^k <= finfo(dtype).max."""
-    mf, ef = math.frexp(torch.finfo(dtype).max)
-    m, e = torch.frexp(amax.float())
-    k = ef - e - (m > mf).to(e.dtype)
-    k = torch.where(torch.isfinite(amax) & (amax > 0), k, torch.zeros_like(k)).clamp(-126, 126)
-    one = torch.ones_like(amax, dtype=torch.float32)
-    return torch.ldexp(one, k), torch.ldexp(one, -k)
-
-
-def cast_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """t scaled by `pow2_scale(amax)` and cast to `dtype`, and its dequantiser (amax broadcasts against t)."""
-    mult, dequant = pow2_scale(amax, dtype)
-    return (t.float() * mult).to(dtype), dequant
 
 
 @dataclass(frozen=True)

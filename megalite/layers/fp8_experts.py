@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megalite.layers import scaled_mm as smm
-from megalite.layers.fp8 import Recipe, cast_scaled
+from megalite.layers.scaled_mm import Recipe, cast_scaled
 
 Tensor = torch.Tensor
 
