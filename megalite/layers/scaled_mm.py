@@ -5,7 +5,7 @@
 with a [M, K] and b [K, N] float8 (e4m3 or e5m2, never both e5m2), and the scales fp32 dequantisation
 multipliers: tensorwise ([] or [1, 1] each) or rowwise (scale_a [M, 1], scale_b [1, N]).
 
-What torch 2.13 supports, checked on this pin (tests/test_fp8_scaled_mm.py asserts each line):
+What torch 2.13 supports, checked on this pin (tests/test_fp8.py's first test asserts each line):
 - CPU: every mode megalite uses: tensorwise and rowwise scales, e4m3 x e4m3 and e5m2 x e4m3 (either side),
   any memory layout, fp32 / bf16 output. The CPU kernel dequantises and multiplies in fp32, so its result
   is bitwise `(a.float() * scale_a) @ (b.float() * scale_b)`: the plain-torch emulation the tests compare
