@@ -8,10 +8,10 @@ The ep2 run: expert parallelism sends the rows of two ranks' micro-batches to on
 process run meets one micro-batch at a time; the expert scales are per token and per weight only (an expert's
 output rows do not depend on the other rows it gets: checked bitwise below), so the two quantize the same
 values. Tolerances: tests/test_fp8_training.py's (round-off; rowwise observed: parameters 1e-9 apart on average
-after 3 steps). Tensorwise is compared over one step: one scale per tensor means that a round-off change of an
-amax lying at a power of two moves the scale of the whole tensor, and that happens here at step 1 (the loss
-1.3e-5 apart, layer 0's parameters ~3e-4 apart on average after step 3, layer 1 and every rowwise run at
-round-off): FP8 tensorwise's sensitivity, which no layout change can avoid, not the experts' layout.
+after 3 steps). Tensorwise is compared over one step: from step 1 on its two runs part (the loss 1.3e-5 apart at
+step 1, layer 0's parameters ~3e-4 apart on average after step 3) while rowwise and the non-FP8 runs stay at
+round-off. Step 0 agrees exactly, so we attribute it to tensorwise's one scale per tensor: a round-off change of
+an amax lying at a power of two moves the scale of the whole tensor (not traced to the tensor here).
 """
 
 from __future__ import annotations
