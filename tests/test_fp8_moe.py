@@ -75,8 +75,9 @@ def test_fp8_expert_gemms_match_the_emulation_to_the_bit(recipe: str) -> None:
         want_y, want_dx, want_dw = _emulate(xd, w, gd, recipe)
         assert y.dtype == dtype and torch.equal(y, want_y), f"{recipe} {dtype}: forward"
         assert torch.equal(xr.grad, want_dx), f"{recipe} {dtype}: input gradient"  # type: ignore[arg-type]
-        assert wr.grad.dtype == torch.float32 and torch.equal(wr.grad, want_dw), f"{recipe} {dtype}: weight gradient"  # type: ignore[union-attr]
-        assert not wr.grad[1].any()  # type: ignore[index]  # the expert without rows
+        dw = wr.grad
+        assert dw is not None and dw.dtype == torch.float32 and torch.equal(dw, want_dw), f"{recipe} {dtype}: dW"
+        assert not dw[1].any()  # the expert without rows
     # Layout-free: expert 3's first rows give the same output when its other rows are 256x larger (a scale over
     # an expert's rows, which ep changes by gathering several ranks' rows, would change them).
     part = gemm.expert_mm(x[6:10], w, [0, 0, 0, 4])
