@@ -8,8 +8,9 @@ gap, and whether any loss or gradient norm was NaN/inf.
 
     python bench/fp8_curve.py --steps 300            # the demo; ~minutes per 10 steps on a loaded 2-core box
     python bench/fp8_curve.py --smoke                # seconds: 3 steps
-    python bench/fp8_curve.py --preset llama-160m --steps 100 --micro-batch 2
-Writes runs/bench/fp8_curve.{json,md}, or into --out DIR (--out bench/results updates the published figures).
+    python bench/fp8_curve.py --preset tiny-moe --steps 300 --micro-batch 2   # FP8 expert GEMMs too
+Writes runs/bench/fp8_curve.{json,md} (fp8_curve_PRESET.* for another preset than the demo's), or into
+--out DIR (--out bench/results updates the published figures).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> int:
     if args.smoke:
         args.steps, args.tail = 3, 2
     out = Path(os.environ.get("OUT", args.out)) if args.smoke and "OUT" in os.environ else Path(args.out)
-    work = out / "fp8_curve_runs"
+    work = out / f"fp8_curve_runs_{args.preset}"
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     procs = {v: launch(v, args, work / v) for v in VARIANTS}
@@ -115,7 +116,8 @@ def main() -> int:
                     "smoke": args.smoke, "tail": args.tail, "exit_codes": codes},
            "gaps": {v: compare(curves["none"], curves[v], args.tail) for v in VARIANTS[1:]},
            "curves": {v: [(r["step"], r["loss"]) for r in c] for v, c in curves.items()}}
-    write_results(out, "fp8_curve_smoke" if args.smoke else "fp8_curve", res, to_markdown)
+    name = "fp8_curve" if args.preset == "tiny" else f"fp8_curve_{args.preset}"  # the demo's keeps its name
+    write_results(out, f"{name}_smoke" if args.smoke else name, res, to_markdown)
     return 0 if all(c == 0 for c in codes.values()) else 1
 
 

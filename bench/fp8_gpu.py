@@ -153,6 +153,8 @@ def main() -> int:
         return 0
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            "smoke": a.smoke, "gemms": bench_gemms(device, a.smoke)}
+    res["model"] = {"rows": []}
+    write_results(Path(a.out), "fp8_gpu", res, to_markdown)  # the GEMM table survives gpu.sh's timeout in the model part
     res["model"] = bench_model(device, a.smoke, 1 if a.smoke else a.micro_batch, 2 if a.smoke else a.steps)
     write_results(Path(a.out), "fp8_gpu", res, to_markdown)
     return 0

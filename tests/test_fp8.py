@@ -16,7 +16,8 @@ import torch
 from megalite.config import Config, validate
 from megalite.errors import ConfigError
 from megalite.layers import scaled_mm as smm
-from megalite.layers.fp8 import Fp8Gemm, Splits, fp8_filter, pow2_scale
+from megalite.layers.fp8 import Fp8Gemm, Splits, fp8_filter
+from megalite.layers.scaled_mm import pow2_scale
 from megalite.layers.linear_fn import part_blocks
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import Layout, estimate
@@ -166,3 +167,29 @@ def test_mfu_conventions_and_one_flop_count() -> None:
     assert hfu_ratio(gpt3, "full", "korthikanti") == hfu_ratio(gpt3, "full") == pytest.approx(
         96 * (1 + s / (6 * h) + v / (16 * h * layers)) / (72 * (1 + s / (6 * h) + v / (12 * h * layers))), rel=1e-12)
     assert math.isclose(hfu_ratio(gpt3, "none", "korthikanti"), 1.0)
+
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198),
+# Table 5 (selective recompute + sequence parallelism; the same cells in Megatron-LM's README table):
+# (heads, hidden, layers) of its Table 3's GPT-3-style models (s = 2048, V = 51200), MFU and HFU in percent.
+TABLE5 = {"22B": (64, 6144, 48, 41.5, 43.7), "175B": (96, 12288, 96, 51.4, 52.8),
+          "530B": (128, 20480, 105, 56.0, 57.0), "1T": (160, 25600, 128, 56.3, 57.0)}
+
+
+@pytest.mark.parametrize("row", list(TABLE5))
+def test_korthikanti_convention_reproduces_table5_hfu(row: str) -> None:
+    heads, h, layers, mfu, hfu = TABLE5[row]
+    dims = ModelDims(num_layers=layers, hidden_size=h, num_heads=heads, vocab_size=51200, seq_len=2048, arch="gpt2")
+    ratio = hfu_ratio(dims, "selective", "korthikanti")
+    # The cells are rounded to 0.1: some MFU in [mfu - 0.05, mfu + 0.05) must give an HFU in [hfu - 0.05, hfu + 0.05).
+    lo, hi = (mfu - 0.05) * ratio, (mfu + 0.05) * ratio
+    assert lo < hfu + 0.05 and hi >= hfu - 0.05, f"{row}: MFU {mfu}% gives HFU {lo:.2f}-{hi:.2f}%, Table 5 {hfu}%"
+    if row == "22B":  # the executed count (the default) does not: it is what the devices ran, 3.5% fewer FLOPs
+        assert (mfu + 0.05) * hfu_ratio(dims, "selective") < hfu - 0.05
+    # One FLOP count in the estimator: HFU = MFU x the ratio, so HFU >= MFU in every mode and convention.
+    for rc in ("none", "selective", "full"):
+        for conv in ("executed", "korthikanti"):
+            est = estimate(dims, Layout(recompute=rc, micro_batch_size=1), peak_flops=312e12, intra_bytes_per_s=1e11,
+                           hfu_convention=conv)
+            assert est.predicted_hfu >= est.predicted_mfu, (rc, conv)  # type: ignore[operator]
+            assert est.predicted_hfu == pytest.approx(est.predicted_mfu * hfu_ratio(dims, rc, conv), rel=1e-12)  # type: ignore[operator]

@@ -31,9 +31,8 @@ Zero-bubble deferral: an FP8 linear computes its weight gradient in B (exact, no
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,24 +40,14 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from megalite.layers import scaled_mm as smm
+from megalite.layers.scaled_mm import Recipe, cast_scaled
 from megalite.layers.linear_fn import Blocks, Fold
 from megalite.parallel import comm
 from megalite.parallel.state import GroupKind, ParallelState
 
 Tensor = torch.Tensor
-Recipe = Literal["tensorwise", "rowwise"]
 FP8_CHOICES = ("none", "tensorwise", "rowwise")
 Groups = tuple[GroupKind, ...]
-
-
-def pow2_scale(amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(multiplier, dequantiser): 2^k and 2^-k for the largest k with amax * 2^k <= finfo(dtype).max."""
-    mf, ef = math.frexp(torch.finfo(dtype).max)
-    m, e = torch.frexp(amax.float())
-    k = ef - e - (m > mf).to(e.dtype)
-    k = torch.where(torch.isfinite(amax) & (amax > 0), k, torch.zeros_like(k)).clamp(-126, 126)
-    one = torch.ones_like(amax, dtype=torch.float32)
-    return torch.ldexp(one, k), torch.ldexp(one, -k)
 
 
 @dataclass(frozen=True)
@@ -85,8 +74,7 @@ class Fp8Gemm:
         amax = amax.float()
         for g in groups:
             comm.all_reduce(amax, self.state, g, op=dist.ReduceOp.MAX)
-        mult, dequant = pow2_scale(amax, dtype)
-        return (t.float() * mult).to(dtype), dequant
+        return cast_scaled(t, amax, dtype)
 
     def grad_dtype(self) -> torch.dtype:
         return smm.E5M2 if self.recipe == "tensorwise" else smm.E4M3  # type: ignore[return-value]
@@ -221,8 +209,11 @@ def linear_shapes(module: nn.Module) -> tuple[str, int, list[int]] | None:
 
 
 def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: ParallelState) -> list[str]:
-    """Give every filtered parallel linear of `chunks` its `Fp8Gemm` (None settings: leave all in the run
-    dtype); returns the names of the FP8 linears."""
+    """Give every filtered parallel linear of `chunks` its `Fp8Gemm`, and every filtered module of experts its
+    `Fp8ExpertGemm` (megalite/layers/fp8_experts.py; None settings: leave all in the run dtype); returns the
+    names of the FP8 modules."""
+    from megalite.layers.fp8_experts import Fp8ExpertGemm, Fp8Experts
+
     if settings is None:
         return []
     smm.check_available()
@@ -231,6 +222,12 @@ def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: Par
     chosen = []
     for chunk in chunks:
         for name, module in chunk.named_modules():
+            if isinstance(module, Fp8Experts):  # the up and down GEMMs share the rule: min(hidden, ffn)
+                hidden, ffn = module.fp8_dims()
+                if fp8_filter(name, hidden, [ffn], settings.min_dim):
+                    module.fp8 = Fp8ExpertGemm(settings.recipe)
+                    chosen.append(name)
+                continue
             shapes = linear_shapes(module)
             if shapes is None or not fp8_filter(name, shapes[1], shapes[2], settings.min_dim):
                 continue

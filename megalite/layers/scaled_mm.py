@@ -5,7 +5,7 @@
 with a [M, K] and b [K, N] float8 (e4m3 or e5m2, never both e5m2), and the scales fp32 dequantisation
 multipliers: tensorwise ([] or [1, 1] each) or rowwise (scale_a [M, 1], scale_b [1, N]).
 
-What torch 2.13 supports, checked on this pin (tests/test_fp8_scaled_mm.py asserts each line):
+What torch 2.13 supports, checked on this pin (tests/test_fp8.py's first test asserts each line):
 - CPU: every mode megalite uses: tensorwise and rowwise scales, e4m3 x e4m3 and e5m2 x e4m3 (either side),
   any memory layout, fp32 / bf16 output. The CPU kernel dequantises and multiplies in fp32, so its result
   is bitwise `(a.float() * scale_a) @ (b.float() * scale_b)`: the plain-torch emulation the tests compare
@@ -15,11 +15,17 @@ What torch 2.13 supports, checked on this pin (tests/test_fp8_scaled_mm.py asser
   call those layouts, and for a rowwise call asking for another output dtype it asks for bf16 and casts
   (the one mode CUDA lacks; the emulation of that mode is exactly "round to bf16, then cast").
 
+The power-of-two current scales both FP8 paths cast with (`pow2_scale`, `cast_scaled`) live here too, below the
+dense linears (megalite/layers/fp8.py) and the expert GEMMs (megalite/layers/fp8_experts.py).
+
 `check_available()` is what config validation and the tests call: a torch without `_scaled_mm` or the
 float8 dtypes fails there with one line, not deep inside a training step.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Literal
 
 import torch
 
@@ -27,6 +33,7 @@ from megalite import torch_private
 from megalite.errors import ConfigError
 
 Tensor = torch.Tensor
+Recipe = Literal["tensorwise", "rowwise"]
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
 E5M2 = torch.float8_e5m2 if hasattr(torch, "float8_e5m2") else None
 # Dense FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
@@ -40,13 +47,14 @@ def check_available() -> None:
                           "lacks: install the torch megalite pins (pyproject.toml) or set train.fp8=none")
 
 
-def is_rowwise(scale_a: Tensor) -> bool:
-    return scale_a.numel() > 1
+def is_rowwise(scale_a: Tensor, scale_b: Tensor) -> bool:
+    """Rowwise when either scale has more than one element (a one-row `a` still has a [1, 1] rowwise scale)."""
+    return scale_a.numel() > 1 or scale_b.numel() > 1
 
 
 def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """(a * scale_a) @ (b * scale_b) in `out_dtype` (see the module doc for the modes and layouts)."""
-    rowwise = is_rowwise(scale_a)
+    rowwise = is_rowwise(scale_a, scale_b)
     if not rowwise:
         scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
     else:
@@ -59,3 +67,19 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype:
             y = torch_private.scaled_mm(a, b, scale_a, scale_b, torch.bfloat16)
             return y.to(out_dtype)
     return torch_private.scaled_mm(a, b, scale_a, scale_b, out_dtype)
+
+
+def pow2_scale(amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(multiplier, dequantiser): 2^k and 2^-k for the largest k with amax * 2^k <= finfo(dtype).max."""
+    mf, ef = math.frexp(torch.finfo(dtype).max)
+    m, e = torch.frexp(amax.float())
+    k = ef - e - (m > mf).to(e.dtype)
+    k = torch.where(torch.isfinite(amax) & (amax > 0), k, torch.zeros_like(k)).clamp(-126, 126)
+    one = torch.ones_like(amax, dtype=torch.float32)
+    return torch.ldexp(one, k), torch.ldexp(one, -k)
+
+
+def cast_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """t scaled by `pow2_scale(amax)` and cast to `dtype`, and its dequantiser (amax broadcasts against t)."""
+    mult, dequant = pow2_scale(amax, dtype)
+    return (t.float() * mult).to(dtype), dequant

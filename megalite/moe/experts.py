@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn as nn
 
+from megalite.layers.fp8_experts import Fp8ExpertGemm
 from megalite.layers.init import full_normal
 from megalite.moe.grouped import expert_mm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
@@ -32,6 +33,8 @@ class Activations(Protocol):
 
 
 class Experts(nn.Module):
+    fp8: Fp8ExpertGemm | None = None  # set by `megalite.layers.fp8.enable_fp8`: the expert GEMMs in FP8
+
     def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, state: ParallelState, ops: Activations,
                  name: str, seed: int, std: float, num_layers: int) -> None:
         super().__init__()
@@ -52,12 +55,21 @@ class Experts(nn.Module):
         spec = ParamSpec(REPLICATED, sp_partial=self.sp, grad_group="edp")
         return {"up": spec, "down": spec}
 
+    def fp8_dims(self) -> tuple[int, int]:
+        """(hidden, ffn): the logical sizes the FP8 filter decides on."""
+        return self.down.shape[1], self.down.shape[2]
+
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if self.fp8 is not None:  # quantized from the fp32 master weight
+            return self.fp8.expert_mm(x, weight, counts)
+        return expert_mm(x, weight.to(x.dtype), counts)
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, H] sorted by local expert, counts[e] rows each -> [N, H]."""
-        h = expert_mm(x, self.up.to(x.dtype), counts)
+        h = self._mm(x, self.up, counts)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.ops.swiglu(gate, up)
         else:
             h = self.ops.gelu_tanh(h)
-        return expert_mm(h.contiguous(), self.down.to(x.dtype), counts)
+        return self._mm(h.contiguous(), self.down, counts)

@@ -1,0 +1,121 @@
+"""FP8 expert GEMMs of a mixture-of-experts layer: y[rows of e] = x[rows of e] W_e^T in e4m3, current scaling.
+
+The dense linears' recipe (megalite/layers/fp8.py) scales activations and output gradients over the tokens of
+a micro-batch, which every layout can reconstruct with a max all-reduce over cp (and tp). An expert's rows
+are different: under expert parallelism the rank holding expert e receives the rows that *several* ranks'
+micro-batches routed to e (the all-to-all of megalite/moe/dispatch.py), while the single-process run meets
+those rows one micro-batch at a time. A scale taken over an expert's rows would therefore differ between
+layouts. So the expert GEMMs use only scales that no layout changes:
+
+    GEMM    computes          operands      activation / gradient scale   weight scale (tensorwise | rowwise)
+    fprop   y_e  = x_e W_e^T  x, W e4m3     per token (amax over in)      per expert | per output row
+    dgrad   dx_e = g_e W_e    g, W e4m3     per token (amax over out)     per expert | per input column
+    wgrad   dW_e = g_e^T x_e  run dtype     (contracts over the tokens: no layout-free fp8 scale exists)
+
+The weight is whole on the rank that holds it (experts are never split, only spread over 'ep' and replicated
+over tp), so its scale needs no reduction either; no FP8 expert GEMM sends anything. The gradient is e4m3
+under both recipes (a per-token scale follows its range; Micikevicius et al.'s e5m2 is for one scale per
+tensor). The weight gradient runs in the run dtype, as the non-FP8 experts' does, and is returned in the
+weight's dtype (fp32 master). Powers-of-two scales and the same cast as the dense path (`cast_scaled`).
+Experts with no rows are skipped; their weight gradient is zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from megalite.layers import scaled_mm as smm
+from megalite.layers.scaled_mm import Recipe, cast_scaled
+
+Tensor = torch.Tensor
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows."""
+    out, lo = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, lo, lo + n))
+        lo += n
+    return out
+
+
+def _quantize_weight(weight: Tensor, recipe: Recipe, dim: int) -> tuple[Tensor, Tensor]:
+    """weight [E, out, in] in e4m3 and its dequantiser: one scale per expert ([E, 1, 1]) or one per slice
+    along `dim` (amax over `dim`, the GEMM's contraction dim)."""
+    assert smm.E4M3 is not None
+    a = weight.detach().abs()
+    amax = a.amax(dim=(1, 2), keepdim=True) if recipe == "tensorwise" else a.amax(dim=dim, keepdim=True)
+    return cast_scaled(weight.detach(), amax.float(), smm.E4M3)
+
+
+def _quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """t [N, K] in e4m3 with one scale per row ([N, 1])."""
+    assert smm.E4M3 is not None
+    return cast_scaled(t, t.abs().amax(dim=1, keepdim=True).float(), smm.E4M3)
+
+
+def _grouped(qa: Tensor, sa: Tensor, qw: Tensor, sw: Tensor, counts: list[int], transpose: bool,
+             width: int, dtype: torch.dtype) -> Tensor:
+    """out[rows of e] = (qa * sa)[rows of e] @ (qw_e * sw_e)(^T) for every expert with rows, in `dtype`."""
+    out = torch.zeros(qa.shape[0], width, dtype=dtype, device=qa.device)
+    for e, lo, hi in _spans(counts):
+        b, sb = (qw[e].t(), sw[e].t()) if transpose else (qw[e], sw[e])
+        # A per-expert ([1, 1]) weight scale is expanded to [1, width]: the rowwise mode's shape.
+        sb = sb.reshape(1, 1).expand(1, width) if sb.numel() == 1 else sb.reshape(1, width)
+        out[lo:hi] = smm.scaled_mm(qa[lo:hi], b, sa[lo:hi], sb.contiguous(), dtype)
+    return out
+
+
+class _Fp8ExpertMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, counts: list[int],  # type: ignore[override]
+                recipe: Recipe) -> Tensor:
+        qx, sx = _quantize_rows(x)
+        qw, sw = _quantize_weight(weight, recipe, 2)  # per output row: amax over in
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.recipe = counts, recipe
+        return _grouped(qx, sx, qw, sw, counts, True, weight.shape[1], x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        counts: list[int] = ctx.counts
+        g = g.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            qg, sg = _quantize_rows(g)
+            qw, sw = _quantize_weight(weight, ctx.recipe, 1)  # per input column: amax over out
+            dx = _grouped(qg, sg, qw, sw, counts, False, weight.shape[2], x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.zeros_like(weight)
+            for e, lo, hi in _spans(counts):
+                dw[e] = torch.mm(g[lo:hi].t(), x[lo:hi]).to(weight.dtype)
+        return dx, dw, None, None
+
+
+@dataclass(frozen=True)
+class Fp8ExpertGemm:
+    """The expert GEMMs of one MoE layer in FP8 (set on the experts by `megalite.layers.fp8.enable_fp8`)."""
+
+    recipe: Recipe
+
+    def expert_mm(self, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+        """`megalite.moe.grouped.expert_mm` in FP8: x [N, in] sorted by expert, weight [E, out, in] (the fp32
+        master: quantized from it, not from a run-dtype copy), counts [E] -> [N, out] in x's dtype."""
+        return _Fp8ExpertMM.apply(x, weight, counts, self.recipe)
+
+
+@runtime_checkable
+class Fp8Experts(Protocol):
+    """What `enable_fp8` needs of a module of stacked experts (`megalite.moe.experts.Experts` has it): the
+    logical (hidden, ffn) sizes its GEMMs are filtered on, and the slot its FP8 GEMMs go in."""
+
+    fp8: Fp8ExpertGemm | None
+
+    def fp8_dims(self) -> tuple[int, int]: ...
