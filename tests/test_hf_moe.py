@@ -73,6 +73,7 @@ def test_import_export_against_transformers(tmp_path: Path, kind: str) -> None:
     if kind == "qwen3_moe":
         assert (info["moe_router"], info["moe_renorm"], info["moe_first_dense"], info["moe_every"]) == \
             ("qwen3", True, 1, 2)
+        _pretrain_takes_the_moe_shape(ckpt)
     ours, _ = load_model(ckpt)  # built from index.json alone, as tools/generate.py does
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -98,6 +99,22 @@ def test_import_export_against_transformers(tmp_path: Path, kind: str) -> None:
         assert torch.equal(mine[name], value), name  # fp32 copies: exact
     with torch.no_grad():
         assert torch.equal(back(ids).logits, want)
+
+
+def _pretrain_takes_the_moe_shape(ckpt: Path) -> None:
+    """pretrain.py --checkpoint.load of the import builds its MoE (model_shape), refusing a contradicting router."""
+    from megalite.checkpoint.model_shape import apply_checkpoint_shape
+    from megalite.config.schema import Config
+
+    cfg = Config()
+    cfg.checkpoint.load = str(ckpt)
+    m = apply_checkpoint_shape(cfg, []).model
+    assert (m.moe_experts, m.moe_top_k, m.moe_ffn_hidden_size, m.moe_router, m.qk_norm, m.moe_first_dense) == \
+        (4, 2, 24, "qwen3", True, 1)
+    cfg = Config()
+    cfg.checkpoint.load, cfg.model.moe_router = str(ckpt), "mixtral"
+    with pytest.raises(CheckpointError, match="model.moe_router='mixtral' but the checkpoint has 'qwen3'"):
+        apply_checkpoint_shape(cfg, ["--model.moe_router", "mixtral"])
 
 
 def test_megalite_moe_exports_as_mixtral_and_qwen3_moe(tmp_path: Path) -> None:
