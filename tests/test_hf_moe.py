@@ -32,13 +32,15 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB, LOGITS_ATOL = 64, 1e-5
 DIMS: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, max_position_embeddings=32, rms_norm_eps=1e-5,
+                            num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5,
                             tie_word_embeddings=False)
 
 
 def hf_model(kind: str, **over: Any) -> Any:
     """A transformers-built tiny model of `kind`, every weight (norms too) moved off its init, so a wrong
     mapping of any of them shows."""
+    if kind != "mixtral":  # Qwen3's heads are wider than hidden / heads (128 in the released models)
+        over = {"head_dim": 16, **over}
     if kind == "mixtral":
         cfg: Any = transformers.MixtralConfig(**DIMS, intermediate_size=24, num_local_experts=4,
                                               num_experts_per_tok=2, **over)
@@ -70,6 +72,7 @@ def test_import_export_against_transformers(tmp_path: Path, kind: str) -> None:
     assert import_main(["--input", str(saved(theirs, tmp_path / "hf")), "--output", str(ckpt), "--quiet"]) == 0
     info = read_index(ckpt)["model"]
     assert info.get("qk_norm", False) == (kind != "mixtral")
+    assert info.get("head_dim") == (None if kind == "mixtral" else 16)
     if kind == "qwen3_moe":
         assert (info["moe_router"], info["moe_renorm"], info["moe_first_dense"], info["moe_every"]) == \
             ("qwen3", True, 1, 2)
@@ -123,7 +126,8 @@ def test_megalite_moe_exports_as_mixtral_and_qwen3_moe(tmp_path: Path) -> None:
 
     ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(2))
     for router, qk in (("mixtral", False), ("qwen3", True)):
-        cfg = tiny_moe_cfg(seq_len=16, moe_router=router, qk_norm=qk, moe_z_loss=0.0, moe_first_dense=int(qk),
+        cfg = tiny_moe_cfg(seq_len=16, moe_router=router, qk_norm=qk, head_dim=8 if qk else 0, moe_z_loss=0.0,
+                           moe_first_dense=int(qk),
                            moe_every=1 + int(qk), num_layers=2)
         st = ParallelState()
         model = GPT(cfg, st, seed=4).eval()
@@ -143,7 +147,7 @@ BAD_IMPORTS = [  # (kind, config overrides, what the one line names)
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers must be empty"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention"),
     ("qwen3_moe", {"shared_expert_intermediate_size": 16}, "shared experts are not part of Qwen3-MoE"),
-    ("qwen3_moe", {"head_dim": 16}, "this Qwen3MoeForCausalLM config cannot be imported: head_dim must be"),
+    ("qwen3_moe", {"head_dim": 7}, "Qwen3MoeForCausalLM config cannot be imported: head_dim=7 must be an even"),
     ("qwen3_moe", {"model_type": "qwen2_moe"}, "shared_expert_gate"),
     ("qwen3_moe", {"model_type": "deepseek_v3"}, "multi-head latent attention"),
     ("qwen3_moe", {"model_type": "olmoe"}, "'olmoe' is not supported: import LlamaForCausalLM"),

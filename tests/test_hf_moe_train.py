@@ -68,8 +68,9 @@ def _megalite_ep2(rank: int, ckpt: str, data: list[torch.Tensor]) -> list[tuple[
 
 
 def _qk_norm_tp2_sp(rank: int) -> None:
-    """model.qk_norm at tp 2 + SP (a dense layer, then a MoE one) vs one process: losses, every parameter."""
-    cfg = tiny_moe_cfg(seq_len=16, qk_norm=True, moe_first_dense=1, moe_every=2)
+    """model.qk_norm and model.head_dim at tp 2 + SP (a dense layer, then a MoE one) vs one process: losses and
+    every parameter."""
+    cfg = tiny_moe_cfg(seq_len=16, qk_norm=True, head_dim=8, moe_first_dense=1, moe_every=2)  # heads 8 wide, not 4
     data = random_steps(cfg, 3, 2 * MICRO)
     steps = [micro_batches(d, MICRO) for d in data]
     ref_state = ParallelState()

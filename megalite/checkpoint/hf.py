@@ -64,7 +64,7 @@ def param_names(info: dict[str, Any]) -> list[str]:
 
 def rules(info: dict[str, Any]) -> list[Rule]:
     """The mapping of every megalite parameter to its HF tensor(s)."""
-    hd = info["hidden_size"] // info["num_heads"]
+    hd = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
     qkv = [info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd]
     f = info["ffn_hidden_size"]
     out: list[Rule] = []
@@ -115,7 +115,7 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": info["hidden_size"],
                 "intermediate_size": info["ffn_hidden_size"], "num_attention_heads": info["num_heads"],
                 "num_key_value_heads": info["num_kv_heads"], "num_hidden_layers": info["num_layers"],
-                "head_dim": info["hidden_size"] // info["num_heads"], "vocab_size": info["vocab_size"],
+                "head_dim": info.get("head_dim") or info["hidden_size"] // info["num_heads"], "vocab_size": info["vocab_size"],
                 "max_position_embeddings": info["seq_len"], "rms_norm_eps": info["norm_eps"],
                 "rope_theta": info["rope_theta"],
                 "rope_parameters": {"rope_type": "default", "rope_theta": info["rope_theta"]},
@@ -173,8 +173,8 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
 def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The global shape of every megalite parameter (unpadded vocabulary) implied by the model dims."""
     h, f, v = info["hidden_size"], info["ffn_hidden_size"], info["vocab_size"]
-    q = info["num_heads"] * (h // info["num_heads"])
-    kv = info["num_kv_heads"] * (h // info["num_heads"])
+    hd = info.get("head_dim") or h // info["num_heads"]
+    q, kv = info["num_heads"] * hd, info["num_kv_heads"] * hd
     gpt2 = info["arch"] == "gpt2"
     per_layer = {"norm1.weight": (h,), "attn.qkv.weight": (q + 2 * kv, h), "attn.out.weight": (h, q),
                  "norm2.weight": (h,), "mlp.up.weight": ((1 if gpt2 else 2) * f, h), "mlp.down.weight": (h, f),

@@ -67,10 +67,16 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     bad = _unsupported(cfg, kind)
     if bad:
         raise CheckpointError(f"this {name} config cannot be imported: {'; '.join(bad)}")
-    try:  # the attention and the rest are Llama's: its checks (RoPE scaling, head_dim, act, biases) hold
-        info = hf.info_from_hf({**cfg, "model_type": "llama", "mlp_bias": False})
+    try:  # the attention and the rest are Llama's: its checks (RoPE scaling, act, biases) hold
+        info = hf.info_from_hf({**cfg, "model_type": "llama", "mlp_bias": False, "head_dim": None})
     except CheckpointError as e:
         raise CheckpointError(str(e).replace("this Llama config", f"this {name} config")) from e
+    hd = cfg.get("head_dim")
+    if hd is not None and hd != info["hidden_size"] // info["num_heads"]:  # Qwen3's heads are wider: 128
+        if not (isinstance(hd, int) and not isinstance(hd, bool) and 2 <= hd <= MAX_DIM["num_heads"] and hd % 2 == 0):
+            raise CheckpointError(f"this {name} config cannot be imported: head_dim={hd!r} must be an even integer "
+                                  f"in [2, {MAX_DIM['num_heads']}]")
+        info["head_dim"] = hd
     if kind != "mixtral":
         info["qk_norm"] = True
     if kind == "qwen3":
@@ -191,7 +197,8 @@ def rules(info: dict[str, Any]) -> list[hf.Rule]:
 def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The global shape of every megalite parameter (unpadded vocabulary), MoE layers and q/k norms included."""
     dense = hf.expected_shapes(info)
-    s, h, hd = _settings(info), info["hidden_size"], info["hidden_size"] // info["num_heads"]
+    s, h = _settings(info), info["hidden_size"]
+    hd = info.get("head_dim") or h // info["num_heads"]
     shapes: dict[str, tuple[int, ...]] = {}
     for name, _, _, _ in rules(info):
         if name.endswith(("q_norm.weight", "k_norm.weight")):

@@ -111,6 +111,8 @@ def model_info(cfg: Any) -> dict[str, Any]:
         info.update({k: getattr(cfg, k) for k in MOE_INFO_KEYS if hasattr(cfg, k)})
     if getattr(cfg, "qk_norm", False):
         info["qk_norm"] = True
+    if getattr(cfg, "head_dim", 0):
+        info["head_dim"] = cfg.head_dim
     return info
 
 
@@ -125,7 +127,7 @@ def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
     name = logical_name(name)
     if name in VOCAB_TENSORS:
         return VOCAB
-    hd = info["hidden_size"] // info["num_heads"]
+    hd = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
     f = info["ffn_hidden_size"]
     if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
         return column((info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd))

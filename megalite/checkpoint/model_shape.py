@@ -27,9 +27,9 @@ SHAPE_FIELDS: tuple[str, ...] = ("arch", "num_layers", "hidden_size", "num_heads
 # A MoE model's structure and routing, and q/k norm, are refused when contradicted like the dims. The router
 # losses, bias rate and capacity are training choices: taken from the checkpoint unless given, never refused.
 TAKEN_FIELDS = ("make_vocab_divisible_by", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
-SHAPE_FIELDS += tuple(k for k in MOE_INFO_KEYS if k not in TAKEN_FIELDS) + ("qk_norm",)
+SHAPE_FIELDS += tuple(k for k in MOE_INFO_KEYS if k not in TAKEN_FIELDS) + ("qk_norm", "head_dim")
 # "Derive me" values: given explicitly they still ask for the default, so they contradict nothing.
-_DERIVED = {"num_kv_heads": 0, "ffn_hidden_size": 0, "vocab_size": 0, "tie_embeddings": None}
+_DERIVED = {"head_dim": 0, "num_kv_heads": 0, "ffn_hidden_size": 0, "vocab_size": 0, "tie_embeddings": None}
 
 
 def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:

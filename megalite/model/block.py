@@ -23,7 +23,7 @@ from megalite.context import ContextOptions, context_attention
 from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops, apply_rope, masked_attention
-from megalite.model.spec import ModelSpec
+from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoELayer
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         if nh % state.tp or nkv % state.tp:
             raise ValueError(f"num_heads={nh} and num_kv_heads={nkv} must both be divisible by tp={state.tp}")
-        self.head_dim = h // nh
+        self.head_dim = head_dim(cfg)
         self.local_heads, self.local_kv = nh // state.tp, nkv // state.tp
         self.state, self.ops, self.rope = state, ops, cfg.arch == "llama"
         self.selective = cfg.recompute == "selective"
