@@ -145,6 +145,7 @@ BAD_IMPORTS = [  # (kind, config overrides, what the one line names)
     ("mixtral", {"n_shared_experts": 1}, "Mixtral has no shared experts (n_shared_experts)"),
     ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is more than the 4 experts"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers must be empty"),
+    ("qwen3_moe", {"scoring_func": "sigmoid"}, "the router's scoring_func 'sigmoid' is not softmax"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention"),
     ("qwen3_moe", {"shared_expert_intermediate_size": 16}, "shared experts are not part of Qwen3-MoE"),
     ("qwen3_moe", {"head_dim": 7}, "Qwen3MoeForCausalLM config cannot be imported: head_dim=7 must be an even"),

@@ -110,7 +110,9 @@ def _unsupported(cfg: dict[str, Any], kind: str) -> list[str]:
          not cfg.get("use_sliding_window") and (kind != "mixtral" or cfg.get("sliding_window") is None)),
         ("layer_types other than full_attention are not supported",
          isinstance(layer_types, list) and all(t == "full_attention" for t in layer_types)),
-        ("attention_bias must be false", not cfg.get("attention_bias"))]
+        ("attention_bias must be false", not cfg.get("attention_bias")),
+        (f"the router's scoring_func {cfg.get('scoring_func')!r} is not softmax (Mixtral's and Qwen3-MoE's router)",
+         cfg.get("scoring_func", "softmax") == "softmax")]
     if kind == "mixtral":
         checks += [("router_jitter_noise must be 0", not cfg.get("router_jitter_noise")),
                    ("Mixtral has no shared experts (" + ", ".join(k for k in _SHARED_KEYS if cfg.get(k)) + ")",
