@@ -28,7 +28,6 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.step import StepContext, train_step
-from tests.conftest import free_port
 from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
 from tests.test_reliability import _args, _rows, _sigterm_after_3_steps, _torchrun
 
@@ -138,12 +137,11 @@ def test_two_ranks_kill_9_mid_write_resumes_from_the_last_complete_and_matches_s
     is durable and before the checkpoint is published; torchrun restarts it, it resumes from step 2 (the last
     complete one), and ends with the sync run's losses and the same checkpoint bytes."""
     common = ["--train.steps", "6", "--train.global_batch_size", "8", "--checkpoint.interval", "2"]
-    sync = _torchrun(_args(demo_cache_dir, tmp_path / "l1", *common, "--checkpoint.dir", str(tmp_path / "c1")),
-                     port=free_port())
+    sync = _torchrun(_args(demo_cache_dir, tmp_path / "l1", *common, "--checkpoint.dir", str(tmp_path / "c1")))
     assert sync.returncode == 0, sync.stderr[-2000:]
     crash = _torchrun(_args(demo_cache_dir, tmp_path / "l2", *common, "--checkpoint.dir", str(tmp_path / "c2"),
                             "--checkpoint.async_save", "true"),
-                      restarts=1, port=free_port(), MEGALITE_FAULT="kill_save:rank=1:step=4")
+                      restarts=1, MEGALITE_FAULT="kill_save:rank=1:step=4")
     assert crash.returncode == 0, crash.stderr[-2000:]
     assert f"resumed from {tmp_path / 'c2' / 'step_00000002'}" in crash.stdout, crash.stdout[-2000:]
     want = {r["step"]: r["loss"] for r in _rows(tmp_path / "l1")}

@@ -42,6 +42,8 @@ def test_gpu_sh_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
     md = (tmp_path / "gpu_bench.md").read_text()
     assert "tokens/s" in md and "SMOKE" in md
     assert (tmp_path / "env.txt").exists() and (tmp_path / "gpu_bench.log").exists()
+    moe = json.loads((tmp_path / "moe_gpu_smoke.json").read_text())["presets"]  # section 7: grouped == loop
+    assert moe[0]["tokens_per_s"]["grouped"] > 0 and max(moe[0]["equal"].values()) < 2e-2
     if (REPO / "bench" / "kernels_gpu.py").exists():
         assert data["sections"]["kernels"]["rows"], "kernel table is empty"
 

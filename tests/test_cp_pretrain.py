@@ -1,5 +1,6 @@
 """End to end: `torchrun --nproc-per-node 4 pretrain.py --parallel.cp 2 --parallel.tp 2 --parallel.sp true`
-trains like one process (metrics.jsonl losses), logs its cp bytes, and checkpoints move between cp=2 and
+trains like one process (metrics.jsonl losses), logs the cp, tp and dp bytes and model-state bytes the estimator
+predicts (exactly), and checkpoints move between cp=2 and
 cp=1 runs in both directions with the same next-step loss.
 
 Tolerance: fp32, the same math in another summation order (tests/test_cp_training.py): 1e-5 on O(1) losses.
@@ -10,7 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from pretrain import main
+from tests.test_estimate_cp import assert_run_equals_estimate
 from tests.test_pretrain import _args, _losses, _run_script
 
 TOL = 1e-5
@@ -20,8 +24,8 @@ def _last_row(log_dir: Path) -> dict:
     return json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
-def test_torchrun_cp2_tp2_sp_matches_single_process_and_checkpoints_cross(demo_cache_dir: str,
-                                                                          tmp_path: Path) -> None:
+def test_torchrun_cp2_tp2_sp_matches_single_process_and_checkpoints_cross(
+        demo_cache_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = ["--checkpoint.interval", "2", "--checkpoint.keep", "2"]
     one_dir, cp_dir = tmp_path / "one", tmp_path / "cp"
     assert main(_args(demo_cache_dir, one_dir, "--train.steps", "3", "--checkpoint.dir", str(tmp_path / "ck_one"),
@@ -33,7 +37,7 @@ def test_torchrun_cp2_tp2_sp_matches_single_process_and_checkpoints_cross(demo_c
     assert sorted(one) == sorted(cp) == [1, 2, 3]
     for step in one:
         assert abs(one[step] - cp[step]) < TOL, f"step {step}: cp=2 tp=2 loss {cp[step]} != {one[step]}"
-    assert _last_row(cp_dir)["comm_bytes"]["cp"] > 0
+    assert_run_equals_estimate(cp_dir, capsys)
     # The cp run's step-2 checkpoint resumed by one process, and the reverse (cp = 2 alone, 2 ranks).
     resume_one = tmp_path / "resume_one"
     assert main(_args(demo_cache_dir, resume_one, "--train.steps", "3", "--checkpoint.load",

@@ -3,8 +3,8 @@ layers x micro-batches, activation memory per rank falls as 1/cp, dp traffic and
 TP/SP/PP traffic moves S/cp tokens, the ring's transfers hide behind attention compute step by step, cp = 1
 is exactly the estimator it was before cp, and the CLI takes `--parallel.cp`.
 
-`test_measured_cp_run_equals_estimate` runs `pretrain.py --parallel.cp 2` under torchrun: it needs the model
-wired for cp (until then `pretrain.py` refuses cp > 1 and the test fails by design)."""
+`test_measured_cp_run_equals_estimate` runs `pretrain.py --parallel.cp 2` under torchrun and holds its measured
+bytes equal to the estimate's."""
 
 from __future__ import annotations
 
@@ -174,28 +174,20 @@ def _pretrain_torchrun(cache: str, log_dir: Path, nproc: int, *extra: str) -> No
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(REPO / "pretrain.py"), "--data.cache_dir", cache, *SMALL_RUN,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           str(REPO / "pretrain.py"), "--data.cache_dir", cache, *SMALL_RUN,
            "--train.steps", "2", "--logging.dir", str(log_dir), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("flags", [
-    ("--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "true"),
-    ("--parallel.cp", "2", "--parallel.zero", "1"),  # dp = 2: dp traffic and ZeRO shards over dp x cp = 4
-])
-def test_measured_cp_run_equals_estimate(flags: tuple[str, ...], demo_cache_dir: str, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """4 ranks under torchrun: the cp, tp and dp bytes rank 0 logs in metrics.jsonl and its model-state bytes
-    equal `tools/estimate.py --config <run>/config.toml`'s, exactly."""
-    from megalite.data import prepare_demo_data
-
-    prepare_demo_data(demo_cache_dir, 300_000, 512)  # once, before four ranks race to build it
-    _pretrain_torchrun(demo_cache_dir, tmp_path, 4, *flags)
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+def assert_run_equals_estimate(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The cp, tp and dp bytes rank 0 logged in `run_dir`/metrics.jsonl (last step) and its model-state bytes
+    equal `tools/estimate.py --config <run_dir>/config.toml`'s, exactly. (tests/test_cp_pretrain.py holds it
+    for cp 2 x tp 2 with sequence parallelism.)"""
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     capsys.readouterr()
-    assert estimate_main(["--config", str(tmp_path / "config.toml"), "--json"]) == 0
+    assert estimate_main(["--config", str(run_dir / "config.toml"), "--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["inputs"]["layout"]["cp"] == 2
     for group in ("cp", "tp", "dp"):
@@ -204,6 +196,16 @@ def test_measured_cp_run_equals_estimate(flags: tuple[str, ...], demo_cache_dir:
     assert last["comm_bytes"]["cp"] > 0
     for kind in ("params", "grads", "master", "optimizer"):
         assert last["mem_bytes"][kind] == predicted["memory"][kind], kind  # integers of bytes: exact
+
+
+def test_measured_cp_run_equals_estimate(demo_cache_dir: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """4 ranks under torchrun at cp 2 x dp 2 with ZeRO 1: dp traffic and ZeRO shards over dp x cp = 4."""
+    from megalite.data import prepare_demo_data
+
+    prepare_demo_data(demo_cache_dir, 300_000, 512)  # once, before four ranks race to build it
+    _pretrain_torchrun(demo_cache_dir, tmp_path, 4, "--parallel.cp", "2", "--parallel.zero", "1")
+    assert_run_equals_estimate(tmp_path, capsys)
 
 
 def test_memory_check_counts_cp_and_suggests_it() -> None:

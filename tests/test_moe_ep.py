@@ -128,6 +128,7 @@ CASES = [  # tp, cp, pp, sp, zero, ep, router, schedule: one world of 4 ranks, o
     (2, 1, 1, True, 2, 2, "qwen3", "1f1b"),     # tp2 + sp with ep2 (dp 2, edp 1), ZeRO-2
     (1, 2, 1, False, 2, 2, "qwen3", "1f1b"),    # cp2 x ep2 (ep from the cp ranks), ZeRO-2: experts over edp 2
     (1, 1, 2, False, 0, 2, "mixtral", "zb-h1"),  # pp2 ZB-H1 (split backward) x ep2
+    (1, 1, 1, False, 3, 2, "qwen3", "1f1b"),    # dp4 x ep2, ZeRO-3: experts' params and states over edp 2
 ]
 
 

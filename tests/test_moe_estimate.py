@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pytest
+
 from megalite.config import PRESETS, ModelConfig
 from megalite.config.derive import resolve
 from megalite.config.schema import Config
@@ -43,3 +45,53 @@ def test_tools_estimate_prints_the_moe_section(capsys) -> None:
     assert main(["--preset", "mixtral-8x7b", "--dp", "8", "--ep", "8", "--zero", "1"]) == 0
     out = capsys.readouterr().out
     assert "46.703 B total, 12.880 B active" in out and "GB per step per rank ('ep')" in out
+
+
+def test_planner_ranks_ep_and_says_when_the_all_to_all_crosses_nodes(capsys) -> None:
+    """tools/plan.py on a MoE preset enumerates ep with the other dimensions; an ep group crosses the node
+    boundary exactly when tp x ep exceeds the GPUs per node (rank order tp, cp, dp, pp), read from the rank
+    grid, and then its all-to-all is priced at the network's bandwidth."""
+    import json
+
+    from tools.plan import main
+
+    assert main(["--preset", "qwen3-30b-a3b", "--seq-len", "1024", "--nodes", "2", "--gpus-per-node", "4",
+                 "--global-batch-size", "32", "--gpu-memory-gb", "80", "--top", "1000", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = plan["layouts"]
+    assert {r["ep"] for r in rows} == {1, 2, 4, 8} and "all-to-all" in plan["why"]
+    intra, inter = plan["cluster"]["intra_bytes_per_s"], plan["cluster"]["inter_bytes_per_s"]
+    for r in rows:
+        crosses = r["layout"]["tp"] * r["ep"] > 4
+        assert r["a2a_crosses_nodes"] == crosses, r
+        assert r["a2a_seconds"] == pytest.approx(r["a2a_bytes"] / (inter if crosses else intra))
+        assert (r["a2a_bytes"] == 0) == (r["ep"] == 1) and r["memory"] <= 0.9 * 80 * 2**30
+    assert any(r["a2a_crosses_nodes"] for r in rows) and any(not r["a2a_crosses_nodes"] and r["ep"] > 1 for r in rows)
+
+
+def test_ep_groups_cross_nodes_as_the_rank_grid_says() -> None:
+    from megalite.perfmodel.estimate import Layout
+    from megalite.perfmodel.moe_plan import ep_crosses_nodes
+
+    assert not ep_crosses_nodes(Layout(tp=2, dp=8), 4, 8) and ep_crosses_nodes(Layout(tp=2, dp=8), 8, 8)
+    assert not ep_crosses_nodes(Layout(cp=2, dp=4), 4, 4)   # ep from the cp x dp digits: 4 consecutive ranks
+    assert ep_crosses_nodes(Layout(tp=2, cp=2, dp=2), 4, 4)  # tp x ep = 8 ranks over nodes of 4
+    assert not ep_crosses_nodes(Layout(dp=2, pp=4), 2, 2)   # pp is outermost: each stage's ep group is local
+
+
+def test_deepseek_v3_memory_at_its_published_layout() -> None:
+    """DeepSeek-V3's pre-training layout (Liu et al. 2024, section 3.2: 2048 H800 of 80 GB, PP16, EP64 over 8
+    nodes, ZeRO-1 DP, no TP; sequences of 4096, batch 15360) in megalite's estimator: the numbers docs/moe.md
+    states. megalite's model lacks MLA (GQA of the same width stands in) and multi-token prediction."""
+    from megalite.perfmodel.estimate import Layout
+    from megalite.perfmodel.moe import moe_preset_model
+    from megalite.perfmodel.moe_plan import ep_crosses_nodes, moe_memory
+
+    m = moe_preset_model("deepseek-v3")
+    gb = {}
+    for rc in ("selective", "full"):
+        lay = Layout(tp=1, pp=16, dp=128, zero=1, micro_batch_size=1, global_batch_size=15360, recompute=rc)
+        states, acts = moe_memory(m, lay, 64, Precision())
+        gb[rc] = (round(states / 1e9, 1), round((states + acts) / 1e9, 1))
+    assert gb == {"selective": (11.7, 135.7), "full": (11.7, 31.0)}
+    assert ep_crosses_nodes(lay, 64, 8)

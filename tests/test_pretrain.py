@@ -112,8 +112,10 @@ def _run_script(args: list[str], env_extra: dict[str, str] | None = None, nproc:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", str(free_port())] if nproc else [sys.executable]
+    # --standalone: torchrun binds a port of its own choosing (a port picked free here could be taken by
+    # a concurrent run before torchrun binds it).
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)
+                ] if nproc else [sys.executable]
     return subprocess.run([*launcher, str(REPO / "pretrain.py"), *args], capture_output=True, text=True,
                           env=env, cwd=str(REPO), timeout=900)
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from megalite.training.trainer import main
-from tests.conftest import SMALL_RUN, free_port
+from tests.conftest import SMALL_RUN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,9 +30,10 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(env, OMP_NUM_THREADS="1", **extra)
 
 
-def _torchrun(args: list[str], *, restarts: int = 0, port: int, **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
-           "--master-port", str(port), str(REPO / "pretrain.py"), *args]
+def _torchrun(args: list[str], *, restarts: int = 0, **env: str) -> subprocess.CompletedProcess:
+    # --standalone: torchrun binds a port of its own choosing (no window for a concurrent run to take it).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), str(REPO / "pretrain.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(**env), cwd=str(REPO), timeout=900)
 
 
@@ -40,11 +41,10 @@ def test_killed_rank_restarts_from_latest_checkpoint_and_matches(demo_cache_dir:
     """SIGKILL on rank 1 at step 5 under torchrun --max-restarts 1: the job resumes from step 4 and ends
     with the same losses as an uninterrupted run (fp32, same layout): no sample skipped or repeated."""
     common = ["--train.steps", "8", "--train.global_batch_size", "8", "--checkpoint.interval", "2"]
-    clean = _torchrun(_args(demo_cache_dir, tmp_path / "clean", *common, "--checkpoint.dir", str(tmp_path / "c1")),
-                      port=free_port())
+    clean = _torchrun(_args(demo_cache_dir, tmp_path / "clean", *common, "--checkpoint.dir", str(tmp_path / "c1")))
     assert clean.returncode == 0, clean.stderr[-2000:]
     crash = _torchrun(_args(demo_cache_dir, tmp_path / "crash", *common, "--checkpoint.dir", str(tmp_path / "c2")),
-                      restarts=1, port=free_port(), MEGALITE_FAULT="kill:rank=1:step=5")
+                      restarts=1, MEGALITE_FAULT="kill:rank=1:step=5")
     assert crash.returncode == 0, crash.stderr[-2000:]
     assert "resumed from" in crash.stdout
     want = {r["step"]: r["loss"] for r in _rows(tmp_path / "clean")}
@@ -54,13 +54,16 @@ def test_killed_rank_restarts_from_latest_checkpoint_and_matches(demo_cache_dir:
 
 
 def test_hang_is_reported_by_the_watchdog(demo_cache_dir: str, tmp_path: Path) -> None:
-    # watchdog_min_s 30: far above any healthy step of this tiny run, even on a loaded machine (they
-    # take ~50 ms), so only the injected hang (forever) can trip it.
+    # watchdog_min_s 12: far above any healthy step of this tiny run, even on a heavily loaded machine
+    # (they take ~50 ms idle and ~1.5 s at load average 40 on 2 cores), so only the injected hang
+    # (forever) can trip it; the watchdog arms only after 3 timed steps, so start-up never counts.
     proc = _torchrun(_args(demo_cache_dir, tmp_path, "--train.steps", "50", "--train.global_batch_size", "8",
-                           "--train.watchdog_factor", "5", "--train.watchdog_min_s", "30"),
-                     port=free_port(), MEGALITE_FAULT="hang:rank=1:step=6")
+                           "--train.watchdog_factor", "5", "--train.watchdog_min_s", "12"),
+                     MEGALITE_FAULT="hang:rank=1:step=6")
     assert proc.returncode != 0
-    assert "watchdog: rank" in proc.stderr and "step 6" in proc.stderr, proc.stderr[-3000:]
+    # The hung rank itself reports (its watchdog times the whole step, the injected hang at its start
+    # included), whether or not its peer, blocked in a collective, reported first.
+    assert "watchdog: rank 1 step 6" in proc.stderr, proc.stderr[-3000:]
     assert "last operation entered" in proc.stderr
 
 

@@ -54,11 +54,13 @@ def test_zbv_bubble_is_warm_up_only(p: int) -> None:
 
 
 def test_zbv_greedy_never_needs_its_fallback() -> None:
-    """The memory-bounded greedy finishes for every P <= 16 and M in [P, 4P+3] (the replay raises
-    `_Stuck` otherwise); its fallback, with slots reserved up front, is valid too and idles more."""
-    for p in range(2, 17):
-        for m in range(p, 4 * p + 4):
-            schedules._greedy_v(m, p, reserve=False)
+    """The memory-bounded greedy finishes for every P <= 8 and M in [P, 4P+3], and at both ends of that
+    M range for P = 12 and 16 (the replay raises `_Stuck` otherwise; the whole P <= 16 grid passes too,
+    but costs ~20 s of pure Python); its fallback, with slots reserved up front, is valid too."""
+    cases = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 4)]
+    cases += [(p, m) for p in (12, 16) for m in (p, 4 * p + 3)]
+    for p, m in cases:
+        schedules._greedy_v(m, p, reserve=False)
     for p, m in ((2, 4), (4, 8), (4, 11), (8, 16)):
         lists = schedules._greedy_v(m, p, reserve=True)
         for acts in lists:
@@ -170,25 +172,3 @@ def test_config_accepts_zero_bubble_layouts() -> None:
     assert _problems(parallel__schedule="zb-h1", parallel__pp=2, train__global_batch_size=64) == ""
     assert _problems(parallel__schedule="zbv", parallel__pp=2, parallel__vpp=2, model__arch="llama",
                      model__num_layers=4, train__global_batch_size=64) == ""
-
-
-def test_pipeline_compare_smoke(tmp_path: Path) -> None:
-    """bench/pipeline_compare.py runs end to end (tiny dims, pp=2) and reports every schedule; never
-    how fast (timings on a shared machine are not testable)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.conftest import free_port
-
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "bench/pipeline_compare.py", "--smoke", "--pp", "2", "--out", str(tmp_path),
-                           "--port", str(free_port())], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((tmp_path / "pipeline_compare_smoke.json").read_text())
-    rows = {r["schedule"]: r for r in res["results"][0]["rows"]}
-    assert set(rows) == set(SCHEDULES)
-    assert rows["1f1b"]["peak_in_flight"] == [2, 1] and rows["zb-h1"]["peak_in_flight"] == [2, 2]
-    assert all(r["tokens_per_s"] > 0 for r in rows.values())

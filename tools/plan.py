@@ -25,6 +25,8 @@ from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
 from megalite.perfmodel.plan import Cluster, Plan, make_plan  # noqa: E402
+from megalite.perfmodel.moe import moe_preset_model  # noqa: E402
+from megalite.perfmodel.moe_plan import make_moe_plan, render_moe  # noqa: E402
 from tools.estimate import (OneLineParser, add_model_args, fraction, positive_float,  # noqa: E402
                             positive_int, presets)  # (model flags, sizes and argument checks shared)
 
@@ -166,6 +168,13 @@ def _cp_sizes(text: str) -> tuple[int, ...] | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        moe = moe_preset_model(args.preset, args.seq_len)  # a MoE preset: ep is ranked too (perfmodel.moe_plan)
+        if moe is not None:
+            mplan = make_moe_plan(moe, resolve_cluster(args), args.global_batch_size,
+                                  _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
+                                  _zero_stages(args.zero_stages))
+            print(json.dumps(mplan.to_dict(args.top), indent=2) if args.json else render_moe(mplan, args.top))
+            return 0
         dims = resolve_dims(args)
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
                          _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,

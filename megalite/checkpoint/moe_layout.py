@@ -4,7 +4,8 @@ and the routers' bias buffers.
 A stacked expert weight ([E/ep, ...] on each rank, `experts.Experts`) is stored as the whole [E, ...]
 tensor; rank ep_rank holds rows [ep_rank * E/ep, (ep_rank + 1) * E/ep). Its gradient group is 'edp', and
 those ranks hold the same experts: they deal the writes among themselves, as dp x cp does for the rest.
-So a checkpoint saved at one ep loads at any other (every expert's tensor is complete on disk).
+So a checkpoint saved at one ep loads at any other (every expert's tensor is complete on disk), and the
+offline tool needs no ep: its files are per (tp, pp) rank and every ep rank reads its rows from one of them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from megalite.checkpoint.layout import Piece, ShardMap, logical_name
-from megalite.parallel.param_spec import ParamSpec
+from megalite.parallel.param_spec import ROW, ParamSpec, TPLayout, column
 from megalite.parallel.state import ParallelState
 
 
@@ -40,3 +41,14 @@ def expert_shard_map(smap: ShardMap, spec: ParamSpec, state: ParallelState) -> S
     start = state.rank_in("ep") * local
     pieces = tuple(Piece(pc.local, (pc.glob[0] + start,) + pc.glob[1:], pc.shape) for pc in smap.pieces)
     return replace(smap, global_shape=(smap.global_shape[0] * ep,) + smap.global_shape[1:], pieces=pieces)
+
+
+def shared_expert_layout(name: str, shape: tuple[int, ...], arch: str) -> TPLayout | None:
+    """The TP layout of DeepSeek's shared experts (`layer.MoELayer.shared`, a dense MLP of their fused width,
+    which the model dims do not record, so it is read from the tensor's shape); None for any other name."""
+    name = logical_name(name)
+    if name.endswith("mlp.shared.up.weight") or name.endswith("mlp.shared.up.bias"):
+        return column((shape[0] // 2, shape[0] // 2) if arch == "llama" else (shape[0],))
+    if name.endswith("mlp.shared.down.weight"):
+        return ROW
+    return None

@@ -18,6 +18,7 @@ import torch
 
 from megalite.checkpoint.layout import layout_for, local_shape_for, shard_map, stage_of
 from megalite.checkpoint.files import refuse_output_in_checkpoint, sha256, temp_name
+from megalite.checkpoint.moe_layout import shared_expert_layout
 from megalite.checkpoint.sharded import FORMAT, INDEX, _write_json, publish, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
@@ -64,7 +65,7 @@ def _write_into(tmp: Path, out: Path, shapes: dict[str, tuple[int, ...]], fetch:
     ranks = layout_grid(tp=tp, pp=pp)  # the written layout: dp = cp = 1
     for key, shape in shapes.items():
         name = key.split("/", 1)[1]
-        layout = layout_for(name, info)
+        layout = shared_expert_layout(name, shape, info["arch"]) or layout_for(name, info)
         stage = stage_of(name, info["num_layers"], pp, vpp, pp_layers)
         plan[key] = []
         for tp_rank in range(tp if layout.split else 1):

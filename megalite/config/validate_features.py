@@ -91,8 +91,6 @@ def moe_problems(cfg: Config) -> list[str]:
     if p.dp >= 1 and p.cp >= 1 and (p.dp * p.cp) % p.ep:
         out.append(f"parallel.ep {p.ep} does not divide dp x cp = {p.dp} x {p.cp} = {p.dp * p.cp}: expert "
                    "parallelism takes its ranks from the data- and context-parallel ones")
-    if p.zero == 3 and p.ep > 1:
-        out.append("parallel.zero=3 with parallel.ep > 1 is not supported yet: use parallel.zero<=2")
     shared = m.moe_shared_experts * (m.moe_shared_ffn_hidden_size or m.moe_ffn_hidden_size or m.ffn_hidden_size)
     if shared and shared % p.tp:
         out.append(f"the shared experts' width {shared} is not divisible by parallel.tp {p.tp}")

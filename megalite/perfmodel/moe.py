@@ -106,7 +106,7 @@ def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int,
     if (dp * cp) % ep or s.experts % ep:
         raise ConfigError(f"ep={ep} must divide dp x cp = {dp * cp} and the {s.experts} experts")
     layers = moe_layers(m)
-    per_stage = m.num_layers // pp
+    per_stage = -(-m.num_layers // pp)  # uneven splits (DeepSeek-V3's 61 layers over 16): the larger stages
     most = max(sum(1 for i in layers if r * per_stage <= i < (r + 1) * per_stage) for r in range(pp))
     one = expert_params(m.arch, m.hidden_size, s.ffn)
     experts_rank = float(most * s.experts // ep * one)
@@ -121,21 +121,29 @@ def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int,
                        per_layer * most * num_microbatches, per_layer, load_max_over_mean)
 
 
-def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision) -> tuple[dict, list[str]]:
-    """tools/estimate.py's MoE section for a config preset with experts: ({} , []) for a dense one."""
-    if preset is None:
-        return {}, []
+def moe_preset_model(preset: str | None, seq_len: int | None = None) -> Any | None:
+    """The resolved model config of a config preset with experts (None for a dense or unknown one)."""
     from dataclasses import asdict
 
     from megalite.config import PRESETS, ModelConfig
     from megalite.config.derive import resolve
     from megalite.config.schema import Config
 
-    if preset not in PRESETS or not PRESETS[preset].get("moe_experts"):
-        return {}, []
-    cfg = Config(model=ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset]}))
-    m = resolve(cfg, 1).model
+    if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe_experts"):
+        return None
+    values = {**asdict(ModelConfig()), **PRESETS[preset], **({"seq_len": seq_len} if seq_len else {})}
+    m = resolve(Config(model=ModelConfig(**values)), 1).model
     m.vocab_size = m.vocab_size or 2048
+    return m
+
+
+def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision) -> tuple[dict, list[str]]:
+    """tools/estimate.py's MoE section for a config preset with experts: ({} , []) for a dense one."""
+    m = moe_preset_model(preset)
+    if m is None:
+        return {}, []
+    from dataclasses import asdict
+
     mb = layout.num_microbatches
     est = moe_estimate(m, layout.tp, layout.pp, layout.dp, layout.cp, ep, layout.zero, layout.micro_batch_size, mb,
                        layout.sp, prec)

@@ -212,9 +212,9 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
     try:  # the watchdog thread and the wandb run must end with this function, even on an error
         for step in range(start_step, tr.steps):
             done = step + 1
+            watchdog.begin_step(done)  # first: a hang anywhere in the step, even before its first op, is seen
             faults.at_step_start(done)
             r.checkpoints.poll(logger.note)  # a background save that finished: reported, or its error raised
-            watchdog.begin_step(done)
             state.counter.reset()
             written.start()
             t0 = time.perf_counter()
