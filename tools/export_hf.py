@@ -4,8 +4,10 @@
     python tools/export_hf.py --input ckpt --output hf_model_bf16 --tokenizer cl100k_base.tiktoken --dtype bf16
 
 Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for LlamaForCausalLM
-(model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2). With --tokenizer (a Hugging Face tokenizer.json, a
-tiktoken file, or a SentencePiece .model from tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
+(model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2); a MoE model as MixtralForCausalLM (mixtral router)
+or Qwen3MoeForCausalLM (qwen3 router with model.qk_norm), a dense one with model.qk_norm as Qwen3ForCausalLM.
+With --tokenizer (a Hugging Face tokenizer.json, a tiktoken file, or a SentencePiece .model from
+tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
 `AutoTokenizer.from_pretrained("hf_model")` and `AutoModelForCausalLM.from_pretrained("hf_model")` give
 megalite's token ids and logits.
 """
@@ -20,6 +22,7 @@ if __package__ in (None, ""):  # run as `python tools/export_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf import export_hf  # noqa: E402
+from megalite.checkpoint.hf_moe import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "export_hf"]
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     out = export_hf(args.input, args.output, show_progress=not args.quiet, tokenizer=args.tokenizer,
-                    dtype=args.dtype)
+                    dtype=args.dtype, mapping=MAPPING)
     extra = " and the tokenizer" if args.tokenizer else ""
     print(f"wrote {out}/config.json and {out}/model.safetensors{extra}", file=sys.stderr)
     return 0

@@ -1,11 +1,13 @@
-"""Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel directory as a megalite checkpoint.
+"""Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel / MixtralForCausalLM / Qwen3MoeForCausalLM /
+Qwen3ForCausalLM directory as a megalite checkpoint.
 
     python tools/import_hf.py --input hf_model --output ckpt_from_hf
     python pretrain.py --checkpoint.load ckpt_from_hf --data.path ... --data.tokenizer hf_model
 
 The checkpoint is at step 0 with no optimizer state (the optimizer starts fresh) and loads under any
 layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"): pretrain.py takes
-them from there (no model flags needed), and refuses model flags that contradict them, naming each.
+them from there (no model flags needed), and refuses model flags that contradict them, naming each. A MoE
+model's routing (model.moe_*, docs/moe.md) and Qwen3's q/k norm (model.qk_norm) are recorded there too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf import import_hf  # noqa: E402
+from megalite.checkpoint.hf_moe import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "import_hf"]
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, metavar="CKPT", help="new checkpoint directory (must not exist)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    out = import_hf(args.input, args.output, show_progress=not args.quiet)
+    out = import_hf(args.input, args.output, show_progress=not args.quiet, mapping=MAPPING)
     print(f"wrote {out}: continue with --checkpoint.load {out}", file=sys.stderr)
     return 0
 

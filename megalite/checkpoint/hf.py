@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,7 +64,7 @@ def param_names(info: dict[str, Any]) -> list[str]:
 
 def rules(info: dict[str, Any]) -> list[Rule]:
     """The mapping of every megalite parameter to its HF tensor(s)."""
-    hd = info["hidden_size"] // info["num_heads"]
+    hd = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
     qkv = [info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd]
     f = info["ffn_hidden_size"]
     out: list[Rule] = []
@@ -114,7 +115,7 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": info["hidden_size"],
                 "intermediate_size": info["ffn_hidden_size"], "num_attention_heads": info["num_heads"],
                 "num_key_value_heads": info["num_kv_heads"], "num_hidden_layers": info["num_layers"],
-                "head_dim": info["hidden_size"] // info["num_heads"], "vocab_size": info["vocab_size"],
+                "head_dim": info.get("head_dim") or info["hidden_size"] // info["num_heads"], "vocab_size": info["vocab_size"],
                 "max_position_embeddings": info["seq_len"], "rms_norm_eps": info["norm_eps"],
                 "rope_theta": info["rope_theta"],
                 "rope_parameters": {"rope_type": "default", "rope_theta": info["rope_theta"]},
@@ -172,8 +173,8 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
 def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The global shape of every megalite parameter (unpadded vocabulary) implied by the model dims."""
     h, f, v = info["hidden_size"], info["ffn_hidden_size"], info["vocab_size"]
-    q = info["num_heads"] * (h // info["num_heads"])
-    kv = info["num_kv_heads"] * (h // info["num_heads"])
+    hd = info.get("head_dim") or h // info["num_heads"]
+    q, kv = info["num_heads"] * hd, info["num_kv_heads"] * hd
     gpt2 = info["arch"] == "gpt2"
     per_layer = {"norm1.weight": (h,), "attn.qkv.weight": (q + 2 * kv, h), "attn.out.weight": (h, q),
                  "norm2.weight": (h,), "mlp.up.weight": ((1 if gpt2 else 2) * f, h), "mlp.down.weight": (h, f),
@@ -193,11 +194,27 @@ def _checked_info(info: dict[str, Any], source: str) -> None:
         raise CheckpointError(f"{source}: model dims unusable ({'; '.join(problems)})")
 
 
+@dataclass(frozen=True)
+class HFMapping:
+    """What differs between architectures: config.json <-> model info, and the tensor names and shapes.
+    `DENSE` is this module's (Llama, GPT-2); `megalite.checkpoint.hf_moe.MAPPING` adds Mixtral and Qwen3(-MoE)."""
+
+    info_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
+    hf_config: Callable[[dict[str, Any]], dict[str, Any]]
+    rules: Callable[[dict[str, Any]], list[Rule]]
+    expected_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
+    # Wraps the reader of an HF directory's tensors (name -> tensor, name -> shape) for the import, e.g. to
+    # stack per-expert tensors into the fused names `rules` give; None reads the names as they are.
+    source: Callable[[TensorSource, dict[str, Any]], TensorSource] | None = None
+
+
+TensorSource = tuple[Callable[[str], torch.Tensor], Callable[[str], list[int]]]
+DENSE = HFMapping(info_from_hf, hf_config, rules, expected_shapes)
 EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
 
 def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tokenizer: str = "",
-              dtype: str = "fp32") -> Path:
+              dtype: str = "fp32", mapping: HFMapping = DENSE) -> Path:
     """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout); with
     `tokenizer`, also its tokenizer files (see megalite/checkpoint/hf_tokenizer.py) and its BOS/EOS ids in
     config.json. `dtype` "bf16" stores the weights in bfloat16 (half the size; fp32 is exact).
@@ -214,7 +231,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     index = read_index(src)
     info = index["model"]
     _checked_info(info, str(src / "index.json"))
-    config = hf_config(info)
+    config = mapping.hf_config(info)
     config["torch_dtype"] = dtype_name
     tok = None
     if tokenizer:
@@ -227,15 +244,16 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
         config["eos_token_id"] = tok.eod_id
         config["bos_token_id"] = tok.bos_id if tok.add_bos else None
     reader = SlabReader(src, index)
-    table = rules(info)
+    table = mapping.rules(info)
+    want = mapping.expected_shapes(info)
     plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for name, hf_names, split, transposed in table:
         if not reader.has(f"param/{name}"):
             raise CheckpointError(f"checkpoint {src} has no tensor {name}: it does not match its own model dims")
         shape = reader.shape(f"param/{name}")
-        if shape != expected_shapes(info)[name]:
+        if shape != want[name]:
             raise CheckpointError(f"checkpoint {src}: {name} has shape {list(shape)} but its model dims imply "
-                                  f"{list(expected_shapes(info)[name])}: index.json is inconsistent")
+                                  f"{list(want[name])}: index.json is inconsistent")
         for hf_name, n in zip(hf_names, split or [shape[0]]):
             s = (n,) + shape[1:]
             plan.append((hf_name, torch_dtype, s[::-1] if transposed else s))
@@ -340,7 +358,7 @@ def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Call
     return get, shape
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True) -> Path:
+def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, mapping: HFMapping = DENSE) -> Path:
     """A megalite checkpoint (step 0, no optimizer state, one file of full tensors) from an HF directory."""
     hf_dir = Path(hf_dir)
     try:
@@ -351,14 +369,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True) -
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{hf_dir / 'config.json'} is not a JSON object")
     try:
-        info = info_from_hf(cfg)
+        info = mapping.info_from_hf(cfg)
     except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
         raise CheckpointError(f"{hf_dir / 'config.json'} lacks or garbles a model dimension ({e!r}): it is not a "
                               "complete LlamaForCausalLM / GPT2LMHeadModel config") from e
     _checked_info(info, str(hf_dir / "config.json"))
     get, shape_of = _hf_tensor_source(hf_dir)
-    table = {name: (hf_names, transposed) for name, hf_names, _, transposed in rules(info)}
-    want = expected_shapes(info)
+    if mapping.source is not None:
+        get, shape_of = mapping.source((get, shape_of), info)
+    table = {name: (hf_names, transposed) for name, hf_names, _, transposed in mapping.rules(info)}
+    want = mapping.expected_shapes(info)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, (hf_names, transposed) in table.items():
         parts = [shape_of(n) for n in hf_names]

@@ -39,6 +39,9 @@ def model_info_problems(info: Any) -> list[str]:
         return [f"model dims are a {type(info).__name__}, not an object"]
     out = [f"{k}={info.get(k)!r} must be an integer in [1, {MAX_DIM[k]}]" for k in _DIMS + _OPTIONAL_DIMS
            if (k in _DIMS or k in info) and not (_is_int(info.get(k)) and 1 <= info[k] <= MAX_DIM[k])]
+    hd = info.get("head_dim")  # recorded only where set apart from hidden / heads (Qwen3)
+    if hd is not None and not (_is_int(hd) and 2 <= hd <= MAX_DIM["num_heads"] and hd % 2 == 0):
+        out.append(f"head_dim={hd!r} must be an even integer in [2, {MAX_DIM['num_heads']}]")
     if info.get("arch") not in _ARCHS:
         out.append(f"arch={info.get('arch')!r} must be one of {', '.join(_ARCHS)}")
     if not isinstance(info.get("tie_embeddings"), bool):

@@ -104,7 +104,22 @@ def model_info(cfg: Any) -> dict[str, Any]:
     """The model dimensions a checkpoint records (and checks on load), from a model config object."""
     keys = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "seq_len", "make_vocab_divisible_by", "tie_embeddings", "norm_eps", "rope_theta")
-    return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+    info = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+    # A MoE model's routing and a q/k-normed attention change the computation too; recorded only when on,
+    # so a dense model's index.json is as before.
+    if getattr(cfg, "moe_experts", 0):
+        info.update({k: getattr(cfg, k) for k in MOE_INFO_KEYS if hasattr(cfg, k)})
+    if getattr(cfg, "qk_norm", False):
+        info["qk_norm"] = True
+    if getattr(cfg, "head_dim", 0):
+        info["head_dim"] = cfg.head_dim
+    return info
+
+
+# The model.moe_* fields a checkpoint records for a MoE model (docs/moe.md).
+MOE_INFO_KEYS = ("moe_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
+                 "moe_first_dense", "moe_every", "moe_router", "moe_renorm", "moe_route_scale", "moe_groups",
+                 "moe_group_top_k", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
 
 
 def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
@@ -112,7 +127,7 @@ def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
     name = logical_name(name)
     if name in VOCAB_TENSORS:
         return VOCAB
-    hd = info["hidden_size"] // info["num_heads"]
+    hd = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
     f = info["ffn_hidden_size"]
     if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
         return column((info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd))

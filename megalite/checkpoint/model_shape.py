@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from megalite.checkpoint.layout import MOE_INFO_KEYS
 from megalite.checkpoint.sharded import find, read_index
 from megalite.config import cli
 from megalite.config.presets import PRESETS
@@ -21,10 +22,14 @@ from megalite.config.schema import Config
 from megalite.errors import CheckpointError
 
 # Every recorded field that changes the computation (make_vocab_divisible_by only pads: taken, never refused).
-SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-                "seq_len", "tie_embeddings", "norm_eps", "rope_theta")
+SHAPE_FIELDS: tuple[str, ...] = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                 "ffn_hidden_size", "vocab_size", "seq_len", "tie_embeddings", "norm_eps", "rope_theta")
+# A MoE model's structure and routing, and q/k norm, are refused when contradicted like the dims. The router
+# losses, bias rate and capacity are training choices: taken from the checkpoint unless given, never refused.
+TAKEN_FIELDS = ("make_vocab_divisible_by", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
+SHAPE_FIELDS += tuple(k for k in MOE_INFO_KEYS if k not in TAKEN_FIELDS) + ("qk_norm", "head_dim")
 # "Derive me" values: given explicitly they still ask for the default, so they contradict nothing.
-_DERIVED = {"num_kv_heads": 0, "ffn_hidden_size": 0, "vocab_size": 0, "tie_embeddings": None}
+_DERIVED = {"head_dim": 0, "num_kv_heads": 0, "ffn_hidden_size": 0, "vocab_size": 0, "tie_embeddings": None}
 
 
 def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:
@@ -40,7 +45,7 @@ def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:
         fields |= set(table) if isinstance(table, dict) else set()
     if "preset" in fields:
         fields |= set(PRESETS.get(cfg.model.preset, {}))
-    return {f for f in fields if f in SHAPE_FIELDS + ("make_vocab_divisible_by",)
+    return {f for f in fields if f in SHAPE_FIELDS + TAKEN_FIELDS
             and not (f in _DERIVED and getattr(cfg.model, f) == _DERIVED[f])}
 
 
@@ -67,7 +72,7 @@ def apply_checkpoint_shape(cfg: Config, argv: list[str] | None) -> Config:
                  else f"give this run its own --checkpoint.dir ({cfg.checkpoint.dir!r} holds that model)")
         raise CheckpointError(f"checkpoint {path} is a different model: {pairs}; to train a new model, {where}; "
                               "to continue that checkpoint, drop these flags (its model shape is taken from it)")
-    for f in SHAPE_FIELDS + ("make_vocab_divisible_by",):
+    for f in SHAPE_FIELDS + TAKEN_FIELDS:
         if f in saved and f not in given:
             setattr(cfg.model, f, saved[f])
     return cfg

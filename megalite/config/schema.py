@@ -58,6 +58,9 @@ class ModelConfig:
     moe_z_loss: float = _f(0.0, "router z-loss coefficient (ST-MoE)")
     moe_capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
                                                  "unset = dropless")
+    # Qwen3's per-head RMSNorm of q and k before RoPE (q_norm / k_norm, one [head_dim] weight each, llama arch).
+    qk_norm: bool = _f(False, "RMSNorm each attention head's q and k before RoPE (Qwen3); llama arch only")
+    head_dim: int = _f(0, "attention head width; 0 = hidden_size / num_heads (Qwen3 sets it apart); llama arch only")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from megalite.context import ContextOptions, context_attention
 from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops, apply_rope, masked_attention
-from megalite.model.spec import ModelSpec
+from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoELayer
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings
@@ -68,6 +68,24 @@ class Norm(nn.Module):
         return self.ops.add_layer_norm(x, residual, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
+class HeadNorm(nn.Module):
+    """RMSNorm over each head's head_dim (Qwen3's q_norm / k_norm): one [head_dim] weight shared by every head.
+
+    Per head, so the forward needs nothing from other ranks; but each TP rank holds other heads, so its
+    weight gradient is a partial sum over TP (all-reduced there like SP's norms: `sp_partial`)."""
+
+    def __init__(self, head_dim: int, eps: float, state: ParallelState, ops: Ops) -> None:
+        super().__init__()
+        self.eps, self.ops, self.tp = eps, ops, state.tp
+        self.weight = nn.Parameter(torch.ones(head_dim))
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec(REPLICATED, sp_partial=self.tp > 1)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight.to(x.dtype), self.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int,
                  context: ContextOptions = ContextOptions()) -> None:
@@ -76,7 +94,7 @@ class Attention(nn.Module):
         h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         if nh % state.tp or nkv % state.tp:
             raise ValueError(f"num_heads={nh} and num_kv_heads={nkv} must both be divisible by tp={state.tp}")
-        self.head_dim = h // nh
+        self.head_dim = head_dim(cfg)
         self.local_heads, self.local_kv = nh // state.tp, nkv // state.tp
         self.state, self.ops, self.rope = state, ops, cfg.arch == "llama"
         self.selective = cfg.recompute == "selective"
@@ -87,6 +105,11 @@ class Attention(nn.Module):
         # Scaled init of residual-branch outputs (GPT-2 / Megatron): std / sqrt(2 * num_layers).
         self.out = RowParallelLinear(nh * self.head_dim, h, state, name=f"{name}.out", seed=seed,
                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
+        self.q_norm: HeadNorm | None = None
+        self.k_norm: HeadNorm | None = None
+        if getattr(cfg, "qk_norm", False):  # model.qk_norm (Qwen3); absent from older configs
+            self.q_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
+            self.k_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Callable | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,6 +120,8 @@ class Attention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim)
         k = k.view(b, s, self.local_kv, self.head_dim)
         v = v.view(b, s, self.local_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = (rope or self.ops.apply_rope)(q, k, cos, sin)
         return q, k, v

@@ -22,7 +22,7 @@ from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, MoEContext, Norm
 from megalite.model.ops import get_ops, resolve_kernels
-from megalite.model.spec import ModelSpec
+from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.parallel import comm
@@ -83,7 +83,7 @@ class GPT(nn.Module):
                                               seed=seed, std=cfg.init_std)
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
-        cos, sin = rope_tables(cfg.seq_len, h // cfg.num_heads, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.seq_len, head_dim(cfg), cfg.rope_theta)
         # Document masking indexes the whole tables by each token's position in its document.
         self.cos_full: torch.Tensor
         self.sin_full: torch.Tensor

@@ -7,6 +7,11 @@ from __future__ import annotations
 from typing import Protocol
 
 
+def head_dim(cfg: ModelSpec) -> int:
+    """The attention head width: `head_dim` where a config sets it (model.head_dim, Qwen3), else hidden / heads."""
+    return getattr(cfg, "head_dim", 0) or cfg.hidden_size // cfg.num_heads
+
+
 class ModelSpec(Protocol):
     @property
     def arch(self) -> str: ...  # llama | gpt2
