@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.context import a2a_attention, cp_attention_bytes, zigzag_split
+from megalite.context import a2a_attention, cp_attention_bytes, hybrid_attention, zigzag_split
 from megalite.errors import ConfigError
 from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState
@@ -54,6 +54,50 @@ def test_a2a_attention_equals_unsplit(dist_world, cp: int, tp: int, heads: int, 
     tp = 2 each tp rank has its own problem: its own heads), and the closed form's bytes."""
     results = dist_world(4).run(_a2a_rank_fn, cp, tp, heads, kv_heads)
     assert len(set(results)) == 1 and results[0][0] > 0
+
+
+def _hybrid_rank_fn(rank: int, a2a: int, eod: int | None) -> tuple[float, float]:
+    """cp = 4 as a2a x ring (2 x 2, and the degenerate 4 x 1 and 1 x 4): the zigzag split of unsplit causal
+    attention (under documents when `eod` is set: masked SDPA over the whole sequence) and the closed form's bytes."""
+    from megalite.context.documents import DocumentIds, document_causal_mask, documents
+    from megalite.model.ops import masked_attention
+    from tests.parallel_utils import layout
+
+    st, cp, batch, heads, kv_heads, d = layout(1, cp=4), 4, 2, 4, 4, 8
+    q, k, v, d_out = _problem(300 + a2a, batch, SEQ_TOKENS, heads, kv_heads, d)
+    docs = None
+    if eod is not None:  # documents of 5, 9 and 10 tokens: boundaries inside zigzag chunks, and across ranks
+        tokens = torch.arange(1, SEQ_TOKENS + 1).repeat(batch, 1)
+        tokens[:, [4, 13]] = eod
+        full = documents(tokens, eod).ids
+        docs = DocumentIds(zigzag_split(full, cp, st.cp_rank), full)
+    local = [zigzag_split(t, cp, st.cp_rank).float().requires_grad_() for t in (q, k, v)]
+    out = hybrid_attention(*local, st, a2a, docs=docs)
+    fwd = st.counter.exact_bytes("cp")
+    out.backward(zigzag_split(d_out, cp, st.cp_rank).float())
+    bwd = st.counter.exact_bytes("cp") - fwd
+    if docs is None:
+        want_all = _reference(q, k, v, d_out)
+    else:
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out = masked_attention(*ref, document_causal_mask(docs.full, docs.full))
+        ref_out.backward(d_out.double())
+        want_all = [ref_out.detach()] + [t.grad for t in ref]
+    for name, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [t.grad for t in local], want_all):
+        torch.testing.assert_close(a, zigzag_split(b, cp, st.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
+    want = cp_attention_bytes("hybrid", batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4, a2a=a2a)
+    assert (fwd, bwd) == (want.forward, want.backward), (fwd, bwd, want)
+    return float(fwd), float(bwd)
+
+
+def _hybrid_cases_rank_fn(rank: int) -> list[tuple[float, float]]:
+    return [_hybrid_rank_fn(rank, a2a, eod) for a2a, eod in ((2, None), (2, 0), (4, None), (1, 0))]
+
+
+def test_hybrid_attention_equals_unsplit(dist_world) -> None:
+    """One spawn, four cases: a2a 2 x ring 2 (plain and under documents), 4 x 1 (= a2a), 1 x 4 (= the ring)."""
+    results = dist_world(4).run(_hybrid_cases_rank_fn)
+    assert all(r == results[0] for r in results) and all(fwd > 0 for fwd, _ in results[0])
 
 
 def test_a2a_refuses_heads_that_do_not_split() -> None:
