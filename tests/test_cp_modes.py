@@ -112,19 +112,25 @@ def test_validation_explains_the_a2a_head_rule() -> None:
     assert "cp_mode=a2a splits each tp rank's 8 query and 2 kv heads" in msg and "divisible by cp" in msg
     assert msg.count("\n") == 0
     assert problems(2, "--parallel.cp", "2", "--parallel.cp_mode", "ulysses").endswith(
-        "parallel.cp_mode: 'ulysses' is not one of ring, allgather, a2a")
+        "parallel.cp_mode: 'ulysses' is not one of ring, allgather, a2a, hybrid")
+    hybrid = ("--parallel.cp_mode", "hybrid", "--model.seq_len", "32", "--model.num_heads", "8", "--parallel.cp", "4")
+    assert problems(4, *hybrid, "--model.num_kv_heads", "2", "--parallel.cp_a2a", "2") == ""  # a2a 2 x ring 2
+    msg = problems(4, *hybrid, "--model.num_kv_heads", "2", "--parallel.cp_a2a", "4")
+    assert "cp_mode=hybrid splits each tp rank's 8 query and 2 kv heads" in msg and "into cp_a2a = 4" in msg
+    assert "must be >= 1 and divide parallel.cp = 4" in problems(4, *hybrid, "--parallel.cp_a2a", "3")
 
 
-@pytest.mark.parametrize("mode", ["ring", "allgather", "a2a"])
+@pytest.mark.parametrize("mode", ["ring", "allgather", "a2a", "hybrid"])
 def test_estimator_cp_bytes_are_each_modes_closed_form(mode: str) -> None:
     """Per step: the closed form x layers of the stage x micro-batches (x 2 forwards under full recompute)."""
     dims = replace(PRESETS["llama2-70b"], seq_len=32768)  # 64 heads, 8 kv heads: 4 per tp rank at tp = 2
-    for lay in (Layout(tp=2, cp=4, sp=True, global_batch_size=4, cp_mode=mode),
-                Layout(tp=2, cp=4, pp=2, micro_batch_size=2, global_batch_size=8, recompute="full", cp_mode=mode)):
+    for lay in (Layout(tp=2, cp=4, sp=True, global_batch_size=4, cp_mode=mode, cp_a2a=2),
+                Layout(tp=2, cp=4, pp=2, micro_batch_size=2, global_batch_size=8, recompute="full", cp_mode=mode,
+                       cp_a2a=2)):
         prec = Precision.megalite("bf16")
         est = estimate(dims, lay, prec)
         call = cp_attention_bytes(mode, lay.micro_batch_size, dims.seq_len, dims.num_heads // lay.tp,
-                                  dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation)
+                                  dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation, a2a=lay.cp_a2a)
         per_layer = call.total + (call.forward if lay.recompute == "full" else 0)
         assert est.comm_bytes["cp"] == per_layer * dims.num_layers // lay.pp * est.num_microbatches, lay
 
@@ -149,9 +155,11 @@ def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -
 
 @pytest.mark.parametrize("mode,model,flags", [
     # 4 heads and 4 kv heads: 2 per tp rank, 1 per a2a rank
-    ("a2a", ("--model.num_kv_heads", "4"), ("--parallel.tp", "2", "--parallel.sp", "true")),
-    ("allgather", ("--train.global_batch_size", "8"), ("--parallel.pp", "2")),
-    ("ring", ("--data.document_mask", "true", "--train.global_batch_size", "8"), ()),  # EODs of the corpus; cp 2 x dp 2
+    ("a2a", ("--model.num_kv_heads", "4"), ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.cp", "2")),
+    ("allgather", ("--train.global_batch_size", "8"), ("--parallel.pp", "2", "--parallel.cp", "2")),
+    # cp 4 = a2a 2 x ring 2 under document masking (the EODs of the corpus): the ring inside hybrid and the masks;
+    # the plain ring trains through pretrain.py in tests/test_cp_pretrain.py
+    ("hybrid", ("--data.document_mask", "true"), ("--parallel.cp", "4", "--parallel.cp_a2a", "2")),
 ])
 def test_pretrain_cp_mode_matches_single_process_and_the_estimate(mode: str, model: tuple[str, ...],
                                                                   flags: tuple[str, ...],
@@ -163,8 +171,8 @@ def test_pretrain_cp_mode_matches_single_process_and_the_estimate(mode: str, mod
 
     steps = ("--train.steps", "3", *model)
     assert main(_args(demo_cache_dir, tmp_path / "one", *steps)) == 0
-    proc = _run_script(_args(demo_cache_dir, tmp_path / "cp", *steps, "--parallel.cp", "2", "--parallel.cp_mode",
-                             mode, *flags), nproc=4)
+    proc = _run_script(_args(demo_cache_dir, tmp_path / "cp", *steps, "--parallel.cp_mode", mode, *flags),
+                       nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, cp = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
     assert sorted(one) == sorted(cp) == [1, 2, 3]
