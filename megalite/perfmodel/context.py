@@ -112,10 +112,11 @@ def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int) -> f
 
 
 def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: int, flops_per_s: float,
-                         bytes_per_s: float) -> float:
+                         bytes_per_s: float, inner_bytes_per_s: float | None = None) -> float:
     """Seconds per step the ring's transfers add to the critical path: per ring step, max(0, transfer -
     compute of the block), summed over the cp-1 transferring steps, the passes, the layers of the stage
-    and the micro-batches. `flops_per_s` is the achieved rate (efficiency x peak)."""
+    and the micro-batches. `flops_per_s` is the achieved rate (efficiency x peak). `inner_bytes_per_s`: the
+    speed of hybrid's all-to-all (inside a node when tp x cp_a2a ranks fit one; default `bytes_per_s`)."""
     if layout.cp == 1:
         return 0.0
     fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
@@ -126,10 +127,11 @@ def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: in
     a = layout.cp_a2a if layout.cp_mode == "hybrid" else 1
     inner = _a2a_bytes(dims, layout, a, prec.activation) if a > 1 else 0.0  # hybrid's all-to-all: exposed
     steps = layout.cp // a - 1
+    inner_s = inner / (inner_bytes_per_s or bytes_per_s)
     if steps == 0:
-        return calls * (n_fwd + n_bwd) * inner / bytes_per_s
+        return calls * (n_fwd + n_bwd) * inner_s
     s_ring = dims.seq_len // (layout.cp // a)  # the ring's local tokens, for 1/a of the heads
     block_flops = 2.0 * layout.micro_batch_size * s_ring * s_ring * dims.num_heads * dims.hd / layout.tp / a
     exposed_fwd = max(0.0, (fwd - inner) / steps / bytes_per_s - block_flops / flops_per_s)
     exposed_bwd = max(0.0, (bwd - inner) / steps / bytes_per_s - 2.0 * block_flops / flops_per_s)
-    return calls * ((n_fwd + n_bwd) * inner / bytes_per_s + steps * (n_fwd * exposed_fwd + n_bwd * exposed_bwd))
+    return calls * ((n_fwd + n_bwd) * inner_s + steps * (n_fwd * exposed_fwd + n_bwd * exposed_bwd))
