@@ -1,4 +1,4 @@
-"""A long sequence at context parallel sizes cp = 1, 2, 4 and cp modes ring / allgather / a2a on CPU/gloo: peak
+"""A long sequence at context parallel sizes cp = 1, 2, 4 and cp modes ring / allgather / a2a / hybrid on CPU/gloo: peak
 memory per rank and tokens/s, beside the estimator's prediction, and which sizes fit a memory budget.
 
 Each cp size is one `torchrun` launch of `pretrain.py`'s entry point with cp ranks (dp = 1: every rank holds
@@ -16,7 +16,8 @@ them and trains nothing, and what the run adds above it.
     python bench/cp_memory.py --max-memory-gb 1.1       # which cp sizes fit 1.1 GB per rank
     python bench/cp_memory.py --render runs/bench/cp_memory.json --max-memory-gb 0.9   # another budget, no rerun
     python bench/cp_memory.py --estimate-only           # the estimator's half, no runs (seconds)
-    python bench/cp_memory.py --modes ring,a2a           # only these cp modes (default: all three)
+    python bench/cp_memory.py --modes ring,a2a           # only these cp modes (default: all four; hybrid runs
+                                                        # a2a --cp-a2a (2) x ring at each cp above --cp-a2a)
     python bench/cp_memory.py --smoke                   # seq 256, a tiny model, cp 1 and 2 (ring, a2a), 2 steps
 Writes runs/bench/cp_memory.{json,md}, or into --out DIR (--out bench/results: the published table).
 """
@@ -27,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -95,8 +97,8 @@ def predict(flags: list[str], cp: int) -> dict[str, float]:
             "activations_fused": fused.memory.activations, "cp_bytes": est.comm_bytes.get("cp", 0.0)}
 
 
-def mode_flags(mode: str) -> list[str]:
-    return ["--parallel.cp_mode", mode]
+def mode_flags(mode: str, a2a: int = 2) -> list[str]:
+    return ["--parallel.cp_mode", mode] + (["--parallel.cp_a2a", str(a2a)] if mode == "hybrid" else [])
 
 
 def run(cp: int, flags: list[str], cache: str, log_dir: Path, port: int, cores: int) -> dict:
@@ -114,13 +116,19 @@ def run(cp: int, flags: list[str], cache: str, log_dir: Path, port: int, cores: 
 
 
 def _mode(row: dict) -> str:
-    return row.get("mode", "ring") if row["cp"] > 1 else "-"
+    if row["cp"] == 1:
+        return "-"
+    mode = row.get("mode", "ring")
+    return f"hybrid {row['cp_a2a']} x {row['cp'] // row['cp_a2a']}" if mode == "hybrid" else mode
 
 
 def to_markdown(res: dict) -> str:
     budget = res.get("max_memory_gb")
-    lines = [f"Context parallelism on CPU/gloo: {res['model_desc']}; {res['date']}, {res['cores']} cores shared by "
-             f"each layout's ranks.", "",
+    load = res.get("load_average")
+    where = f" on {res['machine']}" if res.get("machine") else ""
+    lines = [f"Context parallelism on CPU/gloo: {res['model_desc']}; {res['date']}{where}, {res['cores']} cores shared "
+             f"by each layout's ranks" + (f"; load average {load[0]:.1f} before, {load[1]:.1f} after" if load else "")
+             + ".", "",
              "| cp | mode | tokens/rank | peak RSS/rank MiB (max) | above fixed MiB | predicted states MiB "
              "| predicted activations MiB, fused (unfused) | cp MB/step measured | predicted | tokens/s |"
              + (f" fits {budget:g} GB |" if budget else ""),
@@ -155,7 +163,8 @@ def to_markdown(res: dict) -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", default="1,2,4", help="cp sizes, comma-separated (each run uses cp ranks)")
-    p.add_argument("--modes", default="ring,allgather,a2a", help="cp modes run at each cp > 1, comma-separated")
+    p.add_argument("--modes", default="ring,allgather,a2a,hybrid", help="cp modes run at each cp > 1, comma-separated")
+    p.add_argument("--cp-a2a", type=int, default=2, help="hybrid: cp ranks per all-to-all group (run where it < cp)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -175,8 +184,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         a.seq, a.layers, a.hidden, a.heads, a.kv_heads, a.steps, a.cp = 256, 2, 64, 4, 2, 2, "1,2"
         a.modes = "ring,a2a"
     a.mode_list = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not a.mode_list or any(m not in ("ring", "allgather", "a2a") for m in a.mode_list):
-        p.error(f"--modes {a.modes!r}: a comma-separated subset of ring, allgather, a2a")
+    if not a.mode_list or any(m not in ("ring", "allgather", "a2a", "hybrid") for m in a.mode_list):
+        p.error(f"--modes {a.modes!r}: a comma-separated subset of ring, allgather, a2a, hybrid")
+    if a.cp_a2a < 2:
+        p.error("--cp-a2a must be >= 2")
     try:
         a.cp_sizes = [int(x) for x in a.cp.split(",") if x.strip()]
     except ValueError:
@@ -201,9 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         return 0
     flags = model_flags(a)
-    rows = [{"cp": cp, "mode": mode, "tokens_per_rank": a.seq // cp, "predicted": predict(flags + mode_flags(mode), cp)}
-            for cp in a.cp_sizes for mode in (a.mode_list if cp > 1 else ["ring"])]
+    rows = [{"cp": cp, "mode": mode, "cp_a2a": a.cp_a2a, "tokens_per_rank": a.seq // cp,
+             "predicted": predict(flags + mode_flags(mode, a.cp_a2a), cp)}
+            for cp in a.cp_sizes for mode in (a.mode_list if cp > 1 else ["ring"])
+            if mode != "hybrid" or (cp > a.cp_a2a and cp % a.cp_a2a == 0)]  # a2a 2 x ring 1 is a2a itself
+    load_before = os.getloadavg()[0]
     res = {"date": datetime.date.today().isoformat(), "cores": a.cores, "max_memory_gb": a.max_memory_gb,
+           "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".replace("  ", " "),
            "model_desc": f"llama {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), seq {a.seq}, "
                          f"micro-batch 1, demo vocab 512, fp32, {a.steps} steps", "rows": rows, "fixed_rss_bytes": 0}
     if not a.estimate_only:
@@ -214,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             cache = os.environ.get("MEGALITE_CACHE") or str(Path(tmp) / "cache")
             prepare_demo_data(cache, DEMO_BYTES, 512)  # once, before any rank races to build it
             for i, row in enumerate(rows):
-                row.update(run(row["cp"], flags + mode_flags(row["mode"]), cache,
+                row.update(run(row["cp"], flags + mode_flags(row["mode"], a.cp_a2a), cache,
                                Path(tmp) / f"cp{row['cp']}_{row['mode']}", a.port + i, a.cores))
                 print(json.dumps(row), flush=True)
+    res["load_average"] = [load_before, os.getloadavg()[0]]
     stem = "cp_memory" + ("_smoke" if a.smoke else "") + ("_estimate" if a.estimate_only else "")
     write_results(a.out, stem, res, to_markdown)
     return 0

@@ -27,7 +27,8 @@ from .cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy_reference,
 )
-from .flash_attention import flash_attention, flash_attention_reference
+from .flash_attention import flash_attention
+from .flash_attention_reference import flash_attention_reference
 from .flash_attention_block import (
     flash_attention_block,
     flash_attention_block_backward,

@@ -14,6 +14,13 @@ the saved lse is therefore in log2 units (internal to this file).
 Layout is [batch, seq, heads, head_dim]; query head h uses kv head h // (Hq // Hk) (Ainslie et al.
 2023, "GQA"). The kernels take separate query and key lengths and an optional mask in global token
 positions for `flash_attention_block.py` (one key block of ring / all-gather context-parallel attention).
+
+Document masking (varlen-style segment ids, megalite/context/documents.py): with `segments` [B, S] (each
+token's document index) query i sees key j only within its own document. A tile of queries x keys whose
+document ranges [min, max] do not overlap holds no visible pair and is skipped whole (no loads of its K/V,
+dO or Q, no dots): packed short documents cost about sum(len_doc^2) instead of S^2 / 2 (block skipping, as
+FlexAttention's block mask or FlashAttention's varlen). Correct for any ids; skips most when they are
+non-decreasing along S, as documents' are.
 """
 
 from __future__ import annotations
@@ -30,10 +37,18 @@ LN2 = 0.6931471805599453  # 1 / LOG2E
 
 
 @jit
+def _segment_range(SEG, offs, N):
+    """(ids, min, max) of the document ids of a tile's rows `offs` (rows past N: -1, outside the range)."""
+    inside = offs < N
+    seg = tl.load(SEG + offs, mask=inside, other=-1)
+    return seg, tl.min(tl.where(inside, seg, 2147483647), axis=0), tl.max(seg, axis=0)
+
+
+@jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, QPOS, KPOS, scale_log2, SQ, SK, Hq, GROUP, D,
+    Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -50,6 +65,8 @@ def _attn_fwd_kernel(
         q = q.to(tl.float32)
     if POSITIONS:  # key j is visible to query i iff KPOS[j] <= QPOS[i] (causal in global positions)
         q_pos = tl.load(QPOS + offs_m, mask=offs_m < SQ, other=0)
+    if SEGMENTS:  # this query tile's documents: [q_lo, q_hi]
+        q_seg, q_lo, q_hi = _segment_range(QSEG + b * SQ, offs_m, SQ)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -60,29 +77,39 @@ def _attn_fwd_kernel(
         hi = tl.minimum((start_m + 1) * BLOCK_M, SK)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < SK) & d_mask
-        k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        valid = offs_n[None, :] < SK
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        if POSITIONS:
-            valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
-        qk = tl.where(valid, qk, -float("inf"))
-        # Online softmax (Milakov & Gimelshein 2018): rescale what was accumulated so far.
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_v = p.to(V.dtype.element_ty)
-        if UPCAST:
-            p_v = p_v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PREC)
-        m_i = m_new
+        run = True
+        if SEGMENTS:  # skip a tile of keys none of whose documents is one of the queries'
+            k_seg, k_lo, k_hi = _segment_range(KSEG + b * SK, offs_n, SK)
+            run = (k_hi >= q_lo) & (k_lo <= q_hi)
+        if run:
+            kv_mask = (offs_n[:, None] < SK) & d_mask
+            k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            valid = offs_n[None, :] < SK
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            if POSITIONS:
+                valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
+            if SEGMENTS:
+                valid = valid & (q_seg[:, None] == k_seg[None, :])
+            qk = tl.where(valid, qk, -float("inf"))
+            # Online softmax (Milakov & Gimelshein 2018): rescale what was accumulated so far. A row with no
+            # visible key in this tile yet (document masks) keeps m = -inf: its alpha and p are taken as 0.
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p_v = p.to(V.dtype.element_ty)
+            if UPCAST:
+                p_v = p_v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PREC)
+            m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past SQ under document masks see no key: keep them finite
     acc = acc / l_i[:, None]
     m_mask = offs_m < SQ
     tl.store(LSE + bh * SQ + offs_m, m_i + tl.log2(l_i), mask=m_mask)
@@ -107,9 +134,9 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdo
 
 @jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QSEG, KSEG, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
-    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0)
@@ -127,6 +154,8 @@ def _attn_bwd_dkdv_kernel(
         v = v.to(tl.float32)
     if POSITIONS:
         k_pos = tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)
+    if SEGMENTS:
+        k_seg, k_lo, k_hi = _segment_range(KSEG + b * SK, offs_n, SK)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo = 0
@@ -137,32 +166,40 @@ def _attn_bwd_dkdv_kernel(
         row_base = (b * Hq + h) * SQ
         for start_m in range(lo, SQ, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < SQ
-            q_mask = m_mask[:, None] & d_mask
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=q_mask, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(LSE + row_base + offs_m, mask=m_mask, other=0.0)
-            delta = tl.load(DELTA + row_base + offs_m, mask=m_mask, other=0.0)
-            # Transposed scores [BLOCK_N, BLOCK_M]: rows are this program's keys.
-            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2 - lse[None, :])
-            valid = m_mask[None, :]
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            if POSITIONS:
-                valid = valid & (tl.load(QPOS + offs_m, mask=m_mask, other=0)[None, :] >= k_pos[:, None])
-            p_t = tl.where(valid, p_t, 0.0)
-            p_lo = p_t.to(DO.dtype.element_ty)
-            if UPCAST:
-                p_lo = p_lo.to(tl.float32)
-            dv += tl.dot(p_lo, do, input_precision=PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-            ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
-            if UPCAST:
-                ds_t = ds_t.to(tl.float32)
-            dk += tl.dot(ds_t, q, input_precision=PREC)
+            run = True
+            if SEGMENTS:  # skip a tile of queries none of whose documents is one of these keys'
+                q_seg, q_lo, q_hi = _segment_range(QSEG + b * SQ, offs_m, SQ)
+                run = (k_hi >= q_lo) & (k_lo <= q_hi)
+            if run:
+                m_mask = offs_m < SQ
+                q_mask = m_mask[:, None] & d_mask
+                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
+                do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=q_mask,
+                             other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                    do = do.to(tl.float32)
+                lse = tl.load(LSE + row_base + offs_m, mask=m_mask, other=0.0)
+                delta = tl.load(DELTA + row_base + offs_m, mask=m_mask, other=0.0)
+                # Transposed scores [BLOCK_N, BLOCK_M]: rows are this program's keys.
+                p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2 - lse[None, :])
+                valid = m_mask[None, :]
+                if CAUSAL:
+                    valid = valid & (offs_m[None, :] >= offs_n[:, None])
+                if POSITIONS:
+                    valid = valid & (tl.load(QPOS + offs_m, mask=m_mask, other=0)[None, :] >= k_pos[:, None])
+                if SEGMENTS:
+                    valid = valid & (q_seg[None, :] == k_seg[:, None])
+                p_t = tl.where(valid, p_t, 0.0)
+                p_lo = p_t.to(DO.dtype.element_ty)
+                if UPCAST:
+                    p_lo = p_lo.to(tl.float32)
+                dv += tl.dot(p_lo, do, input_precision=PREC)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+                ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+                if UPCAST:
+                    ds_t = ds_t.to(tl.float32)
+                dk += tl.dot(ds_t, q, input_precision=PREC)
     out_off = b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -170,9 +207,9 @@ def _attn_bwd_dkdv_kernel(
 
 @jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, scale, scale_log2, SQ, SK, Hq, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, scale, scale_log2, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
-    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -194,30 +231,39 @@ def _attn_bwd_dq_kernel(
     delta = tl.load(DELTA + bh * SQ + offs_m, mask=m_mask, other=0.0)
     if POSITIONS:
         q_pos = tl.load(QPOS + offs_m, mask=m_mask, other=0)
+    if SEGMENTS:
+        q_seg, q_lo, q_hi = _segment_range(QSEG + b * SQ, offs_m, SQ)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = SK
     if CAUSAL:  # SQ == SK
         hi = tl.minimum((start_m + 1) * BLOCK_M, SK)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < SK) & d_mask
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])
-        valid = offs_n[None, :] < SK
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        if POSITIONS:
-            valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
-        p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
-        if UPCAST:
-            ds = ds.to(tl.float32)
-        dq += tl.dot(ds, k, input_precision=PREC)
+        run = True
+        if SEGMENTS:
+            k_seg, k_lo, k_hi = _segment_range(KSEG + b * SK, offs_n, SK)
+            run = (k_hi >= q_lo) & (k_lo <= q_hi)
+        if run:
+            kv_mask = (offs_n[:, None] < SK) & d_mask
+            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])
+            valid = offs_n[None, :] < SK
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            if POSITIONS:
+                valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
+            if SEGMENTS:
+                valid = valid & (q_seg[:, None] == k_seg[None, :])
+            p = tl.where(valid, p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
+            if UPCAST:
+                ds = ds.to(tl.float32)
+            dq += tl.dot(ds, k, input_precision=PREC)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -259,8 +305,17 @@ def _position_args(positions: Positions, placeholder: torch.Tensor) -> tuple[tor
     return positions[0].contiguous(), positions[1].contiguous()
 
 
+def _segment_args(segments: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QSEG, KSEG kernel arguments: the [B, S] document ids as contiguous int32 (queries and keys are the same
+    tokens), or a placeholder the kernel never reads."""
+    if segments is None:
+        return placeholder, placeholder
+    seg = segments.to(torch.int32).contiguous()
+    return seg, seg
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor,
-             causal: bool, scale: float, positions: Positions = None) -> None:
+             causal: bool, scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None) -> None:
     """Write O (any dtype and strides, unit last) and the base-2 logsumexp (fp32 [B*Hq, SQ], contiguous)
     of q [B, SQ, Hq, D] against k/v [B, SK, Hk, D]."""
     B, SQ, Hq, D = q.shape
@@ -268,24 +323,24 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["fwd"]
     _attn_fwd_kernel[(cdiv(SQ, block_m), B * Hq)](
-        q, k, v, o, lse2, *_position_args(positions, lse2), scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        CAUSAL=causal, POSITIONS=positions is not None, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
+        q, k, v, o, lse2, *_position_args(positions, lse2), *_segment_args(segments, lse2), scale * LOG2E,
+        SQ, SK, Hq, Hq // Hk, D, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        CAUSAL=causal, POSITIONS=positions is not None, SEGMENTS=segments is not None, UPCAST=cfg["UPCAST"],
+        PREC=cfg["PREC"], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
     )
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor,
               delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-              scale: float, positions: Positions = None) -> None:
+              scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None) -> None:
     """Write dQ, dK, dV given the base-2 logsumexp and delta = rowsum(dO * O) (fp32 [B*Hq, SQ] each)."""
     B, SQ, Hq, D = q.shape
     SK, Hk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["bwd"]
-    common = dict(CAUSAL=causal, POSITIONS=positions is not None, UPCAST=cfg["UPCAST"], PREC=cfg["PREC"],
-                  BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages)
-    pos = _position_args(positions, lse2)
+    common = dict(CAUSAL=causal, POSITIONS=positions is not None, SEGMENTS=segments is not None,
+                  UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages)
+    pos = (*_position_args(positions, lse2), *_segment_args(segments, lse2))
     _attn_bwd_dkdv_kernel[(cdiv(SK, block_n), B * Hk)](
         q, k, v, do, lse2, delta, dk, dv, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hk, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
@@ -302,14 +357,14 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,  # type: ignore[override]
-                scale: float) -> torch.Tensor:
+                scale: float, segments: Optional[torch.Tensor]) -> torch.Tensor:
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         B, S, Hq, D = q.shape
         o = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
         lse2 = torch.empty((B * Hq, S), dtype=torch.float32, device=q.device)
-        _forward(q, k, v, o, lse2, causal, scale)
+        _forward(q, k, v, o, lse2, causal, scale, segments=segments)
         ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.segments = causal, scale, segments
         return o
 
     @staticmethod
@@ -324,8 +379,8 @@ class _FlashAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.empty((B, S, k.shape[2], D), dtype=k.dtype, device=k.device)
         dv = torch.empty((B, S, v.shape[2], D), dtype=v.dtype, device=v.device)
-        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale, segments=ctx.segments)
+        return dq, dk, dv, None, None, None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "flash_attention",
@@ -344,35 +399,13 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None) -> torch.Tensor:
-    """softmax(scale * Q K^T [+ causal mask]) V per head, [B,S,Hq,D] out; grouped-query kv heads."""
+                    softmax_scale: float | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(scale * Q K^T [+ causal mask]) V per head, [B,S,Hq,D] out; grouped-query kv heads.
+    `segments` [B, S] integer document ids (document masking): query i sees key j only when both are in
+    the same document; tiles with no such pair are skipped (module doc). Every query row must keep a key:
+    true with causal (it sees itself)."""
     _check(q, k, v)
-    return _FlashAttention.apply(q, k, v, causal, _scale(q, softmax_scale))
-
-
-# ---------------------------------------------------------------- plain-torch references
-def _reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float | None,
-                      positions: Positions = None) -> torch.Tensor:
-    """scale * Q K^T in fp32, [B, Hq, SQ, SK], -inf where a key is masked."""
-    group = q.shape[2] // k.shape[2]
-    qf = q.float().transpose(1, 2)                                   # [B, Hq, SQ, D]
-    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    scores = (qf @ kf.transpose(-1, -2)) * _scale(q, softmax_scale)
-    if causal:
-        future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    if positions is not None:
-        scores = scores.masked_fill(positions[0][:, None] < positions[1][None, :], float("-inf"))
-    return scores
-
-
-def _reference_values(v: torch.Tensor, group: int) -> torch.Tensor:
-    return v.float().repeat_interleave(group, dim=2).transpose(1, 2)
-
-
-def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                              softmax_scale: float | None = None) -> torch.Tensor:
-    """Materialised attention in fp32 (S x S scores), output in q.dtype."""
-    _check(q, k, v)
-    scores = _reference_scores(q, k, causal, softmax_scale)
-    return (scores.softmax(dim=-1) @ _reference_values(v, q.shape[2] // k.shape[2])).transpose(1, 2).to(q.dtype)
+    if segments is not None and (segments.shape != q.shape[:2] or segments.is_floating_point()):
+        raise ValueError(f"flash_attention: segments must be integer [B, S] = {tuple(q.shape[:2])}, got "
+                         f"{segments.dtype} {tuple(segments.shape)}")
+    return _FlashAttention.apply(q, k, v, causal, _scale(q, softmax_scale), segments)

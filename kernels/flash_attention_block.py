@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .flash_attention import (LN2, LOG2E, Positions, _backward, _check, _forward, _reference_scores,
-                              _reference_values, _scale, _unit_last)
+from .flash_attention import LN2, LOG2E, Positions, _backward, _check, _forward, _scale, _unit_last
+from .flash_attention_reference import _reference_scores, _reference_values
 
 
 def _check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, positions: Positions,

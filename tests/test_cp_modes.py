@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.context import a2a_attention, cp_attention_bytes, zigzag_split
+from megalite.context import a2a_attention, cp_attention_bytes, hybrid_attention, zigzag_split
 from megalite.errors import ConfigError
 from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState
@@ -56,6 +56,50 @@ def test_a2a_attention_equals_unsplit(dist_world, cp: int, tp: int, heads: int, 
     assert len(set(results)) == 1 and results[0][0] > 0
 
 
+def _hybrid_rank_fn(rank: int, a2a: int, eod: int | None) -> tuple[float, float]:
+    """cp = 4 as a2a x ring (2 x 2, and the degenerate 4 x 1 and 1 x 4): the zigzag split of unsplit causal
+    attention (under documents when `eod` is set: masked SDPA over the whole sequence) and the closed form's bytes."""
+    from megalite.context.documents import DocumentIds, document_causal_mask, documents
+    from megalite.model.ops import masked_attention
+    from tests.parallel_utils import layout
+
+    st, cp, batch, heads, kv_heads, d = layout(1, cp=4), 4, 2, 4, 4, 8
+    q, k, v, d_out = _problem(300 + a2a, batch, SEQ_TOKENS, heads, kv_heads, d)
+    docs = None
+    if eod is not None:  # documents of 5, 9 and 10 tokens: boundaries inside zigzag chunks, and across ranks
+        tokens = torch.arange(1, SEQ_TOKENS + 1).repeat(batch, 1)
+        tokens[:, [4, 13]] = eod
+        full = documents(tokens, eod).ids
+        docs = DocumentIds(zigzag_split(full, cp, st.cp_rank), full)
+    local = [zigzag_split(t, cp, st.cp_rank).float().requires_grad_() for t in (q, k, v)]
+    out = hybrid_attention(*local, st, a2a, docs=docs)
+    fwd = st.counter.exact_bytes("cp")
+    out.backward(zigzag_split(d_out, cp, st.cp_rank).float())
+    bwd = st.counter.exact_bytes("cp") - fwd
+    if docs is None:
+        want_all = _reference(q, k, v, d_out)
+    else:
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out = masked_attention(*ref, document_causal_mask(docs.full, docs.full))
+        ref_out.backward(d_out.double())
+        want_all = [ref_out.detach()] + [t.grad for t in ref]
+    for name, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [t.grad for t in local], want_all):
+        torch.testing.assert_close(a, zigzag_split(b, cp, st.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
+    want = cp_attention_bytes("hybrid", batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4, a2a=a2a)
+    assert (fwd, bwd) == (want.forward, want.backward), (fwd, bwd, want)
+    return float(fwd), float(bwd)
+
+
+def _hybrid_cases_rank_fn(rank: int) -> list[tuple[float, float]]:
+    return [_hybrid_rank_fn(rank, a2a, eod) for a2a, eod in ((2, None), (2, 0), (4, None), (1, 0))]
+
+
+def test_hybrid_attention_equals_unsplit(dist_world) -> None:
+    """One spawn, four cases: a2a 2 x ring 2 (plain and under documents), 4 x 1 (= a2a), 1 x 4 (= the ring)."""
+    results = dist_world(4).run(_hybrid_cases_rank_fn)
+    assert all(r == results[0] for r in results) and all(fwd > 0 for fwd, _ in results[0])
+
+
 def test_a2a_refuses_heads_that_do_not_split() -> None:
     with pytest.raises(ConfigError, match="not both divisible by cp = 2"):
         a2a_attention(*(torch.zeros(1, 4, h, 8) for h in (4, 1, 1)), ParallelState(cp=2), attention)
@@ -68,19 +112,25 @@ def test_validation_explains_the_a2a_head_rule() -> None:
     assert "cp_mode=a2a splits each tp rank's 8 query and 2 kv heads" in msg and "divisible by cp" in msg
     assert msg.count("\n") == 0
     assert problems(2, "--parallel.cp", "2", "--parallel.cp_mode", "ulysses").endswith(
-        "parallel.cp_mode: 'ulysses' is not one of ring, allgather, a2a")
+        "parallel.cp_mode: 'ulysses' is not one of ring, allgather, a2a, hybrid")
+    hybrid = ("--parallel.cp_mode", "hybrid", "--model.seq_len", "32", "--model.num_heads", "8", "--parallel.cp", "4")
+    assert problems(4, *hybrid, "--model.num_kv_heads", "2", "--parallel.cp_a2a", "2") == ""  # a2a 2 x ring 2
+    msg = problems(4, *hybrid, "--model.num_kv_heads", "2", "--parallel.cp_a2a", "4")
+    assert "cp_mode=hybrid splits each tp rank's 8 query and 2 kv heads" in msg and "into cp_a2a = 4" in msg
+    assert "must be >= 1 and divide parallel.cp = 4" in problems(4, *hybrid, "--parallel.cp_a2a", "3")
 
 
-@pytest.mark.parametrize("mode", ["ring", "allgather", "a2a"])
+@pytest.mark.parametrize("mode", ["ring", "allgather", "a2a", "hybrid"])
 def test_estimator_cp_bytes_are_each_modes_closed_form(mode: str) -> None:
     """Per step: the closed form x layers of the stage x micro-batches (x 2 forwards under full recompute)."""
     dims = replace(PRESETS["llama2-70b"], seq_len=32768)  # 64 heads, 8 kv heads: 4 per tp rank at tp = 2
-    for lay in (Layout(tp=2, cp=4, sp=True, global_batch_size=4, cp_mode=mode),
-                Layout(tp=2, cp=4, pp=2, micro_batch_size=2, global_batch_size=8, recompute="full", cp_mode=mode)):
+    for lay in (Layout(tp=2, cp=4, sp=True, global_batch_size=4, cp_mode=mode, cp_a2a=2),
+                Layout(tp=2, cp=4, pp=2, micro_batch_size=2, global_batch_size=8, recompute="full", cp_mode=mode,
+                       cp_a2a=2)):
         prec = Precision.megalite("bf16")
         est = estimate(dims, lay, prec)
         call = cp_attention_bytes(mode, lay.micro_batch_size, dims.seq_len, dims.num_heads // lay.tp,
-                                  dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation)
+                                  dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation, a2a=lay.cp_a2a)
         per_layer = call.total + (call.forward if lay.recompute == "full" else 0)
         assert est.comm_bytes["cp"] == per_layer * dims.num_layers // lay.pp * est.num_microbatches, lay
 
@@ -105,9 +155,11 @@ def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -
 
 @pytest.mark.parametrize("mode,model,flags", [
     # 4 heads and 4 kv heads: 2 per tp rank, 1 per a2a rank
-    ("a2a", ("--model.num_kv_heads", "4"), ("--parallel.tp", "2", "--parallel.sp", "true")),
-    ("allgather", ("--train.global_batch_size", "8"), ("--parallel.pp", "2")),
-    ("ring", ("--data.document_mask", "true", "--train.global_batch_size", "8"), ()),  # EODs of the corpus; cp 2 x dp 2
+    ("a2a", ("--model.num_kv_heads", "4"), ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.cp", "2")),
+    ("allgather", ("--train.global_batch_size", "8"), ("--parallel.pp", "2", "--parallel.cp", "2")),
+    # cp 4 = a2a 2 x ring 2 under document masking (the EODs of the corpus): the ring inside hybrid and the masks;
+    # the plain ring trains through pretrain.py in tests/test_cp_pretrain.py
+    ("hybrid", ("--data.document_mask", "true"), ("--parallel.cp", "4", "--parallel.cp_a2a", "2")),
 ])
 def test_pretrain_cp_mode_matches_single_process_and_the_estimate(mode: str, model: tuple[str, ...],
                                                                   flags: tuple[str, ...],
@@ -119,8 +171,8 @@ def test_pretrain_cp_mode_matches_single_process_and_the_estimate(mode: str, mod
 
     steps = ("--train.steps", "3", *model)
     assert main(_args(demo_cache_dir, tmp_path / "one", *steps)) == 0
-    proc = _run_script(_args(demo_cache_dir, tmp_path / "cp", *steps, "--parallel.cp", "2", "--parallel.cp_mode",
-                             mode, *flags), nproc=4)
+    proc = _run_script(_args(demo_cache_dir, tmp_path / "cp", *steps, "--parallel.cp_mode", mode, *flags),
+                       nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, cp = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
     assert sorted(one) == sorted(cp) == [1, 2, 3]

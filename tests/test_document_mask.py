@@ -81,10 +81,12 @@ def test_document_mask_trains_like_single_process(dist_world, world: int, tp: in
     dist_world(world).run(_check_cp_training, tp, cp, pp, sp, zero, arch, "none", "1f1b", mode, EOD)
 
 
-def _ring_skip_rank_fn(rank: int) -> tuple[int, int]:
+def _ring_skip_rank_fn(rank: int) -> tuple[int, int, int]:
     """cp = 4, documents of exactly one zigzag chunk each (an EOD ends every chunk): the ring computes only
-    each rank's own diagonal blocks and skips every other pair (forward calls counted by a spy), its output
-    and gradients equal masked attention over the unsplit sequence, and the bytes are the ring's as ever."""
+    each rank's own diagonal blocks and skips every other pair, forward and backward (block calls counted by
+    spies: 1 of 4 pairs each way, so 1/4 of the ring's attention FLOPs), its output and gradients equal masked
+    attention over the unsplit sequence, and the bytes are the ring's as ever: the K/V (and the dK/dV
+    accumulators) still travel the whole ring, the next rank may need them, so no transfer is saved."""
     from megalite.context import ring, ring_attention, ring_attention_bytes, zigzag_split
     from megalite.context.documents import DocumentIds, document_causal_mask
     from megalite.model.ops import masked_attention
@@ -102,23 +104,27 @@ def _ring_skip_rank_fn(rank: int) -> tuple[int, int]:
     ref_out = masked_attention(*ref, document_causal_mask(full.ids, full.ids))
     ref_out.backward(d_out)
     local = [zigzag_split(t, cp, st.cp_rank).float().requires_grad_() for t in (q, k, v)]
-    calls, compute = [0], ring.block_forward
+    calls, compute, compute_bwd = [0, 0], ring.block_forward, ring.block_backward
 
     def spy(*args, **kwargs):
         calls[0] += 1
         return compute(*args, **kwargs)
 
-    ring.block_forward = spy
+    def spy_bwd(*args, **kwargs):
+        calls[1] += 1
+        return compute_bwd(*args, **kwargs)
+
+    ring.block_forward, ring.block_backward = spy, spy_bwd
     try:
         out = ring_attention(*local, st, docs=docs)
+        out.backward(zigzag_split(d_out, cp, st.cp_rank).float())
     finally:
-        ring.block_forward = compute
-    out.backward(zigzag_split(d_out, cp, st.cp_rank).float())
+        ring.block_forward, ring.block_backward = compute, compute_bwd
     for got, want in zip([out.detach()] + [t.grad for t in local], [ref_out.detach()] + [t.grad for t in ref]):
         torch.testing.assert_close(got, zigzag_split(want, cp, st.cp_rank).float(), **ATTN_TOL)
     assert st.counter.exact_bytes("cp") == ring_attention_bytes(2, seq, 2, 8, cp, 4).total  # same bytes
-    return calls[0], cp
+    return calls[0], calls[1], cp
 
 
 def test_ring_skips_fully_masked_block_pairs(dist_world) -> None:
-    assert dist_world(4).run(_ring_skip_rank_fn) == [(1, 4)] * 4  # 1 of the 4 block pairs computed per rank
+    assert dist_world(4).run(_ring_skip_rank_fn) == [(1, 1, 4)] * 4  # 1 of the 4 block pairs per rank, each way

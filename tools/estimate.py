@@ -40,7 +40,7 @@ from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_param
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "seq_len", "head_dim")
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size", "global_batch_size",
-                 "recompute", "cp", "cp_mode")
+                 "recompute", "cp", "cp_mode", "cp_a2a")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention; devices = tp x cp x pp x dp")
     p.add_argument("--ep", type=positive_int, default=1,
                    help="expert parallel size for a MoE preset (experts split over ep of the dp x cp ranks)")
-    p.add_argument("--cp-mode", choices=["ring", "allgather", "a2a"],
-                   help="context-parallel attention (also --parallel.cp_mode): ring (default) | allgather | a2a")
+    p.add_argument("--cp-mode", choices=["ring", "allgather", "a2a", "hybrid"],
+                   help="context-parallel attention (also --parallel.cp_mode): ring (default) | allgather | a2a | "
+                        "hybrid")
+    p.add_argument("--cp-a2a", type=positive_int,
+                   help="cp_mode=hybrid: cp ranks per all-to-all group (also --parallel.cp_a2a; divides cp)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--schedule", choices=list(SCHEDULES),
@@ -214,7 +217,7 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
     dims = _model_dims_kwargs(model, demo_vocab)
     lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
-                                                      "cp_mode")}
+                                                      "cp_mode", "cp_a2a")}
     lay["zero"] = getattr(par, "zero", 0)
     lay["document_mask"] = bool(getattr(data, "document_mask", False))
     lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.perfmodel.cp_plan import rank_cp_modes  # noqa: E402
 from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                          args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules),
                          _cp_sizes(args.cp))
         plan.comparisons.extend(compare(plan, spec) for spec in args.compare)
+        if plan.ranked[0].layout.cp > 1:  # the winner's cp mode: ring vs allgather vs a2a vs hybrid, and why
+            plan.comparisons.append(rank_cp_modes(dims, plan.ranked[0].layout, plan.cluster, plan.prec))
     except MegaliteError as exc:
         return report(exc)
     if args.json:

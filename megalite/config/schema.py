@@ -69,7 +69,9 @@ class ParallelConfig:
     pp: int = _f(1, "pipeline-parallel stages")
     cp: int = _f(1, "context-parallel size: each sequence split over cp ranks (ring attention, zigzag split)")
     cp_mode: str = _f("ring", "context-parallel attention: ring (K/V passed around) | allgather (K/V gathered, "
-                              "Llama 3) | a2a (all-to-all to head-sharded, DeepSpeed-Ulysses)")
+                              "Llama 3) | a2a (all-to-all to head-sharded, DeepSpeed-Ulysses) | hybrid (a2a "
+                              "inside groups of cp_a2a ranks, the ring across them; USP)")
+    cp_a2a: int = _f(2, "cp_mode=hybrid: cp ranks per all-to-all group (divides cp; the ring is cp / cp_a2a long)")
     dp: int = _f(0, "data-parallel size; 0 = world_size // (tp*cp*pp)")
     sp: bool = _f(False, "sequence parallelism: shard norm/dropout activations over the tp ranks")
     ep: int = _f(1, "expert-parallel size: MoE experts split over ep ranks taken from dp x cp (all-to-all dispatch)")

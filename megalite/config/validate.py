@@ -31,7 +31,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "model.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"),
     "parallel.backend": ("auto", "nccl", "gloo"),
-    "parallel.cp_mode": ("ring", "allgather", "a2a"),
+    "parallel.cp_mode": ("ring", "allgather", "a2a", "hybrid"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.fp8": ("none", "tensorwise", "rowwise"),

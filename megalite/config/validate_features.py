@@ -16,18 +16,23 @@ if TYPE_CHECKING:
 
 
 def cp_mode_problems(cfg: Config) -> list[str]:
-    """The cp mode's own needs (megalite/context/options.py): a2a gives each cp rank 1/cp of the heads."""
+    """The cp mode's own needs (megalite/context/options.py): a2a gives each cp rank 1/cp of the heads, hybrid
+    each rank of an all-to-all group of cp_a2a ranks 1/cp_a2a of them, and cp_a2a must divide cp."""
     m, p = cfg.model, cfg.parallel
-    if p.cp == 1 or p.cp_mode != "a2a" or min(p.tp, m.num_heads, m.num_kv_heads) < 1:
+    if p.cp == 1 or p.cp_mode not in ("a2a", "hybrid") or min(p.tp, m.num_heads, m.num_kv_heads) < 1:
         return []
+    if p.cp_mode == "hybrid" and (p.cp_a2a < 1 or p.cp % p.cp_a2a):
+        return [f"parallel.cp_a2a = {p.cp_a2a} must be >= 1 and divide parallel.cp = {p.cp} (cp_mode=hybrid: "
+                f"cp = all-to-all groups of cp_a2a ranks x a ring of cp / cp_a2a)"]
+    degree, name = (p.cp, "cp") if p.cp_mode == "a2a" else (p.cp_a2a, "cp_a2a")
     heads, kv = m.num_heads // p.tp, m.num_kv_heads // p.tp
-    if heads % p.cp == 0 and kv % p.cp == 0:
+    if heads % degree == 0 and kv % degree == 0:
         return []
     fit = math.gcd(heads, kv)
-    other = f", or a cp dividing {fit}" if fit > 1 else ""
-    return [f"parallel.cp_mode=a2a splits each tp rank's {heads} query and {kv} kv heads (num_heads "
-            f"{m.num_heads}, num_kv_heads {m.num_kv_heads} over tp {p.tp}) into cp = {p.cp} equal groups: both "
-            f"must be divisible by cp; use cp_mode=ring or allgather{other}"]
+    other = f", or a {name} dividing {fit}" if fit > 1 else ""
+    return [f"parallel.cp_mode={p.cp_mode} splits each tp rank's {heads} query and {kv} kv heads (num_heads "
+            f"{m.num_heads}, num_kv_heads {m.num_kv_heads} over tp {p.tp}) into {name} = {degree} equal groups: both "
+            f"must be divisible by {name}; use cp_mode=ring or allgather{other}"]
 
 
 def fp8_problems(cfg: Config, device_type: str) -> list[str]:

@@ -9,6 +9,7 @@ import torch
 from megalite.context.allgather import allgather_attention
 from megalite.context.blockwise import Backend
 from megalite.context.documents import DocumentIds, document_causal_mask
+from megalite.context.hybrid import hybrid_attention
 from megalite.context.options import ContextOptions
 from megalite.context.ring import ring_attention
 from megalite.context.ulysses import LocalAttention, a2a_attention
@@ -25,7 +26,8 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
     and out). ring / allgather compute block pairs on `backend` (torch block math or the flash kernel);
     a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`docs`) the
     ring and all-gather forms add the same-document test to their masks, and a2a runs `masked` (attention
-    under an explicit mask) with the whole sequence's document-causal mask."""
+    under an explicit mask) with the whole sequence's document-causal mask; hybrid all-to-alls inside groups of
+    `options.a2a_degree` cp ranks and runs the ring (on `backend`, under the documents) across them."""
     if options.mode == "ring":
         return ring_attention(q, k, v, state, backend=backend, docs=docs)
     if options.mode == "allgather":
@@ -36,4 +38,6 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
             keep, run = document_causal_mask(docs.full, docs.full), masked
             return a2a_attention(q, k, v, state, lambda q_, k_, v_: run(q_, k_, v_, keep))
         return a2a_attention(q, k, v, state, attend)
-    raise ValueError(f"cp mode {options.mode!r}: expected one of ring, allgather, a2a")
+    if options.mode == "hybrid":
+        return hybrid_attention(q, k, v, state, options.a2a_degree, backend, docs)
+    raise ValueError(f"cp mode {options.mode!r}: expected one of ring, allgather, a2a, hybrid")

@@ -8,6 +8,7 @@ cp ranks do not lose bits in bf16.
     ring        forward (cp-1) kv e     backward (cp-1) kv (e + 4)
     all-gather  forward (cp-1) kv e     backward (cp-1) kv 4
     a2a         forward (cp-1)/cp t (2 hq + 2 hk) e = backward, t = b (S/cp) d  (q, k, v out; the output back)
+    hybrid      the a2a's over a2a ranks + the ring's over R = cp/a2a ranks with hk/a2a heads (hybrid.py)
 
 tests/test_context_parallel.py holds the counter equal to these.
 """
@@ -55,9 +56,22 @@ def a2a_attention_bytes(batch: int, seq_len: int, heads: int, kv_heads: int, hea
     return CpBytes(moved, moved)
 
 
+def hybrid_attention_bytes(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int, a2a: int,
+                           elem_bytes: int) -> CpBytes:
+    """Hybrid (megalite/context/hybrid.py): the all-to-all of S/cp tokens over a2a ranks, then the ring of the
+    group's S/R tokens (R = cp / a2a) with hk/a2a kv heads."""
+    ring = cp // a2a
+    inner = a2a_attention_bytes(batch, seq_len // ring, heads, kv_heads, head_dim, a2a, elem_bytes)  # S/cp each
+    outer = ring_attention_bytes(batch, seq_len, kv_heads // a2a, head_dim, ring, elem_bytes)
+    return CpBytes(inner.forward + outer.forward, inner.backward + outer.backward)
+
+
 def cp_attention_bytes(mode: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
-                       elem_bytes: int) -> CpBytes:
-    """The closed form of `mode` (ring | allgather | a2a): heads and kv heads are per tp rank."""
+                       elem_bytes: int, a2a: int = 1) -> CpBytes:
+    """The closed form of `mode` (ring | allgather | a2a | hybrid, with its a2a degree): heads and kv heads are
+    per tp rank."""
+    if mode == "hybrid":
+        return hybrid_attention_bytes(batch, seq_len, heads, kv_heads, head_dim, cp, a2a, elem_bytes)
     if mode == "a2a":
         return a2a_attention_bytes(batch, seq_len, heads, kv_heads, head_dim, cp, elem_bytes)
     form = {"ring": ring_attention_bytes, "allgather": allgather_attention_bytes}[mode]

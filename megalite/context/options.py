@@ -7,6 +7,8 @@
     a2a        all-to-all between sequence-sharded and head-sharded layouts (`ulysses.py`; DeepSpeed-Ulysses,
                Jacobs et al. 2023): each rank attends over the whole sequence for heads/cp of its heads;
                needs the heads and the kv heads (after tp) divisible by cp.
+    hybrid     all-to-all inside groups of `parallel.cp_a2a` cp ranks, the ring across the groups (`hybrid.py`;
+               Megatron's a2a+p2p, USP): the heads need only split by the a2a degree.
 
 docs/parallelism.md says when to pick which.
 """
@@ -18,7 +20,7 @@ from typing import Literal, cast, get_args
 
 from megalite.errors import ConfigError
 
-CpMode = Literal["ring", "allgather", "a2a"]
+CpMode = Literal["ring", "allgather", "a2a", "hybrid"]
 CP_MODES: tuple[str, ...] = get_args(CpMode)
 
 
@@ -28,10 +30,13 @@ class ContextOptions:
 
     mode: CpMode = "ring"
     document_eod: int | None = None  # data.document_mask: the EOD token that ends each document; None = off
+    a2a_degree: int = 1  # hybrid: cp ranks per all-to-all group (parallel.cp_a2a); the ring is cp / a2a_degree long
 
     @classmethod
-    def of(cls, mode: str, document_eod: int | None = None) -> ContextOptions:
+    def of(cls, mode: str, document_eod: int | None = None, a2a_degree: int = 1) -> ContextOptions:
         """From the config's strings (validated there first; a ConfigError here for direct callers)."""
         if mode not in CP_MODES:
             raise ConfigError(f"parallel.cp_mode {mode!r}: choose one of {', '.join(CP_MODES)}")
-        return cls(mode=cast(CpMode, mode), document_eod=document_eod)
+        if a2a_degree < 1:
+            raise ConfigError(f"parallel.cp_a2a = {a2a_degree}: must be >= 1")
+        return cls(mode=cast(CpMode, mode), document_eod=document_eod, a2a_degree=a2a_degree)

@@ -156,7 +156,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, scale: float | None = None,
-                   backend: Backend = "torch", docs: DocumentIds | None = None) -> Tensor:
+                   backend: Backend = "torch", docs: DocumentIds | None = None,
+                   ring: ContextGroup | None = None) -> Tensor:
     """Causal GQA attention of this rank's zigzag-split queries against the whole sequence's keys/values.
 
     q [b, S/cp, hq, d], k/v [b, S/cp, hk, d] (this rank's two chunks, `zigzag_split`) -> [b, S/cp, hq, d],
@@ -164,11 +165,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, scale:
     'cp' ring (bytes counted under 'cp'): every rank of the ring must call it with the same shapes.
     `backend` computes each block pair: the torch block math or the Triton flash kernel (the model's kernels).
     `docs` (document masking, torch backend): attend within documents only; block pairs no query of which sees
-    any key are skipped (`_block_mask`).
+    any key are skipped (`_block_mask`). `ring`: the ranks the K/V go around (default: the whole 'cp' group;
+    hybrid cp passes its shorter ring, `ContextGroup.ring_of`), q/k/v then being that ring's zigzag split.
     """
     check_heads(q.shape[2], k.shape[2])
     if q.shape[1] % 2 or k.shape[1] != q.shape[1] or v.shape != k.shape:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          "expected equal local lengths, even (two zigzag chunks)")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ContextGroup.of(state), scale, backend, docs)
+    return _RingAttention.apply(q, k, v, ring or ContextGroup.of(state), scale, backend, docs)

@@ -132,11 +132,13 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         if docs is not None:
             # Document masking (megalite/context/documents.py): cos/sin are per sequence [b, s, d/2] (positions
-            # restart at each document) and the mask is causal within each document. The torch RoPE and SDPA
-            # under an explicit mask run it whatever model.kernels says: the Triton kernels take neither yet.
+            # restart at each document) and the mask is causal within each document. Torch RoPE (the kernel takes
+            # no per-document positions); attention by the flash kernel's segment ids where the backend has it.
             q, k, v = self.project(x, cos, sin, rope=apply_rope)
             if self.state.cp > 1:  # ring / allgather blocks in torch math: the flash blocks take no such mask yet
                 o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs, self._core)
+            elif self.ops.document_attention is not None:
+                o = self._run(self.ops.document_attention, q, k, v, docs.local)
             else:
                 o = self._core(q, k, v, document_causal_mask(docs.local, docs.local))
             return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
@@ -155,6 +157,9 @@ class Attention(nn.Module):
               keep: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over whole sequences in position order (the model's kernel), or under `keep`."""
         fn, args = (self.ops.attention, (q, k, v)) if keep is None else (masked_attention, (q, k, v, keep))
+        return self._run(fn, *args)
+
+    def _run(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
         if self.selective and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
             return checkpoint(fn, *args, use_reentrant=False)

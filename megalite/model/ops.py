@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,6 +166,9 @@ class Ops:
     attention: Callable[..., Tensor]
     cross_entropy: VocabParallelLoss
     block_backend: Backend = "torch"  # the context-parallel ring's per-block attention (megalite/context)
+    # Causal attention within documents, (q, k, v, document ids [B, S]) -> out, when the backend has a kernel
+    # for it (the flash kernel's segment ids); None: masked SDPA under the explicit mask (data.document_mask).
+    document_attention: Optional[Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = None
 
 
 TORCH_OPS = Ops(rms_norm, layer_norm, add_rms_norm, add_layer_norm, apply_rope, swiglu, gelu_tanh, attention,
@@ -203,7 +206,8 @@ def get_ops(kind: str) -> Ops:
                               "use model.kernels=torch")
         return Ops(kernels.rms_norm, kernels.layer_norm, kernels.add_rms_norm, kernels.add_layer_norm,
                    kernels.apply_rope, kernels.swiglu, kernels.gelu_tanh, kernels.flash_attention,
-                   _kernel_loss(kernels.vocab_parallel_cross_entropy), block_backend="triton")
+                   _kernel_loss(kernels.vocab_parallel_cross_entropy), block_backend="triton",
+                   document_attention=lambda q, k, v, ids: kernels.flash_attention(q, k, v, True, None, ids))
     raise ConfigError(f"model.kernels={kind!r}: expected torch, triton or auto")
 
 

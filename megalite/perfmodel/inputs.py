@@ -99,7 +99,8 @@ class Layout:
     global_batch_size: int | None = None  # None: micro_batch_size x dp (one micro-batch)
     recompute: str = "none"  # none | selective | full
     cp: int = 1  # context parallel: every sequence split over cp ranks (S/cp tokens each)
-    cp_mode: str = "ring"  # ring | allgather | a2a (megalite/context/options.py)
+    cp_mode: str = "ring"  # ring | allgather | a2a | hybrid (megalite/context/options.py)
+    cp_a2a: int = 1  # hybrid: cp ranks per all-to-all group (parallel.cp_a2a); the ring is cp / cp_a2a long
     document_mask: bool = False  # data.document_mask: under cp the token ids are all-gathered once per forward
 
     def __post_init__(self) -> None:
@@ -110,8 +111,10 @@ class Layout:
                                   f"--{name.replace('_', '-')} 1 or more")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero={self.zero!r} is invalid; use 0, 1, 2 or 3")
-        if self.cp_mode not in ("ring", "allgather", "a2a"):
-            raise ConfigError(f"cp_mode={self.cp_mode!r} is invalid; use ring, allgather or a2a")
+        if self.cp_mode not in ("ring", "allgather", "a2a", "hybrid"):
+            raise ConfigError(f"cp_mode={self.cp_mode!r} is invalid; use ring, allgather, a2a or hybrid")
+        if self.cp_mode == "hybrid" and (self.cp_a2a < 1 or self.cp % self.cp_a2a):
+            raise ConfigError(f"cp_a2a={self.cp_a2a} must be >= 1 and divide cp={self.cp} (cp_mode=hybrid)")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"recompute={self.recompute!r} is invalid; use none, selective or full")
 

@@ -44,7 +44,8 @@ def render(est: Estimate, kw: dict) -> str:
         out.append(f"compute incl. bubble: {est.compute_seconds:.4g} s")
     if lay.cp > 1 and dims is not None:
         moved = {"ring": "K/V forward, K/V + fp32 dK/dV backward", "allgather": "K/V gathered, fp32 dK/dV "
-                 "reduce-scattered", "a2a": "q, k, v and the output all-to-all'd, their gradients back"}[lay.cp_mode]
+                 "reduce-scattered", "a2a": "q, k, v and the output all-to-all'd, their gradients back",
+                 "hybrid": f"all-to-all over {lay.cp_a2a} ranks, then the ring over {lay.cp // lay.cp_a2a}"}[lay.cp_mode]
         out.append(f"context parallel ({lay.cp_mode}): {dims.seq_len // lay.cp} of {dims.seq_len} tokens per rank; "
                    f"the cp attention ({moved}) moves {est.comm_bytes.get('cp', 0.0) / GB:.4g} GB")
     if est.cp_exposed_seconds is not None:

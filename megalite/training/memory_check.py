@@ -47,7 +47,7 @@ def run_estimate(cfg: Config) -> Estimate:
                      make_vocab_divisible_by=m.make_vocab_divisible_by)
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
-                    recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode,
+                    recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
                     document_mask=cfg.data.document_mask)
     dtype = resolved_dtype(cfg, resolved_device(cfg))
     return estimate(dims, layout, run_precision(dtype))

@@ -117,7 +117,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     rng = RNGStreams(tr.seed, state)
     engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
-                            context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None))
+                            context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
+                                                      par.cp_a2a if par.cp_mode == "hybrid" else 1))
     enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
