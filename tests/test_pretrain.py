@@ -228,9 +228,8 @@ def test_launch_script_checks_the_config_in_one_process_first(tmp_path: Path) ->
 
 def test_readme_own_data_example_fits_a_24_gb_laptop() -> None:
     """The README's `pretrain.py --data.path ...` line (vocabulary 32,000 from its tokenizer command)
-    is predicted, by the same arithmetic as the check before step 1, to need under 24 GB with room to
-    spare: the prediction holds model states and activations, not the interpreter, torch and the
-    data loader (a few hundred MB), so the test keeps it under half the machine."""
+    is predicted, by the same peak-memory model as the check before step 1, to need under 24 GB with room to
+    spare: the test keeps it under half the machine (the README says 7.5 GiB)."""
     from megalite.config import parse_args, resolve
     from megalite.training.memory_check import predicted_bytes
 

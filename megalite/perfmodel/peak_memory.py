@@ -238,6 +238,11 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
         scores = 3.0 * layout.micro_batch_size * dims.num_heads / t * s_local * s_local * g4
     ring = Term("cp block-pair scores", scores, "3 x b·a/t·(S/cp)² x 4 B" if scores else "0",
                 "the torch block math's scores, probabilities and their gradient for one block pair")
+    masked = 0.0
+    if layout.document_mask and layout.cp == 1:  # SDPA under an explicit mask: the math kernel (megalite/model/ops)
+        masked = 3.0 * layout.micro_batch_size * dims.num_heads / t * float(dims.seq_len) ** 2 * g4
+    mask = Term("masked attention scores", masked, "3 x b·a/t·S² x 4 B" if masked else "0",
+                "document masking runs SDPA with a mask: one layer's scores, probabilities and their gradient")
     deferred = 0.0
     if p > 1 and layout.schedule in ("zb-h1", "zbv"):
         # B ran, W not yet: each linear's output gradient waits for its weight gradient.
@@ -251,7 +256,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     step = Term("optimizer temporary", opts.optimizer_temp_bytes, "an input (0: fused AdamW updates in place)",
                 "what the optimizer's step allocates and frees")
     phases = {"loss": (activations, logits, bucket_hold if m > 1 else replace(bucket_hold, bytes=0.0), zero3, p2p),
-              "backward": (activations, ce_bwd, bucket_hold, reduction, zero3, layer_grads, recompute, ring, zb, p2p),
+              "backward": (activations, ce_bwd, bucket_hold, reduction, zero3, layer_grads, recompute, ring, mask, zb, p2p),
               "step": (step,)}
     if opts.device == "cpu":
         base = CPU_IMPORTS_BYTES + CPU_KERNEL_PAGES_BYTES if opts.baseline_bytes is None else opts.baseline_bytes
