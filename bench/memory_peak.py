@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                  "rows": []}
     with tempfile.TemporaryDirectory(prefix="megalite-memory-peak-") as tmp:
         cache = str(Path(tmp) / "cache")
-        prepare_demo_data(cache, DEMO_BYTES, 2048)  # once, before any rank races to build it
+        for size in {int(f[f.index("--data.demo_max_bytes") + 1]) if "--data.demo_max_bytes" in f else DEMO_BYTES
+                     for _, f in (CASES[n] for n in names)}:
+            prepare_demo_data(cache, size, 2048)  # here, not in a measured rank (a tokenizer trained there is RSS)
         for i, name in enumerate(names):
             world, flags = CASES[name]
             row = case_row(name, world, flags, cache, Path(tmp), a.port + i, a.steps, a.threads)
