@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
-from megalite.perfmodel.report import render  # noqa: E402
+from megalite.perfmodel.report import peak_of, render  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paper: the ZeRO paper's 2+2+K=12 bytes/param (default); megalite: what pretrain.py "
                         "allocates, 16-bit params + fp32 main grads + fp32 master + Adam = 18 bytes/param "
                         "(16 in fp32), grads reduced in fp32 (default with --config)")
+    p.add_argument("--memory-device", choices=["cuda", "cpu"], default="cuda",
+                   help="the peak-memory model's device: its baseline (CUDA context / interpreter + torch) and slack")
     p.add_argument("--param-dtype", choices=["bf16", "fp16", "fp32"],
                    help="(paper layout) dtype weights and grads are stored in (default: --dtype, with fp32 "
                         "master weights; fp32: 4+4+0+8 bytes/param)")
@@ -295,13 +297,14 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     return dict(dims=dims, layout=layout, prec=prec, params=args.params, peak_flops=peak,
                 inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
                 fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim), fp8_peak_flops=fp8_peak,
-                hfu_convention=args.hfu_convention, dtype=dtype, memory_layout=layout_name)
+                hfu_convention=args.hfu_convention, dtype=dtype, memory_layout=layout_name,
+                memory_device=args.memory_device)
 
 
 def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict, list[str]]:
     """The estimate, plus the answers to the question flags (largest model, training time, a measured
     or achieved throughput) as JSON sections and text lines."""
-    est_kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_layout")}
+    est_kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_layout", "memory_device")}
     lay: Layout = kw["layout"]
     dims: ModelDims | None = kw["dims"]
     sections: dict = {}
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                   "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else vars(kw["dims"]),
                   "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
                   "peak_flops": kw["peak_flops"]}
-        print(json.dumps({"inputs": inputs, **est.to_dict(), **sections}, indent=2))
+        print(json.dumps({"inputs": inputs, **est.to_dict(), "peak_memory": peak_of(kw), **sections}, indent=2))
     else:
         print("\n".join([render(est, kw)] + (["", *lines] if lines else [])))
     return 0

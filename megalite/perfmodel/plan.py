@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
 from megalite.errors import ConfigError
-from megalite.perfmodel.estimate import (GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate,
-                               stage_activation_bytes, stage_params, zero_memory)
+from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate
+from megalite.perfmodel.peak_memory import PLANNER_PEAK, peak_memory
 
 
 class Explained(Protocol):
@@ -159,17 +159,9 @@ def divisors(n: int) -> list[int]:
 
 
 def worst_stage_memory(dims: ModelDims, layout: Layout, prec: Precision) -> float:
-    """Peak bytes per device over the pipeline stages, as `estimate` computes it, from the first
-    and last stage only: a middle stage holds fewer parameters (no embedding or head) and fewer
-    micro-batches in flight than the first, and no logits, so it is never the worst. Two stages
-    instead of pp keeps the enumeration fast; the tests check it equals `estimate`'s number."""
-    m = layout.num_microbatches
-    worst = 0.0
-    for r in {0, layout.pp - 1}:
-        psi = float(stage_params(dims, layout.tp, layout.pp, r).total)
-        states = zero_memory(psi, layout.replicas, layout.zero, prec).model_states
-        worst = max(worst, states + stage_activation_bytes(dims, layout, prec, r, m))
-    return worst
+    """Peak bytes per GPU over the pipeline stages (`megalite.perfmodel.peak_memory`: the floor `estimate` reports
+    plus the CUDA context, transient buffers and allocator slack), from the first and last stage only."""
+    return peak_memory(dims, layout, prec, PLANNER_PEAK).total  # docs/estimator.md
 
 
 def _model_splits(dims: ModelDims, cluster: Cluster, gbs: int,

@@ -4,6 +4,7 @@ step time and MFU of one `Estimate`, with the layout it was computed for."""
 from __future__ import annotations
 
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
+from megalite.perfmodel.peak_memory import PeakOptions, peak_memory
 
 
 def _gb(x: float) -> str:
@@ -31,6 +32,10 @@ def render(est: Estimate, kw: dict) -> str:
                          ("model states", mem.model_states), ("activations", mem.activations),
                          ("total", mem.total)):
         out.append(f"  {label:<22}{_gb(value)}")
+    if dims is not None:
+        peak = peak_memory(dims, lay, prec, PeakOptions(device=kw.get("memory_device", "cuda")))
+        out.append(f"  {'peak (docs/estimator.md)':<22}{_gb(peak.total)}   {peak.peak_phase} phase, stage {peak.pp_rank}:")
+        out += [f"    {t.name:<28}{_gb(t.bytes)}   {t.formula}" for t in peak.terms() if t.bytes > 0]
     header = "communication per step per rank (wire bytes), GB"
     out += ["", header + ("      seconds" if est.comm_seconds else "")]
     for group, b in est.comm_bytes.items():
@@ -72,3 +77,10 @@ def render(est: Estimate, kw: dict) -> str:
     for w in est.warnings:
         out.append(f"WARNING: {w}")
     return "\n".join(out)
+
+
+def peak_of(kw: dict) -> dict | None:
+    """The peak-memory model's terms for the JSON output (None without a model shape)."""
+    if kw["dims"] is None:
+        return None
+    return peak_memory(kw["dims"], kw["layout"], kw["prec"], PeakOptions(device=kw.get("memory_device", "cuda"))).to_dict()

@@ -1,8 +1,10 @@
 """Refuse before step 1 a run that cannot fit: predicted peak bytes vs. the memory the machine has.
 
-The prediction is the estimator's arithmetic for this run's exact layout and dtype
-(`megalite.perfmodel.estimate`: model states by ZeRO stage over dp x cp plus activations after Korthikanti
-et al. 2022 for the S/cp tokens a rank holds, for the busiest pipeline stage). On CPU every process of this
+The prediction is the peak-memory model for this run's exact layout and dtype (`megalite.perfmodel.peak_memory`,
+the one `tools/estimate.py` and `tools/plan.py` print): the interpreter + torch baseline (CPU) or CUDA context,
+model states by ZeRO stage over dp x cp, and the step's transient parts (activations in flight, the logits and
+cross-entropy buffers, gradient buckets, ZeRO-3's gathered blocks, ...) plus allocator slack, for the busiest
+pipeline stage; `bench/memory_peak.py` holds it against measured peaks. On CPU every process of this
 machine draws on the same RAM, so their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each
 process with its device's free memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
 """
@@ -21,6 +23,7 @@ from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
+from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, peak_memory
 
 GiB = 2**30
 
@@ -34,12 +37,30 @@ def run_precision(dtype: torch.dtype) -> Precision:
 
 
 def predicted_bytes(cfg: Config) -> float:
-    """Peak bytes of one process of this run (model states + activations), per the estimator."""
-    return run_estimate(cfg).memory.total
+    """Peak bytes of one process of this run, per the peak-memory model (`predicted_peak`)."""
+    return predicted_peak(cfg).total
+
+
+def predicted_peak(cfg: Config) -> PeakMemory:
+    """This run's predicted peak, term by term (a vocabulary of 0 must be resolved). The device's baseline is
+    the model's default; the ZeRO-3 prefetch depth and the cp ring's block path are the config's."""
+    dims, layout = run_inputs(cfg)
+    device = resolved_device(cfg)
+    opts = PeakOptions(device="cuda" if device.startswith("cuda") else "cpu",
+                       zero3_prefetch=cfg.parallel.zero3_prefetch,
+                       torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
+    return peak_memory(dims, layout, run_precision(resolved_dtype(cfg, device)), opts)
 
 
 def run_estimate(cfg: Config) -> Estimate:
     """The estimator's view of this run: its model, layout and dtype (a vocabulary of 0 must be resolved)."""
+    dims, layout = run_inputs(cfg)
+    dtype = resolved_dtype(cfg, resolved_device(cfg))
+    return estimate(dims, layout, run_precision(dtype))
+
+
+def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
+    """The perfmodel's inputs for this run: its model shape and its layout and batch."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
@@ -49,8 +70,7 @@ def run_estimate(cfg: Config) -> Estimate:
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
                     document_mask=cfg.data.document_mask)
-    dtype = resolved_dtype(cfg, resolved_device(cfg))
-    return estimate(dims, layout, run_precision(dtype))
+    return dims, layout
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -155,7 +175,8 @@ def check_memory_of(cfg: Config, device: torch.device, processes: int, available
     available = available_bytes(device) if available is None else available
     if available is None:
         return
-    needed = predicted_bytes(cfg) * processes
+    peak = predicted_peak(cfg)
+    needed = peak.total * processes
     if needed <= available:
         return
     where = "free RAM (MemAvailable)" if device.type == "cpu" else f"free memory on {device}"
@@ -163,6 +184,6 @@ def check_memory_of(cfg: Config, device: torch.device, processes: int, available
     hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in fits) if fits
             else "; no single change fits: use a machine with more memory or more processes (tp/pp/zero)")
     per = f" ({processes} processes x {needed / processes / GiB:.1f} GiB)" if processes > 1 else ""
-    raise ConfigError(f"this run needs about {needed / GiB:.1f} GiB{per} (model states + activations, as "
-                      f"tools/estimate.py counts them) but {where} is {available / GiB:.1f} GiB{hint}; "
+    raise ConfigError(f"this run needs about {needed / GiB:.1f} GiB{per} (peak per process {peak.summary()}, as "
+                      f"tools/estimate.py counts it) but {where} is {available / GiB:.1f} GiB{hint}; "
                       "train.memory_check=false runs it anyway")
