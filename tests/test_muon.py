@@ -11,7 +11,8 @@
    the dp/cp/tp sums are other orders of the same sums, ~1e-7 observed) and parameters to 2e-5 (after 4
    steps at lr 1e-2: a lost piece, a wrong owner or a matrix orthogonalised per TP shard instead of whole
    moves them by ~1e-3). The "muon" bytes each rank counts equal `megalite.perfmodel.muon` exactly.
-3. Checkpoints: Muon's momentum is saved as "exp_avg" and loads back; a checkpoint of the other optimizer
+3. Checkpoints: Muon's momentum is saved as "exp_avg", loads back, and its checkpoint view is the same at
+   every layout (so it reshards like AdamW's moments); a checkpoint of the other optimizer
    is refused on resume (tests/test_muon_cli.py runs that through pretrain.py).
 """
 
@@ -146,7 +147,7 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
         what = f"tp={tp} pp={pp} cp={cp} dp={st.dp} sp={sp} zero={zero}"
         cfg = tiny_model_cfg("llama", seq_len=SEQ, num_layers=2)
         data = random_steps(cfg, STEPS, MICRO * M * st.dp)
-        want_losses, want, _ = _megalite_run(cfg, data)
+        want_losses, want, ref_opt = _megalite_run(cfg, data)
         engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
         opt = _muon(engine.chunks[0], st, zero)
         ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
@@ -158,6 +159,11 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
         for name, value in opt.full_parameters().items():
             err = (unshard(value, specs[name].layout, st) - want[name]).abs().max().item()
             assert err <= 2e-5, f"{what}: {name} off by {err:.2e} from one process"
+        # The checkpoint view of the momentum ("exp_avg", each TP shard) is the single process's: it reshards.
+        ref_states = ref_opt.param_states()
+        for name, entry in opt.param_states().items():
+            got = unshard(entry["exp_avg"], specs[name].layout, st)
+            torch.testing.assert_close(got, ref_states[name]["exp_avg"], rtol=1e-4, atol=1e-6, msg=lambda m: what + m)
         # Every "muon" byte is the plan's exchanges, exactly as the perfmodel counts them.
         plan = opt.optimizer.plan  # type: ignore[attr-defined]
         per_step = exchange_bytes(plan.tp.sizes, plan.tp.owners, plan.tp.me)
