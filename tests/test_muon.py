@@ -30,12 +30,12 @@ from megalite.optim import MuonSettings, build_distributed_optimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.inputs import ModelDims
-from megalite.perfmodel.muon import exchange_bytes, muon_matrices, muon_tp_bytes_total
+from megalite.perfmodel.inputs import Layout, ModelDims
+from megalite.perfmodel.muon import exchange_bytes, muon_matrices, muon_report, muon_tp_bytes_total
 from megalite.pipeline import build_pipeline
 from tests.parallel_utils import layout, micro_batches, random_steps, step_context, tiny_model_cfg, tiny_train_cfg
-from tests.test_cp_training import local_batches
 from megalite.training.step import train_step
+from tests.test_cp_training import local_batches
 
 STEPS, MICRO, M, SEQ = 4, 2, 2, 16
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -188,3 +188,12 @@ def test_muon_layouts_at_world_2_match_one_process(dist_world) -> None:
 
 def test_muon_tp2_dp2_zero1_matches_one_process(dist_world) -> None:
     assert len(dist_world(4).run(_check_layouts, CASES_4)[0]) == len(CASES_4)
+
+
+def test_the_estimator_prices_muon_only_when_asked() -> None:
+    dims = ModelDims(2, 32, 8, 61, SEQ, num_kv_heads=4, ffn_hidden_size=64)
+    assert muon_report("adamw", dims, Layout(tp=2)) == ({}, [])
+    section, lines = muon_report("muon", dims, Layout(tp=2))
+    # tp = 2, ZeRO 0: every matrix's other half goes to its owner and back, averaged over the 2 TP ranks
+    assert section["muon"]["tp_bytes_per_rank"] == muon_tp_bytes_total(18432, 2) / 2 == 18432 * 4 / 2
+    assert section["muon"]["dp_bytes_per_rank_bound"] == 0.0 and "Newton-Schulz" in lines[0]
