@@ -27,6 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.launch import start_pretrain  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 # name -> (steps, extra pretrain.py flags). "wide" is the tiny preset at 1.5x width and layers (~3M parameters):
@@ -40,16 +41,9 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def launch(opt: str, steps: int, extra: list[str], run_dir: Path, smoke: bool) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "pretrain.py"), "--train.optimizer", opt, "--train.steps", str(steps),
-           "--train.eval_interval", str(steps), "--logging.interval", "1", "--logging.dir", str(run_dir),
-           "--train.memory_check", "false", *extra]
-    if smoke:
-        cmd += ["--data.demo_max_bytes", "20000"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    log = open(run_dir.with_suffix(".log"), "w")
-    return subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT)
+    argv = ["--train.optimizer", opt, "--train.steps", str(steps), "--train.eval_interval", str(steps),
+            "--logging.interval", "1", "--logging.dir", str(run_dir), "--train.memory_check", "false", *extra]
+    return start_pretrain(argv + (["--data.demo_max_bytes", "20000"] if smoke else []), run_dir, 1)
 
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
