@@ -3,8 +3,9 @@
 For each workload, two `pretrain.py` runs (train.optimizer = adamw | muon; everything else, learning rate
 and weight decay included, the same: Liu et al.'s RMS matching is what lets Muon reuse AdamW's) started
 together, one thread each, so a loaded machine slows both alike. Figures: the training loss averaged over
-the last `--tail` logged steps, the final validation loss, and the step-time overhead as the median over
-steps of the paired ratio muon/adamw of the same step's `step_time_s` (both runs were running then).
+the last `--tail` logged steps, the final validation loss, and the step-time overhead as the ratio of the
+median `step_time_s` of muon over adamw, each over the steps it took while the other run was still going
+(side by side on the same cores).
 
     python bench/muon_compare.py                      # demo (tiny, 300 steps) and wide (h=192, 6 layers, 120)
     python bench/muon_compare.py --smoke              # seconds: 3 steps of the demo
@@ -61,10 +62,15 @@ def summarise(rows: dict[str, list[dict[str, Any]]], tail: int) -> dict[str, Any
     for o in OPTIMIZERS:
         out[f"{o}_tail_loss"] = statistics.mean(train[o][s]["loss"] for s in steps[-tail:])
         out[f"{o}_valid_loss"] = valid[o][-1] if valid[o] else None
-    ratios = [train["muon"][s]["step_time_s"] / train["adamw"][s]["step_time_s"] for s in steps[1:]
-              if train["adamw"][s].get("step_time_s")]
-    out["step_time_ratio_median"] = statistics.median(ratios) if ratios else None
-    out["adamw_step_s_median"] = statistics.median(train["adamw"][s]["step_time_s"] for s in steps[1:] or steps)
+    # Side by side: only the steps each run took while the other was still running (the first step, which
+    # builds the model and warms up, left out), so both shared the machine alike.
+    both_until = min(max(r["timestamp"] for r in train[o].values()) for o in OPTIMIZERS)
+    times = {o: [r["step_time_s"] for s, r in sorted(train[o].items())[1:] if r["timestamp"] <= both_until]
+             for o in OPTIMIZERS}
+    if all(times.values()):
+        out["step_time_ratio_median"] = statistics.median(times["muon"]) / statistics.median(times["adamw"])
+        out["adamw_step_s_median"] = statistics.median(times["adamw"])
+        out["paired_steps"] = {o: len(t) for o, t in times.items()}
     return out
 
 
@@ -73,7 +79,7 @@ def to_markdown(res: dict[str, Any]) -> str:
     lines = [f"Muon vs AdamW: {m['date']}, {m['machine']}, load average {m['load_start']} at start / "
              f"{m['load_end']} at end{' (SMOKE)' if m['smoke'] else ''}", "",
              f"| workload | steps | AdamW loss (last {m['tail']}) | Muon loss | AdamW valid | Muon valid | "
-             "Muon/AdamW step time (median paired) | AdamW step (s) |", "|---|---|---|---|---|---|---|---|"]
+             "Muon/AdamW step time (medians, side by side) | AdamW step (s) |", "|---|---|---|---|---|---|---|---|"]
     for name, s in res["workloads"].items():
         if not s["steps"]:
             lines.append(f"| {name} | 0 | | | | | | |")
@@ -83,7 +89,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             return "" if x is None else format(x, fmt)
         lines.append(f"| {name} | {s['steps']} | {f(s['adamw_tail_loss'])} | {f(s['muon_tail_loss'])} | "
                      f"{f(s['adamw_valid_loss'])} | {f(s['muon_valid_loss'])} | "
-                     f"{f(s['step_time_ratio_median'], '.3f')} | {f(s['adamw_step_s_median'], '.3f')} |")
+                     f"{f(s.get('step_time_ratio_median'), '.3f')} | {f(s.get('adamw_step_s_median'), '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
