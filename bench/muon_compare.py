@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from bench.launch import start_pretrain  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
-# name -> (steps, extra pretrain.py flags). "wide" is the tiny preset at 1.5x width and layers (~3M parameters):
+# name -> (steps, extra pretrain.py flags). "wide" is the tiny preset at 1.5x width and layers (3.2M parameters):
 # megalite's next preset (llama-160m) takes minutes per 10 steps on a shared 2-core CPU.
 WORKLOADS: dict[str, tuple[int, list[str]]] = {
     "demo": (300, []),
