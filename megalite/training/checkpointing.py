@@ -26,10 +26,12 @@ def check_same_optimizer(index: dict, config: dict, path: Path) -> None:
     """Refuse to resume with another `train.optimizer` than the checkpoint's: AdamW's first moment and
     Muon's momentum share the "exp_avg" slot but are different things (docs/muon.md). A checkpoint with no
     run config (an imported model) carries no optimizer state and may start either."""
-    saved_cfg = index.get("extra", {}).get("config")
-    if not isinstance(saved_cfg, dict):
+    extra = index.get("extra")
+    saved_train = extra.get("config", {}).get("train") if isinstance(extra, dict) and isinstance(
+        extra.get("config"), dict) else None
+    if not isinstance(saved_train, dict):  # no run config (or an unreadable one: the loader reports that)
         return
-    saved = saved_cfg.get("train", {}).get("optimizer", "adamw")  # checkpoints from before Muon: AdamW
+    saved = saved_train.get("optimizer", "adamw")  # checkpoints from before Muon: AdamW
     mine = config.get("train", {}).get("optimizer", "adamw")
     if saved != mine:
         raise CheckpointError(f"checkpoint {path} was trained with train.optimizer={saved}, this run has "
