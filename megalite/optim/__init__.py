@@ -4,7 +4,8 @@
 `overlap` for when its collectives run); `shards.py` is the typed seam (`Shard`, `ShardOptimizer`, norm
 and clipping); `shard_adamw.py` is AdamW on shards; `zero.py` composes the two behind `protocol.py`'s
 `DistributedOptimizer` (what the training step and the checkpoints call), `zero_state.py` its checkpoint
-state. `muon.py` (with `muon_math`, `muon_plan`, `muon_exchange`) is Muon on the same shards. `reference.py` is the replicated oracle the tests compare with; the private torch APIs used are in
+state. `muon.py` (with `muon_math`, `muon_plan`, `muon_exchange`) is Muon on the same shards. `reference.py`
+is the replicated oracle the tests compare with; the private torch APIs used are in
 `megalite/torch_private.py`.
 """
 
@@ -61,5 +62,6 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
     return ZeroOptimizer(sync, ShardAdamW(sync.shards(), sync.take_fp32_values(), weight_decay, betas, eps))
 
 
-__all__ = ["build_distributed_optimizer", "DistributedOptimizer", "GradSync", "ZeroOptimizer", "ShardAdamW", "ShardMuon", "MuonSettings", "OPTIMIZERS",
+__all__ = ["build_distributed_optimizer", "DistributedOptimizer", "GradSync", "ZeroOptimizer", "ShardAdamW",
+           "ShardMuon", "MuonSettings", "OPTIMIZERS",
            "OverlapSettings", "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "mib_to_bytes"]
