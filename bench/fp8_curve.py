@@ -29,25 +29,22 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.launch import start_pretrain  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 VARIANTS = ("none", "tensorwise", "rowwise")
 
 
 def launch(variant: str, args: argparse.Namespace, run_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "pretrain.py"), "--model.preset", args.preset, "--train.steps", str(args.steps),
-           "--train.dtype", "bf16", "--train.fp8", variant, "--train.fp8_min_dim", str(args.min_dim),
-           "--train.eval_interval", "0", "--logging.interval", "1", "--logging.dir", str(run_dir),
-           "--train.memory_check", "false"]
+    argv = ["--model.preset", args.preset, "--train.steps", str(args.steps),
+            "--train.dtype", "bf16", "--train.fp8", variant, "--train.fp8_min_dim", str(args.min_dim),
+            "--train.eval_interval", "0", "--logging.interval", "1", "--logging.dir", str(run_dir),
+            "--train.memory_check", "false"]
     if args.micro_batch:
-        cmd += ["--train.micro_batch_size", str(args.micro_batch)]
+        argv += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.smoke:
-        cmd += ["--data.demo_max_bytes", "20000"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    log = open(run_dir.with_suffix(".log"), "w")
-    return subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT)
+        argv += ["--data.demo_max_bytes", "20000"]
+    return start_pretrain(argv, run_dir, args.threads)
 
 
 def read_curve(run_dir: Path) -> list[dict[str, Any]]:

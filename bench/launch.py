@@ -42,3 +42,14 @@ def run_script_ranks(script: Path, nproc: int, port: int, argv: list[str], threa
         env.pop(k, None)
     return subprocess.run([*launcher, str(script), "--worker", *argv], capture_output=True, text=True, env=env,
                           cwd=str(REPO), timeout=timeout_s)
+
+
+def start_pretrain(argv: list[str], run_dir: Path, threads: int) -> subprocess.Popen:
+    """`pretrain.py ARGV` as one plain process in the background, `threads` OpenMP threads, the launcher
+    variables removed, its output in `run_dir`.log (the curve benchmarks start their variants together)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    log = open(run_dir.with_suffix(".log"), "w")
+    return subprocess.Popen([sys.executable, str(REPO / "pretrain.py"), *argv], cwd=str(REPO), env=env, stdout=log,
+                            stderr=subprocess.STDOUT)

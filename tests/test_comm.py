@@ -59,7 +59,8 @@ def test_every_group_kind_files_its_bytes_under_a_counter_key() -> None:
     assert set(comm.GROUP_COUNT_KEY.values()) <= COUNT_KEYS
     assert all(comm.GROUP_COUNT_KEY[k] == "pp" for k in PP_KINDS)  # every pipeline communicator: 'pp' in metrics
     # The public contract of metrics.jsonl's comm_bytes keys (docs/tracking.md, docs/parallelism.md).
-    assert COUNT_KEYS == {"tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep"}  # ep: MoE
+    assert COUNT_KEYS == {"tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep",
+                          "muon"}  # ep: MoE; muon: megalite.optim.muon_exchange
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 3), (4, 1, 2), (1, 3, 1)])

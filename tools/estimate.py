@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
+from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
 from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
@@ -133,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
                    help="train.fp8: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
                         "all-reduces (docs/fp8.md); MFU stays over the bf16 peak")
+    h.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="train.optimizer: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
     h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="train.fp8_min_dim (the FP8 filter)")
     h.add_argument("--hfu-convention", choices=list(HFU_CONVENTIONS), default="executed",
                    help="selective recompute's HFU: executed (the re-run attention core, default) or korthikanti "
@@ -375,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         est, sections, lines = answer_questions(args, kw)
         moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"])  # MoE presets only
         sections, lines = {**sections, **moe_section}, lines + moe_lines
+        muon_section, muon_lines = muon_report(args.optimizer, kw["dims"], kw["layout"])
+        sections, lines = {**sections, **muon_section}, lines + muon_lines
     except MegaliteError as exc:
         return report(exc)
     if args.json:

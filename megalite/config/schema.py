@@ -120,6 +120,12 @@ class TrainConfig:
     watchdog_min_s: float = _f(60.0, "never call a step a hang before it has run this many seconds")
     memory_check: bool = _f(True, "refuse before step 1 when the predicted peak memory exceeds the free RAM "
                                   "(CPU) or device memory (GPU)")
+    # Muon (docs/muon.md): the block linears' matrices; AdamW (the fields above) keeps everything else.
+    optimizer: str = _f("adamw", "adamw | muon (Muon for the blocks' 2-D weights, AdamW for the rest; docs/muon.md)")
+    muon_momentum: float = _f(0.95, "Muon momentum mu (M = mu M + G)")
+    muon_nesterov: bool = _f(True, "Muon: orthogonalise G + mu M (Nesterov) instead of M")
+    muon_ns_steps: int = _f(5, "Muon: Newton-Schulz steps (quintic, coefficients 3.4445, -4.7750, 2.0315)")
+    muon_rms: float = _f(0.2, "Muon: update RMS to match (Liu et al. 2025): lr x muon_rms x sqrt(max(rows, cols))")
 
 
 @dataclass

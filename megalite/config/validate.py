@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
-from megalite.config.validate_features import cp_mode_problems, fp8_problems, moe_problems
+from megalite.config.validate_features import cp_mode_problems, fp8_problems, moe_problems, muon_problems
 from megalite.config.validate_fields import field_problems, text_problems
 from megalite.model.params import count_params
 
@@ -35,6 +35,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.fp8": ("none", "tensorwise", "rowwise"),
+    "train.optimizer": ("adamw", "muon"),
 })
 
 
@@ -321,6 +322,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += moe_problems(cfg)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
+    problems += muon_problems(cfg)
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     problems += fp8_problems(cfg, device_type)

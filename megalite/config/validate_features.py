@@ -1,5 +1,5 @@
-"""The rules of the features that came after the core layout rules: context-parallel modes, FP8 and
-mixture of experts, one function each, called by `validate.validate` with the others (one line per problem)."""
+"""The rules of the features that came after the core layout rules: context-parallel modes, FP8,
+mixture of experts and Muon, one function each, called by `validate.validate` with the others (one line per problem)."""
 
 from __future__ import annotations
 
@@ -99,4 +99,19 @@ def moe_problems(cfg: Config) -> list[str]:
     shared = m.moe_shared_experts * (m.moe_shared_ffn_hidden_size or m.moe_ffn_hidden_size or m.ffn_hidden_size)
     if shared and shared % p.tp:
         out.append(f"the shared experts' width {shared} is not divisible by parallel.tp {p.tp}")
+    return out
+
+
+def muon_problems(cfg: Config) -> list[str]:
+    """train.optimizer=muon's fields (megalite/optim/muon.py, docs/muon.md)."""
+    tr = cfg.train
+    if tr.optimizer != "muon":
+        return []
+    out: list[str] = []
+    if not 0 <= tr.muon_momentum < 1:
+        out.append(f"train.muon_momentum must be in [0, 1), got {tr.muon_momentum}")
+    if tr.muon_ns_steps < 1:
+        out.append(f"train.muon_ns_steps must be >= 1 (Newton-Schulz steps), got {tr.muon_ns_steps}")
+    if not tr.muon_rms > 0:
+        out.append(f"train.muon_rms must be > 0, got {tr.muon_rms}")
     return out

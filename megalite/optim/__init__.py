@@ -4,7 +4,8 @@
 `overlap` for when its collectives run); `shards.py` is the typed seam (`Shard`, `ShardOptimizer`, norm
 and clipping); `shard_adamw.py` is AdamW on shards; `zero.py` composes the two behind `protocol.py`'s
 `DistributedOptimizer` (what the training step and the checkpoints call), `zero_state.py` its checkpoint
-state. `reference.py` is the replicated oracle the tests compare with; the private torch APIs used are in
+state. `muon.py` (with `muon_math`, `muon_plan`, `muon_exchange`) is Muon on the same shards. `reference.py`
+is the replicated oracle the tests compare with; the private torch APIs used are in
 `megalite/torch_private.py`.
 """
 
@@ -15,7 +16,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from megalite.errors import ConfigError
 from megalite.optim.grad_sync import GradSync
+from megalite.optim.muon import ShardMuon
+from megalite.optim.muon_math import MuonSettings
+from megalite.optim.muon_plan import block_params, build_plan
 from megalite.optim.overlap import (DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, EventSink, OverlapEvent,
                                     OverlapSettings, mib_to_bytes)
 from megalite.optim.protocol import DistributedOptimizer
@@ -24,14 +29,19 @@ from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.state import ParallelState
 
 
+OPTIMIZERS = ("adamw", "muon")  # `train.optimizer`
+
+
 def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: ParallelState, zero: int, lr: float,
                                 weight_decay: float, betas: tuple[float, float], eps: float, dtype: torch.dtype,
                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
                                 overlap_param_gather: bool = True, zero3_prefetch: int = 1,
-                                on_event: EventSink | None = None) -> ZeroOptimizer:
+                                on_event: EventSink | None = None, optimizer: str = "adamw",
+                                muon: MuonSettings = MuonSettings()) -> ZeroOptimizer:
     """The optimizer for `parallel.zero` = 0..3 (a `DistributedOptimizer`) over this rank's model chunks
-    (a model, or a list / `nn.ModuleList` of the pipeline chunks): a `GradSync` plus `ShardAdamW`.
+    (a model, or a list / `nn.ModuleList` of the pipeline chunks): a `GradSync` plus `ShardAdamW`, or
+    `ShardMuon` (`optimizer="muon"`, with `muon`'s settings; AdamW's for the parameters Muon leaves).
 
     Converts the model's parameters to `dtype` in place (bf16/fp16 keep fp32 master weights inside the
     optimizer); zero > 0 with dp = 1 falls back to zero = 0 with one warning. The bucket sizes, the
@@ -42,9 +52,16 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
     settings = OverlapSettings(bucket_bytes, first_bucket_bytes, overlap_param_gather, zero3_prefetch)
     parts: list[nn.Module] = [chunks] if isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList) \
         else list(chunks)
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"train.optimizer={optimizer!r} unknown: use {' or '.join(OPTIMIZERS)}")
     sync = GradSync(parts, state, zero, dtype, settings, on_event)
+    if optimizer == "muon":
+        plan = build_plan(sync.buckets, sync.specs, sync.names(), block_params(parts), state, sync.stage > 0)
+        return ZeroOptimizer(sync, ShardMuon(sync.shards(), sync.take_fp32_values(), plan, state, muon,
+                                             weight_decay, betas, eps))
     return ZeroOptimizer(sync, ShardAdamW(sync.shards(), sync.take_fp32_values(), weight_decay, betas, eps))
 
 
 __all__ = ["build_distributed_optimizer", "DistributedOptimizer", "GradSync", "ZeroOptimizer", "ShardAdamW",
+           "ShardMuon", "MuonSettings", "OPTIMIZERS",
            "OverlapSettings", "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "mib_to_bytes"]

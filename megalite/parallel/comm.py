@@ -117,12 +117,12 @@ def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> 
 
 
 def all_to_all_single(t: torch.Tensor, state: ParallelState, group: GroupKind, send_splits: list[int],
-                      recv_splits: list[int]) -> torch.Tensor:
+                      recv_splits: list[int], count_as: CountKey | None = None) -> torch.Tensor:
     """Rank i sends rows [sum(send_splits[:j]), +send_splits[j]) of `t` (dim 0) to rank j of `group` and
     receives `recv_splits[j]` rows from each rank j, concatenated in rank order. Splits may be 0 (a rank
     that sends or receives nothing is normal: MoE routing). Counted as the bytes sent to the *other*
-    ranks (op 'all_to_all'; the rows a rank keeps do not cross a link)."""
-    key = _count_key(group, None)
+    ranks (op 'all_to_all'; the rows a rank keeps do not cross a link), under `count_as` when given."""
+    key = _count_key(group, count_as)
     n = state.size(group)
     if len(send_splits) != n or len(recv_splits) != n or sum(send_splits) != t.shape[0]:
         raise ValueError(f"all_to_all_single: splits {send_splits} / {recv_splits} do not fit {n} ranks and "

@@ -14,10 +14,11 @@ ring all-reduce formula. Counts are kept as exact fractions summed per (group, o
 analytic tests compare against the same convention. The counter does not time anything.
 
 The names bytes are filed under are a closed set (`CountKey`): each group kind's traffic under its own
-name (the pipeline's two communicators both under "pp"), plus three names for traffic that rides on a
+name (the pipeline's two communicators both under "pp"), plus four names for traffic that rides on a
 group but is not that group's step traffic, so that "dp" holds exactly the gradient reduction and "mp" the
-gradient norm: "norm" (the norm's dp reduction under ZeRO), "metrics" (loss averaging, the stop flag) and
-"checkpoint" (ZeRO's gathers when saving). These strings are the keys of `comm_bytes` in metrics.jsonl.
+gradient norm: "norm" (the norm's dp reduction under ZeRO), "metrics" (loss averaging, the stop flag),
+"checkpoint" (ZeRO's gathers when saving) and "muon" (Muon's whole-matrix exchanges,
+`megalite.optim.muon_exchange`). These strings are the keys of `comm_bytes` in metrics.jsonl.
 
 This is an algorithmic count, not a measurement: metrics.jsonl says so in `comm_convention` (`COMM_CONVENTION`)
 next to `comm_bytes`. A backend may move other amounts (gloo's reduce-scatter writes twice the count); what a
@@ -31,7 +32,7 @@ from collections import defaultdict
 from fractions import Fraction
 from typing import Callable, Literal, cast, get_args
 
-CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep"]
+CountKey = Literal["tp", "dp", "pp", "mp", "embedding", "norm", "metrics", "checkpoint", "cp", "ep", "muon"]
 COUNT_KEYS: frozenset[str] = frozenset(get_args(CountKey))
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 # The value of metrics.jsonl's `comm_convention`: the bytes in `comm_bytes` are the ring algorithm's per rank.

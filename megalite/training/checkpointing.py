@@ -11,6 +11,7 @@ import torch.nn as nn
 from megalite.checkpoint import sharded
 from megalite.checkpoint.async_save import AsyncSaver, Outcome, raise_if_failed
 from megalite.config import CheckpointConfig
+from megalite.errors import CheckpointError
 from megalite.data import DataSampler
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
@@ -19,6 +20,23 @@ from megalite.parallel.state import ParallelState
 from megalite.runtime.faults import FaultInjector
 
 Note = Callable[[str], None]
+
+
+def check_same_optimizer(index: dict, config: dict, path: Path) -> None:
+    """Refuse to resume with another `train.optimizer` than the checkpoint's: AdamW's first moment and
+    Muon's momentum share the "exp_avg" slot but are different things (docs/muon.md). A checkpoint with no
+    run config (an imported model) carries no optimizer state and may start either."""
+    extra = index.get("extra")
+    saved_train = extra.get("config", {}).get("train") if isinstance(extra, dict) and isinstance(
+        extra.get("config"), dict) else None
+    if not isinstance(saved_train, dict):  # no run config (or an unreadable one: the loader reports that)
+        return
+    saved = saved_train.get("optimizer", "adamw")  # checkpoints from before Muon: AdamW
+    mine = config.get("train", {}).get("optimizer", "adamw")
+    if saved != mine:
+        raise CheckpointError(f"checkpoint {path} was trained with train.optimizer={saved}, this run has "
+                              f"train.optimizer={mine}: switching optimizers on resume is not supported; resume "
+                              f"with --train.optimizer {saved} or start fresh (checkpoint.load=none)")
 
 
 @dataclass
@@ -48,6 +66,7 @@ class RunCheckpoints:
         path = sharded.find(self.settings.load, self.settings.dir)
         if path is None:
             return None, 0
+        check_same_optimizer(sharded.read_index(path), self.config, path)
         # Any layout: each rank reads the slices it needs (ZeRO-3: into temporarily gathered params).
         with self.optimizer.gathered():
             extra = sharded.load_sharded(path, self.model, self.optimizer, self.state)

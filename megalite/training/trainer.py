@@ -31,7 +31,7 @@ from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
-from megalite.optim import build_distributed_optimizer, mib_to_bytes
+from megalite.optim import MuonSettings, build_distributed_optimizer, mib_to_bytes
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
@@ -126,7 +126,9 @@ def build_run(cfg: config_mod.Config) -> Run:
                                             bucket_bytes=mib_to_bytes(par.bucket_mb),
                                             first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
                                             overlap_param_gather=par.overlap_param_gather,
-                                            zero3_prefetch=par.zero3_prefetch)
+                                            zero3_prefetch=par.zero3_prefetch, optimizer=tr.optimizer,
+                                            muon=MuonSettings(tr.muon_momentum, tr.muon_nesterov,
+                                                              tr.muon_ns_steps, tr.muon_rms))
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)

@@ -1,0 +1,199 @@
+"""Muon (`megalite.optim.muon`): the paper's update on one process, and every layout computing the same thing.
+
+1. One process: `build_distributed_optimizer(optimizer="muon")` on the gradient sync matches a plain Muon
+   written below from Jordan et al. 2024 / Liu et al. 2025's pseudo-code (whole tensors, autograd's
+   `.grad`, torch.optim.AdamW for the rest). Tolerance: the sync sums dW inside the linears' GEMMs, and
+   the fused AdamW differs from torch's by an ulp; Newton-Schulz is a smooth map of its normalised input
+   (no division by a small sqrt(v)), so after 4 steps at lr 1e-2 parameters agree to 2e-6 and losses to 1e-6;
+   dropping Nesterov, the LR scale or the per-part split of qkv moves parameters by >= 1e-3.
+2. Layouts (gloo ranks, fp32): tp2, tp2+sp, pp2, dp2 at ZeRO 1, 2 and 3, cp2 (world 2) and tp2 x dp2 at
+   ZeRO 1 (world 4: both exchange levels) against the single-process Muon: losses to 1e-5 (O(1) values,
+   the dp/cp/tp sums are other orders of the same sums, ~1e-7 observed) and parameters to 2e-5 (after 4
+   steps at lr 1e-2: a lost piece, a wrong owner or a matrix orthogonalised per TP shard instead of whole
+   moves them by ~1e-3). The "muon" bytes each rank counts equal `megalite.perfmodel.muon` exactly.
+3. Checkpoints: Muon's momentum is saved as "exp_avg", loads back, and its checkpoint view is the same at
+   every layout (so it reshards like AdamW's moments); a checkpoint of the other optimizer
+   is refused on resume (tests/test_muon_cli.py runs that through pretrain.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megalite.errors import ConfigError
+from megalite.model.gpt import GPT
+from megalite.optim import MuonSettings, build_distributed_optimizer
+from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.sharding import unshard
+from megalite.parallel.state import ParallelState
+from megalite.perfmodel.inputs import Layout, ModelDims
+from megalite.perfmodel.muon import exchange_bytes, muon_matrices, muon_report, muon_tp_bytes_total
+from megalite.pipeline import build_pipeline
+from tests.parallel_utils import layout, micro_batches, random_steps, step_context, tiny_model_cfg, tiny_train_cfg
+from megalite.training.step import train_step
+from tests.test_cp_training import local_batches
+
+STEPS, MICRO, M, SEQ = 4, 2, 2, 16
+HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+MU = 0.95
+
+
+def _muon(model: nn.Module | list[nn.Module], st: ParallelState, zero: int):
+    return build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer="muon",
+                                       muon=MuonSettings(momentum=MU), **HYPER)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the plain reference (paper pseudo-code)
+def _ns5(g: torch.Tensor) -> torch.Tensor:
+    """Jordan et al.'s Newton-Schulz quintic, as in their pseudo-code."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + 1e-7)
+    if g.size(0) > g.size(1):
+        x = x.T
+    for _ in range(5):
+        A = x @ x.T
+        B = b * A + c * A @ A
+        x = a * x + B @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = GPT(cfg, ParallelState(), seed=5)
+    specs = named_param_specs(model, ConfigError)
+    params = dict(model.named_parameters())
+    muon = {n for n, p in params.items()  # the blocks' linears: not the output layer (a column linear too)
+            if n.startswith("layers.") and p.dim() == 2 and specs[n].layout.kind in ("column", "row")}
+    rest = [p for n, p in params.items() if n not in muon]
+    adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": HYPER["weight_decay"]},
+                              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], foreach=False)
+    bufs = {n: torch.zeros_like(params[n]) for n in muon}
+    lr, wd = HYPER["lr"], HYPER["weight_decay"]
+    losses = []
+    for d in data:
+        model.zero_grad()
+        mbs = micro_batches(d, MICRO)
+        total = 0.0
+        for ids, labels in mbs:
+            loss = model(ids, labels).mean()
+            (loss / len(mbs)).backward()
+            total += loss.item()
+        losses.append(total / len(mbs))
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params.values()))  # type: ignore[union-attr]
+        if norm > 1.0:  # clip_grad 1.0, as the step does
+            for p in params.values():
+                p.grad.mul_(1.0 / (norm + 1e-6))  # type: ignore[union-attr]
+        with torch.no_grad():
+            for n in muon:
+                p, g = params[n], params[n].grad
+                bufs[n].mul_(MU).add_(g)
+                u = g + MU * bufs[n]
+                parts = specs[n].layout.parts or (p.shape[0],)  # q, k, v / gate, up: each its own matrix
+                o = torch.cat([_ns5(x) * 0.2 * math.sqrt(max(x.shape)) for x in u.split(list(parts))])
+                p.mul_(1 - lr * wd).sub_(lr * o)
+        adam.step()
+    return losses, {n: p.detach().clone() for n, p in params.items()}
+
+
+def _megalite_run(cfg, data: list[torch.Tensor], zero: int = 0):
+    st = ParallelState()
+    model = GPT(cfg, st, seed=5)
+    opt = _muon(model, st, zero)
+    ctx = step_context(model, st, torch.float32, tiny_train_cfg(STEPS))
+    losses = [train_step(ctx, opt, micro_batches(d, MICRO), i).loss for i, d in enumerate(data)]
+    return losses, opt.full_parameters(), opt
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_muon_matches_the_papers_pseudo_code_on_one_process(arch: str) -> None:
+    cfg = tiny_model_cfg(arch, seq_len=SEQ)
+    data = random_steps(cfg, STEPS, MICRO * M)
+    want_losses, want = _plain_muon_run(cfg, data)
+    losses, got, opt = _megalite_run(cfg, data)
+    for i, (a, b) in enumerate(zip(losses, want_losses)):
+        assert abs(a - b) <= 1e-6, f"{arch} step {i}: loss {a} != plain Muon {b}"
+    for name, value in got.items():
+        expect = want[name]
+        if name.endswith("attn.qkv.bias"):  # the key bias: true gradient 0, AdamW amplifies round-off (as in
+            h = cfg.hidden_size             # tests/test_zero.py): compare q and v only
+            value, expect = torch.cat([value[:h], value[-h:]]), torch.cat([expect[:h], expect[-h:]])
+        err = (value - expect).abs().max().item()
+        assert err <= 2e-6, f"{arch}: {name} off by {err:.2e} from the plain Muon"
+    # The momentum is checkpointed as "exp_avg" (and restored by load_param_states).
+    states = opt.param_states()
+    assert torch.count_nonzero(states["layers.0.attn.qkv.weight"]["exp_avg"]) > 0
+    fresh = _muon(GPT(cfg, ParallelState(), seed=5), ParallelState(), 0)
+    fresh.load_param_states(states)
+    for name, entry in fresh.param_states().items():
+        for kind, t in entry.items():
+            assert torch.equal(t, states[name][kind]), (name, kind)
+
+
+# ---------------------------------------------------------------- layouts
+CASES_2 = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(zero=1), dict(zero=2), dict(zero=3), dict(cp=2)]
+CASES_4 = [dict(tp=2, zero=1)]
+
+
+def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
+    done = []
+    for case in cases:
+        tp, pp, cp, sp, zero = (case.get("tp", 1), case.get("pp", 1), case.get("cp", 1), case.get("sp", False),
+                                case.get("zero", 0))
+        st = layout(tp, pp, sp=sp, cp=cp)
+        what = f"tp={tp} pp={pp} cp={cp} dp={st.dp} sp={sp} zero={zero}"
+        cfg = tiny_model_cfg("llama", seq_len=SEQ, num_layers=2)
+        data = random_steps(cfg, STEPS, MICRO * M * st.dp)
+        want_losses, want, ref_opt = _megalite_run(cfg, data)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
+        opt = _muon(engine.chunks[0], st, zero)
+        ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+        st.counter.reset()
+        losses = [train_step(ctx, opt, local_batches(d, st), i).loss for i, d in enumerate(data)]
+        for i, (a, b) in enumerate(zip(losses, want_losses)):
+            assert abs(a - b) <= 1e-5, f"{what} step {i}: loss {a} != one process {b}"
+        specs = named_param_specs(engine.chunks[0], ConfigError)
+        for name, value in opt.full_parameters().items():
+            err = (unshard(value, specs[name].layout, st) - want[name]).abs().max().item()
+            assert err <= 2e-5, f"{what}: {name} off by {err:.2e} from one process"
+        # The checkpoint view of the momentum ("exp_avg", each TP shard) is the single process's: it reshards.
+        ref_states = ref_opt.param_states()
+        for name, entry in opt.param_states().items():
+            got = unshard(entry["exp_avg"], specs[name].layout, st)
+            torch.testing.assert_close(got, ref_states[name]["exp_avg"], rtol=1e-4, atol=1e-6, msg=lambda m: what + m)
+        # Every "muon" byte is the plan's exchanges, exactly as the perfmodel counts them.
+        plan = opt.optimizer.plan  # type: ignore[attr-defined]
+        per_step = exchange_bytes(plan.tp.sizes, plan.tp.owners, plan.tp.me)
+        per_step += sum(exchange_bytes(ex.sizes, ex.owners, ex.me) for _, ex in plan.dp.values())
+        assert st.counter.exact_bytes("muon") == STEPS * per_step, f"{what}: muon bytes"
+        # Over the tp group, the tp exchange is the perfmodel's total for the matrices this dp index owns.
+        tp_sent = torch.tensor([float(exchange_bytes(plan.tp.sizes, plan.tp.owners, plan.tp.me))])
+        torch.distributed.all_reduce(tp_sent, group=st.group("tp"))
+        owned = sum(plan.matrices[i].numel * tp for i in plan.tp_items)
+        assert tp_sent.item() == muon_tp_bytes_total(owned, tp), what
+        if zero == 0 and pp == 1:  # every matrix of the model, owned whole by this dp index
+            dims = ModelDims(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size, SEQ,
+                             num_kv_heads=cfg.num_kv_heads, ffn_hidden_size=cfg.ffn_hidden_size)
+            assert owned == sum(r * c for r, c in muon_matrices(dims)), what
+        done.append(what)
+    return done
+
+
+def test_muon_layouts_at_world_2_match_one_process(dist_world) -> None:
+    assert len(dist_world(2).run(_check_layouts, CASES_2)[0]) == len(CASES_2)
+
+
+def test_muon_tp2_dp2_zero1_matches_one_process(dist_world) -> None:
+    assert len(dist_world(4).run(_check_layouts, CASES_4)[0]) == len(CASES_4)
+
+
+def test_the_estimator_prices_muon_only_when_asked() -> None:
+    dims = ModelDims(2, 32, 8, 61, SEQ, num_kv_heads=4, ffn_hidden_size=64)
+    assert muon_report("adamw", dims, Layout(tp=2)) == ({}, [])
+    section, lines = muon_report("muon", dims, Layout(tp=2))
+    # tp = 2, ZeRO 0: every matrix's other half goes to its owner and back, averaged over the 2 TP ranks
+    assert section["muon"]["tp_bytes_per_rank"] == muon_tp_bytes_total(18432, 2) / 2 == 18432 * 4 / 2
+    assert section["muon"]["dp_bytes_per_rank_bound"] == 0.0 and "Newton-Schulz" in lines[0]
