@@ -252,7 +252,10 @@ def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
             parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True),
             train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16"))
 
-    monkeypatch.setitem(sys.modules, "megalite.config", types.SimpleNamespace(parse_args=parse_args))
+    import megalite.config as real  # the stand-in keeps the presets the MoE report looks names up in
+
+    monkeypatch.setitem(sys.modules, "megalite.config", types.SimpleNamespace(
+        parse_args=parse_args, PRESETS=real.PRESETS, ModelConfig=real.ModelConfig))
     out = _cli_json(["--config", "x.toml", "--parallel.tp", "2", "--dp=8"], capsys)
     assert seen == [["--config", "x.toml", "--parallel.tp", "2"]]
     assert out["inputs"]["layout"]["dp"] == 8 and out["inputs"]["layout"]["zero"] == 1
