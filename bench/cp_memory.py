@@ -101,10 +101,10 @@ def mode_flags(mode: str, a2a: int = 2) -> list[str]:
     return ["--parallel.cp_mode", mode] + (["--parallel.cp_a2a", str(a2a)] if mode == "hybrid" else [])
 
 
-def run(cp: int, flags: list[str], cache: str, log_dir: Path, port: int, cores: int) -> dict:
+def run(cp: int, flags: list[str], cache: str, log_dir: Path, cores: int) -> dict:
     argv = ["--data.cache_dir", cache, *flags, "--parallel.cp", str(cp), "--logging.dir", str(log_dir)]
     # The same cores for every layout: cores // cp threads per rank.
-    proc = run_script_ranks(Path(__file__).resolve(), cp, port, argv, max(1, cores // cp), timeout_s=3600)
+    proc = run_script_ranks(Path(__file__).resolve(), cp, argv, max(1, cores // cp), timeout_s=3600)
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines() or ["?"]
         return {"skipped": f"run failed: {err[0].strip()[:300]}", "stderr_tail": proc.stderr[-3000:]}
@@ -176,7 +176,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--estimate-only", action="store_true", help="the estimator's columns only; nothing runs")
     p.add_argument("--render", type=Path, help="re-render a previous run's JSON (e.g. with another --max-memory-gb)")
     p.add_argument("--smoke", action="store_true", help="seq 256, 2 layers of 64, cp 1 and 2, 2 steps")
-    p.add_argument("--port", type=int, default=29561)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
                    help="output directory (default runs/bench, untracked; bench/results: the published table)")
     a = p.parse_args(argv)
@@ -228,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="megalite-cp-memory-") as tmp:
             cache = os.environ.get("MEGALITE_CACHE") or str(Path(tmp) / "cache")
             prepare_demo_data(cache, DEMO_BYTES, 512)  # once, before any rank races to build it
-            for i, row in enumerate(rows):
+            for row in rows:
                 row.update(run(row["cp"], flags + mode_flags(row["mode"], a.cp_a2a), cache,
-                               Path(tmp) / f"cp{row['cp']}_{row['mode']}", a.port + i, a.cores))
+                               Path(tmp) / f"cp{row['cp']}_{row['mode']}", a.cores))
                 print(json.dumps(row), flush=True)
     res["load_average"] = [load_before, os.getloadavg()[0]]
     stem = "cp_memory" + ("_smoke" if a.smoke else "") + ("_estimate" if a.estimate_only else "")

@@ -31,12 +31,13 @@ def spawn_ranks(worker: Callable[..., None], world: int, port: int, args: Any, t
     return result
 
 
-def run_script_ranks(script: Path, nproc: int, port: int, argv: list[str], threads: int,
+def run_script_ranks(script: Path, nproc: int, argv: list[str], threads: int,
                      timeout_s: float) -> subprocess.CompletedProcess[str]:
     """`script --worker ARGV` in `nproc` ranks (torchrun when more than one), `threads` OpenMP threads each,
-    the caller's own launcher variables removed so a benchmark run inside a job does not join that job."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                 "--master-port", str(port)] if nproc > 1 else [sys.executable])
+    the caller's own launcher variables removed so a benchmark run inside a job does not join that job.
+    `--standalone`: torchrun binds a free port itself, so concurrent benchmarks (or tests) never collide."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                if nproc > 1 else [sys.executable])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)

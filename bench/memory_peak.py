@@ -90,9 +90,9 @@ def predict(world: int, argv: list[str]) -> dict:
     return predicted_peak(cfg).to_dict()
 
 
-def measure(world: int, argv: list[str], log_dir: Path, port: int, threads: int) -> dict:
+def measure(world: int, argv: list[str], log_dir: Path, threads: int) -> dict:
     """Launch the case fresh and read back every rank's peaks; {"skipped": why} when the run failed."""
-    proc = run_script_ranks(Path(__file__).resolve(), world, port, [*argv, "--logging.dir", str(log_dir)], threads,
+    proc = run_script_ranks(Path(__file__).resolve(), world, [*argv, "--logging.dir", str(log_dir)], threads,
                             timeout_s=1800)
     peaks = [json.loads(p.read_text()) for p in sorted(log_dir.glob("peak_rank*.json"))]
     if proc.returncode != 0 or len(peaks) != world:
@@ -101,11 +101,11 @@ def measure(world: int, argv: list[str], log_dir: Path, port: int, threads: int)
     return {"ranks": peaks}
 
 
-def case_row(name: str, world: int, flags: list[str], cache: str, tmp: Path, port: int, steps: int,
+def case_row(name: str, world: int, flags: list[str], cache: str, tmp: Path, steps: int,
              threads: int) -> dict:
     argv = [*common_flags(cache, steps), *flags]
     row: dict = {"case": name, "world": world, "flags": " ".join(flags), "predicted": predict(world, argv)}
-    row.update(measure(world, argv, tmp / name, port, threads))
+    row.update(measure(world, argv, tmp / name, threads))
     if "ranks" in row:
         key = "cuda_max_memory_allocated" if "cuda_max_memory_allocated" in row["ranks"][0] else "ru_maxrss_bytes"
         row["measured_name"] = key
@@ -157,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names (default: all)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank")
-    ap.add_argument("--port", type=int, default=29640)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     ap.add_argument("--write-docs", action="store_true")
     a = ap.parse_args(args)
@@ -176,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in {int(f[f.index("--data.demo_max_bytes") + 1]) if "--data.demo_max_bytes" in f else DEMO_BYTES
                      for _, f in (CASES[n] for n in names)}:
             prepare_demo_data(cache, size, 2048)  # here, not in a measured rank (a tokenizer trained there is RSS)
-        for i, name in enumerate(names):
+        for name in names:
             world, flags = CASES[name]
-            row = case_row(name, world, flags, cache, Path(tmp), a.port + i, a.steps, a.threads)
+            row = case_row(name, world, flags, cache, Path(tmp), a.steps, a.threads)
             res["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "predicted"}), flush=True)
     res["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -75,11 +75,11 @@ def worker(argv: list[str]) -> int:
     return code
 
 
-def run_case(case: Case, common: list[str], run_dir: Path, port: int) -> dict:
+def run_case(case: Case, common: list[str], run_dir: Path) -> dict:
     log_dir = run_dir / case.name.replace(" ", "_").replace("=", "")
     argv = [*common, *case.flags, "--logging.dir", str(log_dir)]
     # One thread per rank: 2 ranks fill the 2 cores.
-    proc = run_script_ranks(Path(__file__).resolve(), case.nproc, port, argv, threads=1, timeout_s=600)
+    proc = run_script_ranks(Path(__file__).resolve(), case.nproc, argv, threads=1, timeout_s=600)
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines() or ["?"]
         return {"name": case.name, "skipped": f"run failed: {err[-1].strip()[:200]}"}
@@ -172,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="2 layouts, 2 steps, tiny model")
-    p.add_argument("--port", type=int, default=29531)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
                   help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     a = p.parse_args(args)
@@ -189,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                   str(a.micro_batch), "--train.steps", str(a.steps), "--train.warmup_steps", "1",
                   "--logging.interval", "1", "--train.eval_interval", "0", "--model.kernels", "torch"]
         runs = []
-        for i, case in enumerate(c for c in CASES if not a.smoke or c.name in SMOKE_CASES):
-            r = run_case(case, common, Path(tmp), a.port + i)
+        for case in (c for c in CASES if not a.smoke or c.name in SMOKE_CASES):
+            r = run_case(case, common, Path(tmp))
             if "skipped" not in r:
                 r["predicted_comm_bytes"] = predict(case, r.pop("model"), a.micro_batch)
             print(json.dumps({k: v for k, v in r.items() if k != "step_time_s_all"}), flush=True)

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from bench.results_io import spread
-from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +61,7 @@ def test_cpu_compare_smoke(tmp_path: Path) -> None:
 
 
 def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path) -> None:
-    _run([sys.executable, "bench/scaling.py", "--smoke", "--out", str(tmp_path), "--port", str(free_port())], tmp_path)
+    _run([sys.executable, "bench/scaling.py", "--smoke", "--out", str(tmp_path)], tmp_path)
     res = json.loads((tmp_path / "scaling_smoke.json").read_text())
     runs = {r["name"]: r for r in res["runs"]}
     tp = runs["tp=2 sp"]

@@ -21,7 +21,7 @@ from megalite.context.costs import cp_attention_bytes, ring_attention_bytes
 from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.estimate import (GB, PRESETS, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
                                          tp_comm_bytes)
-from tests.conftest import SMALL_RUN, free_port
+from tests.conftest import SMALL_RUN
 from tools.estimate import main as estimate_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,7 +237,7 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "bench/cp_memory.py", "--out", str(tmp_path), "--port", str(free_port()),
+    return subprocess.run([sys.executable, "bench/cp_memory.py", "--out", str(tmp_path),
                            *args], capture_output=True, text=True, cwd=str(REPO), env=env, timeout=900)
 
 
@@ -249,8 +249,9 @@ def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "cp_memory_estimate.json").read_text())["rows"]
     modes = ["ring", "allgather", "a2a"]
-    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring")] + [(cp, m) for cp in (2, 4) for m in modes]
-    assert [r["tokens_per_rank"] for r in rows] == [4096] + [2048] * 3 + [1024] * 3
+    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring")] + [(cp, m) for cp in (2, 4) for m in modes] + [
+        (4, "hybrid")]  # a2a 2 x ring 2
+    assert [r["tokens_per_rank"] for r in rows] == [4096] + [2048] * 3 + [1024] * 4
     one = rows[0]["predicted"]
     for r in rows:
         p = r["predicted"]
@@ -258,7 +259,8 @@ def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path) -> None
         for kind in ("activations", "activations_fused"):
             assert p[kind] == pytest.approx(one[kind] / r["cp"] + held, rel=1e-12), kind
         assert p["model_states"] == one["model_states"]
-        assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4).total  # 512/8 = 64
+        a2a = 2 if r["mode"] == "hybrid" else 1
+        assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4, a2a=a2a).total  # 512/8 = 64
     assert "| 4 | a2a | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
     for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"], ["--modes", "x"]):
         out = _bench(tmp_path, "--estimate-only", *bad)
