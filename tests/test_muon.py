@@ -12,7 +12,8 @@
    steps at lr 1e-2: a lost piece, a wrong owner or a matrix orthogonalised per TP shard instead of whole
    moves them by ~1e-3). The "muon" bytes each rank counts equal `megalite.perfmodel.muon` exactly.
 3. Checkpoints: Muon's momentum is saved as "exp_avg", loads back, and its checkpoint view is the same at
-   every layout (so it reshards like AdamW's moments); a checkpoint of the other optimizer
+   every layout (so it reshards like AdamW's moments), and a checkpoint saved at tp2 or dp2 + ZeRO-1 resumes
+   on one process with the uninterrupted run's losses; a checkpoint of the other optimizer
    is refused on resume (tests/test_muon_cli.py runs that through pretrain.py).
 """
 
@@ -197,3 +198,41 @@ def test_the_estimator_prices_muon_only_when_asked() -> None:
     # tp = 2, ZeRO 0: every matrix's other half goes to its owner and back, averaged over the 2 TP ranks
     assert section["muon"]["tp_bytes_per_rank"] == muon_tp_bytes_total(18432, 2) / 2 == 18432 * 4 / 2
     assert section["muon"]["dp_bytes_per_rank_bound"] == 0.0 and "Newton-Schulz" in lines[0]
+
+
+# ---------------------------------------------------------------- a checkpoint moving between layouts
+def _train_2_steps_and_save(rank: int, case: dict, root: str) -> None:
+    from megalite.checkpoint.sharded import save_sharded
+
+    st = layout(case.get("tp", 1), 1, sp=case.get("sp", False))
+    cfg = tiny_model_cfg("llama", seq_len=SEQ, num_layers=2)
+    data = random_steps(cfg, STEPS, MICRO * M * st.dp)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
+    opt = _muon(engine.chunks[0], st, case.get("zero", 0))
+    ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+    for i in range(2):
+        train_step(ctx, opt, local_batches(data[i], st), i)
+    save_sharded(root, 2, [engine.chunks[0]], opt, {}, st, keep=2)
+
+
+@pytest.mark.parametrize("case", [dict(tp=2), dict(zero=1)], ids=["tp2", "dp2-zero1"])
+def test_muon_checkpoint_from_two_ranks_resumes_on_one_process(dist_world, tmp_path, case: dict) -> None:
+    """Saved after 2 steps at tp2 (momentum cut over tp) or at dp2 with ZeRO-1 (momentum sharded over dp),
+    loaded by one process: steps 3-4 give the uninterrupted single-process run's losses (1e-5, as the layout
+    tests above). A lost or misplaced momentum slice moves them by >= 1e-4 (lr 1e-2, momentum 0.95)."""
+    from megalite.checkpoint.sharded import load_sharded
+
+    dist_world(2).run(_train_2_steps_and_save, case, str(tmp_path))
+    cfg = tiny_model_cfg("llama", seq_len=SEQ, num_layers=2)
+    dp = 1 if case.get("tp") else 2
+    data = random_steps(cfg, STEPS, MICRO * M * dp)
+    st = ParallelState()
+    want_losses, _, _ = _megalite_run(cfg, data)
+    model = GPT(cfg, st, seed=7)  # another seed: every weight must come from the checkpoint
+    opt = _muon(model, st, 0)
+    load_sharded(tmp_path / "step_00000002", [model], opt, st)
+    opt.step_count = 2
+    ctx = step_context(model, st, torch.float32, tiny_train_cfg(STEPS))
+    for i in (2, 3):
+        loss = train_step(ctx, opt, micro_batches(data[i], MICRO), i).loss
+        assert abs(loss - want_losses[i]) <= 1e-5, f"{case} step {i + 1}: resumed {loss} != {want_losses[i]}"
