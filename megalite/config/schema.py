@@ -58,6 +58,10 @@ class ModelConfig:
     moe_z_loss: float = _f(0.0, "router z-loss coefficient (ST-MoE)")
     moe_capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
                                                  "unset = dropless")
+    # torch.compile of each transformer block (megalite/model/compile.py, docs/performance.md "torch.compile").
+    compile: bool = _f(False, "torch.compile each transformer block (inductor needs a C++ compiler on CPU)")
+    compile_backend: str = _f("inductor", "torch.compile backend: inductor | aot_eager | eager (the last two only "
+                                          "trace: for checks)")
 
 
 @dataclass
