@@ -29,8 +29,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.config import parse_args, resolve, validate
-from megalite.errors import ConfigError
 from megalite.model.compile import compile_blocks
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.comm import OUTSIDE_GRAPH
@@ -38,7 +36,7 @@ from megalite.pipeline import build_pipeline
 from megalite.training.step import train_step
 from megalite.training.trainer import main
 from tests.parallel_utils import HYPER, layout, random_steps, step_context, tiny_model_cfg, tiny_train_cfg
-from tests.test_cp_training import (LOSS_ATOL, MICRO, M, SEQ, STEPS, assert_params_match, local_batches,
+from tests.test_cp_training import (LOSS_ATOL, MICRO, M, SEQ, STEPS, assert_params_match, local_batches, problems,
                                     reference_run)
 from tests.test_pretrain import _args, _losses
 
@@ -103,19 +101,11 @@ def test_pretrain_with_inductor_matches_eager(demo_cache_dir: str, tmp_path: Pat
         assert abs(eager[step] - compiled[step]) <= 1e-4, f"step {step}: compiled {compiled[step]} != {eager[step]}"
 
 
-def _problems(world: int, *flags: str) -> str:
-    try:
-        validate(resolve(parse_args(list(flags)), world), world)
-    except ConfigError as e:
-        return str(e)
-    return ""
-
-
 def test_compile_refuses_zero_bubble_and_unknown_backends() -> None:
-    assert _problems(2, "--model.compile", "true", "--parallel.tp", "2") == ""
-    assert "nothing to defer to W" in _problems(2, "--model.compile", "true", "--parallel.pp", "2",
+    assert problems(2, "--model.compile", "true", "--parallel.tp", "2") == ""
+    assert "nothing to defer to W" in problems(2, "--model.compile", "true", "--parallel.pp", "2",
                                                 "--parallel.schedule", "zb-h1")
-    assert "use one of inductor, aot_eager, eager" in _problems(1, "--model.compile_backend", "cudagraphs")
+    assert "use one of inductor, aot_eager, eager" in problems(1, "--model.compile_backend", "cudagraphs")
 
 
 def test_compile_keeps_parameter_names_and_hooks_eager() -> None:
