@@ -12,6 +12,7 @@ tests/test_compile.py explains the 1e-4 bound).
 
     python bench/compile_compare.py                  # speed, ~10 minutes on 2 busy cores
     python bench/compile_compare.py --layouts        # every layout, ~10 minutes
+    python bench/compile_compare.py --gpu --steps 6  # bench/gpu.sh's section: the GPU model, 1 rank, 1 repeat
     python bench/compile_compare.py --smoke          # seconds: aot_eager, tiny, 1 repeat
 Writes runs/bench/compile_compare[_layouts|_smoke].{json,md}, or into --out DIR.
 """
@@ -36,6 +37,8 @@ sys.path.insert(0, str(REPO))
 from bench.results_io import spread, write_results  # noqa: E402
 
 MODEL = ["--model.num_layers", "4", "--model.hidden_size", "256", "--model.num_heads", "4", "--model.seq_len", "128"]
+GPU_MODEL = ["--model.num_layers", "4", "--model.hidden_size", "1024", "--model.num_heads", "8", "--model.seq_len",
+             "1024", "--train.dtype", "bf16"]  # bench/gpu.sh: big enough that a step is not launch-bound
 SMOKE_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.seq_len", "32"]
 DATA = ["--data.demo_max_bytes", "300000", "--data.demo_vocab_size", "512", "--train.warmup_steps", "1",
         "--logging.interval", "1", "--train.eval_interval", "0", "--train.micro_batch_size", "8"]
@@ -127,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--gpu", action="store_true", help="bench/gpu.sh: the GPU model, 1 rank, 1 repeat")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     a = ap.parse_args(argv)
-    model, backend = (SMOKE_MODEL, "aot_eager") if a.smoke else (MODEL, a.backend)
+    model, backend = (SMOKE_MODEL, "aot_eager") if a.smoke else (GPU_MODEL if a.gpu else MODEL, a.backend)
+    if a.gpu:
+        a.ranks, a.repeats = [1], 1
     repeats, steps = (1, 4) if a.smoke else (a.repeats, a.steps)
     cache = str(a.out / "cache")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res["speed"] = [speed(n, repeats, steps, model, backend, cache) for n in ([1] if a.smoke else a.ranks)]
     meta["load_after"] = round(os.getloadavg()[0], 1)
-    stem = "compile_compare" + ("_layouts" if a.layouts else "") + ("_smoke" if a.smoke else "")
+    stem = "compile_compare" + ("_layouts" if a.layouts else "") + ("_gpu" if a.gpu else "") + ("_smoke" if a.smoke else "")
     write_results(a.out, stem, res, to_markdown)
     return 0
 

@@ -11,8 +11,10 @@
 #   5. long-sequence attention (bench/long_seq_gpu.py: SDPA, Triton flash and document-masked SDPA at
 #      S = 8K-32K, ms and peak memory of forward + backward). At most 50 more seconds;
 #   6. FP8 (bench/fp8_gpu.py): bf16 vs tensorwise vs rowwise tokens/s and MFU of llama-1b, and each GEMM
-#      shape's FP8 speedup (sets train.fp8_min_dim from measurements). At most 60 more seconds.
-# Sections 1-3 share 3 min 40 s, so the whole script ends within 7 minutes.
+#      shape's FP8 speedup (sets train.fp8_min_dim from measurements). At most 60 more seconds;
+#   7. model.compile vs eager through pretrain.py (bench/compile_compare.py --gpu: 4 x 1024, seq 1024, bf16,
+#      one paired repeat). At most 45 more seconds (the whole script: within 7 min 45 s).
+# Sections 1-3 share 3 min 40 s, so the whole script ends within 7 minutes 45 s (7 minutes without section 7).
 # Results: one gpu_bench.json + gpu_bench.md (+ overlap_compare_cuda.{json,md}) in $OUT (the device runner's output folder) or
 # runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
@@ -50,4 +52,13 @@ FP8_ARGS=() FP8_TIMEOUT=60
 for arg in "$@"; do [ "$arg" = "--smoke" ] && FP8_ARGS=(--smoke) FP8_TIMEOUT=30; done  # smoke: ~10 s idle
 timeout "$FP8_TIMEOUT" python bench/fp8_gpu.py ${FP8_ARGS[@]+"${FP8_ARGS[@]}"} --out "$OUT_DIR" > "$OUT_DIR/fp8_gpu.log" 2>&1 \
   || echo "fp8_gpu: failed or timed out, see fp8_gpu.log"
+
+# 7. model.compile (each block through inductor) vs eager, bounded; its failure is logged, not fatal.
+# Not in --smoke (tests/test_bench_smoke.py runs compile_compare.py --smoke on its own).
+SMOKE=0
+for arg in "$@"; do [ "$arg" = "--smoke" ] && SMOKE=1; done
+if [ "$SMOKE" = 0 ]; then
+  timeout 45 python bench/compile_compare.py --gpu --steps 6 --out "$OUT_DIR" > "$OUT_DIR/compile_compare.log" 2>&1 \
+    || echo "compile_compare: failed or timed out, see compile_compare.log"
+fi
 exit "$status"

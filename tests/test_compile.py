@@ -125,3 +125,20 @@ def test_compile_keeps_parameter_names_and_hooks_eager() -> None:
     assert calls == ["pre"]
     with pytest.raises(ValueError, match="compile_backend"):
         compile_blocks([nn.Module()], "nope")
+
+
+def test_compile_benchmarks_smoke(tmp_path: Path) -> None:
+    """bench/compile_compare.py and bench/limit.py can't rot: their tiny smoke runs (aot_eager) write their tables."""
+    import json
+    import subprocess
+    import sys
+
+    for script, stem in (("bench/limit.py", "limit_smoke"), ("bench/compile_compare.py", "compile_compare_smoke")):
+        proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path)], capture_output=True,
+                              text=True, cwd=str(Path(__file__).resolve().parents[1]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads((tmp_path / f"{stem}.json").read_text())["meta"]["smoke"] is True
+    limit = json.loads((tmp_path / "limit_smoke.json").read_text())["sizes"]["tiny"]
+    assert limit["limit_gflops"]["median"] > 0 and {"megalite eager", "megalite compiled"} <= limit["fraction"].keys()
+    speed = json.loads((tmp_path / "compile_compare_smoke.json").read_text())["speed"][0]
+    assert speed["compiled_over_eager"]["median"] > 0
