@@ -12,7 +12,7 @@ The machine is shared: each repeat measures the matmul limit, then every impleme
 steps, and a fraction is taken within its repeat; medians over repeats, with the spread.
 
     python bench/limit.py            # ~5-10 minutes on 2 cores (inductor compiles one model per size)
-    python bench/limit.py --smoke    # seconds: one tiny size, aot_eager
+    python bench/limit.py --smoke    # seconds: one tiny size, dynamo's eager backend
 Writes runs/bench/limit[_smoke].{json,md}, or into --out DIR.
 """
 
@@ -77,7 +77,7 @@ def builders(backend: str) -> dict[str, Callable[[Dims], StepFn]]:
     return out
 
 
-def run_size(d: Dims, backend: str, warmup: int, repeats: int, steps: int) -> dict:
+def run_size(d: Dims, backend: str, warmup: int, repeats: int, steps: int, mm_sizes: tuple[int, ...]) -> dict:
     flops = step_flops(d)
     steps_fns = {name: build(d) for name, build in builders(backend).items()}
     batches = make_batches(d, steps)
@@ -88,7 +88,7 @@ def run_size(d: Dims, backend: str, warmup: int, repeats: int, steps: int) -> di
     rates: dict[str, list[float]] = {n: [] for n in names}
     limits = []
     for r in range(repeats):
-        limit = matmul_limit()
+        limit = matmul_limit(mm_sizes)
         limits.append(limit)
         for name in names[r % len(names):] + names[:r % len(names)]:
             rate = flops * steps / time_steps(steps_fns[name], batches)
@@ -122,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     a = ap.parse_args(argv)
     sizes = {"tiny": Dims(layers=1, hidden=64, heads=2, kv_heads=1, seq=32, batch=2, vocab=256)} if a.smoke else SIZES
-    backend, repeats, steps = ("aot_eager", 1, 1) if a.smoke else (a.backend, a.repeats, a.steps)
+    mm_sizes = (256,) if a.smoke else (1024, 2048)
+    backend, repeats, steps = ("eager", 1, 1) if a.smoke else (a.backend, a.repeats, a.steps)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
             "backend": backend, "repeats": repeats, "smoke": a.smoke, "load_before": round(os.getloadavg()[0], 1)}
-    res = {"meta": meta, "sizes": {name: run_size(d, backend, 2, repeats, steps) for name, d in sizes.items()}}
+    res = {"meta": meta, "sizes": {name: run_size(d, backend, 2, repeats, steps, mm_sizes) for name, d in sizes.items()}}
     meta["load_after"] = round(os.getloadavg()[0], 1)
     write_results(a.out, "limit" + ("_smoke" if a.smoke else ""), res, to_markdown)
     return 0

@@ -127,18 +127,16 @@ def test_compile_keeps_parameter_names_and_hooks_eager() -> None:
         compile_blocks([nn.Module()], "nope")
 
 
-def test_compile_benchmarks_smoke(tmp_path: Path) -> None:
-    """bench/compile_compare.py and bench/limit.py can't rot: their tiny smoke runs (aot_eager) write their tables."""
+def test_limit_benchmark_smoke(tmp_path: Path) -> None:
+    """bench/limit.py can't rot: its smoke run (one tiny size, dynamo's eager backend, in this process) writes its
+    table. bench/compile_compare.py is pretrain.py twice: the inductor test above covers that path."""
     import json
-    import subprocess
-    import sys
 
-    for script, stem in (("bench/limit.py", "limit_smoke"), ("bench/compile_compare.py", "compile_compare_smoke")):
-        proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path)], capture_output=True,
-                              text=True, cwd=str(Path(__file__).resolve().parents[1]))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert json.loads((tmp_path / f"{stem}.json").read_text())["meta"]["smoke"] is True
-    limit = json.loads((tmp_path / "limit_smoke.json").read_text())["sizes"]["tiny"]
-    assert limit["limit_gflops"]["median"] > 0 and {"megalite eager", "megalite compiled"} <= limit["fraction"].keys()
-    speed = json.loads((tmp_path / "compile_compare_smoke.json").read_text())["speed"][0]
-    assert speed["compiled_over_eager"]["median"] > 0
+    from bench.limit import main as limit
+
+    assert limit(["--smoke", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "limit_smoke.json").read_text())
+    tiny = res["sizes"]["tiny"]
+    assert res["meta"]["smoke"] and tiny["limit_gflops"]["median"] > 0
+    assert {"megalite eager", "megalite compiled", "minimal torch loop"} <= tiny["fraction"].keys()
+    assert all(f["median"] > 0 for f in tiny["fraction"].values())
