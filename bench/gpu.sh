@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark for a single H200 (under 7 minutes 40 s: 3 min 40 s of sections + 90 + 50 + 60 + 40 s, so a 15-minute device lease
+# One prepared GPU benchmark for a single H200 (under 7 minutes 45 s: 3 min of sections + 90 + 50 + 60 + 40 + 45 s, so a 15-minute device lease
 # that also pays the machine's start can run it once and rerun some sections). What it measures:
 #   1. MFU, tokens/s and peak memory of the llama-1b preset (bf16, seq 2048, megalite's real
 #      train_step) with model.kernels=torch, model.kernels=triton and torch.compile;
@@ -14,7 +14,9 @@
 #      shape's FP8 speedup (sets train.fp8_min_dim from measurements). At most 60 more seconds.
 #   7. MoE expert GEMMs (bench/moe_gpu.py): torch._grouped_mm vs a loop of matmuls at the MoE presets' expert
 #      shapes (qwen3-30b-a3b, mixtral-8x7b), bf16 forward + backward, tokens/s. At most 40 more seconds.
-# Sections 1-3 share 3 min 40 s, so the whole script ends within 7 minutes 40 s.
+#   8. model.compile vs eager through pretrain.py (bench/compile_compare.py --gpu: 4 x 1024, seq 1024, bf16,
+#      one paired repeat). At most 45 more seconds.
+# Sections 1-3 share 3 min, so the whole script ends within 7 minutes 45 s.
 # Results: one gpu_bench.json + gpu_bench.md (+ overlap_compare_cuda.{json,md}) in $OUT (the device runner's output folder) or
 # runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
@@ -31,9 +33,9 @@ mkdir -p "$OUT_DIR"
   python -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi; else echo "nvidia-smi: not found (CPU machine)"; fi
 } > "$OUT_DIR/env.txt" 2>&1
-# Hard stop at 3 min 40 s; gpu_bench.py itself skips sections past its budget (3 min 20 s) and rewrites the
+# Hard stop at 3 min; gpu_bench.py itself skips sections past its budget (2 min 45 s) and rewrites the
 # JSON/markdown after every section, so a stop still leaves the finished ones.
-timeout 220 python bench/gpu_bench.py --budget-s 200 --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
+timeout 180 python bench/gpu_bench.py --budget-s 165 --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
 status="${PIPESTATUS[0]}"
 # 4. The overlap comparison, on a port nobody uses; its failure is logged, not fatal to the figures above.
 PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -58,4 +60,13 @@ MOE_ARGS=(--budget-s 25)
 for arg in "$@"; do [ "$arg" = "--smoke" ] && MOE_ARGS=(--smoke); done
 timeout 40 python bench/moe_gpu.py "${MOE_ARGS[@]}" --out "$OUT_DIR" > "$OUT_DIR/moe_gpu.log" 2>&1 \
   || echo "moe_gpu: failed or timed out, see moe_gpu.log"
+
+# 8. model.compile (each block through inductor) vs eager, bounded; its failure is logged, not fatal.
+# Not in --smoke (tests/test_bench_smoke.py runs compile_compare.py --smoke on its own).
+SMOKE=0
+for arg in "$@"; do [ "$arg" = "--smoke" ] && SMOKE=1; done
+if [ "$SMOKE" = 0 ]; then
+  timeout 45 python bench/compile_compare.py --gpu --steps 6 --out "$OUT_DIR" > "$OUT_DIR/compile_compare.log" 2>&1 \
+    || echo "compile_compare: failed or timed out, see compile_compare.log"
+fi
 exit "$status"

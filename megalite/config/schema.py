@@ -61,6 +61,10 @@ class ModelConfig:
     # Qwen3's per-head RMSNorm of q and k before RoPE (q_norm / k_norm, one [head_dim] weight each, llama arch).
     qk_norm: bool = _f(False, "RMSNorm each attention head's q and k before RoPE (Qwen3); llama arch only")
     head_dim: int = _f(0, "attention head width; 0 = hidden_size / num_heads (Qwen3 sets it apart); llama arch only")
+    # torch.compile of each transformer block (megalite/model/compile.py, docs/performance.md "torch.compile").
+    compile: bool = _f(False, "torch.compile each transformer block (inductor needs a C++ compiler on CPU)")
+    compile_backend: str = _f("inductor", "torch.compile backend: inductor | aot_eager | eager (the last two only "
+                                          "trace: for checks)")
 
 
 @dataclass

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
-from megalite.config.validate_features import cp_mode_problems, fp8_problems, moe_problems, muon_problems
+from megalite.config.validate_features import (compile_problems, cp_mode_problems, fp8_problems, moe_problems,
+                                              muon_problems)
 from megalite.config.validate_fields import field_problems, text_problems
 from megalite.model.params import count_params
 
@@ -326,6 +327,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     problems += fp8_problems(cfg, device_type)
+    problems += compile_problems(cfg, device_type)
     cli.raise_if(problems, "invalid config")
 
 

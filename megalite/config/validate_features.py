@@ -4,6 +4,8 @@ mixture of experts and Muon, one function each, called by `validate.validate` wi
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,4 +116,26 @@ def muon_problems(cfg: Config) -> list[str]:
         out.append(f"train.muon_ns_steps must be >= 1 (Newton-Schulz steps), got {tr.muon_ns_steps}")
     if not tr.muon_rms > 0:
         out.append(f"train.muon_rms must be > 0, got {tr.muon_rms}")
+    return out
+
+
+def compile_problems(cfg: Config, device_type: str) -> list[str]:
+    """model.compile (megalite/model/compile.py): the backend, what it needs here, the schedules it refuses."""
+    from megalite.model.compile import BACKENDS
+    from megalite.pipeline.schedules import ZERO_BUBBLE
+
+    m = cfg.model
+    if m.compile_backend not in BACKENDS:
+        return [f"model.compile_backend={m.compile_backend!r}: use one of {', '.join(BACKENDS)}"]
+    if not m.compile:
+        return []
+    out: list[str] = []
+    if cfg.parallel.schedule in ZERO_BUBBLE:
+        # Compiled blocks compute each linear's weight gradient inside the graph's backward (the gradient sync's
+        # fold, which would defer it to W, cannot be traced): a split backward would have no W left to move.
+        out.append(f"model.compile with parallel.schedule={cfg.parallel.schedule}: the compiled blocks compute "
+                   "their weight gradients in B, so there is nothing to defer to W: use 1f1b or interleaved")
+    if m.compile_backend == "inductor" and device_type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++")):
+        out.append("model.compile with inductor on CPU needs a C++ compiler and g++ is not on PATH (nor CXX set): "
+                   "install one (apt-get install g++) or set model.compile_backend=aot_eager")
     return out

@@ -13,12 +13,14 @@ from megalite.context.hybrid import hybrid_attention
 from megalite.context.options import ContextOptions
 from megalite.context.ring import ring_attention
 from megalite.context.ulysses import LocalAttention, a2a_attention
+from megalite.parallel.comm import outside_graph
 from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
 MaskedAttention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (q, k, v, keep [B, 1, S, S]) -> out
 
 
+@outside_graph  # `model.compile`: the ring / gather / all-to-all and their Python-driven overlap stay eager
 def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: ContextOptions,
                       attend: LocalAttention, backend: Backend, docs: DocumentIds | None = None,
                       masked: MaskedAttention | None = None) -> Tensor:

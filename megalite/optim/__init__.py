@@ -38,7 +38,7 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
                                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
                                 overlap_param_gather: bool = True, zero3_prefetch: int = 1,
                                 on_event: EventSink | None = None, optimizer: str = "adamw",
-                                muon: MuonSettings = MuonSettings()) -> ZeroOptimizer:
+                                muon: MuonSettings = MuonSettings(), fold_weight_grads: bool = True) -> ZeroOptimizer:
     """The optimizer for `parallel.zero` = 0..3 (a `DistributedOptimizer`) over this rank's model chunks
     (a model, or a list / `nn.ModuleList` of the pipeline chunks): a `GradSync` plus `ShardAdamW`, or
     `ShardMuon` (`optimizer="muon"`, with `muon`'s settings; AdamW's for the parameters Muon leaves).
@@ -47,14 +47,15 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
     optimizer); zero > 0 with dp = 1 falls back to zero = 0 with one warning. The bucket sizes, the
     ZeRO-1/2 parameter-gather overlap and ZeRO-3's prefetch depth only move collectives in time
     (`megalite.optim.overlap`); `on_event` receives an `OverlapEvent` for each launch and wait.
-    `lr` is the starting rate; each step is given its own (`step(lr, ...)`).
+    `lr` is the starting rate; each step is given its own (`step(lr, ...)`). `fold_weight_grads=False`
+    (`model.compile`) sends the linears' weight gradients through `.grad` and the hook, not a fold.
     """
     settings = OverlapSettings(bucket_bytes, first_bucket_bytes, overlap_param_gather, zero3_prefetch)
     parts: list[nn.Module] = [chunks] if isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList) \
         else list(chunks)
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"train.optimizer={optimizer!r} unknown: use {' or '.join(OPTIMIZERS)}")
-    sync = GradSync(parts, state, zero, dtype, settings, on_event)
+    sync = GradSync(parts, state, zero, dtype, settings, on_event, fold_weight_grads)
     if optimizer == "muon":
         plan = build_plan(sync.buckets, sync.specs, sync.names(), block_params(parts), state, sync.stage > 0)
         return ZeroOptimizer(sync, ShardMuon(sync.shards(), sync.take_fp32_values(), plan, state, muon,

@@ -75,7 +75,8 @@ class GradSync:
     """Main-grad buffers, bucketed reductions and parameter gathers for this rank's model `chunks`."""
 
     def __init__(self, chunks: Sequence[nn.Module], state: ParallelState, stage: int, dtype: torch.dtype,
-                 settings: OverlapSettings = OverlapSettings(), on_event: EventSink | None = None) -> None:
+                 settings: OverlapSettings = OverlapSettings(), on_event: EventSink | None = None,
+                 fold_weight_grads: bool = True) -> None:
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero={stage} is not a ZeRO stage: use 0, 1, 2 or 3")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -123,7 +124,9 @@ class GradSync:
         self._position = {id(b): i for i, b in enumerate(self.buckets)}
         self._param_sync = (ParamGatherOverlap(model, self.buckets, state, settings.param_gather, on_event)
                             if stage in (1, 2) else None)
-        folded = self._register_folds(model)
+        # `model.compile` passes False: a fold mutates this sync from inside the linear's backward, which
+        # dynamo cannot trace (a graph break at every linear), so compiled blocks take the hook path.
+        folded = self._register_folds(model) if fold_weight_grads else set()
         for p in params:
             p.register_post_accumulate_grad_hook(self._check_folded if id(p) in folded else self._on_grad)
 

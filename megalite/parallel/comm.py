@@ -21,6 +21,7 @@ sequence. Activations are [batch, seq, hidden]: the sequence dim is 1, the hidde
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,6 +43,12 @@ GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "mp": "mp"
                                               "edp": "dp", "ep": "ep"}
 
 
+# Every counted collective and message runs outside torch.compile's graphs (`model.compile`, a documented graph
+# break, docs/performance.md): the byte counter is Python run per call, which a graph would run once, at trace time.
+OUTSIDE_GRAPH = "megalite counts this collective's bytes in Python, once per call"
+outside_graph = functools.partial(torch.compiler.disable, reason=OUTSIDE_GRAPH)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -52,6 +59,7 @@ def _count_key(group: GroupKind, count_as: CountKey | None) -> CountKey:
     return key if count_as is None else check_count_key(count_as)
 
 
+@outside_graph
 def all_reduce(t: torch.Tensor, state: ParallelState, group: GroupKind,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, count_as: CountKey | None = None) -> torch.Tensor:
     """In-place all-reduce of `t` over `group`; returns `t`. `count_as` files the bytes under another
@@ -65,6 +73,7 @@ def all_reduce(t: torch.Tensor, state: ParallelState, group: GroupKind,
     return t
 
 
+@outside_graph
 def all_gather(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (rank order)."""
     key = _count_key(group, None)
@@ -78,6 +87,7 @@ def all_gather(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int
     return torch.cat(parts, dim=dim)
 
 
+@outside_graph
 def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> torch.Tensor:
     """Sum `t` over the group and keep this rank's 1/n chunk along `dim`."""
     key = _count_key(group, None)
@@ -93,6 +103,7 @@ def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim:
     return out
 
 
+@outside_graph
 def all_to_all(t: torch.Tensor, state: ParallelState, group: GroupKind) -> torch.Tensor:
     """Chunk j of `t` along dim 0 (of n equal chunks) goes to the group's rank j; returns the chunks
     received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/ulysses.py).
@@ -116,6 +127,7 @@ def split(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int) -> 
     return t.chunk(n, dim=dim)[state.rank_in(group)].contiguous()
 
 
+@outside_graph
 def all_to_all_single(t: torch.Tensor, state: ParallelState, group: GroupKind, send_splits: list[int],
                       recv_splits: list[int], count_as: CountKey | None = None) -> torch.Tensor:
     """Rank i sends rows [sum(send_splits[:j]), +send_splits[j]) of `t` (dim 0) to rank j of `group` and
@@ -241,6 +253,7 @@ def reduce_scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.T
 # Used by the ZeRO optimizer to overlap gradient reduction with backward and parameter gathers with
 # compute. Each returns the torch `Work` handle (None when the group has one rank: nothing to wait for)
 # and counts its bytes exactly like the blocking form above.
+@outside_graph
 def all_reduce_async(t: torch.Tensor, state: ParallelState, group: GroupKind) -> dist.Work | None:
     """Start an in-place SUM all-reduce of the contiguous `t` over `group`."""
     key = _count_key(group, None)
@@ -251,6 +264,7 @@ def all_reduce_async(t: torch.Tensor, state: ParallelState, group: GroupKind) ->
     return dist.all_reduce(t, group=state.group(group), async_op=True)
 
 
+@outside_graph
 def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, state: ParallelState,
                          group: GroupKind) -> dist.Work | None:
     """Start a SUM reduce-scatter of the flat `t` (numel divisible by n) into `out` (numel/n):
@@ -266,6 +280,7 @@ def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, state: ParallelStat
     return dist.reduce_scatter(out, list(t.reshape(-1).chunk(n)), group=state.group(group), async_op=True)
 
 
+@outside_graph
 def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelState,
                      group: GroupKind, count_as: CountKey | None = None) -> dist.Work | None:
     """Start gathering every rank's contiguous `shard` into the flat `out` (n x shard.numel(), rank order)."""
@@ -282,6 +297,7 @@ def all_gather_async(out: torch.Tensor, shard: torch.Tensor, state: ParallelStat
 
 
 # ---------------------------------------------------------------- async point-to-point exchange (context parallel)
+@outside_graph
 def send_recv_async(sends: list[torch.Tensor], recvs: list[torch.Tensor], state: ParallelState, group: GroupKind,
                     dst: int, src: int) -> list[dist.Work]:
     """Post, as one batch, a send of every tensor of `sends` to global rank `dst` and a receive into every
@@ -319,6 +335,7 @@ class P2PMessage:
     send: bool
 
 
+@outside_graph
 def post_p2p(messages: list[P2PMessage], state: ParallelState) -> list[P2PWork]:
     """Post every send and receive of `messages` now, in the order given; return one handle per message.
     Sends are counted by the sender under the group's counter key (op 'send'); receives are not

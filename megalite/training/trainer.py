@@ -27,6 +27,7 @@ from megalite.data.tokenizer import Tokenizer
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.layers.fp8 import enable_fp8, fp8_settings
+from megalite.model.compile import compile_blocks
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
@@ -120,6 +121,8 @@ def build_run(cfg: config_mod.Config) -> Run:
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
                                                       par.cp_a2a if par.cp_mode == "hybrid" else 1))
     enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
+    if cfg.model.compile:  # each block's forward, after FP8 swapped its linears (megalite/model/compile.py)
+        compile_blocks(engine.chunks, cfg.model.compile_backend)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
                                             (tr.beta1, tr.beta2), tr.adam_eps, dtype,
@@ -128,7 +131,8 @@ def build_run(cfg: config_mod.Config) -> Run:
                                             overlap_param_gather=par.overlap_param_gather,
                                             zero3_prefetch=par.zero3_prefetch, optimizer=tr.optimizer,
                                             muon=MuonSettings(tr.muon_momentum, tr.muon_nesterov,
-                                                              tr.muon_ns_steps, tr.muon_rms))
+                                                              tr.muon_ns_steps, tr.muon_rms),
+                                            fold_weight_grads=not cfg.model.compile)
     scaler = LossScaler(enabled=dtype == torch.float16)
     sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
                           tr.seed)
