@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-from typing import Callable, Iterator
+import os
 
-import pytest
+# The kernel tests run Triton in its interpreter (kernels/testing.py), and Triton picks interpreter or
+# compiled mode once, at its first import: set it before any test module (torch.compile's, for one) imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.dist_harness import DistWorld
+import socket  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.dist_harness import DistWorld  # noqa: E402
 
 
 @pytest.fixture(scope="session")
