@@ -29,7 +29,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.launch import run_script_ranks  # noqa: E402
+from megalite.observability.metrics import peak_rss_bytes  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 MiB = 2**20
@@ -52,7 +52,7 @@ def worker(argv: list[str]) -> int:
 
     code = main(argv)
     rank = os.environ.get("RANK", "0")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    rss = peak_rss_bytes()  # VmHWM: ru_maxrss would carry torchrun's RSS over the fork
     log_dir = Path(argv[argv.index("--logging.dir") + 1])
     log_dir.mkdir(parents=True, exist_ok=True)  # a run refused before it made its directory
     (log_dir / f"rss_rank{rank}.json").write_text(json.dumps({"peak_rss_bytes": rss}))
@@ -61,8 +61,8 @@ def worker(argv: list[str]) -> int:
 
 def baseline_rss() -> int:
     """Peak RSS of a process that imports what a rank imports and trains nothing: the fixed part of a rank's RSS."""
-    code = ("import resource, torch, torch.distributed, megalite.training.trainer; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    code = ("import torch, torch.distributed, megalite.training.trainer; "
+            "from megalite.observability.metrics import peak_rss_bytes; print(peak_rss_bytes())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO), timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     return int(proc.stdout.strip() or 0)

@@ -1,7 +1,7 @@
 """Predicted peak memory (megalite.perfmodel.peak_memory) against the measured peak, per rank, case by case.
 
 Each case is one fresh launch of `pretrain.py`'s entry point (torchrun when it has several ranks) for a few steps on
-the demo corpus. Measured: on CPU each rank process's RSS high-water, `resource.getrusage(RUSAGE_SELF).ru_maxrss`;
+the demo corpus. Measured: on CPU each rank process's RSS high-water, /proc/self/status VmHWM (`peak_rss_bytes`; ru_maxrss carries the launcher's RSS over the fork);
 on GPU `torch.cuda.max_memory_allocated` and `torch.cuda.max_memory_reserved` (both recorded, the prediction's
 `allocated` and `reserved` beside them). Predicted: `megalite.training.memory_check.predicted_peak` for the same
 config, the same call the check before step 1 makes. The ratio is predicted / measured, worst rank.
@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.launch import run_script_ranks  # noqa: E402
+from megalite.observability.metrics import peak_rss_bytes  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 MiB = 2**20
@@ -70,7 +70,7 @@ def worker(argv: list[str]) -> int:
 
     code = main(argv)
     rank = os.environ.get("RANK", "0")
-    out: dict[str, float] = {"ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB
+    out: dict[str, float] = {"peak_rss_bytes": peak_rss_bytes()}  # VmHWM, not ru_maxrss (megalite/observability)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
         out["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved()
@@ -107,7 +107,7 @@ def case_row(name: str, world: int, flags: list[str], cache: str, tmp: Path, ste
     row: dict = {"case": name, "world": world, "flags": " ".join(flags), "predicted": predict(world, argv)}
     row.update(measure(world, argv, tmp / name, threads))
     if "ranks" in row:
-        key = "cuda_max_memory_allocated" if "cuda_max_memory_allocated" in row["ranks"][0] else "ru_maxrss_bytes"
+        key = "cuda_max_memory_allocated" if "cuda_max_memory_allocated" in row["ranks"][0] else "peak_rss_bytes"
         row["measured_name"] = key
         row["measured"] = max(r[key] for r in row["ranks"])
         pred = row["predicted"]["allocated" if key.startswith("cuda") else "total"]

@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.launch import run_script_ranks  # noqa: E402
+from megalite.observability.metrics import peak_rss_bytes  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
 
 from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate  # noqa: E402
@@ -70,7 +70,7 @@ def worker(argv: list[str]) -> int:
     code = main(argv)
     log_dir = argv[argv.index("--logging.dir") + 1]
     rank = os.environ.get("RANK", "0")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    rss = peak_rss_bytes()  # VmHWM (ru_maxrss would carry the launcher's RSS over the fork)
     Path(log_dir, f"rss_rank{rank}.json").write_text(json.dumps({"rank": int(rank), "peak_rss_bytes": rss}))
     return code
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from megalite.model.block import Block
+from megalite.parallel.comm import keep_outside_graphs
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; the other two: tracing only
 
@@ -39,6 +40,7 @@ def compile_blocks(chunks: Iterable[nn.Module], backend: str = "inductor") -> in
     the eager kernels: for tests and for telling a tracing problem from a code-generation one."""
     if backend not in BACKENDS:
         raise ValueError(f"model.compile_backend={backend!r}: use one of {', '.join(BACKENDS)}")
+    keep_outside_graphs()  # the counted collectives and cp attention: graph breaks (docs/performance.md)
     n = 0
     for chunk in chunks:
         for block in (m for m in chunk.modules() if isinstance(m, Block)):

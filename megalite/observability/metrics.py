@@ -30,11 +30,29 @@ from megalite.untrusted import loads_json
 ETA_WINDOW = 20  # steps whose median time predicts the rest
 
 
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark, in bytes.
+
+    On Linux it is /proc/self/status's VmHWM, not `getrusage(RUSAGE_SELF).ru_maxrss`: the kernel carries
+    ru_maxrss over fork and exec, so a process started by a large parent (a test runner, a notebook) reports the
+    parent's RSS at the fork until it outgrows it (measured: 813 MiB for a child that held 13 MiB). Elsewhere
+    ru_maxrss is the only source (macOS reports it in bytes, the other Unixes in KiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   13676 kB"
+    except OSError:
+        pass
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Allocator peak on CUDA; the process's peak RSS elsewhere (Linux reports KiB)."""
+    """Allocator peak on CUDA; the process's peak RSS elsewhere (`peak_rss_bytes`)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss_bytes()
 
 
 def format_duration(seconds: float) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,29 @@ GROUP_COUNT_KEY: dict[GroupKind, CountKey] = {"tp": "tp", "dp": "dp", "mp": "mp"
 # Every counted collective and message runs outside torch.compile's graphs (`model.compile`, a documented graph
 # break, docs/performance.md): the byte counter is Python run per call, which a graph would run once, at trace time.
 OUTSIDE_GRAPH = "megalite counts this collective's bytes in Python, once per call"
-outside_graph = functools.partial(torch.compiler.disable, reason=OUTSIDE_GRAPH)
+# Each wrapped function's slot: the plain function until `keep_outside_graphs` swaps in its torch.compiler.disable'd
+# self. Marking at import would import dynamo (and inductor, triton) into every process, compiled or not: +1.6 s of
+# CPU and ~145 MiB of RSS per rank on this CPU build. A process-wide registry, written once, like torch's own.
+_OUTSIDE: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []
+
+
+def outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep `fn` out of torch.compile's graphs (a graph break) once `keep_outside_graphs` has run."""
+    slot: list[Callable[..., Any]] = [fn]
+    _OUTSIDE.append((slot, fn))
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return slot[0](*args, **kwargs)
+
+    return call
+
+
+def keep_outside_graphs() -> None:
+    """Mark every `outside_graph` function for dynamo (megalite/model/compile.py calls it before compiling)."""
+    for slot, fn in _OUTSIDE:
+        if slot[0] is fn:
+            slot[0] = torch.compiler.disable(fn, reason=OUTSIDE_GRAPH)
 
 
 def _nbytes(t: torch.Tensor) -> int:
