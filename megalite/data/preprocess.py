@@ -9,12 +9,12 @@ Radford et al. 2019, and Megatron-LM do the same). With `workers > 1`, documents
 
 from __future__ import annotations
 
-from typing import Iterator
-
+import contextlib
 import functools
 import multiprocessing as mp
 import signal
 from collections.abc import Sequence
+from typing import Iterator
 
 import numpy as np
 
@@ -64,7 +64,9 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
         else:
             # spawn, not fork: forking a process that already runs threads (a launcher's, a test
             # harness's, torch's) can deadlock the children on a lock held by a thread that was not copied.
-            with mp.get_context("spawn").Pool(workers, initializer=_ignore_sigint) as pool:
+            with _sigint_deferred():  # a worker half-started by a Ctrl-C would die with a traceback of its own
+                pool = mp.get_context("spawn").Pool(workers, initializer=_ignore_sigint)
+            with pool:
                 # Read documents here, in the main thread, a batch at a time: a bad input line raises
                 # where it is read, never inside the pool's feeder thread (which would wedge the pool).
                 for batch in _batches(docs, workers * _CHUNKSIZE * 4):
@@ -72,6 +74,21 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
                         writer.add_document(ids)
                         bar.update()
         return writer.finalize()
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C back while the pool starts: spawn writes each worker's start-up data down a pipe, and a
+    KeyboardInterrupt in the middle of that leaves the worker reading half of it (an EOFError traceback on the
+    shared stderr). Delivered right after, at a point where stopping the pool is clean."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _ignore_sigint() -> None:
