@@ -13,6 +13,7 @@ import contextlib
 import functools
 import multiprocessing as mp
 import signal
+import threading
 from collections.abc import Sequence
 from typing import Iterator
 
@@ -80,15 +81,31 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, j
 def _sigint_deferred() -> Iterator[None]:
     """Hold a Ctrl-C back while the pool starts: spawn writes each worker's start-up data down a pipe, and a
     KeyboardInterrupt in the middle of that leaves the worker reading half of it (an EOFError traceback on the
-    shared stderr). Delivered right after, at a point where stopping the pool is clean."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+    shared stderr). Delivered right after, at a point where stopping the pool is clean.
+
+    Two mechanisms, because either alone leaks. Blocking SIGINT in this thread is inherited by the workers
+    (a Ctrl-C to the whole process group waits in each until its initializer ignores it), but the kernel then
+    hands the parent's SIGINT to any other thread that does not block it (the process has native threads of
+    its own), and Python runs the handler in the main thread all the same. So a handler that only records
+    the signal is installed as well, and the interrupt is raised once the pool is up."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are main-thread only
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    masked = hasattr(signal, "pthread_sigmask")  # Windows has no signal masks
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masked else None
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # a pending SIGINT lands in `caught` here
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def _ignore_sigint() -> None:
