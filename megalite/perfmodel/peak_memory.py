@@ -7,6 +7,9 @@ formula, at the moment of the step where they coincide:
 
     peak = baseline + model states + max(loss phase, backward phase, step phase) + allocator slack
 
+  baseline        the interpreter, torch and megalite's pages (CPU; + torch._dynamo's wherever recompute runs
+                  torch.utils.checkpoint, which imports it) or the CUDA context (GPU)
+
   loss phase      the activations in flight, the last micro-batch's logits and the cross-entropy's fp32 buffers,
                   ZeRO-2/3's full gradient buckets (held while micro-batches accumulate), ZeRO-3's gathered blocks
   backward phase  the activations in flight, the full gradient buckets and the reduction's staging copy, the
@@ -35,6 +38,18 @@ MiB = 2**20
 # the torch build and the machine; `PeakOptions.baseline_bytes` overrides them.
 CPU_IMPORTS_BYTES = 235 * MiB
 CPU_KERNEL_PAGES_BYTES = 70 * MiB
+# Recompute (selective or full) runs through torch.utils.checkpoint, and its first call imports torch._dynamo: in
+# torch 2.13 `checkpoint` is wrapped by `torch._disable_dynamo` (torch/_compile.py: it imports torch._dynamo at the
+# wrapped function's first call) and the non-reentrant frame reads `torch._dynamo.config` and builds its recompute
+# hooks under `torch._dynamo.disable` (torch/utils/checkpoint.py). Dynamo's modules (torch.fx, sympy, the guards'
+# C++ code) stay resident for the rest of the process. Measured with torch 2.13's CPU wheel (bench/memory_peak.py's
+# `mid`, 2026-12-02): `import torch._dynamo` adds 142 MiB of RSS right after megalite's imports (67 MiB file-backed
+# code pages, 76 MiB anonymous), and 106 MiB to the VmHWM of the same run without recompute (596.6 -> 703.1 MiB;
+# the step touches part of those pages anyway); with full recompute importing it first changes the peak by 5 MiB
+# (647.6 -> 652.4): that import is the whole of the ~100 MiB the full-recompute case measured above its model.
+# Host memory only: not in the CUDA allocator's figures. (`model.compile` imports dynamo too, and inductor: not
+# counted here.)
+CPU_CHECKPOINT_IMPORTS_BYTES = 106 * MiB
 # A CUDA context with torch's kernels loaded lazily (CUDA 12, H100/H200: ~500 MiB of device memory); outside
 # torch's allocator, so not in torch.cuda.max_memory_allocated/reserved, but it is taken from the device's memory.
 CUDA_CONTEXT_BYTES = 500 * MiB
@@ -166,6 +181,14 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> 
     return tokens * (per_token * e + a / t * 4)  # + the attention's log-sum-exp, fp32
 
 
+def uses_torch_checkpoint(layout: Layout) -> bool:
+    """Whether the run calls torch.utils.checkpoint (so imports torch._dynamo): full recompute checkpoints every block
+    (megalite/model/gpt.py); selective recompute the attention core, which cp's ring, all-gather and hybrid modes
+    replace by their own block pairs (they keep no scores to drop: megalite/model/block.py), a2a does not."""
+    selective = layout.recompute == "selective" and (layout.cp == 1 or layout.cp_mode == "a2a")
+    return layout.recompute == "full" or selective
+
+
 def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                opts: PeakOptions = PeakOptions()) -> PeakMemory:
     """The peak of one pipeline stage's rank (see the module doc for the phases)."""
@@ -259,9 +282,12 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
               "backward": (activations, ce_bwd, bucket_hold, reduction, zero3, layer_grads, recompute, ring, mask, zb, p2p),
               "step": (step,)}
     if opts.device == "cpu":
-        base = CPU_IMPORTS_BYTES + CPU_KERNEL_PAGES_BYTES if opts.baseline_bytes is None else opts.baseline_bytes
-        baseline = Term("baseline", base, "interpreter + torch + megalite + first kernels' pages",
-                        "resident before any tensor of the model exists")
+        dynamo = CPU_CHECKPOINT_IMPORTS_BYTES if uses_torch_checkpoint(layout) else 0.0
+        base = (CPU_IMPORTS_BYTES + CPU_KERNEL_PAGES_BYTES + dynamo if opts.baseline_bytes is None
+                else opts.baseline_bytes)
+        baseline = Term("baseline", base, "interpreter + torch + megalite + first kernels' pages"
+                        + (" + torch._dynamo (imported by torch.utils.checkpoint: recompute)" if dynamo else ""),
+                        "code and data pages, resident whatever the tensors (dynamo's from the first checkpoint)")
         share = CPU_SLACK if opts.slack is None else opts.slack
     else:
         base = CUDA_CONTEXT_BYTES if opts.baseline_bytes is None else opts.baseline_bytes
