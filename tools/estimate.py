@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kw = resolve(args, config_argv)
         est, sections, lines = answer_questions(args, kw)
-        moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"])  # MoE presets only
+        moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"], kw["fp8"])  # MoE only
         sections, lines = {**sections, **moe_section}, lines + moe_lines
         muon_section, muon_lines = muon_report(args.optimizer, kw["dims"], kw["layout"])
         sections, lines = {**sections, **muon_section}, lines + muon_lines
