@@ -68,7 +68,8 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int, state: Pa
     received = comm.all_to_all_rows(rows, state, "ep", send, recv)
     segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv_counts.reshape(-1))
     perm = torch.argsort(segment % local, stable=True)
-    plan = DispatchPlan(token_of, order, send, recv, recv_counts.sum(0).tolist(), perm, dropped, recv_counts.t().tolist())
+    plan = DispatchPlan(token_of, order, send, recv, recv_counts.sum(0).tolist(), perm, dropped,
+                        recv_counts.t().tolist())
     return received[perm], plan
 
 

@@ -139,8 +139,9 @@ def moe_fp8_estimate(m: Any, layout: Layout, ep: int, recipe: str, min_dim: int)
     if any(mod.kind == "experts" and mod.fp8 for mod in mods):
         up = (2 if m.arch == "llama" else 1) * s.ffn * m.hidden_size
         copies.append(float(s.experts // ep * up))
-    return MoEFp8Estimate(recipe, min_dim, [mod.name for mod in mods if mod.fp8],
-                          sum(mod.kind == "experts" and mod.fp8 for mod in mods), fraction, amax, max(copies, default=0.0))
+    experts = sum(mod.kind == "experts" and mod.fp8 for mod in mods)
+    return MoEFp8Estimate(recipe, min_dim, [mod.name for mod in mods if mod.fp8], experts, fraction, amax,
+                          max(copies, default=0.0))
 
 
 def fp8_lines(est: MoEFp8Estimate, ep: int) -> list[str]:
