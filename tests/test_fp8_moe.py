@@ -167,6 +167,10 @@ def test_the_estimate_counts_the_fp8_modules_enable_fp8_selects(capsys) -> None:
     fp8 = 6 * 1024 * 3 + 6 * 6144 + 4 * 6144 * 2 + 6 * 4608 * 2
     est = moe_fp8_estimate(cfg, Layout(), 1, "rowwise", 32)
     assert est.fp8_flops_fraction == pytest.approx(fp8 / hardware) and est.expert_modules == 2
+    # Full recompute runs every forward GEMM twice (2 W more, FP8 where the GEMM is): 2 x (1024 x 3 + 6144 + 2 x
+    # 6144 + 4608 x 2) FP8; 2 x 37120 + 4 x 1536 in all.
+    full = moe_fp8_estimate(cfg, Layout(recompute="full"), 1, "rowwise", 32).fp8_flops_fraction
+    assert full == pytest.approx((fp8 + 2 * (3072 + 6144 + 12288 + 9216)) / (hardware + 2 * 37120 + 4 * 1536))
     assert est.weight_copy_bytes == 4 * 64 * 32 and est.amax_bytes == {}  # 4 experts' stacked gate+up in e4m3
     assert moe_fp8_estimate(cfg, Layout(dp=2), 2, "rowwise", 32).weight_copy_bytes == 64 * 32 * 2  # the mlp.up's too
     # tp2 tensorwise: each of the 9 dense FP8 linears makes 3 one-element tp all-reduces (x or g, and W twice),
