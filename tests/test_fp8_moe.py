@@ -95,6 +95,18 @@ def test_fp8_expert_gemms_match_the_emulation_to_the_bit(recipe: str) -> None:
     part = gemm.expert_mm(x[6:10], w, [0, 0, 0, 4])
     other = torch.cat([x[:6], x[6:10], x[10:] * 256])
     assert torch.equal(gemm.expert_mm(other, w, COUNTS)[6:10], part)
+    # With `sources` (an expert's rows from each ep rank) the weight gradient is source 0's plus source 1's, each
+    # from its own rows alone: what a single process accumulating those two micro-batches computes, to the bit.
+    sources = [[2, 3], [0, 0], [1, 0], [4, 6]]  # of COUNTS' rows 0-4, none, 5, 6-15
+    first, rest = torch.tensor([0, 1, 5, 6, 7, 8, 9]), torch.tensor([2, 3, 4, 10, 11, 12, 13, 14, 15])
+    dws = []
+    for rows, counts in ((first, [a for a, _ in sources]), (rest, [b for _, b in sources]),
+                         (torch.arange(n), None)):
+        wr = w.clone().requires_grad_(True)
+        y = gemm.expert_mm(x[rows], wr, counts) if counts is not None else gemm.expert_mm(x, wr, COUNTS, sources)
+        y.backward(g[rows])
+        dws.append(wr.grad)
+    assert torch.equal(dws[0] + dws[1], dws[2])
 
 
 def test_the_filter_on_the_experts() -> None:
