@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
     h.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
                    help="train.fp8: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
-                        "all-reduces (docs/fp8.md); MFU stays over the bf16 peak")
+                        "all-reduces (docs/fp8.md; a MoE preset's expert GEMMs: its MoE section); MFU: bf16 peak")
     h.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="train.optimizer: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
     h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="train.fp8_min_dim (the FP8 filter)")
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kw = resolve(args, config_argv)
         est, sections, lines = answer_questions(args, kw)
-        moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"])  # MoE presets only
+        moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"], kw["fp8"])  # MoE only
         sections, lines = {**sections, **moe_section}, lines + moe_lines
         muon_section, muon_lines = muon_report(args.optimizer, kw["dims"], kw["layout"])
         sections, lines = {**sections, **muon_section}, lines + muon_lines

@@ -18,6 +18,13 @@ under both recipes (a per-token scale follows its range; Micikevicius et al.'s e
 tensor). The weight gradient runs in the run dtype, as the non-FP8 experts' does, and is returned in the
 weight's dtype (fp32 master). Powers-of-two scales and the same cast as the dense path (`cast_scaled`).
 Experts with no rows are skipped; their weight gradient is zero.
+
+The weight gradient is summed source rank by source rank (`sources`, from the dispatch: an expert's rows arrive
+ordered by the ep rank that sent them), one GEMM each, in rank order: the association of a dense weight's
+data-parallel gradient (each rank's part, then their sum). With one micro-batch per rank an ep run's expert
+gradients are then bitwise the single process's, which matters more in FP8 than elsewhere: a round-off difference
+can move a weight across an e4m3 rounding boundary, after which the runs part by far more than round-off
+(tests/test_fp8_moe.py's module doc traces one such case).
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
             out.append((e, lo, lo + n))
         lo += n
     return out
+
+
+def _spans_in(counts: list[int], start: int) -> list[tuple[int, int]]:
+    """(first row, end row) of every non-empty part of `counts` rows from row `start` on."""
+    return [(start + lo, start + hi) for _, lo, hi in _spans(counts)]
 
 
 def _quantize_weight(weight: Tensor, recipe: Recipe, dim: int) -> tuple[Tensor, Tensor]:
@@ -74,11 +86,11 @@ def _grouped(qa: Tensor, sa: Tensor, qw: Tensor, sw: Tensor, counts: list[int], 
 class _Fp8ExpertMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, counts: list[int],  # type: ignore[override]
-                recipe: Recipe) -> Tensor:
+                recipe: Recipe, sources: list[list[int]] | None) -> Tensor:
         qx, sx = _quantize_rows(x)
         qw, sw = _quantize_weight(weight, recipe, 2)  # per output row: amax over in
         ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.recipe = counts, recipe
+        ctx.counts, ctx.recipe, ctx.sources = counts, recipe, sources
         return _grouped(qx, sx, qw, sw, counts, True, weight.shape[1], x.dtype)
 
     @staticmethod
@@ -95,8 +107,10 @@ class _Fp8ExpertMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = torch.zeros_like(weight)
             for e, lo, hi in _spans(counts):
-                dw[e] = torch.mm(g[lo:hi].t(), x[lo:hi]).to(weight.dtype)
-        return dx, dw, None, None
+                parts = [hi - lo] if ctx.sources is None else ctx.sources[e]
+                for a, b in _spans_in(parts, lo):  # each source rank's rows one GEMM, summed in rank order
+                    dw[e] += torch.mm(g[a:b].t(), x[a:b]).to(weight.dtype)
+        return dx, dw, None, None, None
 
 
 @dataclass(frozen=True)
@@ -105,10 +119,11 @@ class Fp8ExpertGemm:
 
     recipe: Recipe
 
-    def expert_mm(self, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    def expert_mm(self, x: Tensor, weight: Tensor, counts: list[int], sources: list[list[int]] | None = None) -> Tensor:
         """`megalite.moe.grouped.expert_mm` in FP8: x [N, in] sorted by expert, weight [E, out, in] (the fp32
-        master: quantized from it, not from a run-dtype copy), counts [E] -> [N, out] in x's dtype."""
-        return _Fp8ExpertMM.apply(x, weight, counts, self.recipe)
+        master: quantized from it, not from a run-dtype copy), counts [E] -> [N, out] in x's dtype. `sources[e]`:
+        expert e's rows from each ep rank, in rank order (the dispatch's; None: one source)."""
+        return _Fp8ExpertMM.apply(x, weight, counts, self.recipe, sources)
 
 
 @runtime_checkable

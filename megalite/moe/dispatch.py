@@ -31,6 +31,7 @@ class DispatchPlan:
     local_counts: list[int]     # rows per local expert after the exchange
     perm: torch.Tensor | None   # received (source, expert) order -> expert-major order (None when ep = 1)
     dropped: int                # assignments over capacity on this rank
+    sources: list[list[int]] | None = None  # [local expert][source ep rank]: its rows from each (None when ep = 1)
 
 
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
@@ -67,7 +68,8 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int, state: Pa
     received = comm.all_to_all_rows(rows, state, "ep", send, recv)
     segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv_counts.reshape(-1))
     perm = torch.argsort(segment % local, stable=True)
-    plan = DispatchPlan(token_of, order, send, recv, recv_counts.sum(0).tolist(), perm, dropped)
+    plan = DispatchPlan(token_of, order, send, recv, recv_counts.sum(0).tolist(), perm, dropped,
+                        recv_counts.t().tolist())
     return received[perm], plan
 
 

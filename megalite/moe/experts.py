@@ -59,17 +59,19 @@ class Experts(nn.Module):
         """(hidden, ffn): the logical sizes the FP8 filter decides on."""
         return self.down.shape[1], self.down.shape[2]
 
-    def _mm(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+            sources: list[list[int]] | None) -> torch.Tensor:
         if self.fp8 is not None:  # quantized from the fp32 master weight
-            return self.fp8.expert_mm(x, weight, counts)
+            return self.fp8.expert_mm(x, weight, counts, sources)
         return expert_mm(x, weight.to(x.dtype), counts)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, H] sorted by local expert, counts[e] rows each -> [N, H]."""
-        h = self._mm(x, self.up, counts)
+    def forward(self, x: torch.Tensor, counts: list[int], sources: list[list[int]] | None = None) -> torch.Tensor:
+        """x [N, H] sorted by local expert, counts[e] rows each (`sources[e]`: how many from each ep rank, in
+        rank order; the FP8 GEMMs sum the weight gradient source by source) -> [N, H]."""
+        h = self._mm(x, self.up, counts, sources)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.ops.swiglu(gate, up)
         else:
             h = self.ops.gelu_tanh(h)
-        return self._mm(h.contiguous(), self.down, counts)
+        return self._mm(h.contiguous(), self.down, counts, sources)

@@ -47,7 +47,8 @@ class MoELayer(nn.Module):
         if self.state.size("ep") > 1:
             me = self.state.rank_in("ep")
             self.stats.record_exchange(sum(plan.send) - plan.send[me] + sum(plan.recv) - plan.recv[me])
-        y = combine(self.experts(rows, plan.local_counts), plan, routing.weights, flat.shape[0], self.state)
+        y = self.experts(rows, plan.local_counts, plan.sources)
+        y = combine(y, plan, routing.weights, flat.shape[0], self.state)
         out = y.view(b, s_, h).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)

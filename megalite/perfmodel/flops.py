@@ -131,12 +131,18 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     layers, head = matmul_params(dims)
     attn = float(dims.num_layers) * dims.num_heads * dims.hd * dims.seq_len
     model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len)
-    hardware = 6.0 * (layers + head) + 12.0 * attn
+    return model, executed_flops(layers, head, attn, recompute)
+
+
+def executed_flops(layer_weights: float, head_weights: float, attn: float, recompute: str) -> float:
+    """`flops_per_token`'s hardware count from the layers' and the head's matmul weights per token and the
+    attention term attn = L·H·Q·s (megalite.perfmodel.fp8_moe passes a mixture of experts' active weights)."""
+    hardware = 6.0 * (layer_weights + head_weights) + 12.0 * attn
     if recompute == "full":
-        hardware += 2.0 * layers + 4.0 * attn
+        hardware += 2.0 * layer_weights + 4.0 * attn
     elif recompute == "selective":
         hardware += 4.0 * attn
-    return model, hardware
+    return hardware
 
 
 HFU_CONVENTIONS = ("executed", "korthikanti")

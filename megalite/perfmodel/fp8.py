@@ -59,12 +59,19 @@ def fp8_estimate(dims: ModelDims, layout: Layout, recipe: str, min_dim: int, har
     gemms = layer_gemms(dims, min_dim)
     fp8_weights = dims.num_layers * sum(g.weights for g in gemms if g.fp8)
     fraction = 6.0 * fp8_weights / hardware_per_token
-    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)  # at a GEMM: SP's pieces are gathered
-    m, layers = layout.num_microbatches, dims.num_layers // layout.pp
+    amax = amax_bytes([(g, dims.num_layers // layout.pp) for g in gemms if g.fp8], layout, recipe, dims.seq_len)
+    copy = max((g.weights // layout.tp for g in gemms if g.fp8), default=0)
+    return Fp8Estimate(recipe, min_dim, [asdict(g) for g in gemms], fraction, amax, float(copy), fp8_peak)
+
+
+def amax_bytes(gemms: list[tuple[Gemm, float]], layout: Layout, recipe: str, seq_len: int) -> dict[str, float]:
+    """Ring bytes per step, by counter key, of the amax all-reduces of FP8 linears (each with the number of
+    its layers on a stage): `amax_reductions` per call, for every micro-batch."""
+    tokens = layout.micro_batch_size * layout.local_seq_len(seq_len)  # at a GEMM: SP's pieces are gathered
     sizes = {"tp": layout.tp, "cp": layout.cp}
     amax: dict[str, float] = {}
     tp_g: tuple = ("tp",) if layout.tp > 1 else ()
-    for g in (g for g in gemms if g.fp8):
+    for g, layers in gemms:
         out_local, in_local = sum(g.out_parts), g.in_features
         if g.kind == "column":
             out_local //= layout.tp
@@ -74,6 +81,5 @@ def fp8_estimate(dims: ModelDims, layout: Layout, recipe: str, min_dim: int, har
         for groups, n in amax_reductions(recipe, splits, tokens, in_local, out_local):  # type: ignore[arg-type]
             for grp in groups:
                 size = sizes[grp]
-                amax[grp] = amax.get(grp, 0.0) + 2.0 * (size - 1) / size * 4.0 * n * layers * m
-    copy = max((g.weights // layout.tp for g in gemms if g.fp8), default=0)
-    return Fp8Estimate(recipe, min_dim, [asdict(g) for g in gemms], fraction, amax, float(copy), fp8_peak)
+                amax[grp] = amax.get(grp, 0.0) + 2.0 * (size - 1) / size * 4.0 * n * layers * layout.num_microbatches
+    return amax

@@ -23,6 +23,7 @@ from typing import Any
 from megalite.errors import ConfigError
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Memory, count_params, zero_memory
+from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
 from megalite.perfmodel.inputs import Precision
 
 
@@ -137,8 +138,10 @@ def moe_preset_model(preset: str | None, seq_len: int | None = None) -> Any | No
     return m
 
 
-def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision) -> tuple[dict, list[str]]:
-    """tools/estimate.py's MoE section for a config preset with experts: ({} , []) for a dense one."""
+def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision,
+               fp8: tuple[str, int] | None = None) -> tuple[dict, list[str]]:
+    """tools/estimate.py's MoE section for a config preset with experts: ({} , []) for a dense one; `fp8`
+    (recipe, min_dim): what runs in FP8, the expert GEMMs included (megalite.perfmodel.fp8_moe)."""
     m = moe_preset_model(preset)
     if m is None:
         return {}, []
@@ -155,4 +158,9 @@ def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision) -> tup
              f"  all-to-all (dispatch + combine, fwd + bwd, balanced routing): {est.a2a_bytes_per_layer / gb:.4g} GB "
              f"per MoE layer per micro-batch, {est.ep_bytes_per_step / gb:.4g} GB per step per rank ('ep')",
              "  (the sections above count the experts as one dense MLP; these lines replace them for the experts)"]
-    return {"moe": asdict(est)}, lines
+    section: dict = {"moe": asdict(est)}
+    if fp8 is not None:
+        f8 = moe_fp8_estimate(m, layout, ep, fp8[0], fp8[1])
+        section["moe"]["fp8"] = f8.to_dict()
+        lines += fp8_lines(f8, ep)
+    return section, lines
