@@ -3,12 +3,15 @@
 Two kinds of check, to keep the seconds down (inductor's C++ compile on 2 cores costs tens of seconds per
 model, dynamo + AOTAutograd tracing a few per layout):
 
-- the layouts (tp2, tp2+sp, pp2, dp2 ZeRO 1-3, cp2, both recomputes) in ONE 2-rank spawn with the
-  "aot_eager" backend: dynamo traces each block, AOTAutograd builds its joint forward/backward graph (the
-  TP/SP/cp region operators' autograd functions, the linears' `LinearParts`, the checkpoint of selective
-  recompute all inside it) and runs it with the eager kernels. So it proves what compile changes in
-  megalite's wiring (hooks outside the graph, collectives inside, the gradient sync's hook path instead of
-  the folds) without paying for code generation. Each layout must trace with no graph break.
+- the layouts (tp2, tp2+sp, pp2 with 1F1B / GPipe / interleaved, dp2 ZeRO 1-3, cp2, both recomputes) and the
+  features (MoE at one rank per replica and across ep2, FP8 tensorwise and rowwise, document masking) in ONE
+  2-rank spawn with the "aot_eager" backend: dynamo traces each block, AOTAutograd builds its joint
+  forward/backward graph (the TP/SP region operators' autograd functions, the linears' `LinearParts` or FP8's
+  `_scaled_mm` function, the masked SDPA, the checkpoint of selective recompute all inside it) and runs it
+  with the eager kernels. So it proves what compile changes in megalite's wiring (hooks outside the graph,
+  the gradient sync's hook path instead of the folds) without paying for code generation. Each case must
+  trace with no graph break but the documented ones (the counted collectives where a block communicates, the
+  MoE layer where there is one: docs/performance.md), and each of those where it belongs.
 - inductor (the default backend, generated C++ kernels) once, at 1 process, through `pretrain.py`'s main.
 
 Tolerances. aot_eager runs the same kernels as eager, but a weight gradient arrives as `.grad` + the sync's
@@ -18,7 +21,8 @@ gradient norm, 1e-4 on parameters after 3 AdamW steps at lr 1e-2) hold. Inductor
 SwiGLU into loops that accumulate fp32 reductions in another order (vectorised partial sums): ~1e-6 relative
 per reduction, a few hundred of them between the input and the loss of this 2-layer model, so the losses of
 4 steps agree to 1e-4 absolute (observed: equal to print precision); a wrong graph (a dropped residual, a
-stale weight) moves them by > 1e-2.
+stale weight) moves them by > 1e-2. FP8 cases use tests/test_fp8_training.py's bounds (its module doc: a value at
+a rounding midpoint may round the other way after the first update).
 """
 
 from __future__ import annotations
