@@ -247,3 +247,30 @@ def test_limit_benchmark_smoke(tmp_path: Path) -> None:
     assert res["meta"]["smoke"] and tiny["limit_gflops"]["median"] > 0
     assert {"megalite eager", "megalite compiled", "minimal torch loop"} <= tiny["fraction"].keys()
     assert all(f["median"] > 0 for f in tiny["fraction"].values())
+
+
+def test_traced_fp8_gemms_have_the_layouts_inductor_lowers() -> None:
+    """inductor's `_scaled_mm` lowering takes `a` row-major and `b` column-major only, on CPU too (torch 2.13):
+    every traced FP8 GEMM of a linear, forward and backward, both recipes, gets them (megalite/layers/scaled_mm.py).
+    Checked on AOTAutograd's graphs, without inductor's C++ compile."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd  # test-only: a backend that inspects the graphs
+
+    from megalite.layers.fp8 import Fp8Gemm, Splits
+
+    layouts: list[tuple[bool, bool]] = []
+
+    def record(gm: torch.fx.GraphModule, inputs: object):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten._scaled_mm.default:
+                a, b = node.args[0].meta["val"], node.args[1].meta["val"]
+                layouts.append((a.stride(1) == 1, b.stride(0) == 1))
+        return make_boxed_func(gm.forward)
+
+    for recipe in ("tensorwise", "rowwise"):
+        gemm = Fp8Gemm(recipe, Splits((), (), ()), ParallelState())  # type: ignore[arg-type]
+        x, w = torch.randn(8, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+        torch.compiler.reset()
+        linear = torch.compile(gemm.linear, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        linear(x, w).sum().backward()
+    assert layouts == [(True, True)] * 6, layouts  # fprop, then dgrad and wgrad, per recipe
