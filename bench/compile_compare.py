@@ -6,12 +6,13 @@ after the first two (step 1 holds the compile, step 2 a recompile for the optimi
 ratio compiled / eager is paired per repeat, so machine-wide drift (a shared machine) cancels. Step 1's time
 difference is the compile cost.
 
-Layouts (`--layouts`): every layout at 2 ranks (tp2, tp2+sp, pp2, dp2 ZeRO 1-3, cp2, full recompute) once
+Layouts (`--layouts`): every layout at 2 ranks (tp2, tp2+sp, pp2 with 1F1B, GPipe and interleaved, dp2 ZeRO 1-3,
+cp2, full recompute, document masking at dp2 and cp2, MoE at dp2 and ep2, FP8 tensorwise and rowwise) once
 eager and once compiled for 3 steps: the largest loss difference (fp32; compiled kernels reorder float math,
 tests/test_compile.py explains the 1e-4 bound).
 
     python bench/compile_compare.py                  # speed, ~10 minutes on 2 busy cores
-    python bench/compile_compare.py --layouts        # every layout, ~10 minutes
+    python bench/compile_compare.py --layouts        # every layout, ~20 minutes (--only "ep2 moe" ...: some)
     python bench/compile_compare.py --gpu --steps 6  # bench/gpu.sh's section: the GPU model, 1 rank, 1 repeat
     python bench/compile_compare.py --smoke          # seconds: aot_eager, tiny, 1 repeat
 Writes runs/bench/compile_compare[_layouts|_smoke].{json,md}, or into --out DIR.
@@ -42,12 +43,22 @@ GPU_MODEL = ["--model.num_layers", "4", "--model.hidden_size", "1024", "--model.
 SMOKE_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.seq_len", "32"]
 DATA = ["--data.demo_max_bytes", "300000", "--data.demo_vocab_size", "512", "--train.warmup_steps", "1",
         "--logging.interval", "1", "--train.eval_interval", "0", "--train.micro_batch_size", "8"]
+MOE = ["--model.moe_experts", "4", "--model.moe_top_k", "2", "--model.moe_aux_loss", "0.01", "--model.moe_z_loss",
+       "0.001"]  # every FFN routed over 4 experts, both router losses
 LAYOUTS = {  # name: pretrain flags at 2 ranks
     "tp2": ["--parallel.tp", "2"], "tp2+sp": ["--parallel.tp", "2", "--parallel.sp", "true"],
     "pp2": ["--parallel.pp", "2", "--train.global_batch_size", "16"],
     "dp2 zero1": ["--parallel.zero", "1"], "dp2 zero2": ["--parallel.zero", "2"],
     "dp2 zero3": ["--parallel.zero", "3"], "cp2": ["--parallel.cp", "2"],
     "dp2 recompute full": ["--model.recompute", "full"],
+    "pp2 gpipe": ["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--train.global_batch_size", "16"],
+    "pp2 interleaved vpp2": ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.schedule", "interleaved",
+                             "--model.num_layers", "4", "--train.global_batch_size", "16"],
+    "dp2 document mask": ["--data.document_mask", "true"],
+    "cp2 document mask": ["--parallel.cp", "2", "--data.document_mask", "true"],
+    "dp2 moe": MOE, "ep2 moe": [*MOE, "--parallel.ep", "2"],
+    "dp2 fp8 tensorwise": ["--train.fp8", "tensorwise", "--train.fp8_min_dim", "16"],
+    "tp2 fp8 rowwise": ["--parallel.tp", "2", "--train.fp8", "rowwise", "--train.fp8_min_dim", "16"],
 }
 
 
@@ -89,11 +100,13 @@ def speed(ranks: int, repeats: int, steps: int, model: list[str], backend: str, 
             "compiled_over_eager": spread(ratios), "compile_s": spread(compile_s), "repeats": repeats}
 
 
-def layouts(steps: int, model: list[str], backend: str, cache: str) -> list[dict]:
+def layouts(steps: int, model: list[str], backend: str, cache: str, only: list[str] | None = None) -> list[dict]:
     out = []
     base = ["--data.cache_dir", cache, *DATA, *model, "--train.steps", str(steps)]
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in LAYOUTS.items():
+            if only and name not in only:
+                continue
             eager = pretrain(2, base + flags, Path(tmp) / f"{name}-eager")
             compiled = pretrain(2, base + flags + ["--model.compile", "true", "--model.compile_backend", backend],
                                 Path(tmp) / f"{name}-compiled")
@@ -126,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--layouts", action="store_true", help="every layout at 2 ranks instead of the speed runs")
+    ap.add_argument("--only", nargs="+", choices=list(LAYOUTS), metavar="LAYOUT",
+                    help=f"with --layouts: only these (of: {', '.join(LAYOUTS)})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_before": round(os.getloadavg()[0], 1)}
     res: dict = {"meta": meta}
     if a.layouts:
-        res["layouts"] = layouts(3, SMOKE_MODEL, backend, cache)  # correctness: the small model is enough
+        res["layouts"] = layouts(3, SMOKE_MODEL, backend, cache, a.only)  # correctness: the small model is enough
     else:
         res["speed"] = [speed(n, repeats, steps, model, backend, cache) for n in ([1] if a.smoke else a.ranks)]
     meta["load_after"] = round(os.getloadavg()[0], 1)

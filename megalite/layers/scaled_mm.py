@@ -14,6 +14,8 @@ What torch 2.13 supports, checked on this pin (tests/test_fp8.py's first test as
   multiples of 16, no e5m2 x e5m2, and rowwise scaling only with a bf16 output. `scaled_mm` gives every
   call those layouts, and for a rowwise call asking for another output dtype it asks for bf16 and casts
   (the one mode CUDA lacks; the emulation of that mode is exactly "round to bf16, then cast").
+- Under torch.compile (`model.compile`), inductor's `_scaled_mm` lowering refuses any other layout whatever the
+  device (torch 2.13: "mat_b must be col_major"), so a traced call gets them on CPU too (a copy the graph plans).
 
 The power-of-two current scales both FP8 paths cast with (`pow2_scale`, `cast_scaled`) live here too, below the
 dense linears (megalite/layers/fp8.py) and the expert GEMMs (megalite/layers/fp8_experts.py).
@@ -60,12 +62,12 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype:
     else:
         # Dense strides (a transposed [1, N] scale reads as contiguous to torch but not to _scaled_mm's check).
         scale_a, scale_b = scale_a.flatten().view(-1, 1), scale_b.flatten().view(1, -1)
-    if a.is_cuda:
+    if a.is_cuda or torch.compiler.is_compiling():  # inductor's lowering asks CUDA's layouts on every device
         a = a.contiguous()
         b = b.t().contiguous().t()  # column-major
-        if rowwise and out_dtype != torch.bfloat16:
-            y = torch_private.scaled_mm(a, b, scale_a, scale_b, torch.bfloat16)
-            return y.to(out_dtype)
+    if a.is_cuda and rowwise and out_dtype != torch.bfloat16:
+        y = torch_private.scaled_mm(a, b, scale_a, scale_b, torch.bfloat16)
+        return y.to(out_dtype)
     return torch_private.scaled_mm(a, b, scale_a, scale_b, out_dtype)
 
 

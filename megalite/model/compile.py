@@ -15,8 +15,10 @@ the compiled region sees fully gathered weights and issues exactly the collectiv
 What lands inside the graph (see docs/performance.md, "torch.compile", for the graph breaks dynamo
 reports at each layout): the norms, RoPE, attention (SDPA), the SwiGLU / GeLU MLP, the residuals, the
 TP/SP region operators (`megalite.parallel.comm`'s autograd functions: dynamo traces their forward and
-backward, and the collectives they call become functional collectives in the graph) and the linears'
-autograd function (`megalite.layers.linear_fn.LinearParts`).
+backward up to the counted collectives they call, which run between graphs), the linears' autograd function
+(`megalite.layers.linear_fn.LinearParts`, or FP8's where no scale is reduced over tp / cp), the document mask
+and its masked SDPA. Not inside: a MoE feed-forward (`megalite.moe.layer`: its shapes follow the routing, so
+it runs eagerly between the block's graphs) and context-parallel attention.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def compile_blocks(chunks: Iterable[nn.Module], backend: str = "inductor") -> in
     the eager kernels: for tests and for telling a tracing problem from a code-generation one."""
     if backend not in BACKENDS:
         raise ValueError(f"model.compile_backend={backend!r}: use one of {', '.join(BACKENDS)}")
-    keep_outside_graphs()  # the counted collectives and cp attention: graph breaks (docs/performance.md)
+    keep_outside_graphs()  # the counted collectives, cp attention, MoE layers: graph breaks (docs/performance.md)
     n = 0
     for chunk in chunks:
         for block in (m for m in chunk.modules() if isinstance(m, Block)):

@@ -9,6 +9,7 @@ experts (DeepSeek) are one dense MLP of width shared x shared_ffn, tensor-parall
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,17 @@ from megalite.moe.settings import MoESettings
 from megalite.moe.stats import LayerStats
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
+
+# `model.compile` (megalite/model/compile.py) compiles the block around this layer, not the layer itself: its
+# shapes follow the router's choices (the rows per expert and per ep rank are read to Python lists, every
+# micro-batch, for the grouped GEMM's splits and the all-to-all's sizes; the router losses' values are floats for
+# metrics.jsonl), so a graph would hold them as constants and recompile at every new routing. It runs eagerly
+# between the block's graphs: one documented graph break per MoE block (docs/performance.md, docs/moe.md).
+ROUTED_SHAPES = "the MoE layer's shapes follow the router's choices (read to Python every micro-batch)"
+
+
+def _eager_under_compile(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return comm.outside_graph(forward, ROUTED_SHAPES)
 
 
 class MoELayer(nn.Module):
@@ -39,6 +51,7 @@ class MoELayer(nn.Module):
             self.shared = mlp_cls(shared_cfg, state, ops, f"{name}.shared", seed)
         self.stats = LayerStats(s.experts)
 
+    @_eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_, h = x.shape
         flat = x.reshape(-1, h)

@@ -49,13 +49,14 @@ OUTSIDE_GRAPH = "megalite counts this collective's bytes in Python, once per cal
 # Each wrapped function's slot: the plain function until `keep_outside_graphs` swaps in its torch.compiler.disable'd
 # self. Marking at import would import dynamo (and inductor, triton) into every process, compiled or not: +1.6 s of
 # CPU and ~145 MiB of RSS per rank on this CPU build. A process-wide registry, written once, like torch's own.
-_OUTSIDE: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []
+_OUTSIDE: list[tuple[list[Callable[..., Any]], Callable[..., Any], str]] = []
 
 
-def outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Keep `fn` out of torch.compile's graphs (a graph break) once `keep_outside_graphs` has run."""
+def outside_graph(fn: Callable[..., Any], reason: str = OUTSIDE_GRAPH) -> Callable[..., Any]:
+    """Keep `fn` out of torch.compile's graphs (a graph break, dynamo reports `reason`) once `keep_outside_graphs`
+    has run. The reason is the collectives' unless given (the MoE layer's data-dependent shapes give theirs)."""
     slot: list[Callable[..., Any]] = [fn]
-    _OUTSIDE.append((slot, fn))
+    _OUTSIDE.append((slot, fn, reason))
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -66,9 +67,9 @@ def outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def keep_outside_graphs() -> None:
     """Mark every `outside_graph` function for dynamo (megalite/model/compile.py calls it before compiling)."""
-    for slot, fn in _OUTSIDE:
+    for slot, fn, reason in _OUTSIDE:
         if slot[0] is fn:
-            slot[0] = torch.compiler.disable(fn, reason=OUTSIDE_GRAPH)
+            slot[0] = torch.compiler.disable(fn, reason=reason)
 
 
 def _nbytes(t: torch.Tensor) -> int:
