@@ -69,6 +69,10 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
     params = dict(model.named_parameters())
     muon = {n for n, p in params.items()  # the blocks' linears: not the output layer (a column linear too)
             if n.startswith("layers.") and p.dim() == 2 and specs[n].layout.kind in ("column", "row")}
+    ffn = getattr(cfg, "moe_ffn_hidden_size", 0)
+    experts = {n: ((ffn, ffn) if cfg.arch == "llama" else (ffn,)) if n.endswith(".up") else (cfg.hidden_size,)
+               for n in params if n.endswith((".experts.up", ".experts.down"))}  # [E, rows, cols]: each expert
+    muon |= set(experts)
     rest = [p for n, p in params.items() if n not in muon]
     adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": HYPER["weight_decay"]},
                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
@@ -81,6 +85,7 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
         mbs = micro_batches(d, MICRO)
         total = 0.0
         for ids, labels in mbs:
+            model.set_aux_loss_scale(1 / len(mbs))  # MoE router losses: backpropagated as the loss / M is
             loss = model(ids, labels).mean()
             (loss / len(mbs)).backward()
             total += loss.item()
@@ -94,8 +99,9 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
                 p, g = params[n], params[n].grad
                 bufs[n].mul_(MU).add_(g)
                 u = g + MU * bufs[n]
-                parts = specs[n].layout.parts or (p.shape[0],)  # q, k, v / gate, up: each its own matrix
-                o = torch.cat([_ns5(x) * 0.2 * math.sqrt(max(x.shape)) for x in u.split(list(parts))])
+                parts = specs[n].layout.parts or (p.shape[-2],)  # q, k, v / gate, up: each its own matrix
+                ns = lambda m, rows: torch.cat([_ns5(x) * 0.2 * math.sqrt(max(x.shape)) for x in m.split(list(rows))])
+                o = torch.stack([ns(m, experts[n]) for m in u]) if n in experts else ns(u, parts)
                 p.mul_(1 - lr * wd).sub_(lr * o)
         adam.step()
     return losses, {n: p.detach().clone() for n, p in params.items()}
@@ -110,9 +116,10 @@ def _megalite_run(cfg, data: list[torch.Tensor], zero: int = 0):
     return losses, opt.full_parameters(), opt
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "llama-moe"])
 def test_muon_matches_the_papers_pseudo_code_on_one_process(arch: str) -> None:
-    cfg = tiny_model_cfg(arch, seq_len=SEQ)
+    # llama-moe: every expert's matrices on Muon (its up as gate and up), the router on AdamW
+    cfg = tiny_moe_cfg("llama", seq_len=SEQ) if arch == "llama-moe" else tiny_model_cfg(arch, seq_len=SEQ)
     data = random_steps(cfg, STEPS, MICRO * M)
     want_losses, want = _plain_muon_run(cfg, data)
     losses, got, opt = _megalite_run(cfg, data)
@@ -139,8 +146,8 @@ def test_muon_matches_the_papers_pseudo_code_on_one_process(arch: str) -> None:
 # vpp: an interleaved pipeline (two chunks per rank, 4 layers); ep: a MoE model with its experts over 2 ranks
 # (the blocks' attention matrices on Muon, the experts on AdamW, ZeRO-1 over their own 'edp' group).
 CASES_2 = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(zero=1), dict(zero=2), dict(zero=3), dict(cp=2),
-           dict(pp=2, vpp=2), dict(ep=2, zero=1)]
-CASES_4 = [dict(tp=2, zero=1)]
+           dict(pp=2, vpp=2), dict(ep=2, zero=1), dict(tp=2, sp=True, moe=True)]
+CASES_4 = [dict(tp=2, zero=1), dict(ep=2, zero=2)]  # ep2 x dp4: the experts' matrices owned over 'edp' 2
 
 
 def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
@@ -149,9 +156,10 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
         tp, pp, cp, sp, zero = (case.get("tp", 1), case.get("pp", 1), case.get("cp", 1), case.get("sp", False),
                                 case.get("zero", 0))
         vpp, ep = case.get("vpp", 1), case.get("ep", 1)
-        st = moe_layout(ep=ep) if ep > 1 else layout(tp, pp, sp=sp, cp=cp)
-        what = f"tp={tp} pp={pp} vpp={vpp} cp={cp} dp={st.dp} ep={ep} sp={sp} zero={zero}"
-        cfg = (tiny_moe_cfg if ep > 1 else tiny_model_cfg)("llama", seq_len=SEQ, num_layers=2 * vpp)
+        moe = ep > 1 or case.get("moe", False)
+        st = moe_layout(tp, pp, cp, ep, sp) if moe else layout(tp, pp, sp=sp, cp=cp)
+        what = f"tp={tp} pp={pp} vpp={vpp} cp={cp} dp={st.dp} ep={ep} sp={sp} zero={zero} moe={moe}"
+        cfg = (tiny_moe_cfg if moe else tiny_model_cfg)("llama", seq_len=SEQ, num_layers=2 * vpp)
         data = random_steps(cfg, STEPS, MICRO * M * st.dp)
         want_losses, want, ref_opt = _megalite_run(cfg, data)
         schedule = "interleaved" if vpp > 1 else "1f1b"
@@ -193,7 +201,7 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
         torch.distributed.all_reduce(tp_sent, group=st.group("tp"))
         owned = sum(plan.matrices[i].numel * tp for i in plan.tp_items)
         assert tp_sent.item() == muon_tp_bytes_total(owned, tp), what
-        if zero == 0 and pp == 1 and ep == 1:  # every matrix of the model, owned whole by this dp index
+        if zero == 0 and pp == 1 and not moe:  # every matrix of the model, owned whole by this dp index
             dims = ModelDims(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size, SEQ,
                              num_kv_heads=cfg.num_kv_heads, ffn_hidden_size=cfg.ffn_hidden_size)
             assert owned == sum(r * c for r, c in muon_matrices(dims)), what
