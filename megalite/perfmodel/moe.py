@@ -180,11 +180,11 @@ def moe_model_for(preset: str | None, overrides: Mapping[str, Any], config_argv:
     from megalite.config import parse_args
 
     cfg = parse_args(list(config_argv)) if config_argv else None
-    ep = cfg.parallel.ep if cfg is not None else 1
+    ep = getattr(cfg.parallel, "ep", 1) if cfg is not None else 1
     if preset is not None or cfg is None:  # --preset wins over a config's model, as for the dense sections
         return moe_preset_model(preset, overrides), ep
     flags = {k: v for k, v in overrides.items() if k in _DIM_FLAGS and v is not None}
-    return (_resolved(replace(cfg.model, **flags)) if cfg.model.moe_experts else None), ep
+    return (_resolved(replace(cfg.model, **flags)) if getattr(cfg.model, "moe_experts", 0) else None), ep
 
 
 def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any],
