@@ -78,6 +78,12 @@ def test_tools_estimate_moe_from_flags_and_configs_and_refusals(capsys) -> None:
     rows_bytes = skew["a2a_bytes_per_layer"] - counts  # balanced: 4 x rows x h x b
     assert skew["ep_bytes_per_step_busiest"] == pytest.approx(n * (rows_bytes * 2 * (1 + 1.5) / 4 + counts))
     assert moe("--preset", "tiny-moe", "--dp", "8", "--ep", "8", "--moe-load-imbalance", "20")["busiest_factor"] == 8
+    # Muon on the experts: tiny-moe's 4 layers x 8 experts of (128 x 128) gate, up, down, 4 per rank at ep 2,
+    # owned over edp 2 under ZeRO-1: 4 x 3 x ns_flops(128, 128) / 2 per rank.
+    from megalite.perfmodel.muon import ns_flops
+
+    mu = moe("--preset", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "1", "--optimizer", "muon")["muon_experts"]
+    assert mu["ns_flops_per_rank"] == 4 * 4 * 3 * ns_flops(128, 128) / 2 and mu["dp_bytes_per_rank_bound"] > 0
     for argv, words in [(["--preset", "llama-1b", "--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts"),
                         (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--moe-load-imbalance", "0.5"],
                          "is impossible")]:

@@ -212,9 +212,37 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any],
              f"  all-to-all (dispatch + combine, fwd + bwd, balanced routing): {est.a2a_bytes_per_layer / gb:.4g} GB "
              f"per MoE layer per micro-batch, {est.ep_bytes_per_step / gb:.4g} GB per step per rank ('ep')",
              "  (the sections above count the experts as one dense MLP; these lines replace them for the experts)"]
+    if flags.get("optimizer") == "muon":
+        section, line = _muon_experts(m, layout, ep)
+        lines.append(line)
+    else:
+        section = {}
     if load_imbalance is not None:
         lines.append(f"  measured load max/mean {load_imbalance:.3g}: the busiest ep rank computes up to "
                      f"{est.busiest_factor:.3g}x the balanced expert FLOPs ({est.expert_flops_per_step * est.busiest_factor / 1e12:.4g}"
                      f" vs {est.expert_flops_per_step / 1e12:.4g} TFLOP per step) and sends up to "
                      f"{est.ep_bytes_per_step_busiest / gb:.4g} GB per step ('ep'); every rank waits for it at the combine")
-    return {"moe": asdict(est)}, lines
+    return {"moe": {**asdict(est), **section}}, lines
+
+
+def _muon_experts(m: Any, layout: Any, ep: int) -> tuple[dict, str]:
+    """Muon on the experts (`megalite.optim.muon_plan.StacksMatrices`): each expert's logical matrices
+    orthogonalised on one owner over edp (ZeRO >= 1; every edp rank at ZeRO 0) and by every TP rank alike
+    (experts are whole there: no tp bytes); the dp part's bytes bounded as `muon.muon_dp_bytes_bound`."""
+    from megalite.perfmodel.muon import muon_dp_bytes_bound, ns_flops
+
+    s = MoESettings.from_model(m)
+    assert s is not None
+    h, f = m.hidden_size, s.ffn
+    per_expert = [(f, h), (f, h), (h, f)] if m.arch == "llama" else [(f, h), (h, f)]
+    per_stage = -(-m.num_layers // layout.pp)
+    most = max(sum(1 for i in moe_layers(m) if r * per_stage <= i < (r + 1) * per_stage) for r in range(layout.pp))
+    matrices = most * (s.experts // ep)  # experts on this rank
+    edp = layout.dp * layout.cp // ep
+    owners = edp if layout.zero >= 1 else 1
+    flops = matrices * sum(ns_flops(r, c) for r, c in per_expert) / owners
+    elements = matrices * sum(r * c for r, c in per_expert)
+    dp_bytes = muon_dp_bytes_bound(elements, 1, owners) if owners > 1 else 0.0
+    return ({"muon_experts": {"ns_flops_per_rank": flops, "dp_bytes_per_rank_bound": dp_bytes}},
+            f"  muon on the experts: Newton-Schulz {flops:.4e} FLOPs per step per rank, 'muon' bytes at most "
+            f"{dp_bytes / 1e9:.4g} GB over edp (experts are whole on every TP rank: none over tp)")
