@@ -10,6 +10,9 @@ and fails if any other module reaches into torch's private names).
   Needed only with `train.fp8`, so it is checked there (`scaled_mm.check_available`), not required here.
 - `torch._grouped_mm`: every expert's GEMM in one call (`megalite.moe.grouped`). Optional: without it
   (`HAS_GROUPED_MM` False) the experts run a per-expert loop.
+- `torch._C._current_graph_task_id`: -1 outside a backward pass. The MoE layers' statistics
+  (`megalite.moe.stats`) skip the forward that full recompute runs again inside the backward; torch's own
+  `torch.utils.checkpoint` tells the two apart the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.autograd import Variable
 REQUIRED = {
     "torch._fused_adamw_": lambda: torch._fused_adamw_,
     "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
+    "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
 }
 
 
@@ -48,6 +52,11 @@ def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
 def at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward pass now running finishes (call from inside a backward hook)."""
     Variable._execution_engine.queue_callback(callback)
+
+
+def in_backward() -> bool:
+    """Whether this code runs inside a backward pass (e.g. a recomputed forward under full recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")

@@ -125,14 +125,16 @@ def test_megalite_moe_exports_as_mixtral_and_qwen3_moe(tmp_path: Path) -> None:
     from megalite.checkpoint.sharded import save_sharded
 
     ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(2))
-    for router, qk in (("mixtral", False), ("qwen3", True)):
-        cfg = tiny_moe_cfg(seq_len=16, moe_router=router, qk_norm=qk, head_dim=8 if qk else 0, moe_z_loss=0.0,
+    # qwen3 with moe_renorm and no qk_norm (the tiny-moe preset's router, trained with a z-loss, a training loss
+    # HF has no field for) is Mixtral's router: it exports as Mixtral.
+    for router, qk, z in (("mixtral", False, 0.0), ("qwen3", True, 0.0), ("qwen3", False, 1e-3)):
+        cfg = tiny_moe_cfg(seq_len=16, moe_router=router, qk_norm=qk, head_dim=8 if qk else 0, moe_z_loss=z,
                            moe_first_dense=int(qk),
                            moe_every=1 + int(qk), num_layers=2)
         st = ParallelState()
         model = GPT(cfg, st, seed=4).eval()
-        ckpt = save_sharded(tmp_path / router, 1, model, None, {}, st, keep=0)
-        out = tmp_path / f"hf_{router}"
+        ckpt = save_sharded(tmp_path / f"{router}{qk}", 1, model, None, {}, st, keep=0)
+        out = tmp_path / f"hf_{router}{qk}"
         assert export_main(["--input", str(ckpt), "--output", str(out), "--quiet"]) == 0
         back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -179,7 +181,7 @@ def test_export_refuses_what_no_hf_architecture_computes(tmp_path: Path, capsys:
     for i, (over, words) in enumerate([
             (dict(moe_router="deepseek"), "this one has moe_router=deepseek"),
             (dict(moe_router="mixtral", moe_shared_experts=1), "shared experts"),
-            (dict(moe_router="qwen3", qk_norm=False), "moe_router=qwen3 and qk_norm=False"),
+            (dict(moe_router="qwen3", moe_renorm=False, qk_norm=False), "moe_router=qwen3, moe_renorm=False and qk_norm=False"),
             (dict(moe_router="mixtral", moe_first_dense=1), "dense layers (Mixtral's layers are all MoE)")]):
         st = ParallelState()
         cfg = tiny_moe_cfg(seq_len=16, **{"moe_z_loss": 0.0, **over})

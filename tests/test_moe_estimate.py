@@ -47,6 +47,51 @@ def test_tools_estimate_prints_the_moe_section(capsys) -> None:
     assert "46.703 B total, 12.880 B active" in out and "GB per step per rank ('ep')" in out
 
 
+def test_tools_estimate_moe_from_flags_and_configs_and_refusals(capsys) -> None:
+    """The MoE section honours the model flags over a preset (--num-layers), reads a pretrain config's model and
+    parallel.ep (the run's own flags), prices a measured load imbalance, and refuses --ep on a dense model and
+    an impossible load with one line (exit 2)."""
+    import json
+
+    from tools.estimate import main
+
+    def moe(*argv: str) -> dict:
+        assert main([*argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["moe"]
+
+    full, four = moe("--preset", "mixtral-8x7b", "--dp", "8"), moe("--preset", "mixtral-8x7b", "--dp", "8",
+                                                                   "--num-layers", "4")
+    per_layer = (full["params_total"] - four["params_total"]) / 28  # the 28 layers --num-layers 4 removed
+    assert round(four["params_total"] - 4 * per_layer) == round(full["params_total"] - 32 * per_layer)
+    from megalite.perfmodel.moe import moe_preset_model  # what tools/plan.py prices: the flags win there too
+
+    assert moe_preset_model("mixtral-8x7b", {"num_layers": 4, "seq_len": 512, "hidden_size": None}).num_layers == 4
+    run = moe("--model.preset", "tiny-moe", "--parallel.ep", "2", "--dp", "2")  # a pretrain run's flags
+    assert run["ep_bytes_per_step"] > 0 and run["params_total"] > run["params_active"]
+    assert moe("--model.preset", "tiny-moe", "--dp", "2")["ep_bytes_per_step"] == 0  # ep 1
+    # One expert per rank (tiny-moe: 8 experts, ep 8): the busiest rank takes exactly max/mean x the rows, and
+    # sends back all it got: 2 (1 + f) of the balanced 4 x rows x h x b per layer.
+    skew = moe("--preset", "tiny-moe", "--dp", "8", "--ep", "8", "--moe-load-imbalance", "1.5")
+    assert skew["busiest_factor"] == 1.5 and skew["expert_flops_per_step"] > 0
+    counts = 7 * 1 * 8  # (ep - 1) x E/ep int64 counts per layer and micro-batch
+    n = skew["ep_bytes_per_step"] / skew["a2a_bytes_per_layer"]  # layer-micro-batches per step
+    rows_bytes = skew["a2a_bytes_per_layer"] - counts  # balanced: 4 x rows x h x b
+    assert skew["ep_bytes_per_step_busiest"] == pytest.approx(n * (rows_bytes * 2 * (1 + 1.5) / 4 + counts))
+    assert moe("--preset", "tiny-moe", "--dp", "8", "--ep", "8", "--moe-load-imbalance", "20")["busiest_factor"] == 8
+    # Muon on the experts: tiny-moe's 4 layers x 8 experts of (128 x 128) gate, up, down, 4 per rank at ep 2,
+    # owned over edp 2 under ZeRO-1: 4 x 3 x ns_flops(128, 128) / 2 per rank.
+    from megalite.perfmodel.muon import ns_flops
+
+    mu = moe("--preset", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "1", "--optimizer", "muon")["muon_experts"]
+    assert mu["ns_flops_per_rank"] == 4 * 4 * 3 * ns_flops(128, 128) / 2 and mu["dp_bytes_per_rank_bound"] > 0
+    for argv, words in [(["--preset", "llama-1b", "--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts"),
+                        (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--moe-load-imbalance", "0.5"],
+                         "is impossible")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err and "Traceback" not in err, err
+
+
 def test_planner_ranks_ep_and_says_when_the_all_to_all_crosses_nodes(capsys) -> None:
     """tools/plan.py on a MoE preset enumerates ep with the other dimensions; an ep group crosses the node
     boundary exactly when tp x ep exceeds the GPUs per node (rank order tp, cp, dp, pp), read from the rank
@@ -67,6 +112,10 @@ def test_planner_ranks_ep_and_says_when_the_all_to_all_crosses_nodes(capsys) -> 
         assert r["a2a_seconds"] == pytest.approx(r["a2a_bytes"] / (inter if crosses else intra))
         assert (r["a2a_bytes"] == 0) == (r["ep"] == 1) and r["memory"] <= 0.9 * 80 * 2**30
     assert any(r["a2a_crosses_nodes"] for r in rows) and any(not r["a2a_crosses_nodes"] and r["ep"] > 1 for r in rows)
+    # What the MoE search does not do is refused, not silently dropped (one line, exit 2).
+    assert main(["--preset", "tiny-moe", "--global-batch-size", "8", "--compare", "tp=2", "--cp", "1,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--compare and --cp not supported for a MoE model" in err and "\n" not in err, err
 
 
 def test_ep_groups_cross_nodes_as_the_rank_grid_says() -> None:

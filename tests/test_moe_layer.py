@@ -189,7 +189,10 @@ def test_bad_moe_input_is_one_line() -> None:
     base = ["--model.preset", "tiny-moe"]
     assert _problems(1, *base) == ""
     assert _problems(4, *base, "--parallel.ep", "2", "--parallel.tp", "2") == ""
-    assert "moe_top_k 9 must be between 1 and model.moe_experts 8" in _problems(1, *base, "--model.moe_top_k", "9")
+    top_k = _problems(1, *base, "--model.moe_top_k", "9")
+    assert "moe_top_k 9 must be between 1 and model.moe_experts 8" in top_k and "group" not in top_k  # one problem
+    assert "leaves no MoE layer among the 4" in _problems(1, *base, "--model.moe_first_dense", "4")
+    assert "moe_route_scale must be > 0" in _problems(1, *base, "--model.moe_route_scale", "0")
     assert "does not divide dp x cp" in _problems(3, *base, "--parallel.ep", "2")
     assert "moe_experts 8 is not divisible by parallel.ep 3" in _problems(3, *base, "--parallel.ep", "3")
     assert "moe_capacity_factor must be > 0" in _problems(1, *base, "--model.moe_capacity_factor", "0")

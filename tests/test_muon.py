@@ -6,8 +6,8 @@
    the fused AdamW differs from torch's by an ulp; Newton-Schulz is a smooth map of its normalised input
    (no division by a small sqrt(v)), so after 4 steps at lr 1e-2 parameters agree to 2e-6 and losses to 1e-6;
    dropping Nesterov, the LR scale or the per-part split of qkv moves parameters by >= 1e-3.
-2. Layouts (gloo ranks, fp32): tp2, tp2+sp, pp2, dp2 at ZeRO 1, 2 and 3, cp2 (world 2) and tp2 x dp2 at
-   ZeRO 1 (world 4: both exchange levels) against the single-process Muon: losses to 1e-5 (O(1) values,
+2. Layouts (gloo ranks, fp32): tp2, tp2+sp, pp2, pp2 interleaved (vpp 2), dp2 at ZeRO 1, 2 and 3, cp2, a
+   MoE model at ep2 + ZeRO-1 (world 2) and tp2 x dp2 at ZeRO 1 (world 4: both exchange levels) against the single-process Muon: losses to 1e-5 (O(1) values,
    the dp/cp/tp sums are other orders of the same sums, ~1e-7 observed) and parameters to 2e-5 (after 4
    steps at lr 1e-2: a lost piece, a wrong owner or a matrix orthogonalised per TP shard instead of whole
    moves them by ~1e-3). The "muon" bytes each rank counts equal `megalite.perfmodel.muon` exactly.
@@ -36,6 +36,7 @@ from megalite.perfmodel.muon import exchange_bytes, muon_matrices, muon_report, 
 from megalite.pipeline import build_pipeline
 from tests.parallel_utils import layout, micro_batches, random_steps, step_context, tiny_model_cfg, tiny_train_cfg
 from megalite.training.step import train_step
+from tests.moe_utils import moe_layout, tiny_moe_cfg
 from tests.test_cp_training import local_batches
 
 STEPS, MICRO, M, SEQ = 4, 2, 2, 16
@@ -68,6 +69,10 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
     params = dict(model.named_parameters())
     muon = {n for n, p in params.items()  # the blocks' linears: not the output layer (a column linear too)
             if n.startswith("layers.") and p.dim() == 2 and specs[n].layout.kind in ("column", "row")}
+    ffn = getattr(cfg, "moe_ffn_hidden_size", 0)
+    experts = {n: ((ffn, ffn) if cfg.arch == "llama" else (ffn,)) if n.endswith(".up") else (cfg.hidden_size,)
+               for n in params if n.endswith((".experts.up", ".experts.down"))}  # [E, rows, cols]: each expert
+    muon |= set(experts)
     rest = [p for n, p in params.items() if n not in muon]
     adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": HYPER["weight_decay"]},
                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
@@ -80,6 +85,7 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
         mbs = micro_batches(d, MICRO)
         total = 0.0
         for ids, labels in mbs:
+            model.set_aux_loss_scale(1 / len(mbs))  # MoE router losses: backpropagated as the loss / M is
             loss = model(ids, labels).mean()
             (loss / len(mbs)).backward()
             total += loss.item()
@@ -93,8 +99,9 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
                 p, g = params[n], params[n].grad
                 bufs[n].mul_(MU).add_(g)
                 u = g + MU * bufs[n]
-                parts = specs[n].layout.parts or (p.shape[0],)  # q, k, v / gate, up: each its own matrix
-                o = torch.cat([_ns5(x) * 0.2 * math.sqrt(max(x.shape)) for x in u.split(list(parts))])
+                parts = specs[n].layout.parts or (p.shape[-2],)  # q, k, v / gate, up: each its own matrix
+                ns = lambda m, rows: torch.cat([_ns5(x) * 0.2 * math.sqrt(max(x.shape)) for x in m.split(list(rows))])
+                o = torch.stack([ns(m, experts[n]) for m in u]) if n in experts else ns(u, parts)
                 p.mul_(1 - lr * wd).sub_(lr * o)
         adam.step()
     return losses, {n: p.detach().clone() for n, p in params.items()}
@@ -109,9 +116,10 @@ def _megalite_run(cfg, data: list[torch.Tensor], zero: int = 0):
     return losses, opt.full_parameters(), opt
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "llama-moe"])
 def test_muon_matches_the_papers_pseudo_code_on_one_process(arch: str) -> None:
-    cfg = tiny_model_cfg(arch, seq_len=SEQ)
+    # llama-moe: every expert's matrices on Muon (its up as gate and up), the router on AdamW
+    cfg = tiny_moe_cfg("llama", seq_len=SEQ) if arch == "llama-moe" else tiny_model_cfg(arch, seq_len=SEQ)
     data = random_steps(cfg, STEPS, MICRO * M)
     want_losses, want = _plain_muon_run(cfg, data)
     losses, got, opt = _megalite_run(cfg, data)
@@ -135,8 +143,11 @@ def test_muon_matches_the_papers_pseudo_code_on_one_process(arch: str) -> None:
 
 
 # ---------------------------------------------------------------- layouts
-CASES_2 = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(zero=1), dict(zero=2), dict(zero=3), dict(cp=2)]
-CASES_4 = [dict(tp=2, zero=1)]
+# vpp: an interleaved pipeline (two chunks per rank, 4 layers); ep: a MoE model with its experts over 2 ranks
+# (the blocks' attention matrices on Muon, the experts on AdamW, ZeRO-1 over their own 'edp' group).
+CASES_2 = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(zero=1), dict(zero=2), dict(zero=3), dict(cp=2),
+           dict(pp=2, vpp=2), dict(ep=2, zero=1), dict(tp=2, sp=True, moe=True)]
+CASES_4 = [dict(tp=2, zero=1), dict(ep=2, zero=2)]  # ep2 x dp4: the experts' matrices owned over 'edp' 2
 
 
 def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
@@ -144,27 +155,42 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
     for case in cases:
         tp, pp, cp, sp, zero = (case.get("tp", 1), case.get("pp", 1), case.get("cp", 1), case.get("sp", False),
                                 case.get("zero", 0))
-        st = layout(tp, pp, sp=sp, cp=cp)
-        what = f"tp={tp} pp={pp} cp={cp} dp={st.dp} sp={sp} zero={zero}"
-        cfg = tiny_model_cfg("llama", seq_len=SEQ, num_layers=2)
+        vpp, ep = case.get("vpp", 1), case.get("ep", 1)
+        moe = ep > 1 or case.get("moe", False)
+        st = moe_layout(tp, pp, cp, ep, sp) if moe else layout(tp, pp, sp=sp, cp=cp)
+        what = f"tp={tp} pp={pp} vpp={vpp} cp={cp} dp={st.dp} ep={ep} sp={sp} zero={zero} moe={moe}"
+        cfg = (tiny_moe_cfg if moe else tiny_model_cfg)("llama", seq_len=SEQ, num_layers=2 * vpp)
         data = random_steps(cfg, STEPS, MICRO * M * st.dp)
         want_losses, want, ref_opt = _megalite_run(cfg, data)
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
-        opt = _muon(engine.chunks[0], st, zero)
-        ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+        schedule = "interleaved" if vpp > 1 else "1f1b"
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp,
+                                schedule=schedule)
+        opt = _muon(engine.chunks, st, zero)
+        ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS), schedule)
         st.counter.reset()
         losses = [train_step(ctx, opt, local_batches(d, st), i).loss for i, d in enumerate(data)]
         for i, (a, b) in enumerate(zip(losses, want_losses)):
             assert abs(a - b) <= 1e-5, f"{what} step {i}: loss {a} != one process {b}"
-        specs = named_param_specs(engine.chunks[0], ConfigError)
-        for name, value in opt.full_parameters().items():
-            err = (unshard(value, specs[name].layout, st) - want[name]).abs().max().item()
+        specs = {n: sp_ for c in engine.chunks for n, sp_ in named_param_specs(c, ConfigError).items()}
+
+        def mine(name: str, full: torch.Tensor) -> torch.Tensor:  # an expert stack: this ep rank's block of it
+            n = full.shape[0] // ep
+            return full[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n] if specs[name].grad_group == "edp" else full
+
+        def plain(name: str) -> str:  # full_parameters of several chunks (vpp): "<chunk>.<global name>"
+            return name if name in specs else name.split(".", 1)[1]
+
+        for key, value in opt.full_parameters().items():
+            name = plain(key)
+            err = (unshard(value, specs[name].layout, st) - mine(name, want[name])).abs().max().item()
             assert err <= 2e-5, f"{what}: {name} off by {err:.2e} from one process"
         # The checkpoint view of the momentum ("exp_avg", each TP shard) is the single process's: it reshards.
         ref_states = ref_opt.param_states()
-        for name, entry in opt.param_states().items():
+        for key, entry in opt.param_states().items():
+            name = plain(key)
             got = unshard(entry["exp_avg"], specs[name].layout, st)
-            torch.testing.assert_close(got, ref_states[name]["exp_avg"], rtol=1e-4, atol=1e-6, msg=lambda m: what + m)
+            torch.testing.assert_close(got, mine(name, ref_states[name]["exp_avg"]), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: what + m)
         # Every "muon" byte is the plan's exchanges, exactly as the perfmodel counts them.
         plan = opt.optimizer.plan  # type: ignore[attr-defined]
         per_step = exchange_bytes(plan.tp.sizes, plan.tp.owners, plan.tp.me)
@@ -175,7 +201,7 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
         torch.distributed.all_reduce(tp_sent, group=st.group("tp"))
         owned = sum(plan.matrices[i].numel * tp for i in plan.tp_items)
         assert tp_sent.item() == muon_tp_bytes_total(owned, tp), what
-        if zero == 0 and pp == 1:  # every matrix of the model, owned whole by this dp index
+        if zero == 0 and pp == 1 and not moe:  # every matrix of the model, owned whole by this dp index
             dims = ModelDims(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size, SEQ,
                              num_kv_heads=cfg.num_kv_heads, ffn_hidden_size=cfg.ffn_hidden_size)
             assert owned == sum(r * c for r, c in muon_matrices(dims)), what

@@ -98,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=positive_int,
                    help="context parallel size (also --parallel.cp): each sequence split over cp ranks, ring "
                         "attention; devices = tp x cp x pp x dp")
-    p.add_argument("--ep", type=positive_int, default=1,
-                   help="expert parallel size for a MoE preset (experts split over ep of the dp x cp ranks)")
+    p.add_argument("--ep", type=positive_int, help="expert parallel size for a MoE model (experts split over ep of "
+                   "the dp x cp ranks; default: the config's parallel.ep, else 1)")
+    p.add_argument("--moe-load-imbalance", type=positive_float, help="a measured max/mean tokens per expert "
+                   "(metrics.jsonl moe.load_max / load_mean): what it costs the busiest ep rank")
     p.add_argument("--cp-mode", choices=["ring", "allgather", "a2a", "hybrid"],
                    help="context-parallel attention (also --parallel.cp_mode): ring (default) | allgather | a2a | "
                         "hybrid")
@@ -376,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kw = resolve(args, config_argv)
         est, sections, lines = answer_questions(args, kw)
-        moe_section, moe_lines = moe_report(args.preset, kw["layout"], args.ep, kw["prec"], kw["fp8"])  # MoE only
+        moe_section, moe_lines = moe_report(kw["layout"], kw["prec"], vars(args), config_argv, kw["fp8"])  # {} when dense
         sections, lines = {**sections, **moe_section}, lines + moe_lines
         muon_section, muon_lines = muon_report(args.optimizer, kw["dims"], kw["layout"])
         sections, lines = {**sections, **muon_section}, lines + muon_lines

@@ -169,8 +169,13 @@ def _cp_sizes(text: str) -> tuple[int, ...] | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        moe = moe_preset_model(args.preset, args.seq_len)  # a MoE preset: ep is ranked too (perfmodel.moe_plan)
+        moe = moe_preset_model(args.preset, vars(args))  # a MoE preset: ep is ranked too (perfmodel.moe_plan)
         if moe is not None:
+            ignored = [flag for flag, given in (("--compare", bool(args.compare)), ("--cp", args.cp not in ("auto", "1")))
+                       if given]
+            if ignored:  # not silently dropped: the MoE search is cp = 1 and has no comparison (docs/moe.md)
+                raise ConfigError(f"{' and '.join(ignored)} not supported for a MoE model: its planner searches cp = 1, "
+                                  "vpp = 1, 1F1B and has no --compare")
             mplan = make_moe_plan(moe, resolve_cluster(args), args.global_batch_size,
                                   _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
                                   _zero_stages(args.zero_stages))

@@ -136,11 +136,16 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
     if s is None:
         return {**base, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
                 "sliding_window": None}
+    # The router z-loss is a training loss, not part of the forward (HF configs have no field for it): not a
+    # reason to refuse, like the learning rate it is simply not carried.
     problems = [what for what, ok in (
-        ("shared experts", not s.shared), ("a capacity factor (HF MoE models are dropless)", s.capacity_factor is None),
-        ("the router z-loss", not s.z_loss)) if not ok]
+        ("shared experts", not s.shared), ("a capacity factor (HF MoE models are dropless)", s.capacity_factor is None))
+        if not ok]
     moe = {"num_experts_per_tok": s.top_k, "router_aux_loss_coef": s.aux_loss, "output_router_logits": s.aux_loss > 0}
-    if s.router == "mixtral" and not qk:
+    # megalite's mixtral router (softmax over the top-k logits) is qwen3's with renormalisation (softmax over all,
+    # top-k, divided by their sum): the same weights, exp(l_i) / sum over the k of exp(l_j).
+    renorm = s.renorm if s.router == "qwen3" else True
+    if s.router in ("mixtral", "qwen3") and renorm and not qk:
         if s.first_dense or s.every != 1:
             problems.append("dense layers (Mixtral's layers are all MoE)")
         if problems:
@@ -148,7 +153,7 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
         return {**base, **moe, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "intermediate_size": s.ffn, "num_local_experts": s.experts, "router_jitter_noise": 0.0,
                 "sliding_window": None}
-    if s.router == "qwen3" and qk:
+    if s.router in ("mixtral", "qwen3") and qk:
         if s.first_dense != s.every - 1:
             problems.append(f"MoE layers from {s.first_dense} every {s.every} (Qwen3-MoE's are those with "
                             "(i + 1) % decoder_sparse_step == 0)")
@@ -156,10 +161,10 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
             raise CheckpointError(f"this MoE model has no Hugging Face equivalent: {', '.join(problems)}")
         return {**base, **moe, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "moe_intermediate_size": s.ffn, "num_experts": s.experts, "decoder_sparse_step": s.every,
-                "norm_topk_prob": s.renorm, "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None}
-    raise CheckpointError("this MoE model has no Hugging Face equivalent: the mixtral router without qk_norm is "
-                          "Mixtral, the qwen3 router with qk_norm is Qwen3-MoE; "
-                          f"this one has moe_router={s.router} and qk_norm={qk}")
+                "norm_topk_prob": renorm, "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None}
+    raise CheckpointError("this MoE model has no Hugging Face equivalent: without qk_norm, the mixtral router or "
+                          "qwen3 with moe_renorm is Mixtral; with qk_norm, mixtral or qwen3 is Qwen3-MoE; "
+                          f"this one has moe_router={s.router}, moe_renorm={s.renorm} and qk_norm={qk}")
 
 
 class _Info:

@@ -84,12 +84,18 @@ def moe_problems(cfg: Config) -> list[str]:
             out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
     if m.moe_every < 1:
         out.append(f"model.moe_every must be >= 1, got {m.moe_every}")
+    elif m.num_layers > 0 and m.moe_first_dense >= m.num_layers:  # would train a dense model, silently
+        out.append(f"model.moe_first_dense {m.moe_first_dense} leaves no MoE layer among the {m.num_layers} layers: "
+                   "lower it, or set model.moe_experts=0 for a dense model")
+    if not m.moe_route_scale > 0:
+        out.append(f"model.moe_route_scale must be > 0 (it multiplies the routing weights), got {m.moe_route_scale}")
     for key in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
         if not getattr(m, key) >= 0:
             out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
     if m.moe_groups < 1 or m.moe_experts % m.moe_groups:
         out.append(f"model.moe_groups {m.moe_groups} must divide model.moe_experts {m.moe_experts}")
-    elif not 1 <= m.moe_group_top_k <= m.moe_groups or m.moe_top_k > m.moe_group_top_k * (m.moe_experts // m.moe_groups):
+    elif m.moe_groups > 1 and (not 1 <= m.moe_group_top_k <= m.moe_groups  # groups 1: group routing off
+                               or m.moe_top_k > m.moe_group_top_k * (m.moe_experts // m.moe_groups)):
         out.append(f"model.moe_group_top_k {m.moe_group_top_k} must be in 1..moe_groups {m.moe_groups} and leave "
                    f"at least moe_top_k {m.moe_top_k} experts")
     if m.moe_experts % p.ep:

@@ -55,6 +55,12 @@ class Experts(nn.Module):
         spec = ParamSpec(REPLICATED, sp_partial=self.sp, grad_group="edp")
         return {"up": spec, "down": spec}
 
+    def muon_stacks(self) -> dict[str, tuple[int, ...]]:
+        """Muon's view (`megalite.optim.muon_plan.StacksMatrices`): each expert's up is its gate and up (or the
+        GeLU up alone), each its own matrix; its down one matrix."""
+        hidden, ffn = self.down.shape[1], self.down.shape[2]
+        return {"up": (ffn, ffn) if self.gated else (ffn,), "down": (hidden,)}
+
     def fp8_dims(self) -> tuple[int, int]:
         """(hidden, ffn): the logical sizes the FP8 filter decides on."""
         return self.down.shape[1], self.down.shape[2]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
+from megalite.torch_private import in_backward
 
 
 class LayerStats:
@@ -26,12 +26,12 @@ class LayerStats:
         self.a2a_rows: list[int] = []  # per forward: rows sent to + received from the other ep ranks
 
     def record_exchange(self, off_rank_rows: int) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a full-recompute forward inside the backward
+        if not in_backward():  # not a full-recompute forward inside the backward
             self.a2a_rows.append(off_rank_rows)
 
     def record(self, counts: torch.Tensor, dropped: int, aux: float, z: float) -> None:
         # A full-recompute forward (run again inside the backward) is not counted twice.
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return
         self.counts += counts.detach().cpu()
         self.dropped += dropped

@@ -1,16 +1,30 @@
 """The end of a training step for the MoE layers: their loads and router losses summed over the ranks
-(metrics.jsonl's `moe`) and DeepSeek-V3's bias update (the per-layer records are `stats.LayerStats`)."""
+(metrics.jsonl's `moe`) and DeepSeek-V3's bias update (the per-layer records are `stats.LayerStats`).
+Under pipeline parallelism every stage ends with every MoE layer's numbers, its own and the other stages'
+(`_over_stages`), so rank 0, which writes metrics.jsonl, reports all of them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 
 from megalite.moe.layer import MoELayer
+from megalite.moe.settings import moe_layers
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
+
+FIELDS = ("aux_loss", "z_loss", "dropped_tokens", "load_max", "load_mean", "a2a_rows", "a2a_calls")
+_COUNTS = {"dropped_tokens", "a2a_rows", "a2a_calls"}
+
+
+@runtime_checkable
+class HasModelConfig(Protocol):
+    """A model chunk that knows the whole model's config (megalite.model.gpt.GPT), so any stage can name every
+    MoE layer of the model, its own or not."""
+
+    cfg: Any
 
 
 def moe_layers_of(chunks: list[nn.Module]) -> list[tuple[str, MoELayer]]:
@@ -23,9 +37,37 @@ def moe_layers_of(chunks: list[nn.Module]) -> list[tuple[str, MoELayer]]:
     return out
 
 
+def all_moe_layer_names(chunks: list[nn.Module]) -> list[str]:
+    """The names ("layers.i") of every MoE layer of the model, on every stage (empty for a dense model)."""
+    for chunk in chunks:
+        if isinstance(chunk, HasModelConfig):
+            return [f"layers.{i}" for i in moe_layers(chunk.cfg)]
+    return [name for name, _ in moe_layers_of(chunks)]
+
+
 def finish_step(chunks: list[nn.Module], state: ParallelState, update_bias: bool = True) -> dict[str, Any] | None:
-    """The step's MoE metrics (None without MoE layers on any rank of the pipeline is not known here:
-    None when this rank has none), after the global bias update; resets the layers' records."""
+    """The step's MoE metrics of every MoE layer of the model (None for a dense one), after the global bias
+    update; resets the layers' records."""
+    names = all_moe_layer_names(chunks) if state.pp > 1 else []
+    local = _finish_local(chunks, state, update_bias)
+    return _over_stages(local, names, state) if names else local
+
+
+def _over_stages(local: dict[str, Any] | None, names: list[str], state: ParallelState) -> dict[str, Any]:
+    """Every stage's layers (each filled by the stage that holds it, 0 elsewhere, summed over pp: exact in
+    float64). `a2a_rows` / `a2a_calls` of another stage's layer are that stage's rank in this rank's pipeline
+    column (same tp, cp and dp coordinates)."""
+    table = torch.zeros(len(names), len(FIELDS), dtype=torch.float64)
+    for i, name in enumerate(names):
+        if local is not None and name in local["aux_loss"]:
+            table[i] = torch.tensor([float(local[f][name]) for f in FIELDS], dtype=torch.float64)
+    table = comm.all_reduce(table.to(state.device), state, "pp", count_as="metrics").cpu()
+    return {f: {n: (int(v) if f in _COUNTS else float(v)) for n, v in zip(names, table[:, j].tolist())}
+            for j, f in enumerate(FIELDS)}
+
+
+def _finish_local(chunks: list[nn.Module], state: ParallelState, update_bias: bool) -> dict[str, Any] | None:
+    """This stage's MoE layers' metrics (None when it has none)."""
     layers = moe_layers_of(chunks)
     if not layers:
         return None
@@ -36,8 +78,7 @@ def finish_step(chunks: list[nn.Module], state: ParallelState, update_bias: bool
     if state.sp:
         table[:, :e + 1] = comm.all_reduce(table[:, :e + 1].contiguous(), state, "tp", count_as="metrics")
     comm.all_reduce(table, state, "dp_cp", count_as="metrics")
-    out: dict[str, Any] = {"aux_loss": {}, "z_loss": {}, "dropped_tokens": {}, "load_max": {}, "load_mean": {},
-                           "a2a_rows": {}, "a2a_calls": {}}
+    out: dict[str, Any] = {f: {} for f in FIELDS}
     for (name, m), row in zip(layers, table.cpu()):
         counts, micro = row[:e], max(1.0, float(row[e + 3]))
         out["aux_loss"][name] = float(row[e + 1]) / micro

@@ -33,9 +33,17 @@ from megalite.parallel.state import ParallelState
 
 
 def adam_shards(shards: Sequence[Shard], plan: MuonPlan) -> list[Shard]:
-    """The same shards with the Muon matrices' segments left out (what AdamW updates)."""
-    muon = {(m.bucket, s.start, s.stop) for m, s in zip(plan.matrices, plan.own) if s.stop > s.start}
-    return [Shard(sh.params, sh.grad, tuple(g for g in sh.segments if (i, g.lo, g.hi) not in muon), sh.group,
+    """The same shards with the Muon matrices' segments left out (what AdamW updates): a segment whose
+    elements are all Muon's (one matrix, or a stack of experts' matrices)."""
+    pieces: dict[int, list[slice]] = {}
+    for m, s in zip(plan.matrices, plan.own):
+        if s.stop > s.start:
+            pieces.setdefault(m.bucket, []).append(s)
+
+    def muon(i: int, lo: int, hi: int) -> bool:
+        return hi > lo and sum(max(0, min(s.stop, hi) - max(s.start, lo)) for s in pieces.get(i, [])) == hi - lo
+
+    return [Shard(sh.params, sh.grad, tuple(g for g in sh.segments if not muon(i, g.lo, g.hi)), sh.group,
                   sh.sharded) for i, sh in enumerate(shards)]
 
 
@@ -89,6 +97,8 @@ class ShardMuon:
                    for k, pieces in whole.items()}
         back = plan.tp.scatter(results, device)
         mine = {i: back[k] for k, i in enumerate(plan.tp_items)}
+        for i in plan.local_items:  # whole on every TP rank (an expert): orthogonalised here, alike on each
+            mine[i] = self._orthogonalise(plan.matrices[i], [local[i]], lr)[0]
         out: list[torch.Tensor] = [torch.empty(0)] * len(plan.matrices)
         for items, ex in plan.dp.values():
             got = ex.scatter({k: list(mine[items[k]].split(ex.sizes[k])) for k in ex.owned}, device)

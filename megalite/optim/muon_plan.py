@@ -4,7 +4,10 @@ Muon takes the 2-D weights of the tensor-parallel linears (`ParamSpec.layout` co
 transformer blocks (the model's `ShardableModel.zero3_units()`): attention qkv and out, the MLP's up/gate
 and down. Everything else stays on AdamW, as in Jordan et al. 2024 and Liu et al. 2025: the embedding
 and the output layer (a column-parallel linear too, but outside the blocks), norms, biases, learned
-positions, and the replicated matrices (the MoE router and experts: not done here).
+positions, and the MoE router (a replicated matrix). The MoE experts are stacks of whole matrices
+([E/ep, rows, cols], replicated over tp: `StacksMatrices`): each expert's matrix is one Muon matrix (its up
+per logical part, gate and up), owned over the experts' own 'edp' group like any other under ZeRO and
+orthogonalised by that owner on every TP rank of its tp group alike (each holds it whole: no tp exchange).
 
 A fused column linear is orthogonalised per *logical* matrix (`TPLayout.parts`: q, k and v of the fused
 qkv; gate and up of SwiGLU), as Megatron-core's Muon splits qkv: the fusion is an implementation detail
@@ -22,8 +25,8 @@ At ZeRO 0 each dp rank holds whole buckets and orthogonalises redundantly (no dp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch.nn as nn
 
@@ -45,6 +48,27 @@ def block_params(chunks: Sequence[nn.Module]) -> set[int]:
             for p in unit.parameters()}
 
 
+@runtime_checkable
+class StacksMatrices(Protocol):
+    """A module whose parameters are stacks of whole hidden matrices ([n, rows, cols], each matrix replicated
+    over tp: the MoE experts, `megalite.moe.experts.Experts`): per parameter name, the logical parts its
+    matrices' rows are made of (an expert's gate and up)."""
+
+    def muon_stacks(self) -> dict[str, tuple[int, ...]]: ...
+
+
+def stacked_params(chunks: Sequence[nn.Module]) -> dict[int, tuple[int, ...]]:
+    """id of each stacked-matrix parameter inside the chunks' blocks -> its matrices' row parts."""
+    out: dict[int, tuple[int, ...]] = {}
+    for c in chunks:
+        if isinstance(c, ShardableModel):
+            for unit in c.zero3_units():
+                for m in unit.modules():
+                    if isinstance(m, StacksMatrices):
+                        out.update({id(getattr(m, name)): parts for name, parts in m.muon_stacks().items()})
+    return out
+
+
 @dataclass(frozen=True)
 class MuonMatrix:
     """One Muon parameter: `shape` (this TP rank's) at `offset` in bucket `bucket`'s flat buffer."""
@@ -54,6 +78,7 @@ class MuonMatrix:
     offset: int
     shape: tuple[int, int]
     layout: TPLayout
+    parts: tuple[int, ...] = ()  # one matrix of a stack (an expert): whole on every TP rank, rows in these parts
 
     @property
     def numel(self) -> int:
@@ -62,6 +87,8 @@ class MuonMatrix:
     def logical(self, tp: int) -> list[tuple[int, int]]:
         """The whole logical matrices (rows, cols) Newton-Schulz runs on, in the local rows' order."""
         rows, cols = self.shape
+        if self.parts:
+            return [(part, cols) for part in self.parts]
         if self.layout.kind == "column":
             return [(part, cols) for part in self.layout.parts]
         return [(rows, cols * tp)]
@@ -76,6 +103,7 @@ class MuonPlan:
     dp: dict[GroupKind, tuple[list[int], OwnerExchange]]  # per bucket group: its matrices, their exchange
     tp: OwnerExchange                   # over the matrices this rank's dp index owns (`tp_items`)
     tp_items: list[int]
+    local_items: list[int] = field(default_factory=list)  # owned stacked matrices: whole here, no tp exchange
 
 
 def _piece(off: int, numel: int, lo: int, hi: int) -> tuple[int, int]:
@@ -85,12 +113,22 @@ def _piece(off: int, numel: int, lo: int, hi: int) -> tuple[int, int]:
 
 
 def build_plan(buckets: Sequence[Bucket], specs: Mapping[nn.Parameter, ParamSpec], names: Mapping[int, str],
-               blocks: set[int], state: ParallelState, sharded: bool) -> MuonPlan:
+               blocks: set[int], state: ParallelState, sharded: bool,
+               stacks: Mapping[int, tuple[int, ...]] | None = None) -> MuonPlan:
     """The plan for the gradient sync's `buckets` (`sharded`: ZeRO >= 1, each rank owns 1/N of each);
-    `blocks`: the ids of the block parameters (`block_params`)."""
-    matrices = [MuonMatrix(names[id(p)], bi, off, (int(p.shape[0]), int(p.shape[1])), specs[p].layout)
-                for bi, b in enumerate(buckets) for p, off in zip(b.params, b.offsets)
-                if id(p) in blocks and takes_muon(p, specs[p])]
+    `blocks`: the ids of the block parameters (`block_params`); `stacks`: the stacked ones (`stacked_params`),
+    each of whose matrices is one Muon matrix."""
+    matrices: list[MuonMatrix] = []
+    for bi, b in enumerate(buckets):
+        for p, off in zip(b.params, b.offsets):
+            if id(p) not in blocks or not p.requires_grad:
+                continue
+            if stacks and id(p) in stacks and p.dim() == 3:
+                n, r, c = (int(x) for x in p.shape)
+                matrices += [MuonMatrix(f"{names[id(p)]}[{e}]", bi, off + e * r * c, (r, c), specs[p].layout,
+                                        stacks[id(p)]) for e in range(n)]
+            elif takes_muon(p, specs[p]):
+                matrices.append(MuonMatrix(names[id(p)], bi, off, (int(p.shape[0]), int(p.shape[1])), specs[p].layout))
     own, dp_sizes = [], []
     for m in matrices:
         b = buckets[m.bucket]
@@ -110,7 +148,8 @@ def build_plan(buckets: Sequence[Bucket], specs: Mapping[nn.Parameter, ParamSpec
         dp[group] = (items, ex)
         mine += [items[k] for k in ex.owned]
     mine.sort()
-    tp_owners = greedy_owners([matrices[i].numel for i in mine], state.tp)
-    tp = OwnerExchange(state, "tp", tp_owners, [[matrices[i].numel] * state.tp for i in mine])
-    return MuonPlan(matrices, own, dp, tp, mine)
+    split, whole = [i for i in mine if not matrices[i].parts], [i for i in mine if matrices[i].parts]
+    tp_owners = greedy_owners([matrices[i].numel for i in split], state.tp)
+    tp = OwnerExchange(state, "tp", tp_owners, [[matrices[i].numel] * state.tp for i in split])
+    return MuonPlan(matrices, own, dp, tp, split, whole)
 

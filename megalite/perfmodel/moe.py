@@ -18,7 +18,7 @@ T k (ep - 1)/ep rows each way: 4 x T k (ep - 1)/ep x h x b per layer per micro-b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
 from megalite.moe.settings import MoESettings, moe_layers
@@ -89,7 +89,22 @@ class MoEEstimate:
     memory: Memory                     # model-state bytes per rank: dense over dp x cp, experts over edp
     ep_bytes_per_step: float           # all-to-all bytes per rank and step (balanced routing)
     a2a_bytes_per_layer: float         # per MoE layer and micro-batch, forward + backward
-    imbalance: float | None = None     # a measured max/mean load: the busiest rank's share of expert compute
+    imbalance: float | None = None     # a measured max/mean load per expert (metrics.jsonl moe.load_max / load_mean)
+    expert_flops_per_step: float = 0.0  # this rank's expert GEMM FLOPs per step (fwd + bwd) under balanced routing
+    busiest_factor: float = 1.0        # what `imbalance` implies for the busiest ep rank's expert work (`busiest`)
+    ep_bytes_per_step_busiest: float = 0.0  # that rank's all-to-all bytes per step (it sends back all it got)
+
+
+def busiest(load_max_over_mean: float | None, ep: int) -> float:
+    """The busiest ep rank's expert rows over the balanced T k, at most, given a measured max/mean load per
+    expert X: a rank's E/ep experts each hold at most X x mean, and no rank holds more than every row, so
+    min(X, ep) (exact when each rank holds one expert). At ep 1 every rank computes every expert: 1."""
+    if load_max_over_mean is None or ep == 1:
+        return 1.0
+    if not load_max_over_mean >= 1:
+        raise ConfigError(f"a load max/mean of {load_max_over_mean} is impossible: the busiest expert holds at least "
+                          "the mean (metrics.jsonl moe.load_max / moe.load_mean, >= 1)")
+    return min(load_max_over_mean, float(ep))
 
 
 def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, micro_batch_size: int,
@@ -118,38 +133,79 @@ def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int,
     mem = Memory(*(getattr(mem_dense, k) + getattr(mem_exp, k) for k in ("params", "grads", "master", "optimizer")))
     tokens = micro_batch_size * m.seq_len // cp // (tp if sp else 1)
     per_layer = a2a_bytes_balanced(tokens, s.top_k, s.experts, m.hidden_size, ep, prec.activation)
-    return MoEEstimate(counts.total, counts.active, experts_rank, dense_rank, mem,
-                       per_layer * most * num_microbatches, per_layer, load_max_over_mean)
+    # Balanced, a rank's experts take T k rows per layer and micro-batch (ep ranks' T k each over ep blocks),
+    # 2 x one FLOPs a row forward and twice that backward. The busiest rank takes f times as many and sends
+    # them all back in the combine (its dispatch sends its own T k (ep-1)/ep, as balanced): 2 (1 + f) of
+    # the balanced 4 x rows x h x b.
+    f = busiest(load_max_over_mean, ep)
+    row_bytes = tokens * s.top_k * (ep - 1) / ep * m.hidden_size * prec.activation
+    busiest_layer = per_layer + 2 * (f - 1) * row_bytes
+    n = most * num_microbatches
+    return MoEEstimate(counts.total, counts.active, experts_rank, dense_rank, mem, per_layer * n, per_layer,
+                       load_max_over_mean, 6.0 * tokens * s.top_k * one * n, f, busiest_layer * n)
 
 
-def moe_preset_model(preset: str | None, seq_len: int | None = None) -> Any | None:
-    """The resolved model config of a config preset with experts (None for a dense or unknown one)."""
+_DIM_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+              "seq_len", "head_dim")  # the model flags tools/estimate.py and tools/plan.py share (config names)
+
+
+def moe_preset_model(preset: str | None, overrides: Mapping[str, Any] | None = None) -> Any | None:
+    """The resolved model config of a config preset with experts (None for a dense or unknown one), with the
+    tools' explicit model flags (`overrides`: --num-layers, --seq-len ...; None = not given) applied, as they
+    are to the dense sections."""
     from dataclasses import asdict
 
     from megalite.config import PRESETS, ModelConfig
-    from megalite.config.derive import resolve
-    from megalite.config.schema import Config
 
     if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe_experts"):
         return None
-    values = {**asdict(ModelConfig()), **PRESETS[preset], **({"seq_len": seq_len} if seq_len else {})}
-    m = resolve(Config(model=ModelConfig(**values)), 1).model
+    flags = {k: v for k, v in (overrides or {}).items() if k in _DIM_FLAGS and v is not None}
+    return _resolved(ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset], **flags}))
+
+
+def _resolved(model: Any) -> Any:
+    from megalite.config.derive import resolve
+    from megalite.config.schema import Config
+
+    m = resolve(Config(model=model), 1).model
     m.vocab_size = m.vocab_size or 2048
     return m
 
 
-def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision,
+def moe_model_for(preset: str | None, overrides: Mapping[str, Any], config_argv: Sequence[str]) -> tuple[Any, int]:
+    """(the MoE model config to price or None, the config's parallel.ep): from --preset, else from a pretrain
+    config (`--config FILE`, `--model.preset tiny-moe`, `--model.moe_experts 8`, ...), with the model flags
+    applied to either."""
+    from dataclasses import replace
+
+    from megalite.config import parse_args
+
+    cfg = parse_args(list(config_argv)) if config_argv else None
+    ep = getattr(cfg.parallel, "ep", 1) if cfg is not None else 1
+    if preset is not None or cfg is None:  # --preset wins over a config's model, as for the dense sections
+        return moe_preset_model(preset, overrides), ep
+    flags = {k: v for k, v in overrides.items() if k in _DIM_FLAGS and v is not None}
+    return (_resolved(replace(cfg.model, **flags)) if getattr(cfg.model, "moe_experts", 0) else None), ep
+
+
+def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_argv: Sequence[str] = (),
                fp8: tuple[str, int] | None = None) -> tuple[dict, list[str]]:
-    """tools/estimate.py's MoE section for a config preset with experts: ({} , []) for a dense one; `fp8`
-    (recipe, min_dim): what runs in FP8, the expert GEMMs included (megalite.perfmodel.fp8_moe)."""
-    m = moe_preset_model(preset)
+    """tools/estimate.py's MoE section for a model with experts (`moe_model_for`): ({} , []) for a dense one.
+    `flags`: the tool's (preset, ep, moe_load_imbalance and the model dims); ep None: the config's parallel.ep
+    (1 without one); ep > 1 for a dense model is refused. `fp8` (recipe, min_dim): what runs in FP8, the expert
+    GEMMs included (megalite.perfmodel.fp8_moe)."""
+    m, config_ep = moe_model_for(flags.get("preset"), flags, config_argv)
+    ep, load_imbalance = flags.get("ep") or config_ep, flags.get("moe_load_imbalance")
     if m is None:
+        if ep > 1:
+            raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (a MoE preset such as tiny-moe or "
+                              "mixtral-8x7b, or a config with model.moe_experts > 0)")
         return {}, []
     from dataclasses import asdict
 
     mb = layout.num_microbatches
     est = moe_estimate(m, layout.tp, layout.pp, layout.dp, layout.cp, ep, layout.zero, layout.micro_batch_size, mb,
-                       layout.sp, prec)
+                       layout.sp, prec, load_imbalance)
     gb = 1e9
     lines = [f"mixture of experts (ep={ep}, edp={layout.dp * layout.cp // ep}): {est.params_total / 1e9:.3f} B total, "
              f"{est.params_active / 1e9:.3f} B active parameters per token",
@@ -158,9 +214,42 @@ def moe_report(preset: str | None, layout: Any, ep: int, prec: Precision,
              f"  all-to-all (dispatch + combine, fwd + bwd, balanced routing): {est.a2a_bytes_per_layer / gb:.4g} GB "
              f"per MoE layer per micro-batch, {est.ep_bytes_per_step / gb:.4g} GB per step per rank ('ep')",
              "  (the sections above count the experts as one dense MLP; these lines replace them for the experts)"]
-    section: dict = {"moe": asdict(est)}
+    if flags.get("optimizer") == "muon":
+        section, line = _muon_experts(m, layout, ep)
+        lines.append(line)
+    else:
+        section = {}
+    if load_imbalance is not None:
+        lines.append(f"  measured load max/mean {load_imbalance:.3g}: the busiest ep rank computes up to "
+                     f"{est.busiest_factor:.3g}x the balanced expert FLOPs ({est.expert_flops_per_step * est.busiest_factor / 1e12:.4g}"
+                     f" vs {est.expert_flops_per_step / 1e12:.4g} TFLOP per step) and sends up to "
+                     f"{est.ep_bytes_per_step_busiest / gb:.4g} GB per step ('ep'); every rank waits for it at the combine")
+    result: dict = {"moe": {**asdict(est), **section}}
     if fp8 is not None:
         f8 = moe_fp8_estimate(m, layout, ep, fp8[0], fp8[1])
-        section["moe"]["fp8"] = f8.to_dict()
+        result["moe"]["fp8"] = f8.to_dict()
         lines += fp8_lines(f8, ep)
-    return section, lines
+    return result, lines
+
+
+def _muon_experts(m: Any, layout: Any, ep: int) -> tuple[dict, str]:
+    """Muon on the experts (`megalite.optim.muon_plan.StacksMatrices`): each expert's logical matrices
+    orthogonalised on one owner over edp (ZeRO >= 1; every edp rank at ZeRO 0) and by every TP rank alike
+    (experts are whole there: no tp bytes); the dp part's bytes bounded as `muon.muon_dp_bytes_bound`."""
+    from megalite.perfmodel.muon import muon_dp_bytes_bound, ns_flops
+
+    s = MoESettings.from_model(m)
+    assert s is not None
+    h, f = m.hidden_size, s.ffn
+    per_expert = [(f, h), (f, h), (h, f)] if m.arch == "llama" else [(f, h), (h, f)]
+    per_stage = -(-m.num_layers // layout.pp)
+    most = max(sum(1 for i in moe_layers(m) if r * per_stage <= i < (r + 1) * per_stage) for r in range(layout.pp))
+    matrices = most * (s.experts // ep)  # experts on this rank
+    edp = layout.dp * layout.cp // ep
+    owners = edp if layout.zero >= 1 else 1
+    flops = matrices * sum(ns_flops(r, c) for r, c in per_expert) / owners
+    elements = matrices * sum(r * c for r, c in per_expert)
+    dp_bytes = muon_dp_bytes_bound(elements, 1, owners) if owners > 1 else 0.0
+    return ({"muon_experts": {"ns_flops_per_rank": flops, "dp_bytes_per_rank_bound": dp_bytes}},
+            f"  muon on the experts: Newton-Schulz {flops:.4e} FLOPs per step per rank, 'muon' bytes at most "
+            f"{dp_bytes / 1e9:.4g} GB over edp (experts are whole on every TP rank: none over tp)")

@@ -20,7 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from megalite import config as config_mod
+from megalite.checkpoint import sharded
+from megalite.checkpoint.model_shape import apply_checkpoint_shape
+from megalite.config.validate_fields import check_text_fields
 from megalite.errors import ConfigError
+from megalite.training.checkpointing import check_same_optimizer
 from megalite.training.memory_check import check_memory_of, tokenizer_vocab_size
 
 
@@ -50,9 +54,21 @@ def _take_int(argv: list[str], flag: str, default: int) -> int:
     return value
 
 
+def with_checkpoint(cfg: config_mod.Config, argv: list[str] | None) -> config_mod.Config:
+    """`cfg` with the model shape of the checkpoint it resumes; a flag contradicting that shape, or another
+    `train.optimizer` than the checkpoint's, is one line here: before any process group starts, and the same
+    in `--check-config` as in the workers."""
+    check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
+    cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
+    path = sharded.find(cfg.checkpoint.load, cfg.checkpoint.dir)
+    if path is not None:
+        check_same_optimizer(sharded.read_index(path), {"train": {"optimizer": cfg.train.optimizer}}, path)
+    return cfg
+
+
 def check_config(argv: list[str], request: CheckRequest) -> int:
     """Resolve and validate as the workers will; print one line; 0 when the run may start."""
-    cfg = config_mod.resolve(config_mod.parse_args(argv), request.world_size)
+    cfg = config_mod.resolve(with_checkpoint(config_mod.parse_args(argv), argv), request.world_size)
     device = config_mod.resolved_device(cfg)
     config_mod.validate(cfg, request.world_size, device)
     cfg.model.vocab_size = tokenizer_vocab_size(cfg)

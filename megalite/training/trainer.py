@@ -19,8 +19,6 @@ import torch.nn as nn
 
 from megalite import config as config_mod
 from megalite.checkpoint import storage
-from megalite.checkpoint.model_shape import apply_checkpoint_shape
-from megalite.config.validate_fields import check_text_fields
 from megalite.context import ContextOptions
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.data.tokenizer import Tokenizer
@@ -45,7 +43,7 @@ from megalite.runtime.watchdog import Watchdog
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
 from megalite.training.policy import StepHealth
-from megalite.training.preflight import CheckRequest, check_config
+from megalite.training.preflight import CheckRequest, check_config, with_checkpoint
 from megalite.training.reporting import DTYPE_NAMES, StepReport
 from megalite.training.step import StepContext, evaluate, train_step
 from megalite.training.stop import StopFlag
@@ -53,9 +51,7 @@ from megalite.training.stop import StopFlag
 
 
 def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
-    cfg = config_mod.parse_args(argv)
-    check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
-    cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
+    cfg = with_checkpoint(config_mod.parse_args(argv), argv)  # the resumed checkpoint's shape; mismatches refused
     _, world, _ = launcher_env()
     cfg = config_mod.resolve(cfg, world)
     config_mod.validate(cfg, world, config_mod.resolved_device(cfg))
@@ -263,18 +259,20 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
 def main(argv: list[str] | None = None) -> int:
     """Entry point: a user-fixable problem prints one line and exits with its code, no traceback.
 
-    Under a launcher a config error is the same on every rank: rank 0 prints it, the others wait for the
-    launcher to stop them (one line, not one per process; see `_leave_it_to_rank_0`)."""
+    Under a launcher a config error, and any error before the process group starts (a checkpoint the flags
+    contradict), is the same on every rank: rank 0 prints it, the others wait for the launcher to stop them
+    (one line, not one per process; see `_leave_it_to_rank_0`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    check = None
+    check, setup = None, True
     try:
         check = CheckRequest.take(argv)
         if check is not None:
             return check_config(argv, check)
         cfg, _ = setup_config(argv)
+        setup = False  # up to here no process group exists and every rank read the same config and checkpoint
         run(cfg)
     except MegaliteError as e:
-        if check is None and isinstance(e, ConfigError) and launcher_rank() != 0:
+        if check is None and (isinstance(e, ConfigError) or setup) and launcher_rank() != 0:
             _leave_it_to_rank_0()
         return report(e, "megalite: error")
     except OSError as e:  # e.g. a full disk for the logs: one line too
