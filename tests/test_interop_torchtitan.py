@@ -134,6 +134,12 @@ def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "wrong.json").write_text(json.dumps({"n_heads": HEADS, "dim": 64}))
     assert convert(out + ["--model-args", str(tmp_path / "wrong.json")]) == 4
     assert "dim=64 but the tensors have 32" in capsys.readouterr().err
+    for bad, text in (({"n_heads": "4"}, "n_heads is '4', not a positive integer"), ([HEADS], "not a JSON object"),
+                      ({"n_heads": 3}, "n_heads=3, n_kv_heads=3 do not fit dim=32"), ("{", "is not valid JSON")):
+        (tmp_path / "bad.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        assert convert(out + ["--model-args", str(tmp_path / "bad.json")]) == 4
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err
     (tmp_path / "scaled.json").write_text(json.dumps({"n_heads": HEADS, "rope_scaling": "llama"}))
     assert convert(out + ["--model-args", str(tmp_path / "scaled.json")]) == 4
     assert "rope_scaling 'llama'" in capsys.readouterr().err

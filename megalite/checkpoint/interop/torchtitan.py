@@ -41,6 +41,7 @@ import torch
 from megalite.checkpoint.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
+from megalite.untrusted import load_json_file
 
 ARGS_FILE = "megalite_model_args.json"
 _STATES = ("exp_avg", "exp_avg_sq")
@@ -147,10 +148,17 @@ def _model_args(src: Path, given: Path | None, shapes: dict[str, tuple[int, ...]
     if not path.is_file():
         raise CheckpointError(f"{src}: torchtitan checkpoints do not record the model's heads, norm eps and RoPE "
                               f"theta; give them with --model-args FILE.json ({path} not found)")
-    try:
-        args = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read the model args {path} ({e})") from e
+    args = load_json_file(path, f"the model args {path}", CheckpointError)
+    if not isinstance(args, dict):
+        raise CheckpointError(f"the model args {path} are not a JSON object of torchtitan's model args")
+    for key in ("n_heads", "n_kv_heads", "max_seq_len", "dim", "n_layers", "vocab_size", "hidden_dim"):
+        value = args.get(key)
+        if (key == "n_heads" or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                         or value < 1):
+            raise CheckpointError(f"the model args {path}: {key} is {value!r}, not a positive integer")
+    for key in ("norm_eps", "rope_theta"):
+        if key in args and (isinstance(args[key], bool) or not isinstance(args[key], (int, float)) or args[key] <= 0):
+            raise CheckpointError(f"the model args {path}: {key} is {args[key]!r}, not a positive number")
     scaling = args.get("rope_scaling", "none")
     if scaling not in ("none", None):
         raise CheckpointError(f"{path}: rope_scaling {scaling!r} (Llama 3.1 frequency scaling) is not in megalite's "
@@ -171,6 +179,9 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
     if moe:
         raise CheckpointError(f"{src}: {moe[0]} is a mixture-of-experts tensor: torchtitan's MoE models "
                               "are not converted yet (dense Llama 3 only)")
+    for key in ("tok_embeddings.weight", "layers.0.feed_forward.w1.weight"):
+        if len(flat.get(key, ())) != 2:
+            raise CheckpointError(f"{src}: no 2-d tensor {key} in the checkpoint: not a torchtitan Llama 3 checkpoint")
     dim, vocab = flat["tok_embeddings.weight"][1], flat["tok_embeddings.weight"][0]
     layers = 1 + max(int(m.group(1)) for k in flat if (m := _LAYER.match(k)))
     hidden = flat["layers.0.feed_forward.w1.weight"][0]
@@ -184,6 +195,9 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
             raise CheckpointError(f"{src}: the model args say {key}={args[key]} but the tensors have {have}: "
                                   "give the args of this checkpoint's model")
     nh, nkv = int(info["num_heads"]), int(info["num_kv_heads"])
+    if dim % nh or nh % nkv or (dim // nh) % 2:
+        raise CheckpointError(f"{src}: n_heads={nh}, n_kv_heads={nkv} do not fit dim={dim} (n_heads must divide dim "
+                              "into an even head size, n_kv_heads must divide n_heads): give this model's args")
     hd = dim // nh
     step_key = next((k for k in flat if k.startswith("optimizer.state.") and k.endswith(".step")), None)
 
