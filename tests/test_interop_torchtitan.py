@@ -150,3 +150,26 @@ def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.Captu
     err = capsys.readouterr().err.strip()
     assert "layers.0.moe.experts.w1 is a mixture-of-experts tensor" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_megalite_models_torchtitan_lacks_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Qwen3-style megalite model (q/k norms) or a MoE has tensors torchtitan's dense Llama 3 has no place for:
+    refused in one line, nothing written (before the check they were dropped without a word)."""
+    import torch.nn as nn
+
+    from megalite.checkpoint.sharded import find, save_sharded
+    from megalite.model.gpt import GPT
+    from megalite.parallel.state import ParallelState
+    from tests.moe_utils import tiny_moe_cfg
+    from tests.parallel_utils import tiny_model_cfg
+
+    for name, cfg, text in (("qk", tiny_model_cfg("llama", qk_norm=True), "layers.0.attn.k_norm.weight"),
+                            ("moe", tiny_moe_cfg("llama"), "layers.0.")):
+        model = nn.ModuleList([GPT(cfg, ParallelState(), seed=1)])
+        save_sharded(tmp_path / name, 1, model, None, {}, ParallelState(), keep=1)
+        src = find("latest", str(tmp_path / name))
+        assert convert(["--from", "megalite", "--to", "torchtitan", "--input", str(src), "--output",
+                        str(tmp_path / f"{name}_titan")]) == 4
+        err = capsys.readouterr().err.strip()
+        assert "which torchtitan's Llama 3 has no place for" in err and text in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / f"{name}_titan").exists()

@@ -87,6 +87,25 @@ def _to_titan(name: str, t: torch.Tensor, info: dict[str, Any]) -> list[torch.Te
     return [t]
 
 
+def _check_titan_model(info: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """torchtitan's Llama 3 must hold every tensor of the model, and nothing may be left out silently: a MoE
+    model's experts and router, Qwen3's q/k norms or a head size other than dim / n_heads have no place in it."""
+    if info.get("arch") != "llama":
+        raise CheckpointError(f"torchtitan's Llama holds arch 'llama' models; this checkpoint is {info.get('arch')!r}")
+    head_dim = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
+    if head_dim * info["num_heads"] != info["hidden_size"]:
+        raise CheckpointError(f"the model's head_dim {head_dim} x {info['num_heads']} heads is not its hidden size "
+                              f"{info['hidden_size']}: torchtitan's Llama 3 has head size dim / n_heads")
+    mapped = {f"param/{name}" for name, _ in _titan_tensors(info)}
+    unmapped = sorted(k for k in shapes if not k.startswith(_STATES) and k not in mapped)
+    missing = sorted(mapped - set(shapes))
+    if unmapped or missing:
+        what = f"has {unmapped[0]}, which torchtitan's Llama 3 has no place for" if unmapped else \
+            f"lacks {missing[0]}, which torchtitan's Llama 3 needs"
+        raise CheckpointError(f"the checkpoint {what} (MoE layers and q/k norms do not convert to torchtitan's "
+                              "dense Llama 3; --to dcp keeps every tensor)")
+
+
 def _fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """torchtitan's fused wqkv rows: per kv head g, its queries, then k_g, then v_g."""
     groups = [t.reshape(kv_heads, -1, t.shape[-1]) for t in (q, k, v)]
@@ -98,9 +117,8 @@ def to_torchtitan(source: Source, out: Path, fused_qkv: bool = False) -> Path:
     `fused_qkv`: for a torchtitan model built with fuse_qkv=True, whose optimizer holds the fused `wqkv`
     (its model state dict shows wq/wk/wv either way)."""
     info = source.info
-    if info.get("arch") != "llama":
-        raise CheckpointError(f"torchtitan's Llama holds arch 'llama' models; this checkpoint is {info.get('arch')!r}")
     try:
+        _check_titan_model(info, source.shapes)
         full = {k: source.fetch(k) for k in source.shapes}
     finally:
         source.close()
