@@ -149,6 +149,12 @@ def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.Captu
                                "--model-args", str(_args(tmp_path / "args.json"))]) == 4
     err = capsys.readouterr().err.strip()
     assert "layers.0.moe.experts.w1 is a mixture-of-experts tensor" in err and len(err.splitlines()) == 1, err
+    qk = {**ModelWrapper(model).state_dict(), "layers.0.attention.q_norm.weight": torch.ones(DIM // HEADS)}
+    dcp.save(qk, checkpoint_id=str(tmp_path / "qk"), no_dist=True)  # a Qwen3-style extra: never dropped silently
+    assert convert(out[:-4] + ["--input", str(tmp_path / "qk"), "--output", str(tmp_path / "o"),
+                               "--model-args", str(_args(tmp_path / "args.json"))]) == 4
+    err = capsys.readouterr().err.strip()
+    assert "tensor layers.0.attention.q_norm.weight has no place" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
 
 

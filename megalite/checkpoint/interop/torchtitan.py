@@ -212,6 +212,12 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
         if key in args and int(args[key]) != have:
             raise CheckpointError(f"{src}: the model args say {key}={args[key]} but the tensors have {have}: "
                                   "give the args of this checkpoint's model")
+    known = {n for _, names in _titan_tensors(info) for n in names} | {"lm_head.weight"}  # also saved when tied
+    known |= {_fused_name(n) for n in known if ".wq." in n}
+    stray = sorted(k for k in flat if not k.startswith("optimizer.") and k not in known)
+    if stray:  # e.g. a Qwen3-style q_norm: dropping it would change the logits without a word
+        raise CheckpointError(f"{src}: tensor {stray[0]} has no place in megalite's llama (torchtitan's dense "
+                              "Llama 3 is converted: q/k norms, biases and other extras are not)")
     nh, nkv = int(info["num_heads"]), int(info["num_kv_heads"])
     if dim % nh or nh % nkv or (dim // nh) % 2:
         raise CheckpointError(f"{src}: n_heads={nh}, n_kv_heads={nkv} do not fit dim={dim} (n_heads must divide dim "
