@@ -77,6 +77,11 @@ def test_bad_dcp_inputs_are_one_line_exit_4(saved: Path, tmp_path: Path, capsys:
     before = sorted(p.name for p in out.iterdir())
     assert convert(["--from", "megalite", "--to", "dcp", "--input", str(saved), "--output", str(out)]) == 4
     assert "already exists" in capsys.readouterr().err and sorted(p.name for p in out.iterdir()) == before
+    for fmt, src, text in (("megalite", saved, "lies inside the saved checkpoint"), ("dcp", out, "lies inside --input")):
+        to = "dcp" if fmt == "megalite" else "torchtitan"  # an output into its own input would change it
+        assert convert(["--from", fmt, "--to", to, "--input", str(src), "--output", str(src / "sub")]) == 4
+        assert text in capsys.readouterr().err and not (src / "sub").exists()
+    assert sorted(p.name for p in out.iterdir()) == before
     data = shard.read_bytes()
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit
     assert convert(["--from", "dcp", "--to", "megalite", "--input", str(out), "--output", str(tmp_path / "a")]) == 4
@@ -87,3 +92,44 @@ def test_bad_dcp_inputs_are_one_line_exit_4(saved: Path, tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert f"shard file {shard.name} named in .metadata is missing" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.tmp-*"))
+
+
+class _Touch:
+    """Unpickles as `Path(marker).touch()`: a stand-in for any code a crafted pickle could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return Path.touch, (self.marker,)
+
+
+def test_crafted_dcp_pickles_run_no_code(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """torch's reader unpickles `.metadata` with plain pickle and object entries with weights_only=False: a
+    crafted DCP directory (any --from dcp / torchtitan / megatron torch_dist input) would run code. Refused,
+    one line, exit 4, nothing run; and the entry megalite needs, damaged, is one line too."""
+    import pickle
+
+    out, marker = tmp_path / "dcp", tmp_path / "ran"
+    assert convert(["--from", "megalite", "--to", "dcp", "--input", str(saved), "--output", str(out)]) == 0
+    (out / "megalite.sha256.json").unlink()  # an attacker rewrites that too
+    capsys.readouterr()
+    md = (out / ".metadata").read_bytes()
+    (out / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    args = ["--from", "dcp", "--to", "megalite", "--input", str(out), "--output", str(tmp_path / "a")]
+    assert convert(args) == 4
+    err = capsys.readouterr().err.strip()
+    assert "needs pathlib.Path.touch to be unpickled" in err and len(err.splitlines()) == 1, err
+    assert not marker.exists() and not (tmp_path / "a").exists()
+    (out / ".metadata").write_bytes(md)
+    assert convert(args + ["--quiet"]) == 0  # the real metadata passes the allow-list
+    capsys.readouterr()
+    for meta, text in ((_Touch(marker), "refusing to run code from it"),  # torch.save pickles it via getattr
+                       ("{not json", "is not valid JSON"), (7, "is not the JSON megalite writes")):
+        crafted = tmp_path / f"crafted{len(text)}"
+        dcp.save({"model": {"w": torch.zeros(2)}, "megalite": meta}, checkpoint_id=str(crafted), no_dist=True)
+        assert convert(["--from", "dcp", "--to", "megalite", "--input", str(crafted), "--output",
+                        str(tmp_path / "b")]) == 4
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err
+        assert not marker.exists() and not (tmp_path / "b").exists()

@@ -136,6 +136,19 @@ def test_bad_megatron_inputs_are_one_line_exit_4(written: Path, tmp_path: Path, 
     _common(it, tokenizer_model=fractions.Fraction(1, 3))  # a class outside the allow-list
     refused(it, "needs the class fractions.Fraction")
     _common(it, tokenizer_model=None)
+    # Crafted or damaged files: one line each, never a traceback, and no layer silently dropped.
+    tracker = it.parent / "latest_checkpointed_iteration.txt"
+    tracker.write_text("five\n")
+    refused(it, "latest_checkpointed_iteration.txt holds 'five'")
+    tracker.write_text("5")
+    (it / "metadata.json").write_text("{broken")
+    refused(it, "metadata.json is not valid JSON")
+    (it / "metadata.json").write_text(json.dumps(meta))
+    _common(it, num_layers="4")
+    refused(it, "args.num_layers is '4', not a positive integer")
+    _common(it, num_layers=2)  # fewer than the 4 stacked: would drop two layers
+    refused(it, "holds 4 layers but args.num_layers is 2")
+    _common(it, num_layers=4)
     shard = sorted(it.glob("*.distcp"))[-1]
     shard.unlink()
     refused(it, f"shard file {shard.name} named in .metadata is missing")
@@ -145,6 +158,11 @@ def test_bad_megatron_inputs_are_one_line_exit_4(written: Path, tmp_path: Path, 
     legacy = _copy(written, tmp_path, "gpt2", "legacy")
     (legacy / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
     refused(legacy, "mp_rank_01_001/model_optim_rng.pt is missing (a 2 x 2 TP x PP checkpoint)")
+    shallow = _copy(written, tmp_path / "shallow", "llama", "legacy")
+    state = torch.load(shallow / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)
+    state["args"].num_layers = 8  # the files hold 2 layers per stage
+    torch.save(state, shallow / "mp_rank_00_000" / "model_optim_rng.pt")
+    refused(shallow, "holds 2 layers, but args.num_layers 8 over 2 pipeline stages is 4 per stage")
     old = _copy(written, tmp_path, "llama", "legacy")
     first = old / "mp_rank_00_000" / "model_optim_rng.pt"
     state = torch.load(first, weights_only=False)

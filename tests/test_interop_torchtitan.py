@@ -134,6 +134,12 @@ def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "wrong.json").write_text(json.dumps({"n_heads": HEADS, "dim": 64}))
     assert convert(out + ["--model-args", str(tmp_path / "wrong.json")]) == 4
     assert "dim=64 but the tensors have 32" in capsys.readouterr().err
+    for bad, text in (({"n_heads": "4"}, "n_heads is '4', not a positive integer"), ([HEADS], "not a JSON object"),
+                      ({"n_heads": 3}, "n_heads=3, n_kv_heads=3 do not fit dim=32"), ("{", "is not valid JSON")):
+        (tmp_path / "bad.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        assert convert(out + ["--model-args", str(tmp_path / "bad.json")]) == 4
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err
     (tmp_path / "scaled.json").write_text(json.dumps({"n_heads": HEADS, "rope_scaling": "llama"}))
     assert convert(out + ["--model-args", str(tmp_path / "scaled.json")]) == 4
     assert "rope_scaling 'llama'" in capsys.readouterr().err
@@ -143,4 +149,33 @@ def test_torchtitan_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.Captu
                                "--model-args", str(_args(tmp_path / "args.json"))]) == 4
     err = capsys.readouterr().err.strip()
     assert "layers.0.moe.experts.w1 is a mixture-of-experts tensor" in err and len(err.splitlines()) == 1, err
+    qk = {**ModelWrapper(model).state_dict(), "layers.0.attention.q_norm.weight": torch.ones(DIM // HEADS)}
+    dcp.save(qk, checkpoint_id=str(tmp_path / "qk"), no_dist=True)  # a Qwen3-style extra: never dropped silently
+    assert convert(out[:-4] + ["--input", str(tmp_path / "qk"), "--output", str(tmp_path / "o"),
+                               "--model-args", str(_args(tmp_path / "args.json"))]) == 4
+    err = capsys.readouterr().err.strip()
+    assert "tensor layers.0.attention.q_norm.weight has no place" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_megalite_models_torchtitan_lacks_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Qwen3-style megalite model (q/k norms) or a MoE has tensors torchtitan's dense Llama 3 has no place for:
+    refused in one line, nothing written (before the check they were dropped without a word)."""
+    import torch.nn as nn
+
+    from megalite.checkpoint.sharded import find, save_sharded
+    from megalite.model.gpt import GPT
+    from megalite.parallel.state import ParallelState
+    from tests.moe_utils import tiny_moe_cfg
+    from tests.parallel_utils import tiny_model_cfg
+
+    for name, cfg, text in (("qk", tiny_model_cfg("llama", qk_norm=True), "layers.0.attn.k_norm.weight"),
+                            ("moe", tiny_moe_cfg("llama"), "layers.0.")):
+        model = nn.ModuleList([GPT(cfg, ParallelState(), seed=1)])
+        save_sharded(tmp_path / name, 1, model, None, {}, ParallelState(), keep=1)
+        src = find("latest", str(tmp_path / name))
+        assert convert(["--from", "megalite", "--to", "torchtitan", "--input", str(src), "--output",
+                        str(tmp_path / f"{name}_titan")]) == 4
+        err = capsys.readouterr().err.strip()
+        assert "which torchtitan's Llama 3 has no place for" in err and text in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / f"{name}_titan").exists()

@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`: ma
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.interop.source import Source, from_megalite, to_megalite  # noqa: E402
+from megalite.checkpoint.files import refuse_output_in_checkpoint  # noqa: E402
 from megalite.checkpoint.sharded import find  # noqa: E402
 from megalite.errors import CheckpointError, entry_point, one_line_arguments  # noqa: E402
 from tools.reshard_checkpoint import add_layout_arguments, check_target, parse_pp_layers  # noqa: E402
@@ -45,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR", help="new output directory (must not exist)")
     add_layout_arguments(p, "--to megalite: ")
     p.add_argument("--model-args", default="", metavar="JSON",
-                   help="--from torchtitan: the model's dims (a JSON file of torchtitan's model args: dim, "
-                        "n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, ffn_dim_multiplier, norm_eps, "
-                        "rope_theta, max_seq_len); default: the 'model_args.json' megalite writes next to its output")
+                   help="--from torchtitan: what its checkpoint does not record (a JSON file of torchtitan's "
+                        "model args: n_heads, n_kv_heads, norm_eps, rope_theta, max_seq_len; dim, n_layers, "
+                        "vocab_size, hidden_dim are read from the tensors and, if given, checked); default: the "
+                        "input's 'megalite_model_args.json', which megalite writes into every torchtitan output")
     p.add_argument("--torchtitan-fused-qkv", action="store_true",
                    help="--to torchtitan: for a model built with fuse_qkv=True (its optimizer state is of the fused wqkv)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -81,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"--output {out} already exists: choose a new directory or delete it first")
+    refuse_output_in_checkpoint(out, "--output")
+    src = Path(args.input).resolve()
+    if src == out.resolve() or src in out.resolve().parents:  # the input must stay as it was
+        raise CheckpointError(f"--output {out} lies inside --input {args.input}: it would change the input "
+                              f"checkpoint; write it beside it, e.g. {src.parent / out.name}")
     pp_layers = parse_pp_layers(args.pp_layers)
     source = read_source(args.src, Path(args.input), args.model_args)
     if args.dst == "megalite":

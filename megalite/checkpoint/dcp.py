@@ -13,7 +13,11 @@ unpadded tensors, in the nested form torch's own `get_state_dict` produces, so a
 Names are megalite's (`megalite.checkpoint.hf` lists them); a tied head is not stored (it is the embedding).
 Guarantees: the directory is written under a temporary name, fsynced (DCP's `sync_files`) and renamed, so a
 crash never leaves a partial `out`; megalite adds `megalite.sha256.json` (the sha256 of every file) and checks
-it, and that every file `.metadata` names exists, before reading. Other tools ignore that file and get plain
+it, and that every file `.metadata` names exists, before reading. Reading runs no code from the files (every DCP
+input, torchtitan's and Megatron's torch_dist included, may come from anyone): torch's own reader unpickles
+`.metadata` with plain `pickle` and non-tensor entries with `torch.load(weights_only=False)`, either of which
+runs whatever a crafted file asks; here `.metadata` is unpickled with only DCP's metadata classes allowed and
+non-tensor entries with `weights_only=True` (a file needing anything else is refused, naming the class). Other tools ignore that file and get plain
 DCP (their own loaders do not verify checksums). The training run itself always writes megalite's format
 (per-rank writes, any-layout loads); DCP is produced and read by `tools/convert_checkpoint.py`.
 """
@@ -21,8 +25,11 @@ DCP (their own loaders do not verify checksums). The training run itself always 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pickle
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -31,12 +38,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 
 from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
+from megalite.untrusted import load_json_file, loads_json
 
 META_KEY = "megalite"
 SUMS = "megalite.sha256.json"
@@ -78,6 +88,71 @@ def save_dcp(out: Path, state_dict: dict[str, Any], side_files: dict[str, str] |
     return out
 
 
+# What a DCP `.metadata` pickle legitimately names: DCP's metadata dataclasses, its storage records, its save
+# plans (megatron-core keeps every rank's plan in `all_local_plans`), torch.Size, dtypes and layouts, and the
+# checkpoint id's path class. Constructing any of them runs no user code.
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "ChunkStorageMetadata", "BytesStorageMetadata", "TensorStorageMetadata",
+    "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {("torch.distributed.checkpoint.planner", n) for n in (
+    "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                       torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def _refused(path: Path, e: pickle.UnpicklingError) -> CheckpointError:
+    found = re.search(r"GLOBAL ([\w.]+)", str(e))  # ours and torch.load's weights_only message both say so
+    what = found.group(1) if found else (str(e).splitlines() or ["an unknown object"])[0]
+    return CheckpointError(f"{path} needs {what} to be unpickled, which a torch.distributed.checkpoint file does "
+                           "not: refusing to run code from it (the file was crafted or is not a checkpoint)")
+
+
+class SafeReader(FileSystemReader):
+    """torch's FileSystemReader with `.metadata` unpickled by the allow-list above."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise _refused(path, e) from None
+        if not isinstance(md, Metadata):
+            raise CheckpointError(f"{path} holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata")
+        storage = getattr(md, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id  # what torch's reader does after unpickling
+        md.storage_meta = storage
+        return md
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """Non-tensor entries through `torch.load(weights_only=True)` (torch's planner: weights_only=False);
+    megalite reads them only at the top level of the state dict (`load_object`)."""
+
+    def __init__(self, src: Path) -> None:
+        super().__init__()
+        self.src = src
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        path = self.mappings.get(fqn, (fqn,))
+        if len(path) != 1:  # load_tensor asked for a tensor there
+            raise CheckpointError(f"{self.src}: entry {fqn} is stored as an object, not a tensor: the checkpoint "
+                                  "is damaged or not of the expected kind")
+        try:
+            self.original_state_dict[str(path[0])] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refused(self.src / f"{fqn} (an entry of its .distcp files)", e) from None
+
+
 def read_metadata(src: Path) -> Metadata:
     """The `.metadata` of DCP directory `src`, after checking every data file it names exists (the missing one
     is named) and, when `megalite.sha256.json` is there, that every file matches its checksum."""
@@ -85,7 +160,9 @@ def read_metadata(src: Path) -> Metadata:
     if not (src / ".metadata").is_file():
         raise CheckpointError(f"{src} is not a torch.distributed.checkpoint directory (no .metadata file)")
     try:
-        md = FileSystemReader(str(src)).read_metadata()
+        md = SafeReader(str(src)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:  # a truncated or foreign .metadata: torch raises pickle/EOF errors of many kinds
         raise CheckpointError(f"cannot read {src / '.metadata'} ({type(e).__name__}: {e}): the checkpoint is "
                               "damaged or incomplete") from e
@@ -95,7 +172,9 @@ def read_metadata(src: Path) -> Metadata:
             raise CheckpointError(f"{src}: shard file {name} named in .metadata is missing: the checkpoint is "
                                   "incomplete (copy it completely, or re-save it)")
     if (src / SUMS).is_file():
-        sums = json.loads((src / SUMS).read_text())
+        sums = load_json_file(src / SUMS, str(src / SUMS), CheckpointError)
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            raise CheckpointError(f"{src / SUMS} is not a JSON object of file names and sha256 digests")
         for name, digest in sums.items():
             if sha256(inside(src, name, SUMS)) != digest:
                 raise CheckpointError(f"{src / name} is corrupt (sha256 mismatch with {SUMS}): restore it from a copy")
@@ -107,21 +186,34 @@ def tensor_shapes(md: Metadata) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
+def _load(src: Path, state_dict: dict[str, Any]) -> None:
+    """`dcp.load` into `state_dict` through the safe reader and planner. DCP wraps what a read raises in a
+    CheckpointException (a BaseException, with the original inside): ours comes back out as it was, anything
+    else (a size or type that contradicts `.metadata`) as one CheckpointError line."""
+    try:
+        with _one_process():
+            dcp.load(state_dict, storage_reader=SafeReader(str(src)), planner=_SafePlanner(src), no_dist=True)
+    except CheckpointException as e:
+        inner = next((exc for exc, _ in e.failures.values()), None)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise CheckpointError(f"cannot read {src} ({type(inner).__name__}: {inner}): the checkpoint is damaged or "
+                              "does not match its .metadata") from None
+
+
 def load_tensor(src: Path, path: list[str], shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One tensor of a DCP checkpoint, by its nested key path: memory stays at one tensor."""
     t = torch.empty(shape, dtype=dtype)
     nested: dict[str, Any] = {path[-1]: t}
     for part in reversed(path[:-1]):
         nested = {part: nested}
-    with _one_process():
-        dcp.load(nested, checkpoint_id=str(src), no_dist=True)
+    _load(src, nested)
     return t
 
 
 def load_object(src: Path, key: str) -> Any:
     holder: dict[str, Any] = {key: ""}
-    with _one_process():
-        dcp.load(holder, checkpoint_id=str(src), no_dist=True)
+    _load(src, holder)
     return holder[key]
 
 
@@ -152,7 +244,16 @@ def from_dcp(src: Path) -> Source:
     if META_KEY not in md.state_dict_metadata:
         raise CheckpointError(f"{src} is a DCP checkpoint without megalite's '{META_KEY}' entry (model dims): "
                               "for a torchtitan checkpoint use --from torchtitan")
-    meta = json.loads(load_object(src, META_KEY))
+    text = load_object(src, META_KEY)
+    try:
+        meta = loads_json(text, f"{src}'s '{META_KEY}' entry", CheckpointError) if isinstance(text, str) else None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{src}: its '{META_KEY}' entry is not valid JSON ({e.msg}): the checkpoint was "
+                              "edited or damaged") from None
+    if not (isinstance(meta, dict) and isinstance(meta.get("model"), dict) and isinstance(meta.get("step"), int)
+            and isinstance(meta.get("extra") or {}, dict)):
+        raise CheckpointError(f"{src}: its '{META_KEY}' entry is not the JSON megalite writes (model dims, step): "
+                              "the checkpoint was not written by tools/convert_checkpoint.py or was edited")
     shapes, where = logical_keys(tensor_shapes(md))
     return Source(meta["model"], shapes, lambda k: load_tensor(src, where[k], shapes[k]), int(meta["step"]),
                   meta.get("optimizer_step"), meta.get("extra") or {})

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import json
 import pickle
 import re
 from pathlib import Path
@@ -51,6 +50,7 @@ import torch
 from megalite.checkpoint.dcp import load_tensor, read_metadata, tensor_shapes
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
+from megalite.untrusted import load_json_file
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -95,9 +95,11 @@ def safe_load(path: Path) -> Any:
 def _iteration_dir(path: Path) -> Path:
     tracker = path / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
-        text = tracker.read_text().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}"
-        path = path / name
+        text = tracker.read_text(errors="replace").strip()
+        if text != "release" and not (text.isascii() and text.isdigit()):
+            raise CheckpointError(f"{tracker} holds {text[:40]!r}: Megatron-LM writes an iteration number or "
+                                  "'release' there; fix it or give the iter_N directory")
+        path = path / ("release" if text == "release" else f"iter_{int(text):07d}")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory: give a Megatron-LM checkpoint root or its iter_N directory")
     return path
@@ -147,6 +149,23 @@ def _family(args: Any, src: Path) -> str:
                           "and GPT-2-style (LayerNorm, GeLU, learned_absolute, biases) Megatron models")
 
 
+def _count(args: Any, src: Path, name: str, default: Any = None) -> int:
+    """A positive integer field of `args` (a crafted or damaged file may hold anything there)."""
+    value = getattr(args, name, None)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{src}: the checkpoint's args.{name} is {value!r}, not a positive integer: the "
+                              "model's dims are unknown")
+    return value
+
+
+def _iteration(state: dict[str, Any], where: Path) -> int:
+    value = state.get("iteration", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{where}: iteration {value!r} is not a step number: the file is damaged or crafted")
+    return value
+
+
 def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
                positions: int | None = None) -> dict[str, Any]:
     """megalite's model dims from Megatron's args, refusing architectures megalite lacks.
@@ -165,17 +184,22 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
         if getattr(args, key, None):
             raise CheckpointError(f"{src}: the checkpoint's model has {what}, which megalite does not have")
     arch = _family(args, src)
-    heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
+    layers, heads, hidden, ffn = (_count(args, src, n) for n in ("num_layers", "num_attention_heads", "hidden_size",
+                                                                 "ffn_hidden_size"))
     kv_channels = _arg(args, "kv_channels", default=hidden // heads)
     if int(kv_channels) * heads != hidden:
         raise CheckpointError(f"{src}: kv_channels={kv_channels} with {heads} heads of a hidden size {hidden}: "
                               "megalite's head size is hidden_size / num_heads")
     if arch == "llama" and float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
         raise CheckpointError(f"{src}: rotary_percent={args.rotary_percent}: megalite rotates the whole head")
-    groups = int(_arg(args, "num_query_groups", default=heads)) if _arg(args, "group_query_attention") else heads
-    seq = int(_arg(args, "seq_length", "max_position_embeddings", default=2048)) if positions is None else positions
-    return {"arch": arch, "num_layers": int(args.num_layers), "hidden_size": hidden,
-            "num_heads": heads, "num_kv_heads": groups, "ffn_hidden_size": int(args.ffn_hidden_size),
+    groups = _count(args, src, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads
+    if heads % groups:
+        raise CheckpointError(f"{src}: num_query_groups={groups} does not divide num_attention_heads={heads}: the "
+                              "checkpoint's args are inconsistent")
+    seq = _count(args, src, "seq_length", _arg(args, "max_position_embeddings", default=2048)) \
+        if positions is None else positions
+    return {"arch": arch, "num_layers": layers, "hidden_size": hidden,
+            "num_heads": heads, "num_kv_heads": groups, "ffn_hidden_size": ffn,
             "vocab_size": vocab_rows, "seq_len": seq,
             "make_vocab_divisible_by": 1, "tie_embeddings": not bool(_arg(args, "untie_embeddings_and_output_weights",
                                                                            default=False)),
@@ -222,7 +246,9 @@ def _top_level(info: dict[str, Any]) -> dict[str, str]:
 
 def _check_conflicts(src: Path, args: Any) -> None:
     """metadata.json and common.pt's args must agree on every field both hold."""
-    meta = json.loads((src / "metadata.json").read_text())
+    meta = load_json_file(src / "metadata.json", f"{src}/metadata.json", CheckpointError)
+    if not isinstance(meta, dict) or not isinstance(meta.get("content_metadata") or {}, dict):
+        raise CheckpointError(f"{src}/metadata.json is not a JSON object of Megatron's checkpoint metadata")
     if meta.get("sharded_backend") != "torch_dist":
         raise CheckpointError(f"{src}/metadata.json: sharded_backend {meta.get('sharded_backend')!r}; only torch_dist "
                               "is read")
@@ -248,9 +274,10 @@ def _check_core_names(where: Path, names: list[str]) -> None:
 def _from_torch_dist(src: Path) -> Source:
     md = read_metadata(src)  # names a missing shard file
     common = safe_load(src / "common.pt")
-    args = common.get("args")
-    if args is None:
-        raise CheckpointError(f"{src}/common.pt has no 'args': the model's dims are unknown")
+    args = common.get("args") if isinstance(common, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{src}/common.pt has no 'args' (Megatron-LM's argparse.Namespace): the model's dims "
+                              "are unknown")
     _check_conflicts(src, args)
     flat = tensor_shapes(md)
     pos = flat.get("embedding.position_embeddings.weight")
@@ -283,9 +310,12 @@ def _from_torch_dist(src: Path) -> Source:
         mkey = next((f"decoder.layers.{c}" for c in candidates if f"decoder.layers.{c}" in flat), None)
         if mkey is None:
             raise CheckpointError(f"{src}: no tensor decoder.layers.{candidates[0]} in the checkpoint")
+        if not flat[mkey] or flat[mkey][0] != info["num_layers"]:  # stacked over the layers: [num_layers, ...]
+            raise CheckpointError(f"{src}: {mkey} holds {flat[mkey][0] if flat[mkey] else 0} layers but args.num_layers is "
+                                  f"{info['num_layers']}: the checkpoint is inconsistent; not guessing which is right")
         for i in range(info["num_layers"]):
             shapes[f"param/layers.{i}.{rest}"] = flat[mkey][1:]
-    return Source(info, shapes, fetch, int(common.get("iteration", 0)))
+    return Source(info, shapes, fetch, _iteration(common, src / "common.pt"))
 
 
 def _merge_tp(rest: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
@@ -313,12 +343,30 @@ def _from_legacy(src: Path) -> Source:
                 raise CheckpointError(f"{src}: {f.relative_to(src)} is missing (a {tp} x {pp} TP x PP checkpoint)")
             ranks[(t, p)] = f
     states = {k: safe_load(f) for k, f in sorted(ranks.items())}  # one full copy of the model in memory
+    for k, v in states.items():
+        if not isinstance(v, dict) or not isinstance(v.get("model") or {}, dict):
+            raise CheckpointError(f"{ranks[k]} is not a Megatron-LM checkpoint file (a dict with 'args' and 'model')")
     first = states[(0, 0)]
     args = first.get("args")
-    if args is None:
-        raise CheckpointError(f"{ranks[(0, 0)]} has no 'args': the model's dims are unknown")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{ranks[(0, 0)]} has no 'args' (Megatron-LM's argparse.Namespace): the model's dims "
+                              "are unknown")
     models = {k: v.get("model") or {} for k, v in states.items()}
-    _check_core_names(ranks[(0, 0)], list(models[(0, 0)]))
+    for (t, p), sd in models.items():
+        if p == 0:
+            _check_core_names(ranks[(t, p)], list(sd))
+        bad = next((n for n, v in sd.items() if "_extra_state" not in n and not isinstance(v, torch.Tensor)), None)
+        if bad is not None:
+            raise CheckpointError(f"{ranks[(t, p)]}: model entry {bad} is a {type(sd[bad]).__name__}, not a tensor")
+        if set(sd) != set(models[(0, p)]):  # every TP rank of a stage holds its shard of the same tensors
+            odd = sorted(set(sd) ^ set(models[(0, p)]))[0]
+            raise CheckpointError(f"{ranks[(t, p)]} and {ranks[(0, p)]} differ in tensor {odd}: the TP ranks of a "
+                                  "stage must hold the same tensors; the checkpoint is damaged or mixed")
+        stage_layers = {int(x.group(1)) for n in sd if (x := _LAYER.match(n))}
+        if stage_layers and len(stage_layers) * pp != _count(args, src, "num_layers"):
+            raise CheckpointError(f"{ranks[(t, p)]} holds {len(stage_layers)} layers, but args.num_layers "
+                                  f"{args.num_layers} over {pp} pipeline stages is {args.num_layers / pp:g} per stage: "
+                                  "the checkpoint is inconsistent")
     vocab = sum(models[(t, 0)]["embedding.word_embeddings.weight"].shape[0] for t in range(tp))
     pos = models[(0, 0)].get("embedding.position_embeddings.weight")
     info = model_info(args, src, vocab, [n for m in models.values() for n in m], None if pos is None else pos.shape[0])
@@ -341,7 +389,7 @@ def _from_legacy(src: Path) -> Source:
                 full[f"param/layers.{p * per_stage + local}.{rest}"] = \
                     ungroup_qkv(merged, info) if rest.startswith("attn.qkv.") else merged
     return Source(info, {k: tuple(v.shape) for k, v in full.items()}, lambda k: full[k].float(),
-                  int(first.get("iteration", 0)))
+                  _iteration(first, ranks[(0, 0)]))
 
 
 def from_megatron(path: Path) -> Source:

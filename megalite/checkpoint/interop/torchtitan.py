@@ -41,6 +41,7 @@ import torch
 from megalite.checkpoint.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
+from megalite.untrusted import load_json_file
 
 ARGS_FILE = "megalite_model_args.json"
 _STATES = ("exp_avg", "exp_avg_sq")
@@ -86,6 +87,25 @@ def _to_titan(name: str, t: torch.Tensor, info: dict[str, Any]) -> list[torch.Te
     return [t]
 
 
+def _check_titan_model(info: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """torchtitan's Llama 3 must hold every tensor of the model, and nothing may be left out silently: a MoE
+    model's experts and router, Qwen3's q/k norms or a head size other than dim / n_heads have no place in it."""
+    if info.get("arch") != "llama":
+        raise CheckpointError(f"torchtitan's Llama holds arch 'llama' models; this checkpoint is {info.get('arch')!r}")
+    head_dim = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
+    if head_dim * info["num_heads"] != info["hidden_size"]:
+        raise CheckpointError(f"the model's head_dim {head_dim} x {info['num_heads']} heads is not its hidden size "
+                              f"{info['hidden_size']}: torchtitan's Llama 3 has head size dim / n_heads")
+    mapped = {f"param/{name}" for name, _ in _titan_tensors(info)}
+    unmapped = sorted(k for k in shapes if not k.startswith(_STATES) and k not in mapped)
+    missing = sorted(mapped - set(shapes))
+    if unmapped or missing:
+        what = f"has {unmapped[0]}, which torchtitan's Llama 3 has no place for" if unmapped else \
+            f"lacks {missing[0]}, which torchtitan's Llama 3 needs"
+        raise CheckpointError(f"the checkpoint {what} (MoE layers and q/k norms do not convert to torchtitan's "
+                              "dense Llama 3; --to dcp keeps every tensor)")
+
+
 def _fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """torchtitan's fused wqkv rows: per kv head g, its queries, then k_g, then v_g."""
     groups = [t.reshape(kv_heads, -1, t.shape[-1]) for t in (q, k, v)]
@@ -97,9 +117,8 @@ def to_torchtitan(source: Source, out: Path, fused_qkv: bool = False) -> Path:
     `fused_qkv`: for a torchtitan model built with fuse_qkv=True, whose optimizer holds the fused `wqkv`
     (its model state dict shows wq/wk/wv either way)."""
     info = source.info
-    if info.get("arch") != "llama":
-        raise CheckpointError(f"torchtitan's Llama holds arch 'llama' models; this checkpoint is {info.get('arch')!r}")
     try:
+        _check_titan_model(info, source.shapes)
         full = {k: source.fetch(k) for k in source.shapes}
     finally:
         source.close()
@@ -147,10 +166,17 @@ def _model_args(src: Path, given: Path | None, shapes: dict[str, tuple[int, ...]
     if not path.is_file():
         raise CheckpointError(f"{src}: torchtitan checkpoints do not record the model's heads, norm eps and RoPE "
                               f"theta; give them with --model-args FILE.json ({path} not found)")
-    try:
-        args = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read the model args {path} ({e})") from e
+    args = load_json_file(path, f"the model args {path}", CheckpointError)
+    if not isinstance(args, dict):
+        raise CheckpointError(f"the model args {path} are not a JSON object of torchtitan's model args")
+    for key in ("n_heads", "n_kv_heads", "max_seq_len", "dim", "n_layers", "vocab_size", "hidden_dim"):
+        value = args.get(key)
+        if (key == "n_heads" or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                         or value < 1):
+            raise CheckpointError(f"the model args {path}: {key} is {value!r}, not a positive integer")
+    for key in ("norm_eps", "rope_theta"):
+        if key in args and (isinstance(args[key], bool) or not isinstance(args[key], (int, float)) or args[key] <= 0):
+            raise CheckpointError(f"the model args {path}: {key} is {args[key]!r}, not a positive number")
     scaling = args.get("rope_scaling", "none")
     if scaling not in ("none", None):
         raise CheckpointError(f"{path}: rope_scaling {scaling!r} (Llama 3.1 frequency scaling) is not in megalite's "
@@ -171,6 +197,9 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
     if moe:
         raise CheckpointError(f"{src}: {moe[0]} is a mixture-of-experts tensor: torchtitan's MoE models "
                               "are not converted yet (dense Llama 3 only)")
+    for key in ("tok_embeddings.weight", "layers.0.feed_forward.w1.weight"):
+        if len(flat.get(key, ())) != 2:
+            raise CheckpointError(f"{src}: no 2-d tensor {key} in the checkpoint: not a torchtitan Llama 3 checkpoint")
     dim, vocab = flat["tok_embeddings.weight"][1], flat["tok_embeddings.weight"][0]
     layers = 1 + max(int(m.group(1)) for k in flat if (m := _LAYER.match(k)))
     hidden = flat["layers.0.feed_forward.w1.weight"][0]
@@ -183,7 +212,16 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
         if key in args and int(args[key]) != have:
             raise CheckpointError(f"{src}: the model args say {key}={args[key]} but the tensors have {have}: "
                                   "give the args of this checkpoint's model")
+    known = {n for _, names in _titan_tensors(info) for n in names} | {"lm_head.weight"}  # also saved when tied
+    known |= {_fused_name(n) for n in known if ".wq." in n}
+    stray = sorted(k for k in flat if not k.startswith("optimizer.") and k not in known)
+    if stray:  # e.g. a Qwen3-style q_norm: dropping it would change the logits without a word
+        raise CheckpointError(f"{src}: tensor {stray[0]} has no place in megalite's llama (torchtitan's dense "
+                              "Llama 3 is converted: q/k norms, biases and other extras are not)")
     nh, nkv = int(info["num_heads"]), int(info["num_kv_heads"])
+    if dim % nh or nh % nkv or (dim // nh) % 2:
+        raise CheckpointError(f"{src}: n_heads={nh}, n_kv_heads={nkv} do not fit dim={dim} (n_heads must divide dim "
+                              "into an even head size, n_kv_heads must divide n_heads): give this model's args")
     hd = dim // nh
     step_key = next((k for k in flat if k.startswith("optimizer.state.") and k.endswith(".step")), None)
 
