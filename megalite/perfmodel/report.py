@@ -69,7 +69,7 @@ def render(est: Estimate, kw: dict) -> str:
         names = [g["name"] for g in f8["gemms"] if g["fp8"]]
         out.append(f"fp8 {f8['recipe']} (min dim {f8['min_dim']}): {', '.join(names) or 'no GEMM'} in FP8, "
                    f"{f8['fp8_flops_fraction']:.1%} of the hardware FLOPs; amax all-reduces "
-                   + ", ".join(f"{g} {b / 1e6:.3g} MB" for g, b in f8["amax_bytes"].items()) +
+                   + (", ".join(f"{g} {b / 1e6:.3g} MB" for g, b in f8["amax_bytes"].items()) or "none (tp = cp = 1)") +
                    f"; largest FP8 weight copy {f8['weight_copy_bytes'] / 2**20:.1f} MiB")
         if est.predicted_mfu_fp8_peak is not None:
             out.append(f"MFU is over the bf16 dense peak; over the FP8 dense peak "
