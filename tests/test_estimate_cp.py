@@ -3,7 +3,7 @@ layers x micro-batches, activation memory per rank falls as 1/cp, dp traffic and
 TP/SP/PP traffic moves S/cp tokens, the ring's transfers hide behind attention compute step by step, cp = 1
 is exactly the estimator it was before cp, and the CLI takes `--parallel.cp`.
 
-`test_measured_cp_run_equals_estimate` runs `pretrain.py --parallel.cp 2` under torchrun and holds its measured
+`test_measured_cp_run_equals_estimate` runs `pretrain.py --parallel.cp 2` at 4 ranks and holds its measured
 bytes equal to the estimate's."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.estimate import (GB, PRESETS, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
                                          tp_comm_bytes)
 from tests.conftest import SMALL_RUN
+from tests.pool_pretrain import run_pretrain_in_pool
 from tools.estimate import main as estimate_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,14 +171,10 @@ def test_cli_prints_the_cp_line_and_refuses_a_bad_split(capsys: pytest.CaptureFi
 
 # ------------------------------------------------------------------ measured (needs the model wired for cp)
 
-def _pretrain_torchrun(cache: str, log_dir: Path, nproc: int, *extra: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           str(REPO / "pretrain.py"), "--data.cache_dir", cache, *SMALL_RUN,
-           "--train.steps", "2", "--logging.dir", str(log_dir), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=900)
+def _pretrain_at(dist_world, cache: str, log_dir: Path, nproc: int, *extra: str) -> None:
+    """pretrain.py's entry point in the session's warm ranks of that world size (tests/pool_pretrain.py)."""
+    args = ["--data.cache_dir", cache, *SMALL_RUN, "--train.steps", "2", "--logging.dir", str(log_dir), *extra]
+    proc = run_pretrain_in_pool(dist_world, args, nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -198,13 +195,13 @@ def assert_run_equals_estimate(run_dir: Path, capsys: pytest.CaptureFixture[str]
         assert last["mem_bytes"][kind] == predicted["memory"][kind], kind  # integers of bytes: exact
 
 
-def test_measured_cp_run_equals_estimate(demo_cache_dir: str, tmp_path: Path,
+def test_measured_cp_run_equals_estimate(dist_world, demo_cache_dir: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """4 ranks under torchrun at cp 2 x dp 2 with ZeRO 1: dp traffic and ZeRO shards over dp x cp = 4."""
+    """4 ranks at cp 2 x dp 2 with ZeRO 1: dp traffic and ZeRO shards over dp x cp = 4."""
     from megalite.data import prepare_demo_data
 
     prepare_demo_data(demo_cache_dir, 300_000, 512)  # once, before four ranks race to build it
-    _pretrain_torchrun(demo_cache_dir, tmp_path, 4, "--parallel.cp", "2", "--parallel.zero", "1")
+    _pretrain_at(dist_world, demo_cache_dir, tmp_path, 4, "--parallel.cp", "2", "--parallel.zero", "1")
     assert_run_equals_estimate(tmp_path, capsys)
 
 

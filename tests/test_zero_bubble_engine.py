@@ -187,17 +187,18 @@ def test_zero_bubble_at_pp4(dist_world, schedule: str, stage: int) -> None:
     _assert_reductions_start_in_last_w(out, schedule, m=8)
 
 
-def test_torchrun_zbv_trains_like_one_process(demo_cache_dir: str, tmp_path) -> None:
-    """pretrain.py under torchrun, pp=2 with zbv (the trainer must build the V placement): the same
-    losses as one process (fp32; pp-only runs the same ops: 1e-5 on O(1) losses)."""
+def test_pretrain_zbv_trains_like_one_process(dist_world, demo_cache_dir: str, tmp_path) -> None:
+    """pretrain.py at 2 ranks (in the warm pool: tests/pool_pretrain.py), pp=2 with zbv (the trainer must build
+    the V placement): the same losses as one process (fp32; pp-only runs the same ops: 1e-5 on O(1) losses)."""
     from megalite.training.trainer import main
-    from tests.test_pretrain import _args, _losses, _run_script
+    from tests.pool_pretrain import run_pretrain_in_pool
+    from tests.test_pretrain import _args, _losses
 
     common = ["--train.steps", "3", "--model.arch", "llama", "--model.num_layers", "4",
               "--train.global_batch_size", "16"]
     assert main(_args(demo_cache_dir, tmp_path / "one", *common)) == 0
-    proc = _run_script(_args(demo_cache_dir, tmp_path / "zbv", *common, "--parallel.pp", "2", "--parallel.vpp", "2",
-                             "--parallel.schedule", "zbv"), nproc=2)
+    proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, tmp_path / "zbv", *common, "--parallel.pp", "2",
+                                                  "--parallel.vpp", "2", "--parallel.schedule", "zbv"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, zbv = _losses(tmp_path / "one"), _losses(tmp_path / "zbv")
     assert one.keys() == zbv.keys()
