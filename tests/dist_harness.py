@@ -39,7 +39,18 @@ def _worker(rank: int, world: int, init_file: str, tasks: Any, results: Any) -> 
             results.put((rank, True, fn(rank, *args)))
         except BaseException:  # report everything, including assertion failures, with the rank
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    # Every result was read before the stop came, so nothing is left to flush. Leave without tearing down the
+    # groups and the interpreter: that orderly exit cost ~0.5-1 CPU-second per rank, 14 ranks per session.
+    os._exit(0)
+
+
+def _context() -> Any:
+    """Ranks forked from a server process that imported torch once (and ran nothing: no OpenMP or gloo thread
+    exists to be forked), instead of each rank importing torch itself (~1.5 CPU-seconds a rank, 14 ranks in a
+    session): the same clean processes as "spawn", started for a fraction of the CPU."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 class DistWorld:
@@ -51,10 +62,11 @@ class DistWorld:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         fd, init_file = tempfile.mkstemp(prefix="megalite-dist-")
         os.close(fd)
         os.remove(init_file)  # the file store must not exist yet
+        self._init_file = init_file
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results),
@@ -100,3 +112,5 @@ class DistWorld:
             if p.is_alive():
                 p.kill()
         self._procs = []
+        if os.path.exists(self._init_file):
+            os.remove(self._init_file)  # the ranks exit without closing the file store (see _worker)

@@ -29,6 +29,7 @@ from megalite.pipeline import build_pipeline
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.step import StepContext, train_step
 from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
+from tests.pool_pretrain import run_pretrain_in_pool
 from tests.test_reliability import _args, _rows, _sigterm_after_3_steps, _torchrun
 
 
@@ -131,13 +132,15 @@ def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path: Pa
 
 
 @pytest.mark.timeout(900)  # three 2-process runs
-def test_two_ranks_kill_9_mid_write_resumes_from_the_last_complete_and_matches_sync(demo_cache_dir: str,
+def test_two_ranks_kill_9_mid_write_resumes_from_the_last_complete_and_matches_sync(dist_world, demo_cache_dir: str,
                                                                                    tmp_path: Path) -> None:
     """2 processes (dp 2). Sync run vs async run killed (SIGKILL on rank 1) during step 4's write, after its file
     is durable and before the checkpoint is published; torchrun restarts it, it resumes from step 2 (the last
     complete one), and ends with the sync run's losses and the same checkpoint bytes."""
     common = ["--train.steps", "6", "--train.global_batch_size", "8", "--checkpoint.interval", "2"]
-    sync = _torchrun(_args(demo_cache_dir, tmp_path / "l1", *common, "--checkpoint.dir", str(tmp_path / "c1")))
+    # The sync run in the warm ranks (tests/pool_pretrain.py; one thread per rank like the torchrun job's ranks)
+    sync = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, tmp_path / "l1", *common, "--checkpoint.dir",
+                                                  str(tmp_path / "c1")), nproc=2)
     assert sync.returncode == 0, sync.stderr[-2000:]
     crash = _torchrun(_args(demo_cache_dir, tmp_path / "l2", *common, "--checkpoint.dir", str(tmp_path / "c2"),
                             "--checkpoint.async_save", "true"),

@@ -1,4 +1,4 @@
-"""Checkpoint layout changes end to end: `pretrain.py` under torchrun, fresh processes, fp32, gloo on CPU.
+"""Checkpoint layout changes end to end: `pretrain.py`'s entry point at N ranks, fp32, gloo on CPU.
 
 For each pair (A, B): an uninterrupted 6-step run at layout A saves at step 3 (and at the end); a new job
 at layout B loads A's step-3 checkpoint and trains steps 4..6. Its losses must equal A's steps 4..6 and
@@ -7,23 +7,25 @@ resumed job read exactly the samples A read, none skipped, none repeated (a wron
 the loss by ~1e-2, far outside the tolerance below).
 
 Save at (tp2, pp2, dp2, zero1), continue at (tp1, pp4, dp2, zero3) runs at 8 ranks in
-`test_issue_targets_at_8_ranks`; the other pairs use 4 ranks
-(quick on 2 cores). Jobs use `torchrun --standalone` (a free port each), so a concurrent test suite cannot collide with them.
+`test_issue_targets_at_8_ranks`; the other pairs use 4 ranks. Each job runs in the session's warm ranks of its
+world size (tests/pool_pretrain.py: the same entry point after the rendezvous, without N + 1 torch start-ups per
+job); each job rebuilds everything from its config and the checkpoint on disk. Resuming in fresh processes
+under torchrun is tests/test_reliability.py's killed-rank restart and tests/test_async_save.py's kill -9.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from tests.conftest import SMALL_RUN
+from tests.dist_harness import DistWorld
+from tests.pool_pretrain import PoolRun, run_pretrain_in_pool
+from tools.reshard_checkpoint import main as reshard_main
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
 # Layouts change the order of the same fp32 sums: TP splits matmuls into partial sums, dp/ZeRO reduce
 # gradients in a different order (all-reduce vs reduce-scatter over 1, 2 or 4 ranks), micro-batch
@@ -46,12 +48,8 @@ def _world(lay: Layout) -> int:
     return int(lay["tp"]) * int(lay["pp"]) * int(lay["dp"])
 
 
-def _torchrun(lay: Layout, args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MEGALITE_FAULT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(_world(lay)),
-           str(REPO / "pretrain.py"), *args, *_flags(lay)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
+def _train(dist_world: Callable[[int], DistWorld], lay: Layout, args: list[str]) -> PoolRun:
+    proc = run_pretrain_in_pool(dist_world, [*args, *_flags(lay)], _world(lay))
     assert proc.returncode == 0, f"{lay}: {proc.stderr[-3000:]}"
     return proc
 
@@ -82,23 +80,21 @@ PAIRS = [  # (A, B, reshard offline first with these tool flags, or None)
 
 
 @pytest.mark.parametrize("a,b,tool", PAIRS, ids=["tp2sp-z1-dp4z3", "pp2z2-tool-tp2sp-z3"])
-def test_continue_at_another_layout(demo_cache_dir: str, tmp_path: Path, a: Layout, b: Layout,
+def test_continue_at_another_layout(dist_world, demo_cache_dir: str, tmp_path: Path, a: Layout, b: Layout,
                                     tool: list[str] | None) -> None:
     common = _common(demo_cache_dir)
-    _torchrun(a, [*common, "--logging.dir", str(tmp_path / "log_a"), "--checkpoint.dir", str(tmp_path / "ck_a"),
-                  "--checkpoint.interval", str(SAVE_AT)])
+    _train(dist_world, a, [*common, "--logging.dir", str(tmp_path / "log_a"), "--checkpoint.dir",
+                           str(tmp_path / "ck_a"), "--checkpoint.interval", str(SAVE_AT)])
     saved = tmp_path / "ck_a" / f"step_{SAVE_AT:08d}"
     assert _consumed(saved) == SAVE_AT * GLOBAL_BATCH
     load = saved
     if tool is not None:
         load = tmp_path / "resharded"
-        proc = subprocess.run([sys.executable, str(REPO / "tools" / "reshard_checkpoint.py"), "--input", str(saved),
-                               "--output", str(load), "--quiet", *tool], capture_output=True, text=True,
-                              cwd=str(REPO))
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        # in this process (its command line runs as a script in tests/test_bad_inputs_checkpoint.py)
+        assert reshard_main(["--input", str(saved), "--output", str(load), "--quiet", *tool]) == 0
         assert _consumed(load) == SAVE_AT * GLOBAL_BATCH  # the tool carries the data position over
-    out = _torchrun(b, [*common, "--logging.dir", str(tmp_path / "log_b"), "--checkpoint.dir",
-                        str(tmp_path / "ck_b"), "--checkpoint.load", str(load)])
+    out = _train(dist_world, b, [*common, "--logging.dir", str(tmp_path / "log_b"), "--checkpoint.dir",
+                                 str(tmp_path / "ck_b"), "--checkpoint.load", str(load)])
     assert f"resumed from {load} at step {SAVE_AT}" in out.stdout
     want, got = _losses(tmp_path / "log_a"), _losses(tmp_path / "log_b")
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), sorted(got)
@@ -108,7 +104,7 @@ def test_continue_at_another_layout(demo_cache_dir: str, tmp_path: Path, a: Layo
     assert _consumed(tmp_path / "ck_b" / end) == _consumed(tmp_path / "ck_a" / end) == STEPS * GLOBAL_BATCH
 
 
-def test_issue_targets_at_8_ranks(demo_cache_dir: str, tmp_path: Path) -> None:
+def test_issue_targets_at_8_ranks(dist_world, demo_cache_dir: str, tmp_path: Path) -> None:
     """Save at (tp2, pp2, dp2, zero1); continue at (tp1, pp4, dp2, zero3). (Continuing at tp4 is the same
     loader growing tp, which tests/test_checkpoint_reshard.py holds in-process, tp1 -> tp4, at a fraction of
     an 8-rank torchrun job's start-up.)"""
@@ -117,13 +113,13 @@ def test_issue_targets_at_8_ranks(demo_cache_dir: str, tmp_path: Path) -> None:
               "--train.micro_batch_size", "2", "--train.global_batch_size", str(batch), "--train.steps", str(STEPS),
               "--train.dtype", "fp32", "--train.device", "cpu"]
     a = {"tp": 2, "pp": 2, "dp": 2, "zero": 1}
-    _torchrun(a, [*common, "--logging.dir", str(tmp_path / "log_a"), "--checkpoint.dir", str(tmp_path / "ck_a"),
-                  "--checkpoint.interval", str(SAVE_AT)])
+    _train(dist_world, a, [*common, "--logging.dir", str(tmp_path / "log_a"), "--checkpoint.dir",
+                           str(tmp_path / "ck_a"), "--checkpoint.interval", str(SAVE_AT)])
     saved = tmp_path / "ck_a" / f"step_{SAVE_AT:08d}"
     want = _losses(tmp_path / "log_a")
     for name, b in (("pp4z3", {"tp": 1, "pp": 4, "dp": 2, "zero": 3}),):
-        _torchrun(b, [*common, "--logging.dir", str(tmp_path / name), "--checkpoint.dir", str(tmp_path / f"ck_{name}"),
-                      "--checkpoint.load", str(saved)])
+        _train(dist_world, b, [*common, "--logging.dir", str(tmp_path / name), "--checkpoint.dir",
+                               str(tmp_path / f"ck_{name}"), "--checkpoint.load", str(saved)])
         got = _losses(tmp_path / name)
         assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), (name, sorted(got))
         diffs = {s: abs(got[s] - want[s]) for s in got}

@@ -1,6 +1,6 @@
 """The cp modes (`parallel.cp_mode`: ring | allgather | a2a, megalite/context/options.py): the all-to-all
 (Ulysses) attention against unsplit causal attention, its bytes against the closed form and the estimator,
-its validation, and each mode trained through `pretrain.py` under torchrun with the single-process losses and
+its validation, and each mode trained through `pretrain.py`'s entry point at 4 ranks with the single-process losses and
 the estimator's bytes. The ring and all-gather forms' own attention tests are tests/test_context_parallel.py;
 every mode's multi-step training parity (cp 2 and 4, tp + sp, pp, recompute) is tests/test_cp_training.py.
 
@@ -151,7 +151,7 @@ def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -
         estimate(dims, Layout(tp=8, cp=8, global_batch_size=2, cp_mode="a2a"))
 
 
-# ------------------------------------------------------------------ end to end, under torchrun
+# ------------------------------------------------------------------ end to end, pretrain.py at 4 ranks
 
 @pytest.mark.parametrize("mode,model,flags", [
     # 4 heads and 4 kv heads: 2 per tp rank, 1 per a2a rank
@@ -162,17 +162,19 @@ def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -
     ("hybrid", ("--data.document_mask", "true"), ("--parallel.cp", "4", "--parallel.cp_a2a", "2")),
 ])
 def test_pretrain_cp_mode_matches_single_process_and_the_estimate(mode: str, model: tuple[str, ...],
-                                                                  flags: tuple[str, ...],
+                                                                  flags: tuple[str, ...], dist_world,
                                                                   demo_cache_dir: str, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from pretrain import main
-    from tests.test_pretrain import _args, _losses, _run_script
+    from tests.pool_pretrain import run_pretrain_in_pool
+    from tests.test_pretrain import _args, _losses
     from tools.estimate import main as estimate_main
 
     steps = ("--train.steps", "3", *model)
     assert main(_args(demo_cache_dir, tmp_path / "one", *steps)) == 0
-    proc = _run_script(_args(demo_cache_dir, tmp_path / "cp", *steps, "--parallel.cp_mode", mode, *flags),
-                       nproc=4)
+    # pretrain.py's entry point in the session's 4 warm ranks (tests/pool_pretrain.py), not a torchrun job
+    proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, tmp_path / "cp", *steps, "--parallel.cp_mode",
+                                                  mode, *flags), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, cp = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
     assert sorted(one) == sorted(cp) == [1, 2, 3]

@@ -1,7 +1,7 @@
-"""End to end: `torchrun --nproc-per-node 4 pretrain.py --parallel.cp 2 --parallel.tp 2 --parallel.sp true`
-trains like one process (metrics.jsonl losses), logs the cp, tp and dp bytes and model-state bytes the estimator
-predicts (exactly), and checkpoints move between cp=2 and
-cp=1 runs in both directions with the same next-step loss.
+"""End to end: `pretrain.py --parallel.cp 2 --parallel.tp 2 --parallel.sp true` at 4 ranks (its entry point in
+the session's warm ranks, tests/pool_pretrain.py) trains like one process (metrics.jsonl losses), logs the cp, tp
+and dp bytes and model-state bytes the estimator predicts (exactly), and checkpoints move between cp=2 and cp=1
+runs in both directions with the same next-step loss.
 
 Tolerance: fp32, the same math in another summation order (tests/test_cp_training.py): 1e-5 on O(1) losses.
 """
@@ -15,7 +15,8 @@ import pytest
 
 from pretrain import main
 from tests.test_estimate_cp import assert_run_equals_estimate
-from tests.test_pretrain import _args, _losses, _run_script
+from tests.pool_pretrain import run_pretrain_in_pool
+from tests.test_pretrain import _args, _losses
 
 TOL = 1e-5
 
@@ -24,14 +25,15 @@ def _last_row(log_dir: Path) -> dict:
     return json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
-def test_torchrun_cp2_tp2_sp_matches_single_process_and_checkpoints_cross(
-        demo_cache_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cp2_tp2_sp_matches_single_process_and_checkpoints_cross(
+        dist_world, demo_cache_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = ["--checkpoint.interval", "2", "--checkpoint.keep", "2"]
     one_dir, cp_dir = tmp_path / "one", tmp_path / "cp"
     assert main(_args(demo_cache_dir, one_dir, "--train.steps", "3", "--checkpoint.dir", str(tmp_path / "ck_one"),
                       *ckpt)) == 0
-    proc = _run_script(_args(demo_cache_dir, cp_dir, "--train.steps", "3", "--checkpoint.dir", str(tmp_path / "ck_cp"),
-                             *ckpt, "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "true"), nproc=4)
+    proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, cp_dir, "--train.steps", "3", "--checkpoint.dir",
+                                                  str(tmp_path / "ck_cp"), *ckpt, "--parallel.cp", "2", "--parallel.tp",
+                                                  "2", "--parallel.sp", "true"), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, cp = _losses(one_dir), _losses(cp_dir)
     assert sorted(one) == sorted(cp) == [1, 2, 3]
@@ -43,9 +45,9 @@ def test_torchrun_cp2_tp2_sp_matches_single_process_and_checkpoints_cross(
     assert main(_args(demo_cache_dir, resume_one, "--train.steps", "3", "--checkpoint.load",
                       str(tmp_path / "ck_cp" / "step_00000002"), "--checkpoint.dir", str(tmp_path / "ck_r1"))) == 0
     resume_cp = tmp_path / "resume_cp"
-    proc = _run_script(_args(demo_cache_dir, resume_cp, "--train.steps", "3", "--checkpoint.load",
-                             str(tmp_path / "ck_one" / "step_00000002"), "--checkpoint.dir", str(tmp_path / "ck_r2"),
-                             "--parallel.cp", "2"), nproc=2)
+    proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, resume_cp, "--train.steps", "3", "--checkpoint.load",
+                                                  str(tmp_path / "ck_one" / "step_00000002"), "--checkpoint.dir",
+                                                  str(tmp_path / "ck_r2"), "--parallel.cp", "2"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, log in (("cp=2 checkpoint at cp=1", resume_one), ("cp=1 checkpoint at cp=2", resume_cp)):
         resumed = _losses(log)

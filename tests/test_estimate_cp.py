@@ -3,7 +3,7 @@ layers x micro-batches, activation memory per rank falls as 1/cp, dp traffic and
 TP/SP/PP traffic moves S/cp tokens, the ring's transfers hide behind attention compute step by step, cp = 1
 is exactly the estimator it was before cp, and the CLI takes `--parallel.cp`.
 
-`test_measured_cp_run_equals_estimate` runs `pretrain.py --parallel.cp 2` under torchrun and holds its measured
+`test_measured_cp_run_equals_estimate` runs `pretrain.py --parallel.cp 2` at 4 ranks and holds its measured
 bytes equal to the estimate's."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.estimate import (GB, PRESETS, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
                                          tp_comm_bytes)
 from tests.conftest import SMALL_RUN
+from tests.pool_pretrain import run_pretrain_in_pool
 from tools.estimate import main as estimate_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,14 +171,10 @@ def test_cli_prints_the_cp_line_and_refuses_a_bad_split(capsys: pytest.CaptureFi
 
 # ------------------------------------------------------------------ measured (needs the model wired for cp)
 
-def _pretrain_torchrun(cache: str, log_dir: Path, nproc: int, *extra: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           str(REPO / "pretrain.py"), "--data.cache_dir", cache, *SMALL_RUN,
-           "--train.steps", "2", "--logging.dir", str(log_dir), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=900)
+def _pretrain_at(dist_world, cache: str, log_dir: Path, nproc: int, *extra: str) -> None:
+    """pretrain.py's entry point in the session's warm ranks of that world size (tests/pool_pretrain.py)."""
+    args = ["--data.cache_dir", cache, *SMALL_RUN, "--train.steps", "2", "--logging.dir", str(log_dir), *extra]
+    proc = run_pretrain_in_pool(dist_world, args, nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -198,13 +195,13 @@ def assert_run_equals_estimate(run_dir: Path, capsys: pytest.CaptureFixture[str]
         assert last["mem_bytes"][kind] == predicted["memory"][kind], kind  # integers of bytes: exact
 
 
-def test_measured_cp_run_equals_estimate(demo_cache_dir: str, tmp_path: Path,
+def test_measured_cp_run_equals_estimate(dist_world, demo_cache_dir: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """4 ranks under torchrun at cp 2 x dp 2 with ZeRO 1: dp traffic and ZeRO shards over dp x cp = 4."""
+    """4 ranks at cp 2 x dp 2 with ZeRO 1: dp traffic and ZeRO shards over dp x cp = 4."""
     from megalite.data import prepare_demo_data
 
     prepare_demo_data(demo_cache_dir, 300_000, 512)  # once, before four ranks race to build it
-    _pretrain_torchrun(demo_cache_dir, tmp_path, 4, "--parallel.cp", "2", "--parallel.zero", "1")
+    _pretrain_at(dist_world, demo_cache_dir, tmp_path, 4, "--parallel.cp", "2", "--parallel.zero", "1")
     assert_run_equals_estimate(tmp_path, capsys)
 
 
@@ -241,7 +238,7 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                            *args], capture_output=True, text=True, cwd=str(REPO), env=env, timeout=900)
 
 
-def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path) -> None:
+def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """What the benchmark predicts (no runs): activations per rank 1/cp of cp = 1's, fused and unfused; the
     same model states; cp bytes = the mode's closed form x 4 layers (one micro-batch, fp32); the all-gather
     form holds the other ranks' K/V besides. Bad sizes: exit 2."""
@@ -262,12 +259,18 @@ def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path) -> None
         a2a = 2 if r["mode"] == "hybrid" else 1
         assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4, a2a=a2a).total  # 512/8 = 64
     assert "| 4 | a2a | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
+    # The refusals in this process (the command line ran above): argparse's exit 2 with one "error:" line.
+    from bench.cp_memory import main as bench_main
+
     for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"], ["--modes", "x"]):
-        out = _bench(tmp_path, "--estimate-only", *bad)
-        assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, bad
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            bench_main(["--out", str(tmp_path), "--estimate-only", *bad])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "error:" in err and "Traceback" not in err, bad
 
 
-def test_cp_memory_bench_names_the_sizes_that_fit_a_budget(tmp_path: Path) -> None:
+def test_cp_memory_bench_names_the_sizes_that_fit_a_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--render` re-reads a run's JSON: a row fits when its largest rank's peak RSS is within the budget."""
     rows = [{"cp": cp, "tokens_per_rank": 4096 // cp, "tokens_per_s": 100.0, "cp_bytes_measured": 0.0,
              "peak_rss_bytes_per_rank": [rss] * cp,
@@ -275,19 +278,22 @@ def test_cp_memory_bench_names_the_sizes_that_fit_a_budget(tmp_path: Path) -> No
             for cp, rss in ((1, 1.3e9), (2, 0.9e9), (4, 0.7e9))]
     res = tmp_path / "cp_memory.json"
     res.write_text(json.dumps({"date": "-", "cores": 2, "model_desc": "-", "fixed_rss_bytes": 2e8, "rows": rows}))
-    proc = _bench(tmp_path, "--render", str(res), "--max-memory-gb", "1.1")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Budget 1.1 GB per rank (measured peak RSS): cp = 2, 4 fit." in proc.stdout
-    assert "| 1 | - | 4096 | 1240 | 1049 |" in proc.stdout and proc.stdout.count(" no |") == 1
+    from bench.cp_memory import main as bench_main
+
+    capsys.readouterr()
+    assert bench_main(["--out", str(tmp_path), "--render", str(res), "--max-memory-gb", "1.1"]) == 0  # in-process
+    out = capsys.readouterr().out
+    assert "Budget 1.1 GB per rank (measured peak RSS): cp = 2, 4 fit." in out
+    assert "| 1 | - | 4096 | 1240 | 1049 |" in out and out.count(" no |") == 1
 
 
 def test_cp_memory_bench_smoke_runs_cp_1_and_2(tmp_path: Path) -> None:
-    """The smoke run's measured cp bytes equal the estimator's, at cp = 1 and at cp = 2 in the ring and a2a modes,
-    and every run trains."""
+    """The smoke run's measured cp bytes equal the estimator's, at cp = 1 and at cp = 2 in the a2a mode (the ring's
+    are `test_measured_cp_run_equals_estimate`'s), and every run trains."""
     proc = _bench(tmp_path, "--smoke", "--max-memory-gb", "100")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "cp_memory_smoke.json").read_text())["rows"]
-    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring"), (2, "ring"), (2, "a2a")]
+    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring"), (2, "a2a")]
     for r in rows:
         assert "skipped" not in r, r.get("stderr_tail")
         assert r["tokens_per_s"] > 0 and len(r["peak_rss_bytes_per_rank"]) == r["cp"]

@@ -4,7 +4,6 @@ The vocab-parallel kernel is also run for real across 2 gloo processes, each hol
 prime vocabulary, and compared with the single-process loss and gradient.
 """
 
-import datetime
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU via numpy
@@ -12,7 +11,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run o
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("triton")
 from megalite.kernels.testing import check_against_reference, use_interpreter  # noqa: E402
@@ -98,31 +96,26 @@ def test_logits_untouched_without_grad_and_consumed_with_grad() -> None:
         K.cross_entropy(capped, target).sum().backward()
 
 
-def _vp_worker(rank: int, world: int, tmpdir: str) -> None:
+def _vp_rank(rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One of the 2 warm gloo ranks (tests/dist_harness.py): half of the vocabulary, its loss and gradient."""
     kernels = use_interpreter()
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))  # a hang guard, far above a loaded run
-    try:
-        lo, hi = (0, SPLIT) if rank == 0 else (SPLIT, VOCAB)
-        results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for dtype in DTYPES:
-            logits, target = _problem(16, VOCAB, dtype)
-            go = torch.randn(16, generator=torch.Generator().manual_seed(1))
-            for name in ("kernel", "reference"):
-                fn = getattr(kernels, "vocab_parallel_cross_entropy" + ("_reference" if name == "reference" else ""))
-                shard = logits[:, lo:hi].clone().requires_grad_()
-                loss = fn(shard, target, lo, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),
-                          lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM), IGNORE)
-                loss.backward(go)
-                results[f"{dtype}-{name}"] = (loss.detach().clone(), shard.grad.clone())
-        torch.save(results, f"{tmpdir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    lo, hi = (0, SPLIT) if rank == 0 else (SPLIT, VOCAB)
+    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for dtype in DTYPES:
+        logits, target = _problem(16, VOCAB, dtype)
+        go = torch.randn(16, generator=torch.Generator().manual_seed(1))
+        for name in ("kernel", "reference"):
+            fn = getattr(kernels, "vocab_parallel_cross_entropy" + ("_reference" if name == "reference" else ""))
+            shard = logits[:, lo:hi].clone().requires_grad_()
+            loss = fn(shard, target, lo, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),
+                      lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM), IGNORE)
+            loss.backward(go)
+            results[f"{dtype}-{name}"] = (loss.detach().clone(), shard.grad.clone())
+    return results
 
 
-def test_vocab_parallel_two_shards_match_single_process(tmp_path: "os.PathLike[str]") -> None:
-    mp.spawn(_vp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(f"{tmp_path}/rank{r}.pt") for r in range(2)]
+def test_vocab_parallel_two_shards_match_single_process(dist_world) -> None:
+    ranks = dist_world(2).run(_vp_rank)
     for dtype in DTYPES:
         logits, target = _problem(16, VOCAB, dtype)
         go = torch.randn(16, generator=torch.Generator().manual_seed(1))

@@ -37,7 +37,8 @@ from megalite.training.step import train_step
 from tests.conftest import free_port
 from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
                                   tiny_train_cfg)
-from tests.test_pretrain import _args, _run_script
+from tests.pool_pretrain import run_pretrain_in_pool
+from tests.test_pretrain import _args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -228,18 +229,18 @@ def test_settings_are_validated() -> None:
         assert needle in str(err.value)
 
 
-def test_pretrain_overlapped_equals_waited(demo_cache_dir: str, tmp_path: Path) -> None:
-    """torchrun, dp = 2, ZeRO-2, small buckets, with a checkpoint save, validation and a text sample
-    between steps (each reads the parameters: `finish_param_sync`): overlapping the gathers and
-    switching it off give bitwise the same losses, validation losses and samples."""
+def test_pretrain_overlapped_equals_waited(dist_world, demo_cache_dir: str, tmp_path: Path) -> None:
+    """pretrain.py at 2 ranks (in the warm pool: tests/pool_pretrain.py), dp = 2, ZeRO-2, small buckets, with a
+    checkpoint save, validation and a text sample between steps (each reads the parameters: `finish_param_sync`):
+    overlapping the gathers and switching it off give bitwise the same losses, validation losses and samples."""
     extra = ["--train.steps", "4", "--parallel.zero", "2", "--parallel.first_bucket_mb", "0.01",
              "--parallel.bucket_mb", "0.05", "--train.eval_interval", "2", "--logging.sample_interval", "2",
              "--checkpoint.interval", "2"]
     rows = {}
     for overlap in ("true", "false"):
         out = tmp_path / overlap
-        proc = _run_script(_args(demo_cache_dir, out, *extra, "--parallel.overlap_param_gather", overlap,
-                                 "--checkpoint.dir", str(out / "ckpt")), nproc=2)
+        proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, out, *extra, "--parallel.overlap_param_gather",
+                                                      overlap, "--checkpoint.dir", str(out / "ckpt")), nproc=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows[overlap] = [{k: r[k] for k in ("step", "loss", "valid_loss", "sample") if k in r}
                          for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]

@@ -7,6 +7,9 @@ tests/test_tensor_parallel.py applies (1e-5 on O(1) values, 1e-4 on parameters a
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn as nn
@@ -31,22 +34,54 @@ def _batches(data: list[torch.Tensor], lo: int, hi: int) -> list[list[tuple[torc
     return [[(d[i:i + MICRO, :-1], d[i:i + MICRO, 1:]) for i in range(lo, hi, MICRO)] for d in data]
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The single-process run every rank compares against: per-step losses, parameters after them, and the
+    validation loss of the first step's batch."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    valid: float
+
+
+def _model_cfg(arch: str, untied: bool):
+    return tiny_model_cfg(arch, num_layers=8, **({"tie_embeddings": False} if untied else {}))
+
+
+def _data(arch: str, global_batch: int) -> list[torch.Tensor]:
+    cfg, gen = _model_cfg(arch, False), torch.Generator().manual_seed(11)
+    return [torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(arch: str, untied: bool, global_batch: int) -> Reference:
+    """Computed once per (model, batch) in the pytest process and shipped to the ranks: every rank would
+    otherwise rerun the same deterministic single-process training (most of the work at 4 and 8 ranks)."""
+    cfg, data, state = _model_cfg(arch, untied), _data(arch, global_batch), ParallelState()
+    ref = GPT(cfg, state, seed=5)
+    opt = reference_optimizer(ref, state)
+    losses = [train_step(step_context(ref, state, torch.float32, tiny_train_cfg(STEPS)), opt, b, i).loss
+              for i, b in enumerate(_batches(data, 0, global_batch))]
+    params = {k: v.detach().clone() for k, v in ref.named_parameters(remove_duplicate=False)}
+    valid = evaluate(ref, _batches(data, 0, global_batch)[0], state, torch.float32)
+    return Reference(losses, params, valid)
+
+
+def run_pipeline_check(dist_world, world: int, tp: int, pp: int, sp: bool, arch: str, schedule: str, vpp: int,
+                       micro_batches: int, p2p_depth: int = 1) -> list[dict[str, float]]:
+    """`_check_pipeline` on `world` ranks against the (cached) single-process reference of its global batch."""
+    global_batch = MICRO * micro_batches * (world // (tp * pp))
+    return dist_world(world).run(_check_pipeline, tp, pp, sp, arch, schedule, vpp, micro_batches, p2p_depth,
+                                 _reference(arch, schedule == "zbv", global_batch))  # zbv: gpt2 untied
+
+
 def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: str, vpp: int,
-                    micro_batches: int, p2p_depth: int = 1) -> dict[str, float]:
+                    micro_batches: int, p2p_depth: int, ref: Reference) -> dict[str, float]:
     st = layout(tp, pp, sp=sp)
-    # zbv puts the embedding and the head on one rank, which tied embeddings do not support yet.
-    cfg = tiny_model_cfg(arch, num_layers=8, **({"tie_embeddings": False} if schedule == "zbv" else {}))
+    cfg = _model_cfg(arch, schedule == "zbv")
     per_rank = MICRO * micro_batches
-    global_batch = per_rank * st.dp
-    gen = torch.Generator().manual_seed(11)
-    data = [torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen) for _ in range(STEPS)]
+    data = _data(arch, per_rank * st.dp)
     tcfg = tiny_train_cfg(STEPS)
-    ref_state = ParallelState()
-    ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = reference_optimizer(ref, ref_state)
-    ref_losses = [train_step(step_context(ref, ref_state, torch.float32, tcfg),
-                             ref_opt, b, i).loss
-                  for i, b in enumerate(_batches(data, 0, global_batch))]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
     engine.p2p_depth = p2p_depth  # receives posted ahead (tests/test_pipeline_p2p.py varies it)
     opt = reference_optimizer(nn.ModuleList(engine.chunks), st)
@@ -57,27 +92,23 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
               for i, b in enumerate(mine)]
     counted = st.counter.bytes()
     pp_bytes = st.counter.exact_bytes("pp")
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+    for i, (a, b) in enumerate(zip(losses, ref.losses)):
         assert abs(a - b) <= 1e-5, f"step {i}: loss {a} != reference {b}"
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for chunk in engine.chunks:
         for name, value in full_state_dict(chunk, st).items():
-            expected = ref_params[name].detach()
+            expected = ref.params[name]
             if name.endswith("attn.qkv.bias"):  # see tests/test_tensor_parallel.py: the key bias has no gradient
                 h = cfg.hidden_size
                 value, expected = torch.cat([value[:h], value[-h:]]), torch.cat([expected[:h], expected[-h:]])
             err = (value - expected).abs().max().item()
             assert err <= PARAM_ATOL, f"{name}: max abs error {err:.2e} after {STEPS} steps"
-    # Every boundary a chunk has moves one activation forward / one gradient backward per micro-batch
-    # (zbv: except between stages P-1 and P, which are on the same rank).
     act = MICRO * (cfg.seq_len // tp if sp else cfg.seq_len) * cfg.hidden_size * 4
     remote = [(vs, vs + 1) for vs in range(engine.num_stages - 1) if engine._pp_rank(vs) != engine._pp_rank(vs + 1)]
     sends = sum((vs, vs + 1) in remote for vs in engine.chunk_stages) + sum((vs - 1, vs) in remote
                                                                            for vs in engine.chunk_stages)
     assert pp_bytes == STEPS * micro_batches * act * sends, f"pp bytes {pp_bytes} != formula"
     valid = evaluate(engine, mine[0], st, torch.float32)
-    assert valid == pytest.approx(evaluate(ref, _batches(data, 0, global_batch)[0], ref_state, torch.float32),
-                                  abs=1e-5)
+    assert valid == pytest.approx(ref.valid, abs=1e-5)
     return {"peak_in_flight": engine.peak_in_flight, **counted}
 
 
@@ -92,7 +123,7 @@ CASES = [  # (world, tp, pp, sp, schedule, vpp, micro_batches per dp rank)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("world,tp,pp,sp,schedule,vpp,m", CASES)
 def test_pipeline_matches_single_process(dist_world, world, tp, pp, sp, schedule, vpp, m, arch) -> None:
-    out = dist_world(world).run(_check_pipeline, tp, pp, sp, arch, schedule, vpp, m)
+    out = run_pipeline_check(dist_world, world, tp, pp, sp, arch, schedule, vpp, m)
     first_stage = out[0]
     if schedule == "gpipe":
         assert first_stage["peak_in_flight"] == m  # GPipe holds all M micro-batches
@@ -113,7 +144,7 @@ def test_pipeline_matches_single_process(dist_world, world, tp, pp, sp, schedule
     (4, 2, 2, True, "zbv", 2), (4, 1, 2, False, "zbv", 2), (8, 2, 2, True, "zbv", 2),
 ])
 def test_pipeline_composes_with_tp_sp_dp(dist_world, world, tp, pp, sp, schedule, vpp) -> None:
-    out = dist_world(world).run(_check_pipeline, tp, pp, sp, "gpt2", schedule, vpp, 4)
+    out = run_pipeline_check(dist_world, world, tp, pp, sp, "gpt2", schedule, vpp, 4)
     if world // (tp * pp) > 1:
         assert out[0]["dp"] > 0
     if schedule != "zbv":  # zbv runs gpt2 untied

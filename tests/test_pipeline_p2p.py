@@ -1,6 +1,6 @@
 """The pipeline's point-to-point layer (`megalite/pipeline/p2p.py`): message routes, the order both
 sides post them in, the receive prefetch, and every schedule at several prefetch depths against the
-single-process run (the parity check itself is tests/test_pipeline.py's `_check_pipeline`)."""
+single-process run (the parity check itself is tests/test_pipeline.py's `run_pipeline_check`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from megalite.pipeline import p2p
 from megalite.pipeline.partition import stage_rank
 from megalite.pipeline.schedules import SCHEDULES, build_schedule, chunk_stages
 from tests.conftest import free_port
-from tests.test_pipeline import _check_pipeline
+from tests.test_pipeline import run_pipeline_check
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ DEPTH_CASES = [(2, 2, s, _vpp(s), 4, 0) for s in SCHEDULES] + [(4, 4, s, _vpp(s)
 @pytest.mark.parametrize("world,pp,schedule,vpp,m,depth", DEPTH_CASES)
 def test_every_schedule_matches_single_process_at_any_prefetch_depth(dist_world, world, pp, schedule, vpp, m,
                                                                      depth) -> None:
-    dist_world(world).run(_check_pipeline, 1, pp, False, "llama", schedule, vpp, m, depth)
+    run_pipeline_check(dist_world, world, 1, pp, False, "llama", schedule, vpp, m, depth)
 
 
 def test_pipeline_compare_smoke_checks_losses_against_torch_pipelining(tmp_path) -> None:

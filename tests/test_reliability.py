@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN
+from tests.pool_pretrain import run_pretrain_in_pool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,11 +38,14 @@ def _torchrun(args: list[str], *, restarts: int = 0, **env: str) -> subprocess.C
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(**env), cwd=str(REPO), timeout=900)
 
 
-def test_killed_rank_restarts_from_latest_checkpoint_and_matches(demo_cache_dir: str, tmp_path: Path) -> None:
+def test_killed_rank_restarts_from_latest_checkpoint_and_matches(dist_world, demo_cache_dir: str,
+                                                                 tmp_path: Path) -> None:
     """SIGKILL on rank 1 at step 5 under torchrun --max-restarts 1: the job resumes from step 4 and ends
-    with the same losses as an uninterrupted run (fp32, same layout): no sample skipped or repeated."""
+    with the same losses as an uninterrupted run (fp32, same layout, one thread per rank in both: bitwise;
+    the uninterrupted one runs in the warm ranks, tests/pool_pretrain.py): no sample skipped or repeated."""
     common = ["--train.steps", "8", "--train.global_batch_size", "8", "--checkpoint.interval", "2"]
-    clean = _torchrun(_args(demo_cache_dir, tmp_path / "clean", *common, "--checkpoint.dir", str(tmp_path / "c1")))
+    clean = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, tmp_path / "clean", *common, "--checkpoint.dir",
+                                                   str(tmp_path / "c1")), nproc=2)
     assert clean.returncode == 0, clean.stderr[-2000:]
     crash = _torchrun(_args(demo_cache_dir, tmp_path / "crash", *common, "--checkpoint.dir", str(tmp_path / "c2")),
                       restarts=1, MEGALITE_FAULT="kill:rank=1:step=5")

@@ -9,6 +9,7 @@ Multi-rank parity against the single-process run uses tests/test_pipeline.py's t
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -99,21 +100,41 @@ def test_split_backward_is_bitwise_the_whole_backward(arch: str, recompute: str,
         assert torch.equal(grads[1][name], g), name
 
 
-def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: str) -> dict[str, object]:
+def _zero_pipeline_cfg(pp: int, arch: str, schedule: str):
+    vpp = 2 if schedule == "zbv" else 1
+    return tiny_model_cfg(arch, num_layers=max(4, pp * vpp), **({"tie_embeddings": False} if schedule == "zbv" else {}))
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_pipeline_reference(pp: int, arch: str, schedule: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process run's losses and parameters (pp x dp=2's global batch), once per case in the pytest
+    process: each of the 2·pp ranks would otherwise rerun the same deterministic run (most of the work at pp 4)."""
+    cfg = _zero_pipeline_cfg(pp, arch, schedule)
+    data = random_steps(cfg, STEPS, MICRO * 2 * pp * 2)
+    ref_state = ParallelState()
+    ref = GPT(cfg, ref_state, seed=5)
+    ref_opt = reference_optimizer(ref, ref_state)
+    ref_ctx = step_context(ref, ref_state, torch.float32, tiny_train_cfg(STEPS))
+    losses = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i).loss for i, d in enumerate(data)]
+    return losses, {k: v.detach().clone() for k, v in ref.named_parameters(remove_duplicate=False)}
+
+
+def _run_zero_pipeline(dist_world, pp: int, stage: int, arch: str, schedule: str) -> list[dict]:
+    return dist_world(2 * pp).run(_check_zero_pipeline, pp, stage, arch, schedule,
+                                  _zero_pipeline_reference(pp, arch, schedule))
+
+
+def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: str,
+                         ref: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, object]:
     """pp x dp=2 with ZeRO `stage`: the zero-bubble schedule against the single-process run, and (same
     placement) bitwise against 1F1B; records when the DP reductions start."""
     st = layout(1, pp)
     vpp = 2 if schedule == "zbv" else 1
-    cfg = tiny_model_cfg(arch, num_layers=max(4, pp * vpp), **({"tie_embeddings": False} if schedule == "zbv" else {}))
+    cfg = _zero_pipeline_cfg(pp, arch, schedule)
     per_rank = MICRO * 2 * pp
     data = random_steps(cfg, STEPS, per_rank * st.dp)
     tcfg = tiny_train_cfg(STEPS)
-    ref_state = ParallelState()
-    ref = GPT(cfg, ref_state, seed=5)
-    ref_opt = reference_optimizer(ref, ref_state)
-    ref_ctx = step_context(ref, ref_state, torch.float32, tcfg)
-    ref_losses = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i).loss
-                  for i, d in enumerate(data)]
+    ref_losses, ref_params = ref
     mine = [micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO) for d in data]
     params, timing = {}, []
     for sched in ([schedule, "1f1b"] if schedule == "zb-h1" else [schedule]):
@@ -139,10 +160,9 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
             assert abs(a - b) <= 1e-5, f"{sched} zero={stage} step {i}: loss {a} != reference {b}"
         params[sched] = opt.full_parameters()
         peak = engine.peak_in_flight
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for name, value in params[schedule].items():
         name = re.sub(r"^\d+\.", "", name)  # the chunk index of an nn.ModuleList of chunks (zbv)
-        expect = ref_params[name].detach()
+        expect = ref_params[name]
         if name.endswith("attn.qkv.bias"):  # see tests/test_tensor_parallel.py: the key bias has no gradient
             h = cfg.hidden_size
             value, expect = torch.cat([value[:h], value[-h:]]), torch.cat([expect[:h], expect[-h:]])
@@ -159,8 +179,7 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
 ])
 def test_zero_bubble_with_zero_matches_single_process(dist_world, pp: int, stage: int, arch: str,
                                                       schedule: str) -> None:
-    _assert_reductions_start_in_last_w(dist_world(2 * pp).run(_check_zero_pipeline, pp, stage, arch, schedule),
-                                       schedule, m=2 * pp)
+    _assert_reductions_start_in_last_w(_run_zero_pipeline(dist_world, pp, stage, arch, schedule), schedule, m=2 * pp)
 
 
 def _assert_reductions_start_in_last_w(out: list[dict], schedule: str, m: int) -> None:
@@ -183,21 +202,22 @@ def _assert_reductions_start_in_last_w(out: list[dict], schedule: str, m: int) -
 @pytest.mark.parametrize("schedule,stage", [("zb-h1", 1), ("zbv", 1), ("zb-h1", 3)])
 def test_zero_bubble_at_pp4(dist_world, schedule: str, stage: int) -> None:
     """pp=4 x dp=2 on 8 ranks."""
-    out = dist_world(8).run(_check_zero_pipeline, 4, stage, "llama", schedule)
+    out = _run_zero_pipeline(dist_world, 4, stage, "llama", schedule)
     _assert_reductions_start_in_last_w(out, schedule, m=8)
 
 
-def test_torchrun_zbv_trains_like_one_process(demo_cache_dir: str, tmp_path) -> None:
-    """pretrain.py under torchrun, pp=2 with zbv (the trainer must build the V placement): the same
-    losses as one process (fp32; pp-only runs the same ops: 1e-5 on O(1) losses)."""
+def test_pretrain_zbv_trains_like_one_process(dist_world, demo_cache_dir: str, tmp_path) -> None:
+    """pretrain.py at 2 ranks (in the warm pool: tests/pool_pretrain.py), pp=2 with zbv (the trainer must build
+    the V placement): the same losses as one process (fp32; pp-only runs the same ops: 1e-5 on O(1) losses)."""
     from megalite.training.trainer import main
-    from tests.test_pretrain import _args, _losses, _run_script
+    from tests.pool_pretrain import run_pretrain_in_pool
+    from tests.test_pretrain import _args, _losses
 
     common = ["--train.steps", "3", "--model.arch", "llama", "--model.num_layers", "4",
               "--train.global_batch_size", "16"]
     assert main(_args(demo_cache_dir, tmp_path / "one", *common)) == 0
-    proc = _run_script(_args(demo_cache_dir, tmp_path / "zbv", *common, "--parallel.pp", "2", "--parallel.vpp", "2",
-                             "--parallel.schedule", "zbv"), nproc=2)
+    proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, tmp_path / "zbv", *common, "--parallel.pp", "2",
+                                                  "--parallel.vpp", "2", "--parallel.schedule", "zbv"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, zbv = _losses(tmp_path / "one"), _losses(tmp_path / "zbv")
     assert one.keys() == zbv.keys()

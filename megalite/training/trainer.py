@@ -92,6 +92,9 @@ class Run:
     optimizer: DistributedOptimizer
     sampler: DataSampler
     checkpoints: RunCheckpoints
+    # This run started the default process group, so it ends it; a program that had joined one before calling
+    # `main` (tests/pool_pretrain.py's warm ranks) keeps it for its next run.
+    owns_group: bool = False
 
 
 def build_run(cfg: config_mod.Config) -> Run:
@@ -99,6 +102,7 @@ def build_run(cfg: config_mod.Config) -> Run:
     par, tr = cfg.parallel, cfg.train
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
+    joined = dist.is_available() and dist.is_initialized()  # init_distributed keeps a group that exists
     state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
                              timeout_s=par.timeout_s, cp=par.cp, ep=par.ep)
     torch.manual_seed(tr.seed)
@@ -135,7 +139,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, sampler, scaler,
                                  rng, state)
     ctx = StepContext(engine, tr, scaler, par.schedule)
-    return Run(cfg, state, data, ctx, model, optimizer, sampler, checkpoints)
+    return Run(cfg, state, data, ctx, model, optimizer, sampler, checkpoints,
+               owns_group=state.world_size > 1 and not joined)
 
 
 def validation_loss(run: Run, step: int) -> float | None:
@@ -176,7 +181,7 @@ def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str
     if stop.agreed(state):
         print(f"megalite: stop requested by signal before step {start_step + 1}: exiting, nothing trained",
               file=sys.stderr)
-        if state.world_size > 1:
+        if r.owns_group:
             dist.destroy_process_group()
         return {}
     claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
@@ -251,7 +256,7 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
     optimizer.finish_param_sync()  # no parameter gather left in flight when the process group goes
     last_checkpoint = r.checkpoints.last_saved or (Path(resumed_from) if resumed_from else None)
     logger.note(logger.summary(last_checkpoint, cfg.logging.dir))
-    if state.world_size > 1:
+    if r.owns_group:
         dist.destroy_process_group()
     return last
 
