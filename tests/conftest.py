@@ -8,12 +8,21 @@ import os
 # compiled mode once, at its first import: set it before any test module (torch.compile's, for one) imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import signal  # noqa: E402
 import socket  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.dist_harness import DistWorld  # noqa: E402
+
+# A shell without job control starts background commands (`pytest &`) with SIGINT ignored, and Python then
+# leaves it ignored (no KeyboardInterrupt), as does every process a test starts (an ignored signal stays
+# ignored across exec). The Ctrl-C tests would then test nothing the user gets: give the session the
+# interactive default, which the processes it starts inherit as SIG_DFL (and Python turns into
+# KeyboardInterrupt again).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

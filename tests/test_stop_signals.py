@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 import pytest
 
@@ -47,10 +47,26 @@ def _read_until(stream: IO[str], needle: str) -> str:
     raise AssertionError(f"{needle!r} never printed; stderr: {seen[-3000:]}")
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test() -> Iterator[None]:
+    """A failed test (a hang guard, an assert before the run ended) must not leave its job training."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole session: torchrun's agent and its workers
+            proc.wait()
+
+
 def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
     # A session of its own, so the test can signal its process group as a terminal's Ctrl-C does.
-    return subprocess.Popen(cmd, stdout=open(log / "stdout.txt", "w"), stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=open(log / "stdout.txt", "w"), stderr=subprocess.PIPE, text=True,
                             env=_env(**env), cwd=str(REPO), start_new_session=True)
+    _STARTED.append(proc)
+    return proc
 
 
 def _run_args(cache: str, log: Path, ckpt: Path) -> list[str]:
