@@ -28,7 +28,7 @@ def test_tokenizer_json_to_transformers(tmp_path: Path, capsys: pytest.CaptureFi
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 15))
     assert preprocess_main(["--input", str(corpus), "--json-key", "text", "--tokenizer", str(tok_path),
-                            "--output-prefix", str(tmp_path / "data" / "c"), "--quiet"]) == 0
+                            "--output-prefix", str(tmp_path / "data" / "c"), "--quiet", "--workers", "1"]) == 0
     assert pretrain_main(["--data.path", str(tmp_path / "data" / "c"), "--data.tokenizer", str(tok_path),
                           "--model.seq_len", "32", "--model.num_layers", "2", "--model.hidden_size", "64",
                           "--train.micro_batch_size", "2", "--train.steps", "4", "--train.eval_interval", "0",

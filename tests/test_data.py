@@ -149,8 +149,10 @@ def test_preprocess_round_trip_and_workers(tmp_path: Path, tokenizer_path: str, 
 def test_preprocess_jsonl_and_paragraphs(tmp_path: Path, tokenizer_path: str, tok: Tokenizer) -> None:
     jl = tmp_path / "c.jsonl"
     jl.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(CORPUS)) + "\n\n")
+    # One process: JSON lines are read in the parent whatever the worker count (the pool path is
+    # test_preprocess_round_trip_and_workers'; its error path is the json_key="body" case below).
     ds = IndexedDataset(preprocess([str(jl)], tokenizer_path, str(tmp_path / "j"), json_key="text",
-                                   workers=2, show_progress=False))
+                                   show_progress=False))
     assert [tok.decode(ds[i][:-1].tolist()) for i in range(len(ds))] == CORPUS
     para = tmp_path / "p.txt"
     para.write_text("first para\nline two\n\n  indented second\n \t\n\n\nthird\n")
@@ -185,8 +187,10 @@ def test_cli_tools(tmp_path: Path, corpus_dir: Path, tokenizer_path: str,
     # Success path of both tools.
     assert train_tool.main(["--input", str(corpus_dir / "doc00.txt"), str(corpus_dir / "doc01.txt"),
                             "--model-prefix", str(tmp_path / "t"), "--vocab-size", "300"]) == 0
+    # --workers 1: the default (one per core) would start a spawn pool, each worker importing torch; the
+    # pool path is test_preprocess_round_trip_and_workers'.
     assert preprocess_tool.main(["--input", str(corpus_dir / "doc00.txt"), "--tokenizer", tokenizer_path,
-                                 "--output-prefix", str(tmp_path / "o"), "--quiet"]) == 0
+                                 "--output-prefix", str(tmp_path / "o"), "--quiet", "--workers", "1"]) == 0
     assert len(IndexedDataset(str(tmp_path / "o"))) == 1
     out, err_text = proc.communicate()  # pytest's own timeout guards a hang
     assert proc.returncode == DataError.exit_code
