@@ -32,6 +32,57 @@ def assert_one_line(err: str, got: int, code: int, needle: str) -> None:
     assert needle in lines[0], f"{needle!r} not in: {lines[0]}"
 
 
+# Runs each `[script, *args]` as `python script args` runs it (sys.argv, sys.path[0] = the script's folder,
+# `__name__ == "__main__"`), one after another in ONE interpreter: every script's own entry point and exit code
+# are exercised while torch and megalite are imported once, not once per script. Each script's stderr is read at
+# the file descriptor, so what C code or a warning writes there counts too.
+_SCRIPTS_DRIVER = r"""
+import json, os, runpy, sys, tempfile
+runs, out = json.loads(sys.argv[1]), sys.argv[2]
+results = []
+for argv in runs:
+    sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+    with tempfile.TemporaryFile() as err:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:  # what the interpreter does with sys.exit's argument
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        results.append([code, err.read().decode(errors="replace")])
+with open(out, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_scripts(runs: list[list[str]], tmp_path: Path) -> list[tuple[int, str]]:
+    """(exit code, stderr) of `python *argv` for each argv in `runs`, run from the repository root."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "script_results.json"
+    proc = subprocess.run([sys.executable, "-c", _SCRIPTS_DRIVER, json.dumps(runs), str(out)], cwd=repo,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert proc.returncode == 0 and out.is_file(), proc.stderr[-3000:]  # a script's traceback ends the driver
+    results = [(int(code), str(err)) for code, err in json.loads(out.read_text())]
+    out.unlink()
+    return results
+
+
 @pytest.fixture(scope="module")
 def env(demo_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Files the cases point at: a good checkpoint, broken data pairs, a tokenizer."""

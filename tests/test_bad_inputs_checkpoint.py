@@ -23,7 +23,7 @@ from megalite.checkpoint import storage
 from megalite.parallel.state import ParallelState
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN
-from tests.test_bad_inputs import CKPT, CONFIG, assert_one_line, snapshot
+from tests.test_bad_inputs import CKPT, CONFIG, assert_one_line, run_scripts, snapshot
 from tools.export_hf import main as export_main
 from tools.import_hf import main as import_main
 from tools.reshard_checkpoint import main as reshard_main
@@ -314,14 +314,14 @@ def test_import_into_an_existing_directory_changes_nothing(ck: dict[str, Any], t
 
 
 def test_tools_from_the_command_line(ck: dict[str, Any], tmp_path: Path) -> None:
-    """The `python tools/x.py` path: argparse errors and refusals are one line too (one process per tool)."""
+    """The `python tools/x.py` path: argparse errors and refusals are one line too (each script's `__main__`, in
+    one interpreter: tests/test_bad_inputs.py's `run_scripts`)."""
     runs = [(["tools/export_hf.py", "--input", str(tmp_path / "nothing"), "--output", str(tmp_path / "o")], CKPT,
              "not a complete megalite checkpoint"),
             (["tools/reshard_checkpoint.py", "--input", str(ck["good"])], CONFIG, "--output")]
-    for argv, code, needle in runs:
-        proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
-        assert_one_line(proc.stderr, proc.returncode, code, needle)
+    results = run_scripts([argv for argv, _, _ in runs], tmp_path)
+    for (_, code, needle), (got, err) in zip(runs, results, strict=True):
+        assert_one_line(err, got, code, needle)
 
 
 def _claim_on_every_rank(rank: int, directory: str, start_step: int) -> str:

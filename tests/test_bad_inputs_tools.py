@@ -8,9 +8,6 @@ behind `megalite.errors.entry_point`); one test starts the scripts themselves to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +15,7 @@ import pytest
 
 from megalite.data import IndexedDataset, prepare_demo_data
 from megalite.errors import entry_point
-from tests.test_bad_inputs import CONFIG, DATA, STORAGE, assert_one_line, snapshot
+from tests.test_bad_inputs import CONFIG, DATA, STORAGE, assert_one_line, run_scripts, snapshot
 from tools import pipeline_timeline, plot_metrics, preprocess_data, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,16 +145,14 @@ def test_plot_metrics_keeps_an_existing_plot(tmp_path: Path, capsys) -> None:
 
 
 def test_tool_scripts_print_one_line(files: dict[str, Any], tmp_path: Path) -> None:
-    """`python tools/x.py` with bad arguments, as a user runs them (one process each, started together)."""
+    """`python tools/x.py` with bad arguments, as a user runs them (each script's `__main__`, in one interpreter:
+    tests/test_bad_inputs.py's `run_scripts`)."""
     runs = [(["tools/pipeline_timeline.py", "--pp", "-1"], CONFIG, "--pp -1"),
             (["tools/preprocess_data.py", "--input", str(files["good"]), "--tokenizer", str(files["tok"]),
               "--output-prefix", str(tmp_path / "o"), "--workers", "-2"], CONFIG, "--workers -2"),
             (["tools/train_tokenizer.py", "--input", str(files["good"]), "--model-prefix", str(tmp_path / "t")],
              CONFIG, "--vocab-size")]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = [(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True), code, needle) for argv, code, needle in runs]
-    for proc, code, needle in procs:
-        _, err = proc.communicate(timeout=300)
-        assert_one_line(err, proc.returncode, code, needle)
+    results = run_scripts([argv for argv, _, _ in runs], tmp_path)
+    for (_, code, needle), (got, err) in zip(runs, results, strict=True):
+        assert_one_line(err, got, code, needle)
     assert not list(tmp_path.iterdir())

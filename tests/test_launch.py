@@ -67,11 +67,15 @@ def demo_data(demo_cache_dir: str) -> str:
 # ------------------------------------------------------------------ multi-node torchrun on loopback
 
 def test_two_torchrun_agents_on_loopback_train(demo_data: str, tmp_path: Path) -> None:
-    """`launch/multinode_torchrun.sh` started twice, as two 2-process "nodes" meeting in a c10d
-    rendezvous on 127.0.0.1: world 4 as tp=2 x dp=2; both agents exit 0 and metrics are written."""
-    env = _env(NNODES="2", NPROC="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    """`launch/multinode_torchrun.sh` started twice, as two 1-process "nodes" meeting in a c10d
+    rendezvous on 127.0.0.1: world 2 as tp=2, so the TP group spans the two nodes (the second node's worker
+    has RANK 1 but LOCAL_RANK 0 and LOCAL_WORLD_SIZE 1: a mix-up of global and local rank fails the run);
+    both agents exit 0 and metrics are written. One worker per node: the rendezvous of the agents is the
+    claim, and more workers per agent are covered by the single-node torchrun tests
+    (tests/test_reliability.py, tests/test_stop_signals.py)."""
+    env = _env(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                RDZV_ID=f"test-{uuid.uuid4().hex[:8]}", LOCAL_ADDR="127.0.0.1", RDZV_TIMEOUT="600")
-    args = _train_args(demo_data, tmp_path / "log", "--parallel.tp", "2", "--train.global_batch_size", "8")
+    args = _train_args(demo_data, tmp_path / "log", "--parallel.tp", "2")
     agents = [subprocess.Popen(["bash", str(REPO / "launch/multinode_torchrun.sh"), *args], env=env, cwd=str(REPO),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = []
@@ -239,12 +243,14 @@ def _job_state(env: dict[str, str], job: str) -> str:
 def test_slurm_sbatch_trains_with_srun_tasks_and_with_torchrun(slurm_env: dict[str, str], demo_data: str,
                                                               tmp_path: Path) -> None:
     """`sbatch launch/slurm.sbatch` twice, concurrently: LAUNCHER=srun with 2 Slurm tasks (one rank
-    each), and the default one torchrun agent starting 2 workers. Both jobs must complete and log."""
+    each, ranks from SLURM_PROCID), and the default: srun starting one torchrun agent, which meets the job's
+    rendezvous on the first node and starts its worker (one: torchrun's workers beyond the first are the
+    single-node torchrun tests' claim, tests/test_reliability.py). Both jobs must complete and log."""
     jobs = {}
     common = ["--nodes=1", "--gpus-per-node=0", "--time=30", "--parsable"]
     for name, extra_env, flags in (
             ("srun", {"LAUNCHER": "srun"}, ["--ntasks-per-node=2", "--cpus-per-task=1"]),
-            ("torchrun", {"NPROC_PER_NODE": "2"}, ["--ntasks-per-node=1", "--cpus-per-task=2"])):
+            ("torchrun", {"NPROC_PER_NODE": "1"}, ["--ntasks-per-node=1", "--cpus-per-task=1"])):
         out = tmp_path / name
         out.mkdir()
         env = dict(slurm_env, MASTER_PORT=str(_free_port()), **extra_env)

@@ -1,6 +1,8 @@
 """End to end: `pretrain.py --model.preset tiny-moe` trains and logs its MoE fields, and
-`torchrun --nproc-per-node 4 pretrain.py --model.preset tiny-moe --parallel.ep 2 --parallel.tp 2` gives the
-single-process losses (fp32; the same sums in another order: 1e-5 on O(1) losses, as tests/test_cp_pretrain.py).
+`pretrain.py --model.preset tiny-moe --parallel.ep 2 --parallel.tp 2` at 4 ranks gives the single-process losses
+(fp32; the same sums in another order: 1e-5 on O(1) losses, as tests/test_cp_pretrain.py). The 4 ranks are the
+session's warm ones (tests/pool_pretrain.py): the claim is the layout's numbers, not torchrun's start-up, which
+the launch tests (tests/test_launch.py, tests/test_reliability.py) run for real.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ import json
 from pathlib import Path
 
 from pretrain import main
-from tests.test_pretrain import _args, _losses, _run_script
+from tests.pool_pretrain import run_pretrain_in_pool
+from tests.test_pretrain import _args, _losses
 
 TOL = 1e-5
 MOE = ["--model.preset", "tiny-moe", "--train.global_batch_size", "8", "--train.steps", "3"]
@@ -19,7 +22,7 @@ def _rows(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tiny_moe_single_process_vs_torchrun_ep2_tp2(demo_cache_dir: str, tmp_path: Path, capsys) -> None:
+def test_tiny_moe_single_process_vs_ep2_tp2(dist_world, demo_cache_dir: str, tmp_path: Path, capsys) -> None:
     one_dir, ep_dir = tmp_path / "one", tmp_path / "ep"
     assert main(_args(demo_cache_dir, one_dir, *MOE)) == 0
     assert "M active)" in capsys.readouterr().out  # the startup line: total and active parameters
@@ -29,7 +32,8 @@ def test_tiny_moe_single_process_vs_torchrun_ep2_tp2(demo_cache_dir: str, tmp_pa
     assert all(v > 0 for v in moe["aux_loss"].values()) and all(v > 0 for v in moe["z_loss"].values())
     assert all(moe["load_max"][k] >= moe["load_mean"][k] > 0 for k in moe["load_max"])
     assert moe["dropped_tokens"] == {"layers.0": 0, "layers.1": 0}  # dropless by default
-    proc = _run_script(_args(demo_cache_dir, ep_dir, *MOE, "--parallel.ep", "2", "--parallel.tp", "2"), nproc=4)
+    proc = run_pretrain_in_pool(dist_world, _args(demo_cache_dir, ep_dir, *MOE, "--parallel.ep", "2", "--parallel.tp", "2"),
+                                nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, ep = _losses(one_dir), _losses(ep_dir)
     assert sorted(one) == sorted(ep) == [1, 2, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,16 +59,16 @@ def test_killed_rank_restarts_from_latest_checkpoint_and_matches(dist_world, dem
 
 
 def test_hang_is_reported_by_the_watchdog(demo_cache_dir: str, tmp_path: Path) -> None:
-    # watchdog_min_s 12: far above any healthy step of this tiny run, even on a heavily loaded machine
-    # (they take ~50 ms idle and ~1.5 s at load average 40 on 2 cores), so only the injected hang
-    # (forever) can trip it; the watchdog arms only after 3 timed steps, so start-up never counts.
-    proc = _torchrun(_args(demo_cache_dir, tmp_path, "--train.steps", "50", "--train.global_batch_size", "8",
-                           "--train.watchdog_factor", "5", "--train.watchdog_min_s", "12"),
-                     MEGALITE_FAULT="hang:rank=1:step=6")
+    # The watchdog arms once 3 steps are timed, so step 4 is the first step it watches: the hang is injected
+    # there, and no healthy step is ever watched. Then no load can make a healthy step trip it, and the limit
+    # (max(2 s, 5 x the median of steps 1-3)) only sets how long the test waits for the injected hang (forever).
+    proc = _torchrun(_args(demo_cache_dir, tmp_path, "--train.steps", "5", "--train.global_batch_size", "8",
+                           "--train.watchdog_factor", "5", "--train.watchdog_min_s", "2"),
+                     MEGALITE_FAULT="hang:rank=1:step=4")
     assert proc.returncode != 0
     # The hung rank itself reports (its watchdog times the whole step, the injected hang at its start
     # included), whether or not its peer, blocked in a collective, reported first.
-    assert "watchdog: rank 1 step 6" in proc.stderr, proc.stderr[-3000:]
+    assert "watchdog: rank 1 step 4" in proc.stderr, proc.stderr[-3000:]
     assert "last operation entered" in proc.stderr
 
 
@@ -87,12 +88,22 @@ def _sigterm_after_3_steps(args: list[str], log_dir: Path) -> tuple[str, str]:
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(demo_cache_dir: str, tmp_path: Path) -> None:
+    """SIGTERM mid-run: the step ends, its checkpoint is saved and the process exits 0; the next launch resumes.
+    The save is a background one (checkpoint.async_save), so the same run shows that the exit waits for the
+    write in flight: the stopped step's checkpoint is complete and published. (The synchronous save on a
+    signal is tests/test_stop_signals.py's, after Ctrl-C.)"""
     ckpt = tmp_path / "ckpt"
-    args = _args(demo_cache_dir, tmp_path / "log", "--train.steps", "100000", "--checkpoint.dir", str(ckpt))
+    args = _args(demo_cache_dir, tmp_path / "log", "--train.steps", "100000", "--checkpoint.dir", str(ckpt),
+                 "--checkpoint.async_save", "true")
     out, err = _sigterm_after_3_steps(args, tmp_path / "log")
     assert "stop requested by signal" in out
-    step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
-    assert step >= 3
+    stopped = re.search(r"exiting cleanly after step (\d+)", out + err)
+    assert stopped is not None, out[-2000:]
+    step = int(stopped.group(1))
+    name = f"step_{step:08d}"
+    assert step >= 3 and (ckpt / "latest").read_text().strip() == name and (ckpt / name / "index.json").is_file()
+    assert f"saved checkpoint {ckpt / name}" in out + err
+    assert not list(ckpt.glob("*.tmp"))
     # The next launch resumes by itself (checkpoint.load defaults to the newest in checkpoint.dir).
     assert main(_args(demo_cache_dir, tmp_path / "log2", "--train.steps", str(step + 2),
                       "--checkpoint.dir", str(ckpt))) == 0
