@@ -7,8 +7,8 @@ keeps a default group that exists, and a run that did not start the group leaves
 launcher's variables set as torchrun sets them. Everything after the rendezvous is the same code: config,
 data, model, optimizer, checkpoints, metrics.
 
-What only a real launch shows stays in tests that launch one: torchrun's rendezvous and the TP run
-(tests/test_pretrain.py), restarts after a killed rank and resuming in fresh processes (tests/test_reliability.py,
+What only a real launch shows stays in tests that launch one: torchrun's rendezvous and a config error printed
+once (tests/test_pretrain.py), restarts after a killed rank and resuming in fresh processes (tests/test_reliability.py,
 tests/test_async_save.py), signals (tests/test_stop_signals.py), Slurm and two agents (tests/test_launch.py).
 """
 
