@@ -82,21 +82,20 @@ class Case(NamedTuple):
 
 
 CASES = [  # every parallel dimension, both recomputes, each pipeline schedule compile runs, and the features
-    Case(tp=2),
+    # (one case per feature: tracing each case, not its steps, is what costs here, ~2-8 CPU-s a rank)
     Case(tp=2, sp=True, arch="gpt2", recompute="selective"),
-    Case(pp=2),
     Case(zero=1, arch="gpt2", moe_ep=1),  # MoE (GeLU experts), each rank its own replica: the 1-rank case
-    Case(zero=2),
     Case(zero=3, recompute="full"),
     Case(cp=2),
     # Two steps are enough below: the second runs on parameters the first step's update moved.
+    # pp2: the interleaved 1F1B schedule (vpp2) here, GPipe below; plain 1F1B runs the same compiled blocks.
     Case(pp=2, vpp=2, schedule="interleaved", steps=2),
     # GPipe, and document masking (the masked SDPA and per-document RoPE in the graph) through both stages; under
     # cp the document-masked attention is the ring's, outside the graph like cp2's above.
     Case(pp=2, schedule="gpipe", documents=True, steps=2),
-    Case(moe_ep=2, recompute="full", steps=2),                  # MoE across ep2 (the all-to-all dispatch)
+    Case(moe_ep=2, zero=2, recompute="full", steps=2),          # MoE across ep2 (the all-to-all dispatch), ZeRO-2
     Case(fp8="tensorwise", tp=2, sp=True, steps=2),             # FP8: scales max-reduced over tp inside the linears
-    Case(fp8="rowwise", zero=2, steps=2),
+    Case(fp8="rowwise", tp=2, steps=2),                         # and plain tp (no sp)'s region operators
 ]
 
 
