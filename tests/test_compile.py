@@ -3,7 +3,7 @@
 Two kinds of check, to keep the seconds down (inductor's C++ compile on 2 cores costs tens of seconds per
 model, dynamo + AOTAutograd tracing a few per layout):
 
-- the layouts (tp2, tp2+sp, pp2 with 1F1B / GPipe / interleaved, dp2 ZeRO 1-3, cp2, both recomputes) and the
+- the layouts (tp2, tp2+sp, pp2 with GPipe / interleaved 1F1B, dp2 ZeRO 1-3, cp2, both recomputes) and the
   features (MoE at one rank per replica and across ep2, FP8 tensorwise and rowwise, document masking) in ONE
   2-rank spawn with the "aot_eager" backend: dynamo traces each block, AOTAutograd builds its joint
   forward/backward graph (the TP/SP region operators' autograd functions, the linears' `LinearParts` or FP8's
