@@ -65,8 +65,10 @@ def test_vocab_parallel_with_identity_equals_cross_entropy(dtype: torch.dtype) -
     # tl.log, which may differ by an ulp: 1e-6 on losses of order 5.
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     assert torch.equal(a.grad, b.grad)
-    # So it equals the fp32 reference as closely as cross_entropy does (test_cross_entropy, shape (16, 131)); the
-    # vocab-parallel reference itself is checked against it at 2 shards (test_vocab_parallel_two_shards_...).
+    check_against_reference(
+        lambda x, t: K.vocab_parallel_cross_entropy(x, t, 0, _identity, _identity, IGNORE),
+        lambda x, t: K.vocab_parallel_cross_entropy_reference(x, t, 0, _identity, _identity, IGNORE),
+        (logits, target), [0], TOL[dtype], TOL[dtype], out_dtype=torch.float32)
 
 
 def test_custom_ignore_index_and_all_ignored() -> None:
