@@ -3,7 +3,7 @@
 Two kinds of check, to keep the seconds down (inductor's C++ compile on 2 cores costs tens of seconds per
 model, dynamo + AOTAutograd tracing a few per layout):
 
-- the layouts (tp2, tp2+sp, pp2 with 1F1B / GPipe / interleaved, dp2 ZeRO 1-3, cp2, both recomputes) and the
+- the layouts (tp2, tp2+sp, pp2 with GPipe / interleaved 1F1B, dp2 ZeRO 1-3, cp2, both recomputes) and the
   features (MoE at one rank per replica and across ep2, FP8 tensorwise and rowwise, document masking) in ONE
   2-rank spawn with the "aot_eager" backend: dynamo traces each block, AOTAutograd builds its joint
   forward/backward graph (the TP/SP region operators' autograd functions, the linears' `LinearParts` or FP8's
@@ -82,21 +82,20 @@ class Case(NamedTuple):
 
 
 CASES = [  # every parallel dimension, both recomputes, each pipeline schedule compile runs, and the features
-    Case(tp=2),
+    # (one case per feature: tracing each case, not its steps, is what costs here, ~2-8 CPU-s a rank)
     Case(tp=2, sp=True, arch="gpt2", recompute="selective"),
-    Case(pp=2),
     Case(zero=1, arch="gpt2", moe_ep=1),  # MoE (GeLU experts), each rank its own replica: the 1-rank case
-    Case(zero=2),
     Case(zero=3, recompute="full"),
     Case(cp=2),
     # Two steps are enough below: the second runs on parameters the first step's update moved.
+    # pp2: the interleaved 1F1B schedule (vpp2) here, GPipe below; plain 1F1B runs the same compiled blocks.
     Case(pp=2, vpp=2, schedule="interleaved", steps=2),
     # GPipe, and document masking (the masked SDPA and per-document RoPE in the graph) through both stages; under
     # cp the document-masked attention is the ring's, outside the graph like cp2's above.
     Case(pp=2, schedule="gpipe", documents=True, steps=2),
-    Case(moe_ep=2, recompute="full", steps=2),                  # MoE across ep2 (the all-to-all dispatch)
+    Case(moe_ep=2, zero=2, recompute="full", steps=2),          # MoE across ep2 (the all-to-all dispatch), ZeRO-2
     Case(fp8="tensorwise", tp=2, sp=True, steps=2),             # FP8: scales max-reduced over tp inside the linears
-    Case(fp8="rowwise", zero=2, steps=2),
+    Case(fp8="rowwise", tp=2, steps=2),                         # and plain tp (no sp)'s region operators
 ]
 
 
