@@ -8,10 +8,12 @@ timeout (pyproject.toml) is the hang guard.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from bench.results_io import spread
 
@@ -72,13 +74,25 @@ def test_cpu_compare_smoke(tmp_path: Path, monkeypatch) -> None:  # type: ignore
     assert "megalite-llama/minimal-llama" in (tmp_path / "cpu_compare_smoke.md").read_text()
 
 
-def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path, demo_cache_dir: str,
+def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path, demo_cache_dir: str, dist_world,
                                                           monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The script's driver in this process, on the session's demo corpus; its run is its own torchrun job."""
-    from bench.scaling import main
+    """The script's driver in this process, on the session's demo corpus; its `--worker` ranks (the trainer, then
+    the rank's peak RSS) in the warm gloo ranks, not a torchrun job: bench/cp_memory.py's smoke launches its cp = 2
+    run through the same `run_script_ranks`, and tests/test_estimate_vs_measured.py holds measured tp = 2 SP bytes
+    equal to the estimator's for more layouts. (A pool rank's peak RSS is its whole life's: the smoke's RSS column
+    is not a measurement, as nothing in a smoke is.)"""
+    from bench import scaling
+
+    def pool_ranks(script: Path, nproc: int, argv: list[str], threads: int,
+                   timeout_s: float) -> subprocess.CompletedProcess:
+        assert script == Path(scaling.__file__).resolve() and threads == 1
+        codes = dist_world(nproc).run(_as_launched, nproc, "bench.scaling", "worker", False, argv,
+                                      timeout=timeout_s)
+        return subprocess.CompletedProcess([], next((c for c in codes if c), 0), "", "")
 
     monkeypatch.setenv("MEGALITE_CACHE", demo_cache_dir)
-    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(scaling, "run_script_ranks", pool_ranks)
+    assert scaling.main(["--smoke", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "scaling_smoke.json").read_text())
     runs = {r["name"]: r for r in res["runs"]}
     tp = runs["tp=2 sp"]
@@ -91,16 +105,15 @@ def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path, demo_c
     assert (tmp_path / "scaling_smoke.png").exists()
 
 
-def _dist_compare_rank(rank: int, job: dict) -> dict:
-    """bench/dist_compare.py's rank part in a warm gloo rank, with the launcher variables its `_worker` sets
-    (DeepSpeed reads them), restored afterwards."""
-    from bench import dist_compare
-
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist_compare.WORLD))
+def _as_launched(rank: int, world: int, module: str, fn: str, with_rank: bool, *args: Any) -> Any:
+    """`module.fn(*args)` (`fn(rank, *args)` `with_rank`) in a warm gloo rank with the variables torchrun would set (the trainer and DeepSpeed read
+    them; MASTER_* only pass the launcher checks: the group exists), put back afterwards for the rank's next task."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        return dist_compare.run_job(rank, job)
+        return getattr(importlib.import_module(module), fn)(*((rank,) if with_rank else ()), *args)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -116,7 +129,9 @@ def test_dist_compare_smoke(tmp_path: Path, dist_world, monkeypatch) -> None:  #
     from bench import dist_compare
 
     def pool_launch(job: dict, timeout: float = 7200) -> list[dict]:
-        return dist_world(dist_compare.WORLD).run(_dist_compare_rank, job, timeout=timeout)
+        world = dist_compare.WORLD
+        return dist_world(world).run(_as_launched, world, "bench.dist_compare", "run_job", True, job,
+                                      timeout=timeout)
 
     monkeypatch.setattr(dist_compare, "launch", pool_launch)
     assert dist_compare.main(["--smoke", "--out", str(tmp_path)]) == 0
