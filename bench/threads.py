@@ -36,12 +36,14 @@ POLICIES = ("default", "PASSIVE")
 
 
 def worker(thread_counts: list[int], steps: int, warmup: int, tokens: int, hidden: int, layers: int) -> None:
-    """One process: import torch, wait for the start line on stdin (the workers of every group start
-    together, so their imports overlap, but only the running group computes); then for each thread count, warm
+    """One process: import torch, say so, wait for the start line on stdin (the workers of every group start
+    together, so their imports overlap; timing begins once all have loaded, and only the running group
+    computes); then for each thread count, warm
     up, wait for the go line (so that every worker times the same interval), time `steps` steps and print one
     JSON line."""
     import torch
 
+    print("loaded", flush=True)
     sys.stdin.readline()  # nothing computes before this (an idle OpenMP pool may spin for a while)
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(a.repeats):
         order = groups[r % len(groups):] + groups[:r % len(groups)]  # rotate the order each repeat
         started = [start_group(p, policy, thread_counts(cores, p), a) for p, policy in order]
+        for proc in (q for procs in started for q in procs):  # no import left running while a group is timed
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "loaded", "a worker failed"
         for (p, policy), procs in zip(order, started):
             for t, m in run_group(procs, thread_counts(cores, p)).items():
                 samples.setdefault((p, t, policy), []).append(m)
