@@ -29,10 +29,19 @@ OUT_DIR="${OUT:-runs/bench}"  # untracked; OUT=bench/results updates the publish
 mkdir -p "$OUT_DIR"
 {
   date -u
-  python -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
-try:
-    import triton; print("triton", triton.__version__)
-except ImportError:
+  # Versions without importing torch or triton (seconds of CPU each): torch/version.py alone, and the metadata.
+  python -c 'import importlib.metadata as md, importlib.util as u, os, sys
+loc = u.find_spec("torch").submodule_search_locations[0]
+spec = u.spec_from_file_location("torch_version", os.path.join(loc, "version.py"))
+v = u.module_from_spec(spec); spec.loader.exec_module(v)
+print("python", sys.version.split()[0], "torch", v.__version__, "cuda", v.cuda)
+for name in ("triton", "pytorch-triton"):  # the nightlies name it pytorch-triton
+    try:
+        print("triton", md.version(name))
+        break
+    except md.PackageNotFoundError:
+        pass
+else:
     print("triton: not installed")'
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi; else echo "nvidia-smi: not found (CPU machine)"; fi
 } > "$OUT_DIR/env.txt" 2>&1

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 
 # megatron-core wraps its fused kernels (bias-GeLU, SwiGLU, ...) in torch.compile: on CPU their first call compiles
-# them through inductor, ~6 CPU-seconds of the writer's ~17 for two tiny forwards. Dynamo disabled, the same
-# functions run eagerly; the logits came out bit-equal to the compiled ones (checked when this was added).
+# them through inductor for two tiny forwards (measured: ~1 CPU-second with the tests' OMP_NUM_THREADS=1, ~6 with
+# 2 threads). Dynamo disabled, the same functions run eagerly; the logits came out bit-equal to the compiled ones
+# (checked when this was added).
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
