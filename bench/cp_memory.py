@@ -44,6 +44,9 @@ from bench.results_io import write_results  # noqa: E402
 
 MiB = 2**20
 DEMO_BYTES = 3_000_000  # ~1M tokens of the demo corpus; 5% of it held out covers a 4096-token sample
+# --smoke's 256-token sequences: ~100K tokens, 5% of them still cover a sample, and the tests' own demo corpus
+# (tests/conftest.py SMALL_RUN: 300,000 bytes, vocab 512) is this one, so a MEGALITE_CACHE they share is reused.
+SMOKE_DEMO_BYTES = 300_000
 
 
 def worker(argv: list[str]) -> int:
@@ -69,7 +72,7 @@ def baseline_rss() -> int:
 
 
 def model_flags(a: argparse.Namespace) -> list[str]:
-    return ["--data.demo_max_bytes", str(DEMO_BYTES), "--data.demo_vocab_size", "512", "--data.valid_fraction", "0.05",
+    return ["--data.demo_max_bytes", str(a.demo_bytes), "--data.demo_vocab_size", "512", "--data.valid_fraction", "0.05",
             "--model.num_layers", str(a.layers),
             "--model.hidden_size", str(a.hidden), "--model.num_heads", str(a.heads), "--model.num_kv_heads",
             str(a.kv_heads), "--model.seq_len", str(a.seq), "--train.micro_batch_size", "1",
@@ -179,8 +182,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
                    help="output directory (default runs/bench, untracked; bench/results: the published table)")
     a = p.parse_args(argv)
+    a.demo_bytes = DEMO_BYTES
     if a.smoke:
         a.seq, a.layers, a.hidden, a.heads, a.kv_heads, a.steps, a.cp = 256, 2, 64, 4, 2, 2, "1,2"
+        a.demo_bytes = SMOKE_DEMO_BYTES
         # One cp > 1 launch: a ring row would run the same launch and byte check with another flag (the ring's
         # measured bytes equal the estimator's in tests/test_estimate_cp.py and tests/test_cp_pretrain.py).
         a.modes = "a2a"
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         res["fixed_rss_bytes"] = baseline_rss()
         with tempfile.TemporaryDirectory(prefix="megalite-cp-memory-") as tmp:
             cache = os.environ.get("MEGALITE_CACHE") or str(Path(tmp) / "cache")
-            prepare_demo_data(cache, DEMO_BYTES, 512)  # once, before any rank races to build it
+            prepare_demo_data(cache, a.demo_bytes, 512)  # once, before any rank races to build it
             for row in rows:
                 row.update(run(row["cp"], flags + mode_flags(row["mode"], a.cp_a2a), cache,
                                Path(tmp) / f"cp{row['cp']}_{row['mode']}", a.cores))

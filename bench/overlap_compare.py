@@ -65,13 +65,22 @@ PAIRS = [("z0 first 1 MiB", "z0 one bucket"), ("z0 1+4 MiB", "z0 one bucket"),
 
 
 def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
+    if args["device"] == "cuda":
+        torch.cuda.set_device(torch.device("cuda", rank % torch.cuda.device_count()))
+    dist.init_process_group(args["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result = measure_on_rank(rank, world, args)
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def measure_on_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank's part of `measure`, in a process whose default group spans the `world` ranks (tests run it in
+    their warm gloo ranks); rank 0 returns the timings, the others None."""
     d = SimpleNamespace(**args)
     torch.set_num_threads(d.threads)
     cuda = d.device == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(d.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     state = ParallelState(tp=1, pp=1, dp=world, rank=rank, device=device)
     create_groups(state)
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -115,10 +124,10 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) 
             cpu[name].append(cpu_s)
     for _, opt, _ in runs.values():
         opt.finish_param_sync()  # no gather in flight when the process group goes
-    if rank == 0:
-        queue.put({"times": times, "cpu": cpu, "losses": losses, "buckets": {n: runs[n][2] for n in names},
-                   "params": sum(p.numel() for p in runs[names[0]][0].engine.chunks[0].parameters())})
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"times": times, "cpu": cpu, "losses": losses, "buckets": {n: runs[n][2] for n in names},
+            "params": sum(p.numel() for p in runs[names[0]][0].engine.chunks[0].parameters())}
 
 
 def measure(args: dict[str, Any], port: int) -> dict[str, Any]:

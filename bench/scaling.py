@@ -10,7 +10,7 @@ A layout whose run fails is reported as skipped with its error. Wall-clock on gl
 step times to compare layouts on this machine only; the byte counts are exact anywhere.
 
     python bench/scaling.py            # a few minutes on 2 cores
-    python bench/scaling.py --smoke    # 2 layouts, 2 steps: well under a minute
+    python bench/scaling.py --smoke    # tp=2 sp only, 2 steps: well under a minute
 Writes runs/bench/scaling.{json,md,png}, or into --out DIR (--out bench/results updates the
 published figures).
 """
@@ -60,7 +60,7 @@ CASES = [
     Case("pp=2 1f1b m=4", 2, ("--parallel.pp", "2", "--train.global_batch_size", "16")),
     Case("dp=2 zero=1", 2, ("--parallel.zero", "1")),
 ]
-SMOKE_CASES = ["single", "tp=2 sp"]
+SMOKE_CASES = ["tp=2 sp"]  # the one-process launch is cp_memory.py --smoke's cp = 1 run
 
 
 def worker(argv: list[str]) -> int:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--smoke", action="store_true", help="2 layouts, 2 steps, tiny model")
+    p.add_argument("--smoke", action="store_true", help="tp=2 sp only, 2 steps, tiny model")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench",
                   help="output directory (default runs/bench, untracked; bench/results: the published figures)")
     a = p.parse_args(args)

@@ -36,10 +36,15 @@ POLICIES = ("default", "PASSIVE")
 
 
 def worker(thread_counts: list[int], steps: int, warmup: int, tokens: int, hidden: int, layers: int) -> None:
-    """One process: for each thread count, warm up, wait for the go line on stdin (so that every worker
-    times the same interval), time `steps` steps and print one JSON line."""
+    """One process: import torch, say so, wait for the start line on stdin (the workers of every group start
+    together, so their imports overlap; timing begins once all have loaded, and only the running group
+    computes); then for each thread count, warm
+    up, wait for the go line (so that every worker times the same interval), time `steps` steps and print one
+    JSON line."""
     import torch
 
+    print("loaded", flush=True)
+    sys.stdin.readline()  # nothing computes before this (an idle OpenMP pool may spin for a while)
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
                                   torch.nn.Linear(4 * hidden, hidden)) for _ in range(layers)]
@@ -67,9 +72,8 @@ def worker(thread_counts: list[int], steps: int, warmup: int, tokens: int, hidde
         print(json.dumps({"threads": torch.get_num_threads(), "wall_s": walls, "cpu_s": cpus}), flush=True)
 
 
-def run_group(processes: int, policy: str, counts: list[int], args: argparse.Namespace) -> dict[int, dict[str, float]]:
-    """P workers at once with one wait policy (fixed when a process loads OpenMP), each thread count in turn:
-    per count, the medians over processes of their median step time and CPU seconds per step."""
+def start_group(processes: int, policy: str, counts: list[int], args: argparse.Namespace) -> list[subprocess.Popen]:
+    """P workers with one wait policy (fixed when a process loads OpenMP); they import torch, then wait to be run."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = str(max(counts))
     if policy != "default":
@@ -77,16 +81,26 @@ def run_group(processes: int, policy: str, counts: list[int], args: argparse.Nam
     cmd = [sys.executable, __file__, "--worker", "--thread-counts", ",".join(map(str, counts)),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--tokens", str(args.tokens),
            "--hidden", str(args.hidden), "--layers", str(args.layers)]
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(processes)]
+    return [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(processes)]
+
+
+def _send(procs: list[subprocess.Popen], line: str) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+
+
+def run_group(procs: list[subprocess.Popen], counts: list[int]) -> dict[int, dict[str, float]]:
+    """Run a started group, each thread count in turn: per count, the medians over processes of their median
+    step time and CPU seconds per step."""
+    _send(procs, "start")
     out: dict[int, dict[str, float]] = {}
     for threads in counts:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready", "a worker failed"
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        _send(procs, "go")
         results = [json.loads(p.stdout.readline()) for p in procs if p.stdout is not None]
         assert all(r["threads"] == threads for r in results)
         out[threads] = {"step_s": statistics.median(statistics.median(r["wall_s"]) for r in results),
@@ -123,7 +137,7 @@ def to_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--thread-counts", default="1", help=argparse.SUPPRESS)
@@ -136,7 +150,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="P = 1 only; 2 steps, 1 repeat, tiny dims")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.worker:
         worker([int(t) for t in a.thread_counts.split(",")], a.steps, a.warmup, a.tokens, a.hidden, a.layers)
         return
@@ -149,8 +163,12 @@ def main() -> None:
     load_before = os.getloadavg()
     samples: dict[tuple[int, int, str], list[dict[str, float]]] = {}
     for r in range(a.repeats):
-        for p, policy in groups[r % len(groups):] + groups[:r % len(groups)]:  # rotate the order each repeat
-            for t, m in run_group(p, policy, thread_counts(cores, p), a).items():
+        order = groups[r % len(groups):] + groups[:r % len(groups)]  # rotate the order each repeat
+        started = [start_group(p, policy, thread_counts(cores, p), a) for p, policy in order]
+        for proc in (q for procs in started for q in procs):  # no import left running while a group is timed
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "loaded", "a worker failed"
+        for (p, policy), procs in zip(order, started):
+            for t, m in run_group(procs, thread_counts(cores, p)).items():
                 samples.setdefault((p, t, policy), []).append(m)
                 print(f"repeat {r + 1}/{a.repeats}: P={p} T={t} {policy}: {m['step_s']:.4f} s/step, "
                       f"{m['cpu_s_per_step']:.4f} CPU s/step", file=sys.stderr, flush=True)

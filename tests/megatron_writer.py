@@ -28,9 +28,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+
+# megatron-core wraps its fused kernels (bias-GeLU, SwiGLU, ...) in torch.compile: on CPU their first call compiles
+# them through inductor for two tiny forwards (measured: ~1 CPU-second with the tests' OMP_NUM_THREADS=1, ~6 with
+# 2 threads). Dynamo disabled, the same functions run eagerly; the logits came out bit-equal to the compiled ones
+# (checked when this was added).
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 VOCAB, LAYERS, HIDDEN, HEADS, GROUPS, FFN, SEQ = 512, 4, 32, 4, 2, 64, 12  # 512: the demo tokenizer's vocab
 MAX_POS = 64

@@ -8,11 +8,12 @@ timeout (pyproject.toml) is the hang guard.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 from bench.results_io import spread
 
@@ -29,7 +30,9 @@ def _run(cmd: list[str], out: Path) -> subprocess.CompletedProcess:
 
 
 def test_gpu_sh_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
-    _run(["bash", "bench/gpu.sh", "--smoke"], tmp_path)
+    proc = _run(["bash", "bench/gpu.sh", "--smoke"], tmp_path)
+    assert "failed or timed out" not in proc.stdout, proc.stdout[-3000:]  # sections 5-7 log a failure, not exit
+    assert (tmp_path / "long_seq_smoke.json").exists() and (tmp_path / "fp8_gpu.json").exists()
     data = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert data["meta"]["smoke"] is True
     model = data["sections"]["model"]
@@ -47,8 +50,19 @@ def test_gpu_sh_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
         assert data["sections"]["kernels"]["rows"], "kernel table is empty"
 
 
-def test_cpu_compare_smoke(tmp_path: Path) -> None:
-    _run([sys.executable, "bench/cpu_compare.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+def test_cpu_compare_smoke(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """In this process (one implementation after another, as the script runs them): its thread count is put
+    back afterwards, and the environment's malloc choice keeps its process-wide `tune_malloc` off this one."""
+    import torch
+
+    from bench.cpu_compare import main
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(128 * 1024))  # glibc's default: tune_malloc leaves it
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     res = json.loads((tmp_path / "cpu_compare_smoke.json").read_text())
     assert {"megalite-llama", "minimal-llama", "megalite-gpt2"} <= res["tokens_per_s"].keys()
     # The reported ratio is the paired one of the reported throughputs (each repeat's two slots, then the spread).
@@ -60,8 +74,25 @@ def test_cpu_compare_smoke(tmp_path: Path) -> None:
     assert "megalite-llama/minimal-llama" in (tmp_path / "cpu_compare_smoke.md").read_text()
 
 
-def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path) -> None:
-    _run([sys.executable, "bench/scaling.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path, demo_cache_dir: str, dist_world,
+                                                          monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The script's driver in this process, on the session's demo corpus; its `--worker` ranks (the trainer, then
+    the rank's peak RSS) in the warm gloo ranks, not a torchrun job: bench/cp_memory.py's smoke launches its cp = 2
+    run through the same `run_script_ranks`, and tests/test_estimate_vs_measured.py holds measured tp = 2 SP bytes
+    equal to the estimator's for more layouts. (A pool rank's peak RSS is its whole life's: the smoke's RSS column
+    is not a measurement, as nothing in a smoke is.)"""
+    from bench import scaling
+
+    def pool_ranks(script: Path, nproc: int, argv: list[str], threads: int,
+                   timeout_s: float) -> subprocess.CompletedProcess:
+        assert script == Path(scaling.__file__).resolve() and threads == 1
+        codes = dist_world(nproc).run(_as_launched, nproc, "bench.scaling", "worker", False, argv,
+                                      timeout=timeout_s)
+        return subprocess.CompletedProcess([], next((c for c in codes if c), 0), "", "")
+
+    monkeypatch.setenv("MEGALITE_CACHE", demo_cache_dir)
+    monkeypatch.setattr(scaling, "run_script_ranks", pool_ranks)
+    assert scaling.main(["--smoke", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "scaling_smoke.json").read_text())
     runs = {r["name"]: r for r in res["runs"]}
     tp = runs["tp=2 sp"]
@@ -74,9 +105,36 @@ def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path) -> Non
     assert (tmp_path / "scaling_smoke.png").exists()
 
 
-def test_dist_compare_smoke(tmp_path: Path) -> None:
-    """Every layout runs against its peer after the loss check; DeepSpeed rows exist or a note says why not."""
-    _run([sys.executable, "bench/dist_compare.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+def _as_launched(rank: int, world: int, module: str, fn: str, with_rank: bool, *args: Any) -> Any:
+    """`module.fn(*args)` (`fn(rank, *args)` `with_rank`) in a warm gloo rank with the variables torchrun would set (the trainer and DeepSpeed read
+    them; MASTER_* only pass the launcher checks: the group exists), put back afterwards for the rank's next task."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return getattr(importlib.import_module(module), fn)(*((rank,) if with_rank else ()), *args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_dist_compare_smoke(tmp_path: Path, dist_world, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every layout runs against its peer after the loss check; DeepSpeed rows exist or a note says why not.
+    The script's main runs here and its two ranks' part (`run_job`: all but the group's start) in the warm gloo
+    ranks, not in three new processes."""
+    from bench import dist_compare
+
+    def pool_launch(job: dict, timeout: float = 7200) -> list[dict]:
+        world = dist_compare.WORLD
+        return dist_world(world).run(_as_launched, world, "bench.dist_compare", "run_job", True, job,
+                                      timeout=timeout)
+
+    monkeypatch.setattr(dist_compare, "launch", pool_launch)
+    assert dist_compare.main(["--smoke", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "dist_compare_smoke.json").read_text())
     rows = {r["layout"]["name"]: r for r in res["rows"]}
     assert {"ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "pp-1f1b", "pp-interleaved"} <= rows.keys()
@@ -96,7 +154,9 @@ def test_dist_compare_smoke(tmp_path: Path) -> None:
 def test_threads_smoke_reports_every_configuration(tmp_path: Path) -> None:
     from megalite.runtime.threads import available_cores
 
-    _run([sys.executable, "bench/threads.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+    from bench.threads import main
+
+    main(["--smoke", "--out", str(tmp_path)])  # the driver here; its workers are new processes (OpenMP's policy)
     res = json.loads((tmp_path / "threads_smoke.json").read_text())
     cores = available_cores()
     assert res["cores"] == cores

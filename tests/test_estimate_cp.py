@@ -9,9 +9,6 @@ bytes equal to the estimate's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +22,6 @@ from tests.conftest import SMALL_RUN
 from tests.pool_pretrain import run_pretrain_in_pool
 from tools.estimate import main as estimate_main
 
-REPO = Path(__file__).resolve().parents[1]
 H100 = dict(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB)
 LONG_7B = replace(PRESETS["llama-7b"], seq_len=32768)
 GQA_70B = replace(PRESETS["llama2-70b"], seq_len=16384)  # 8 kv heads of 64
@@ -230,20 +226,13 @@ def test_memory_check_counts_cp_and_suggests_it() -> None:
 
 # ------------------------------------------------------------------ bench/cp_memory.py
 
-def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    return subprocess.run([sys.executable, "bench/cp_memory.py", "--out", str(tmp_path),
-                           *args], capture_output=True, text=True, cwd=str(REPO), env=env, timeout=900)
-
-
 def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """What the benchmark predicts (no runs): activations per rank 1/cp of cp = 1's, fused and unfused; the
     same model states; cp bytes = the mode's closed form x 4 layers (one micro-batch, fp32); the all-gather
     form holds the other ranks' K/V besides. Bad sizes: exit 2."""
-    proc = _bench(tmp_path, "--estimate-only")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    from bench.cp_memory import main as bench_main
+
+    assert bench_main(["--out", str(tmp_path), "--estimate-only"]) == 0  # in-process: no run, no rank to start
     rows = json.loads((tmp_path / "cp_memory_estimate.json").read_text())["rows"]
     modes = ["ring", "allgather", "a2a"]
     assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring")] + [(cp, m) for cp in (2, 4) for m in modes] + [
@@ -259,9 +248,7 @@ def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path, capsys:
         a2a = 2 if r["mode"] == "hybrid" else 1
         assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4, a2a=a2a).total  # 512/8 = 64
     assert "| 4 | a2a | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
-    # The refusals in this process (the command line ran above): argparse's exit 2 with one "error:" line.
-    from bench.cp_memory import main as bench_main
-
+    # The refusals: argparse's exit 2 with one "error:" line.
     for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"], ["--modes", "x"]):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:
@@ -287,11 +274,15 @@ def test_cp_memory_bench_names_the_sizes_that_fit_a_budget(tmp_path: Path, capsy
     assert "| 1 | - | 4096 | 1240 | 1049 |" in out and out.count(" no |") == 1
 
 
-def test_cp_memory_bench_smoke_runs_cp_1_and_2(tmp_path: Path) -> None:
+def test_cp_memory_bench_smoke_runs_cp_1_and_2(tmp_path: Path, demo_cache_dir: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The smoke run's measured cp bytes equal the estimator's, at cp = 1 and at cp = 2 in the a2a mode (the ring's
-    are `test_measured_cp_run_equals_estimate`'s), and every run trains."""
-    proc = _bench(tmp_path, "--smoke", "--max-memory-gb", "100")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    are `test_measured_cp_run_equals_estimate`'s), and every run trains. The script's driver runs in this process
+    (its runs are its own fresh processes, as peak RSS needs) on the session's demo corpus (MEGALITE_CACHE)."""
+    from bench.cp_memory import main as bench_main
+
+    monkeypatch.setenv("MEGALITE_CACHE", demo_cache_dir)
+    assert bench_main(["--out", str(tmp_path), "--smoke", "--max-memory-gb", "100"]) == 0
     rows = json.loads((tmp_path / "cp_memory_smoke.json").read_text())["rows"]
     assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring"), (2, "a2a")]
     for r in rows:

@@ -359,17 +359,19 @@ def test_zero_bubble_schedules_match_the_simulator() -> None:
             assert predicted < schedule("1f1b").bubble(p, m, 1)
 
 
-def test_estimate_cli_prices_zero_bubble_schedules() -> None:
-    """`tools/estimate.py --schedule zb-h1|zbv` reports the table's bubble (zbv always runs two chunks per rank)."""
+def test_estimate_cli_prices_zero_bubble_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tools/estimate.py --schedule zb-h1|zbv` reports the table's bubble (zbv always runs two chunks per rank).
+    Its main in this process (tests/test_flops_estimate.py runs the file as a script)."""
     import json
-    import subprocess
-    import sys
 
-    base = [sys.executable, "tools/estimate.py", "--preset", "llama-7b", "--tp", "8", "--pp", "4", "--dp", "8",
-            "--global-batch-size", "512", "--json"]
-    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
-    got = {s: json.loads(subprocess.run(base + ["--schedule", s], cwd=repo, capture_output=True, text=True,
-                                        check=True).stdout)["bubble"] for s in ("1f1b", "zb-h1", "zbv")}
+    from tools.estimate import main as estimate_main
+
+    base = ["--preset", "llama-7b", "--tp", "8", "--pp", "4", "--dp", "8", "--global-batch-size", "512", "--json"]
+    got = {}
+    for s in ("1f1b", "zb-h1", "zbv"):
+        capsys.readouterr()
+        assert estimate_main(base + ["--schedule", s]) == 0
+        got[s] = json.loads(capsys.readouterr().out)["bubble"]
     m = 512 // 8  # micro-batches per rank at micro-batch size 1
     assert got["1f1b"] == pytest.approx(3 / (m + 3))
     assert got["zb-h1"] == pytest.approx(3 / (3 * m + 3))
