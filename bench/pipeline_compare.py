@@ -17,7 +17,7 @@ pays the full per-call Python and gloo latency) costs fixed overhead, so small m
 the bubble saves; larger layers and more micro-batches move the ratio toward the simulated one.
 
     python bench/pipeline_compare.py --repeats 5   # about 12 minutes on 2 cores
-    python bench/pipeline_compare.py --smoke       # tiny dims, 1 repeat of 1 step
+    python bench/pipeline_compare.py --smoke       # tiny dims (4 layers, M=4), 1 repeat of 1 step
 Writes runs/bench/pipeline_compare{,_smoke}.{json,md} (--out bench/results to update the published figures).
 """
 from __future__ import annotations
@@ -138,9 +138,29 @@ CHECK_STEPS = 3
 LOSS_TOL = 1e-4
 
 
+# How `measure` starts one set of ranks: (world, args) -> rank 0's `rank_results`. The default spawns `world`
+# processes; the unit test passes its warm gloo pool instead (tests/dist_harness.py), which saves the smoke
+# run three fresh Python processes (importing torch is most of a smoke run's CPU time).
+Launch = Callable[[int, dict], dict]
+
+
 def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result = rank_results(rank, world, args)
+    if result is not None:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def spawned(port: int) -> Launch:
+    """The default launch: `world` spawned processes on a gloo group over 127.0.0.1:`port`."""
+    return lambda world, args: spawn_ranks(_worker, world, port, args)
+
+
+def rank_results(rank: int, world: int, args: dict) -> dict | None:
+    """Every schedule (and its torch peer) on this rank of a `world`-rank default group that already exists:
+    the loss check, then the timed repeats; rank 0 returns the times, losses, CPU seconds and peaks."""
     state = ParallelState(tp=1, pp=world, dp=1, rank=rank)
     create_groups(state)
     d = SimpleNamespace(**args)
@@ -192,16 +212,16 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:  # typ
     peaks = torch.tensor([float(engines[s].peak_in_flight) for s in d.schedules])
     gathered = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(gathered, peaks)
-    if rank == 0:
-        queue.put({"times": times, "losses": losses, "cpu": {n: cpu[i].tolist() for i, n in enumerate(names)},
-                   "peak_in_flight": {s: [int(g[i]) for g in gathered] for i, s in enumerate(d.schedules)}})
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"times": times, "losses": losses, "cpu": {n: cpu[i].tolist() for i, n in enumerate(names)},
+            "peak_in_flight": {s: [int(g[i]) for g in gathered] for i, s in enumerate(d.schedules)}}
 
 
 
-def measure(pp: int, args: dict, port: int) -> dict:
+def measure(pp: int, args: dict, launch: Launch) -> dict:
     load_before = os.getloadavg()[0]
-    result = spawn_ranks(_worker, pp, port, args)
+    result = launch(pp, args)
     tokens = args["micro_batches"] * args["micro_batch"] * args["seq"] * args["steps"]
     times = result["times"]
     out = {"pp": pp, "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0], "losses": result["losses"], "rows": []}
@@ -261,7 +281,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launch: Launch | None = None) -> int:
+    """The command line; `launch` replaces the spawned ranks (every pp then uses it, and --port is unused)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
@@ -271,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--repeats", type=int, help="paired repeats (default 3; smoke 1)")
     ap.add_argument("--steps", type=int, help="steps per run and repeat (default 2; smoke 1)")
-    ap.add_argument("--micro-batches", type=int, help="M (default 16; smoke 8)")
+    ap.add_argument("--micro-batches", type=int, help="M (default 16; smoke 4)")
     ap.add_argument("--p2p-depth", type=int, default=1, help="receives megalite posts ahead (0: only the next one)")
     ns = ap.parse_args(argv)
-    args = (dict(layers=8, hidden=32, heads=4, seq=16, vocab=128, micro_batch=1, micro_batches=8, repeats=1, steps=1)
+    args = (dict(layers=4, hidden=32, heads=4, seq=16, vocab=128, micro_batch=1, micro_batches=4, repeats=1, steps=1)
             if ns.smoke else
             dict(layers=8, hidden=256, heads=4, seq=128, vocab=2048, micro_batch=2, micro_batches=16, repeats=3, steps=2))
     args.update({k: v for k, v in (("repeats", ns.repeats), ("steps", ns.steps), ("micro_batches", ns.micro_batches))
@@ -283,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args["schedules"]) - set(SCHEDULES)
     if unknown:
         ap.error(f"unknown schedules {sorted(unknown)}: expected some of {', '.join(SCHEDULES)}")
-    results = [measure(int(pp), args, ns.port + i) for i, pp in enumerate(ns.pp.split(","))]
+    results = [measure(int(pp), args, launch or spawned(ns.port + i)) for i, pp in enumerate(ns.pp.split(","))]
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": ns.smoke,
            "args": args, "results": results}
     write_results(Path(ns.out), "pipeline_compare_smoke" if ns.smoke else "pipeline_compare", res, markdown)
