@@ -18,7 +18,7 @@ import contextlib
 import io
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from tests.dist_harness import DistWorld
 
@@ -32,24 +32,30 @@ class PoolRun:
     stderr: str
 
 
-def _pretrain_rank(rank: int, world: int, argv: list[str]) -> tuple[int, str, str]:
-    from megalite.training.trainer import main
-
-    # torchrun's variables (MASTER_* only pass the launcher checks: the process group exists already).
+@contextlib.contextmanager
+def launched_env(rank: int, world: int) -> Iterator[None]:
+    """torchrun's variables for this warm rank (MASTER_* only pass the launcher checks: the process group exists
+    already), put back afterwards so the rank's next task sees the environment it started with."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(argv))
-    finally:  # the next task in this rank sees the environment it started with
+        yield
+    finally:
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _pretrain_rank(rank: int, world: int, argv: list[str]) -> tuple[int, str, str]:
+    from megalite.training.trainer import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with launched_env(rank, world), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
     return code, out.getvalue(), err.getvalue()
 
 

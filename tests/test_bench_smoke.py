@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results_io import spread
+from tests.pool_pretrain import launched_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,20 +107,10 @@ def test_scaling_smoke_measured_bytes_match_the_estimator(tmp_path: Path, demo_c
 
 
 def _as_launched(rank: int, world: int, module: str, fn: str, with_rank: bool, *args: Any) -> Any:
-    """`module.fn(*args)` (`fn(rank, *args)` `with_rank`) in a warm gloo rank with the variables torchrun would set (the trainer and DeepSpeed read
-    them; MASTER_* only pass the launcher checks: the group exists), put back afterwards for the rank's next task."""
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    """`module.fn(*args)` (`fn(rank, *args)` `with_rank`) in a warm gloo rank with the variables torchrun would set
+    (the trainer and DeepSpeed read them)."""
+    with launched_env(rank, world):
         return getattr(importlib.import_module(module), fn)(*((rank,) if with_rank else ()), *args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_dist_compare_smoke(tmp_path: Path, dist_world, monkeypatch) -> None:  # type: ignore[no-untyped-def]
