@@ -1,5 +1,5 @@
 """Overlapped vs non-overlapped DP communication, side by side: bucket sizing, the ZeRO-1/2 parameter
-gather overlap and ZeRO-3's prefetch depth (`megalite.optim.overlap`), at dp = 2.
+gather overlap and ZeRO-3's prefetch depth (`megalite.dp.overlap`), at dp = 2.
 
 Every variant is its own model + optimizer in the same two processes (same init, same batches); the
 losses of the two sides of each comparison are checked equal (bitwise: at dp = 2 every DP sum is of two
@@ -40,7 +40,7 @@ from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.optim.adamw import LossScaler  # noqa: E402
-from megalite.optim.overlap import MiB  # noqa: E402
+from megalite.dp.overlap import MiB  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 

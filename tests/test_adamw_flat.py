@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from megalite.optim.shard_adamw import AdamWState, adamw_flat, adamw_flat_unfused
-from megalite.optim.zero_buckets import Bucket, make_bucket
+from megalite.dp.buckets import Bucket, make_bucket
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 
 LR, WD, BETAS, EPS, STEPS = 1e-2, 0.1, (0.9, 0.95), 1e-8, 3

@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("moe",),                                     # core: mixture-of-experts layers (routers, experts, dispatch)
-    ("model", "optim"),                           # core: the GPT; the optimizers and gradient reduction
+    ("model", "dp"),                              # core: the GPT; gradient sync and ZeRO (wraps a model it never imports)
+    ("optim",),                                   # core: the optimizers' maths on the shards dp hands over
     ("pipeline",),                                # core: stages, schedules, the p2p engine
     ("training.step",),                           # core: one optimizer step
     ("observability", "runtime"),                 # what the loop reports through; the process around it
@@ -101,9 +102,11 @@ def test_every_package_folder_has_a_layer() -> None:
 
 def test_the_layer_check_can_fail() -> None:
     graph = {"megalite.parallel.state": {"megalite.model.gpt"}, "megalite.model.gpt": {"megalite.parallel.state"},
-             "megalite.optim.zero": {"megalite.model.block"}, "megalite.training.step": {"megalite.training.trainer"},
+             "megalite.dp.grad_sync": {"megalite.model.block"},
+             "megalite.dp.shards": {"megalite.optim.zero"}, "megalite.training.step": {"megalite.training.trainer"},
              "megalite.training.trainer": {"megalite.training.step"}, "megalite.data.x": {"megalite.new.y"}}
-    assert _upward_imports(graph) == ["megalite.data.x -> megalite.new.y", "megalite.optim.zero -> megalite.model.block",
+    assert _upward_imports(graph) == ["megalite.data.x -> megalite.new.y", "megalite.dp.grad_sync -> megalite.model.block",
+                                      "megalite.dp.shards -> megalite.optim.zero",
                                       "megalite.parallel.state -> megalite.model.gpt",
                                       "megalite.training.step -> megalite.training.trainer"]
 

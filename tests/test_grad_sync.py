@@ -1,4 +1,4 @@
-"""The gradient sync (`megalite.optim.grad_sync`) is a part of its own: another optimizer plugs onto it
+"""The gradient sync (`megalite.dp.grad_sync`) is a part of its own: another optimizer plugs onto it
 unchanged, and each parameter is reduced over the group its `ParamSpec.grad_group` names.
 
 SGD with momentum (`ShardSGD` below, ~20 lines of math on `Shard`s, no sync code touched) on the gradient
@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 from megalite.model.gpt import GPT
-from megalite.optim.grad_sync import GradSync
-from megalite.optim.shards import Shard, ShardOptimizer
+from megalite.dp.grad_sync import GradSync
+from megalite.dp.shards import Shard, ShardOptimizer
 from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs
 from megalite.parallel.state import ParallelState

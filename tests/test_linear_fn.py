@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.layers.linear_fn import linear, linear_parts, part_blocks
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.protocol import FoldsWeightGrad
+from megalite.dp.grad_sync import FoldsWeightGrad
 from megalite.parallel.state import ParallelState
 from tests.parallel_utils import tiny_model_cfg
 

@@ -1,5 +1,5 @@
 """The optimizer contract (`megalite.optim.protocol`): both optimizers implement it member for member,
-every user is typed with it, and the optimizer package has no import cycle."""
+every user is typed with it, and the optimizer and gradient-sync packages have no import cycle."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from megalite.checkpoint import sharded
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.protocol import DistributedOptimizer, FoldsWeightGrad, ShardableModel
+from megalite.dp.grad_sync import FoldsWeightGrad, ShardableModel
+from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.state import ParallelState
@@ -134,13 +135,14 @@ def test_no_import_cycle_through_the_optimizer_package() -> None:
                     todo.append(n)
         return False
 
-    optim = [m for m in modules if m.startswith("megalite.optim.")]
-    assert "megalite.optim.zero" not in graph["megalite.optim.zero_state"]
-    # The two halves of the ZeRO optimizer meet only in `shards` (and `zero`, which composes them).
-    assert "megalite.optim.shard_adamw" not in graph["megalite.optim.grad_sync"]
-    assert not {"megalite.optim.grad_sync", "megalite.optim.zero_buckets"} & graph["megalite.optim.shard_adamw"]
-    # Neither the engine nor the layers import an optimizer.
+    optim = [m for m in modules if m.startswith(("megalite.optim.", "megalite.dp."))]
+    assert "megalite.optim.zero" not in graph["megalite.dp.zero_state"]
+    # The two halves of the ZeRO optimizer meet only in `dp.shards` (and `optim.zero`, which composes them),
+    # and the gradient sync's package imports no optimizer.
+    assert not {m for m in modules if m.startswith("megalite.dp.") for n in graph[m] if n.startswith("megalite.optim")}
+    assert not {"megalite.dp.grad_sync", "megalite.dp.buckets"} & graph["megalite.optim.shard_adamw"]
+    # Neither the engine nor the layers import an optimizer or the gradient sync.
     for user in ("megalite.pipeline.engine", "megalite.layers.linear_fn", "megalite.layers.linear"):
-        assert not {m for m in graph[user] if m.startswith("megalite.optim")}, user
+        assert not {m for m in graph[user] if m.startswith(("megalite.optim", "megalite.dp"))}, user
     cycles = [m for m in optim if reaches(m, m)]
     assert not cycles, f"import cycles through {cycles}"

@@ -1,4 +1,4 @@
-"""When the ZeRO optimizer's DP collectives run (`megalite.optim.overlap`), proven by the order of events,
+"""When the ZeRO optimizer's DP collectives run (`megalite.dp.overlap`), proven by the order of events,
 never by timing, and that moving them changes nothing that is computed.
 
 Events: the optimizer reports each launch / wait through its `on_event` sink; the tests add the model's
@@ -29,8 +29,9 @@ import torch.nn as nn
 from megalite.config import parse_args, validate
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
-from megalite.optim import OverlapEvent, build_distributed_optimizer
-from megalite.optim.zero_buckets import split_by_size
+from megalite.dp import OverlapEvent
+from megalite.optim import build_distributed_optimizer
+from megalite.dp.buckets import split_by_size
 from megalite.training.step import train_step
 from tests.conftest import free_port
 from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,

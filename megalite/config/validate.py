@@ -169,7 +169,7 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     """Shapes against the parallel layout (Megatron-core's rules) and the batch arithmetic."""
     m, p = cfg.model, cfg.parallel
     out: list[str] = []
-    from megalite.optim.zero3 import zero3_problems  # the one place ZeRO-3's limits live (torch: imported late)
+    from megalite.dp.zero3 import zero3_problems  # the one place ZeRO-3's limits live (torch: imported late)
 
     out += zero3_problems(p.zero, p.vpp, p.pp > 1 and bool(m.tie_embeddings))
     if m.num_heads >= 1 and m.hidden_size % m.num_heads:

@@ -10,7 +10,7 @@ Each layer declares how its parameters are cut (`param_specs()`, a `ParamSpec` p
 under SP, with gradients that are partial sums over TP).
 
 The matmuls run in `linear_fn` (one per logical part). Both layers implement the optimizer's
-`FoldsWeightGrad` contract (`megalite.optim.protocol`): an optimizer that keeps fp32 gradient buffers
+`FoldsWeightGrad` contract (`megalite.dp.grad_sync`): a gradient sync that keeps fp32 gradient buffers
 registers a fold with `set_wgrad_fold`, and the weight gradient then goes straight into its buffer.
 """
 

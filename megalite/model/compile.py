@@ -8,7 +8,7 @@ compare byte for byte.
 
 Why the block's `forward` and not its `__call__` (`nn.Module.compile` compiles `__call__`, hooks
 included): ZeRO-3 gathers a block's weights in a forward pre-hook and frees them in a forward hook by
-resizing storage (`megalite.optim.zero3`), and the pipeline engine and the gradient sync drive their
+resizing storage (`megalite.dp.zero3`), and the pipeline engine and the gradient sync drive their
 collectives from Python. Compiling only `forward` leaves every module hook eager around the graph, so
 the compiled region sees fully gathered weights and issues exactly the collectives the eager block does.
 

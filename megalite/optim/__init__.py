@@ -1,12 +1,12 @@
-"""Optimizers: the gradient sync, the optimizer math on its shards, and their composition.
+"""Optimizers: the maths on the shards the gradient sync hands over, and its composition with the sync.
 
-`grad_sync.py` wraps the model (buckets, reductions, parameter gathers; `zero_buckets`, `zero3`,
-`overlap` for when its collectives run); `shards.py` is the typed seam (`Shard`, `ShardOptimizer`, norm
-and clipping); `shard_adamw.py` is AdamW on shards; `zero.py` composes the two behind `protocol.py`'s
-`DistributedOptimizer` (what the training step and the checkpoints call), `zero_state.py` its checkpoint
-state. `muon.py` (with `muon_math`, `muon_plan`, `muon_exchange`) is Muon on the same shards. `reference.py`
-is the replicated oracle the tests compare with; the private torch APIs used are in
-`megalite/torch_private.py`.
+`shard_adamw.py` is AdamW on `megalite.dp.shards.Shard`s, `muon.py` (with `muon_math`, `muon_plan`,
+`muon_exchange`) Muon on the same shards; `zero.py` composes a `megalite.dp.GradSync` with one of them behind
+`protocol.py`'s `DistributedOptimizer` (what the training step and the checkpoints call), and
+`build_distributed_optimizer` below builds that composition. Both live here, not in `megalite.dp`, because a
+composition must import both parts: the sync sits below the optimizers and never imports them.
+`reference.py` is the replicated oracle the tests compare with; `schedule.py` the LR schedule; the private
+torch APIs used are in `megalite/torch_private.py`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from megalite.dp.grad_sync import GradSync
+from megalite.dp.overlap import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, EventSink, OverlapSettings
 from megalite.errors import ConfigError
-from megalite.optim.grad_sync import GradSync
 from megalite.optim.muon import ShardMuon
 from megalite.optim.muon_math import MuonSettings
 from megalite.optim.muon_plan import block_params, build_plan, stacked_params
-from megalite.optim.overlap import (DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, EventSink, OverlapEvent,
-                                    OverlapSettings, mib_to_bytes)
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.shard_adamw import ShardAdamW
 from megalite.optim.zero import ZeroOptimizer
@@ -46,7 +45,7 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
     Converts the model's parameters to `dtype` in place (bf16/fp16 keep fp32 master weights inside the
     optimizer); zero > 0 with dp = 1 falls back to zero = 0 with one warning. The bucket sizes, the
     ZeRO-1/2 parameter-gather overlap and ZeRO-3's prefetch depth only move collectives in time
-    (`megalite.optim.overlap`); `on_event` receives an `OverlapEvent` for each launch and wait.
+    (`megalite.dp.overlap`); `on_event` receives an `OverlapEvent` for each launch and wait.
     `lr` is the starting rate; each step is given its own (`step(lr, ...)`). `fold_weight_grads=False`
     (`model.compile`) sends the linears' weight gradients through `.grad` and the hook, not a fold.
     """
@@ -64,6 +63,5 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
     return ZeroOptimizer(sync, ShardAdamW(sync.shards(), sync.take_fp32_values(), weight_decay, betas, eps))
 
 
-__all__ = ["build_distributed_optimizer", "DistributedOptimizer", "GradSync", "ZeroOptimizer", "ShardAdamW",
-           "ShardMuon", "MuonSettings", "OPTIMIZERS",
-           "OverlapSettings", "OverlapEvent", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "mib_to_bytes"]
+__all__ = ["build_distributed_optimizer", "DistributedOptimizer", "ZeroOptimizer", "ShardAdamW", "ShardMuon",
+           "MuonSettings", "OPTIMIZERS"]

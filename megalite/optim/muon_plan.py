@@ -31,8 +31,8 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 import torch.nn as nn
 
 from megalite.optim.muon_exchange import OwnerExchange, greedy_owners
-from megalite.optim.protocol import ShardableModel
-from megalite.optim.zero_buckets import Bucket
+from megalite.dp.grad_sync import ShardableModel
+from megalite.dp.buckets import Bucket
 from megalite.parallel.param_spec import ParamSpec, TPLayout
 from megalite.parallel.state import GroupKind, ParallelState
 

@@ -7,13 +7,9 @@ it: `ZeroOptimizer` (`megalite.optim.zero`, a `GradSync` and AdamW on its shards
 what `pretrain.py` runs) and `ReferenceOptimizer` (`megalite.optim.reference`, replicated
 `torch.optim.AdamW`: the oracle the tests compare against). tests/test_optim_protocol.py checks that
 both have every member with the same signature. Between the gradient sync and the optimizer math the
-contract is `megalite.optim.shards` (`Shard`, `ShardOptimizer`).
+contract is `megalite.dp.shards` (`Shard`, `ShardOptimizer`).
 
-The other way round, the gradient sync asks the model two things, each through a small Protocol the
-model satisfies structurally (besides the `ParamSpec` of every parameter, `megalite.parallel.param_spec`):
-  `ShardableModel.zero3_units()`  the modules ZeRO-3 gathers one at a time (a GPT stage's blocks)
-  `FoldsWeightGrad`               a linear whose weight gradient can be added straight into the
-                                  sync's fp32 buffer (`megalite.layers.linear_fn`)
+What the gradient sync asks of the model (the other way round) is in `megalite.dp.grad_sync`.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ import contextlib
 from typing import Iterator, Protocol, runtime_checkable
 
 import torch
-import torch.nn as nn
 
-from megalite.layers.linear_fn import DeferredWeightGrads, Fold
+from megalite.layers.linear_fn import DeferredWeightGrads
 
 
 @runtime_checkable
@@ -95,21 +90,3 @@ class DistributedOptimizer(Protocol):
         """Exact bytes this rank holds by kind ("params", "grads", "master", "optimizer")."""
         ...
 
-
-@runtime_checkable
-class ShardableModel(Protocol):
-    """A model (one pipeline chunk) that says which of its modules ZeRO-3 gathers one at a time: each is
-    all-gathered just before its forward and freed right after; everything else on the chunk forms one
-    more, "outer", unit (`megalite.optim.zero3`)."""
-
-    def zero3_units(self) -> list[nn.Module]: ...
-
-
-@runtime_checkable
-class FoldsWeightGrad(Protocol):
-    """A layer computing with `weight` through `megalite.layers.linear_fn`, which accepts a fold: its
-    backward then adds dW into the buffer view the fold hands it instead of producing `weight.grad`."""
-
-    weight: nn.Parameter
-
-    def set_wgrad_fold(self, fold: Fold | None) -> None: ...

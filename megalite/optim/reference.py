@@ -20,7 +20,7 @@ import torch.nn as nn
 from megalite.errors import ConfigError
 from megalite.optim.adamw import build_optimizer
 from megalite.layers.linear_fn import DeferredWeightGrads
-from megalite.optim.grads import clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings, unique_params
+from megalite.dp.reduce_grads import clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings, unique_params
 from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from megalite import torch_private
-from megalite.optim.shards import Segment, Shard
+from megalite.dp.shards import Segment, Shard
 
 ADAMW_CHUNK = 1 << 16  # fallback loop: elements per chunk (4 fp32 tensors x 256 KiB stay in a 1-2 MiB L2)
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel (torch >= 2.4)

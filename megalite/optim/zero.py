@@ -3,10 +3,10 @@
 `ZeroOptimizer` is what `pretrain.py` trains with, behind the `DistributedOptimizer` protocol
 (`megalite.optim.protocol`) the training step drives. It holds two parts with a typed seam between them:
 
-  `sync`       a `GradSync` (`megalite.optim.grad_sync`): wraps the model; buckets, fp32 main grads,
+  `sync`       a `GradSync` (`megalite.dp.grad_sync`): wraps the model; buckets, fp32 main grads,
                reduce / reduce-scatter, parameter all-gathers and their overlap, ZeRO-3 gather/free,
                `no_sync`. It knows nothing of how the parameters are updated.
-  `optimizer`  a `ShardOptimizer` (`megalite.optim.shards`; `ShardAdamW` here): math on the `Shard`s the
+  `optimizer`  a `ShardOptimizer` (`megalite.dp.shards`; `ShardAdamW` here): math on the `Shard`s the
                sync hands it (fp32 master weights, moments). It never sees a module or a collective.
 
 and does the rest of a step on the shards itself: loss-scale undo, global norm, clipping (`shards`).
@@ -28,7 +28,7 @@ is (4+4+8) = 16 bytes/element before sharding, bf16 (2+4+4+8) = 18: megalite kee
 (accumulation over micro-batches in bf16 loses bits), where the ZeRO paper's K=12 formula has 2-byte
 gradients. While a stage-2/3 backward runs, a bucket's full fp32 grad buffer exists until it is reduced,
 and stage 3 holds the full params of the units being computed (and `parallel.zero3_prefetch` prefetched
-units). When each collective runs is `megalite.optim.overlap`'s business; the results do not depend on it.
+units). When each collective runs is `megalite.dp.overlap`'s business; the results do not depend on it.
 
 DP bytes per step (the `CommCounter` convention, M micro-batches):
     stage 0      all-reduce of the fp32 grads:          2 (N-1)/N * 4 Psi   (one all-reduce per bucket)
@@ -50,9 +50,9 @@ from typing import Iterator
 import torch
 
 from megalite.layers.linear_fn import DeferredWeightGrads
-from megalite.optim import zero_state
-from megalite.optim.grad_sync import GradSync
-from megalite.optim.shards import ShardOptimizer, clip_shards, grad_norm, scale_shards
+from megalite.dp import zero_state
+from megalite.dp.grad_sync import GradSync
+from megalite.dp.shards import ShardOptimizer, clip_shards, grad_norm, scale_shards
 
 
 class ZeroOptimizer:

@@ -94,7 +94,7 @@ class ParamSpec:
     # The ranks over which this parameter's gradient is averaged and ZeRO shards its states: dp x cp for
     # every dense weight (cp ranks saw other tokens of the same sequences); a parameter replicated over
     # another set of ranks (e.g. an expert's weights over the expert-data-parallel ranks) names that group.
-    # The gradient sync never puts parameters of two groups into one bucket (`megalite.optim.grad_sync`).
+    # The gradient sync never puts parameters of two groups into one bucket (`megalite.dp.grad_sync`).
     grad_group: GroupKind = "dp_cp"
 
     @property

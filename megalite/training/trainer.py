@@ -30,7 +30,8 @@ from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
-from megalite.optim import MuonSettings, build_distributed_optimizer, mib_to_bytes
+from megalite.dp import mib_to_bytes
+from megalite.optim import MuonSettings, build_distributed_optimizer
 from megalite.optim.adamw import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams

@@ -1,6 +1,6 @@
 """The typed hand-off between the gradient sync and the optimizer: the shards a rank updates.
 
-The gradient sync (`megalite.optim.grad_sync`) owns the model's parameters and gradients in flat buckets
+The gradient sync (`megalite.dp.grad_sync`) owns the model's parameters and gradients in flat buckets
 and reduces them; after `finish_grad_sync()` it hands each bucket's *own* range to the optimizer as a
 `Shard`: the parameter elements this rank updates (model dtype, written back by the optimizer's step),
 the fp32 reduced gradient of exactly those elements, and the `Segment`s saying which pieces of which
@@ -55,7 +55,7 @@ class Shard:
 @runtime_checkable
 class ShardOptimizer(Protocol):
     """An optimizer over `Shard`s: keeps its state (fp32 master weights, moments) per shard, updates the
-    shards' `params` in `step`. Its state is checkpointed per parameter by `megalite.optim.zero_state`
+    shards' `params` in `step`. Its state is checkpointed per parameter by `megalite.dp.zero_state`
     from `state_shards()` (fp32 tensors aligned with each shard) and restored by `load_state_shards`."""
 
     step_count: int

@@ -1,6 +1,6 @@
 """The gradient sync: the part of ZeRO that wraps the model (Megatron's DistributedDataParallel, FSDP).
 
-It lays this rank's parameters out in flat buckets (`zero_buckets`), repoints every parameter into its
+It lays this rank's parameters out in flat buckets (`buckets`), repoints every parameter into its
 bucket, keeps fp32 "main grad" buffers (Megatron-LM's mixed-precision recipe) and reduces them over each
 bucket's group (`ParamSpec.grad_group`, dp x cp for a dense model; buckets never mix groups), at ZeRO
 `stage` 0-3 (Rajbhandari et al. 2020):
@@ -11,7 +11,7 @@ bucket's group (`ParamSpec.grad_group`, dp x cp for a dense model; buckets never
   stage 2  as 1, but a bucket's full fp32 gradient buffer is freed once reduce-scattered.
   stage 3  as 2, and each rank stores only 1/N of every unit's params; see `zero3` for the gather/free.
 
-What it hands the optimizer is `shards()` (`megalite.optim.shards.Shard`): per bucket the range this
+What it hands the optimizer is `shards()` (`megalite.dp.shards.Shard`): per bucket the range this
 rank updates, its reduced gradient and which parameter pieces it holds. The optimizer never sees this
 class; this class never sees the optimizer's state.
 
@@ -39,22 +39,41 @@ import contextlib
 import functools
 import warnings
 from collections import Counter
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn as nn
 
 from megalite.errors import ConfigError
-from megalite.layers.linear_fn import DeferredWeightGrads
-from megalite.optim.grads import grad_divisor, unique_params
-from megalite.optim.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
-from megalite.optim.protocol import FoldsWeightGrad, ShardableModel
-from megalite.optim.shards import Shard
-from megalite.optim.zero3 import Zero3Gatherer, stage3_units, zero3_problems
-from megalite.optim.zero_buckets import Bucket, make_bucket, split_by_size
+from megalite.dp.buckets import Bucket, make_bucket, split_by_size
+from megalite.dp.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
+from megalite.dp.reduce_grads import grad_divisor, unique_params
+from megalite.dp.shards import Shard
+from megalite.dp.zero3 import Zero3Gatherer, stage3_units, zero3_problems
+from megalite.layers.linear_fn import DeferredWeightGrads, Fold
 from megalite.parallel import comm
 from megalite.parallel.param_spec import ParamSpec, spec_table
 from megalite.parallel.state import GroupKind, ParallelState
+
+
+@runtime_checkable
+class ShardableModel(Protocol):
+    """A model (one pipeline chunk) that says which of its modules ZeRO-3 gathers one at a time: each is
+    all-gathered just before its forward and freed right after; everything else on the chunk forms one
+    more, "outer", unit (`megalite.dp.zero3`)."""
+
+    def zero3_units(self) -> list[nn.Module]: ...
+
+
+@runtime_checkable
+class FoldsWeightGrad(Protocol):
+    """A layer computing with `weight` through `megalite.layers.linear_fn`, which accepts a fold: its
+    backward then adds dW into the buffer view the fold hands it instead of producing `weight.grad`."""
+
+    weight: nn.Parameter
+
+    def set_wgrad_fold(self, fold: Fold | None) -> None: ...
+
 
 Params = list[nn.Parameter]
 

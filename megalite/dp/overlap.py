@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal, TypeVar
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.optim.zero_buckets import Bucket
+from megalite.dp.buckets import Bucket
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megalite.optim.zero_buckets import Bucket
+from megalite.dp.buckets import Bucket
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 

@@ -4,7 +4,7 @@ A bucket is a group of parameters laid end to end in one flat buffer (Megatron's
 PyTorch DDP's bucket, FSDP's `FlatParameter`). For ZeRO stages >= 1 its length is padded up to a
 multiple of dp and rank r owns the contiguous range [r*L/dp, (r+1)*L/dp) of it: one reduce-scatter
 (grads) and one all-gather (params) per bucket, no per-parameter collectives. A rank's shard can cut
-a parameter in two; the `Segment`s (`megalite.optim.shards`) record which pieces of which parameters
+a parameter in two; the `Segment`s (`megalite.dp.shards`) record which pieces of which parameters
 it holds, so weight decay, the "count TP-replicated parameters once" rule of the gradient norm and the
 SP-partial TP reduction can be applied per piece without a per-element mask tensor (which would cost memory the ZeRO
 formulas do not have). A bucket's parameters share one reduction group (`ParamSpec.grad_group`).
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.optim.shards import Segment, Shard
+from megalite.dp.shards import Segment, Shard
 from megalite.parallel.param_spec import ParamSpec, Tied
 from megalite.parallel.state import GroupKind
 
