@@ -39,7 +39,7 @@ from bench.checkpoint_io import _cpu_name, _model_cfg, describe  # noqa: E402
 from bench.results_io import spread, write_results  # noqa: E402
 from megalite.checkpoint.async_save import AsyncSaver  # noqa: E402
 from megalite.checkpoint.sharded import plan_save, save_sharded  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
+from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.optim.reference import ReferenceOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.pipeline import build_pipeline  # noqa: E402

@@ -40,7 +40,7 @@ from bench.results_io import spread, write_results  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.compile import compile_blocks  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
+from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.runtime.malloc import tune_malloc  # noqa: E402

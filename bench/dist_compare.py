@@ -47,7 +47,7 @@ from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.observability.wire import process_written_bytes  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
+from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.runtime.malloc import tune_malloc  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402

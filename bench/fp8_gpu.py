@@ -33,7 +33,7 @@ from megalite.layers import scaled_mm as smm  # noqa: E402
 from megalite.layers.fp8 import Fp8Gemm, Fp8Settings, Splits, enable_fp8  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
+from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.perfmodel.estimate import count_params  # noqa: E402
 from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: E402

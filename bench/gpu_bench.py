@@ -42,7 +42,7 @@ from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: 
 from megalite.model.gpt import GPT, count_parameters  # noqa: E402
 from megalite.model.ops import attention as sdpa_attention  # noqa: E402
 from megalite.model.ops import get_ops  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
+from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402

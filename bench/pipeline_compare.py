@@ -45,7 +45,7 @@ from torch.distributed import pipelining  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
-from megalite.optim.adamw import LossScaler  # noqa: E402
+from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.optim.zero import ZeroOptimizer  # noqa: E402
 from megalite.pipeline import PipelineEngine, build_pipeline  # noqa: E402

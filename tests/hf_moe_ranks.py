@@ -13,7 +13,7 @@ from megalite.checkpoint.sharded import load_sharded, read_index
 from megalite.inference.load import model_config_from_info
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.counter import CommCounter
 from megalite.parallel.state import ParallelState, create_groups

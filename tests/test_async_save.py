@@ -21,7 +21,7 @@ from megalite.checkpoint.sharded import plan_save, save_sharded
 from megalite.config import CheckpointConfig
 from megalite.data import DataSampler
 from megalite.errors import CheckpointError
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState

@@ -38,7 +38,7 @@ from megalite.layers.fp8 import Fp8Settings, enable_fp8
 from megalite.layers.fp8_experts import Fp8ExpertGemm
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState

@@ -25,7 +25,7 @@ import torch
 from megalite.layers.fp8 import Fp8Settings, enable_fp8
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.errors import ConfigError
 from megalite.parallel.param_spec import named_param_specs

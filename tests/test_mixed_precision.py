@@ -10,7 +10,7 @@ import torch
 
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.training.step import train_step
 from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
 

@@ -15,7 +15,7 @@ import torch
 from megalite.checkpoint.sharded import load_sharded, read_index, save_sharded
 from megalite.errors import ConfigError
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline

@@ -21,7 +21,7 @@ from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.moe.step_metrics import moe_layers_of
 from megalite.optim import build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard

@@ -30,7 +30,7 @@ class Segment:
 
     lo: int
     hi: int
-    decay: bool       # AdamW weight decay applies (matrices only, like `build_optimizer`)
+    decay: bool       # AdamW weight decay applies (matrices only, as `reference.adamw_with_groups`)
     replicated: bool  # same values on every TP rank (a replicated `TPLayout`): counted once in the norm
     sp_partial: bool  # grads are partial sums over TP under sequence parallelism
     copy: bool = False  # the last pipeline stage's copy of a tied embedding: not counted in the norm

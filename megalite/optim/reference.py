@@ -17,12 +17,23 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from megalite.errors import ConfigError
-from megalite.optim.adamw import build_optimizer
-from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.dp.reduce_grads import clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings, unique_params
+from megalite.errors import ConfigError
+from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
+
+
+def adamw_with_groups(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+                      eps: float) -> torch.optim.AdamW:
+    """torch's AdamW with the usual GPT parameter groups: weight decay on matrices only; norms, biases and
+    (1-D) gains are not decayed (GPT-2/Megatron; `Segment.decay` is the same rule on shards)."""
+    params = unique_params(model)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: the same per-tensor arithmetic at any layout, so TP parity holds to round-off.
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 
 class ReferenceOptimizer:
@@ -34,7 +45,7 @@ class ReferenceOptimizer:
                  betas: tuple[float, float], eps: float) -> None:
         self.model, self.state = model, state
         self.specs = spec_table(model, ConfigError)
-        self.optimizer = build_optimizer(model, lr, weight_decay, betas, eps)
+        self.optimizer = adamw_with_groups(model, lr, weight_decay, betas, eps)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

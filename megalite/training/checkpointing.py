@@ -13,7 +13,7 @@ from megalite.checkpoint.async_save import AsyncSaver, Outcome, raise_if_failed
 from megalite.config import CheckpointConfig
 from megalite.errors import CheckpointError
 from megalite.data import DataSampler
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState

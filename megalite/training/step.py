@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from megalite.moe.step_metrics import finish_step as finish_moe_step
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.schedule import lr_at
 from megalite.parallel import comm

@@ -32,7 +32,7 @@ from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
 from megalite.dp import mib_to_bytes
 from megalite.optim import MuonSettings, build_distributed_optimizer
-from megalite.optim.adamw import LossScaler
+from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env

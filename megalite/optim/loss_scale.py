@@ -1,22 +1,6 @@
-"""AdamW with the usual GPT parameter groups, and a dynamic loss scaler for fp16."""
+"""A dynamic loss scaler for fp16 training (Micikevicius et al. 2018, "Mixed Precision Training")."""
 
 from __future__ import annotations
-
-import torch
-import torch.nn as nn
-
-from megalite.dp.reduce_grads import unique_params
-
-
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms, biases and (1-D) gains are not decayed (GPT-2/Megatron)."""
-    params = unique_params(model)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: the same per-tensor arithmetic at any layout, so TP parity holds to round-off.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 
 class LossScaler:
