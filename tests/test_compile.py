@@ -44,7 +44,7 @@ from megalite.model.gpt import GPT
 from megalite.moe.layer import ROUTED_SHAPES
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.comm import OUTSIDE_GRAPH
-from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
@@ -128,7 +128,7 @@ def _param_diffs(opt, st: ParallelState, chunks: list[nn.Module], ref: GPT) -> d
     for name, value in opt.full_parameters().items():
         name = name.split(".", 1)[1] if name.split(".", 1)[0].isdigit() else name  # a ModuleList's chunk prefix
         got, want = unshard(value, specs[name].layout, st), ref_params[name].detach()
-        if specs[name].grad_group == "edp":
+        if specs[name].grads == EXPERT_PARALLEL:
             n = want.shape[0] // st.size("ep")
             want = want[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n]
         if name.endswith("attn.qkv.bias"):

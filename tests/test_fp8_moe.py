@@ -39,7 +39,7 @@ from megalite.layers.fp8_experts import Fp8ExpertGemm
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
-from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
@@ -143,7 +143,7 @@ def _run_ep2(rank: int) -> None:
         specs, ref_params = named_param_specs(model, ConfigError), ref_opt.full_parameters()
         for name, value in opt.full_parameters().items():
             w = ref_params[name]
-            if specs[name].grad_group == "edp":  # this rank's experts are a block of the reference's
+            if specs[name].grads == EXPERT_PARALLEL:  # this rank's experts are a block of the reference's
                 k = w.shape[0] // 2
                 w = w[st.rank_in("ep") * k:(st.rank_in("ep") + 1) * k]
             assert torch.equal(unshard(value, specs[name].layout, st), w), f"{recipe} ep2: {name} after {STEPS} steps"

@@ -22,7 +22,7 @@ from megalite.model.gpt import GPT
 from megalite.dp.grad_sync import GradSync
 from megalite.dp.shards import Shard, ShardOptimizer
 from megalite.optim.zero import ZeroOptimizer
-from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs
+from megalite.parallel.param_spec import REPLICATED, GradReduction, ParamSpec, children_specs
 from megalite.parallel.state import ParallelState
 from tests.parallel_utils import (layout, micro_batches, random_steps, reference_optimizer, tiny_model_cfg,
                                   tiny_train_cfg, train_steps)
@@ -124,7 +124,7 @@ class _Block(nn.Module):
         self.b = nn.Parameter(torch.arange(n, dtype=torch.float32) / -n)
 
     def param_specs(self) -> Mapping[str, ParamSpec]:
-        return {"a": ParamSpec(REPLICATED, grad_group="dp"), "b": ParamSpec(REPLICATED)}
+        return {"a": ParamSpec(REPLICATED, grads=GradReduction("dp")), "b": ParamSpec(REPLICATED)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.a * x).sum() + (self.b * x * 2).sum()

@@ -16,7 +16,7 @@ from megalite.checkpoint.sharded import load_sharded, read_index, save_sharded
 from megalite.errors import ConfigError
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
-from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, train_step
@@ -64,7 +64,7 @@ def _resume_at_ep(rank: int, step_dir: str, ep: int) -> tuple[float, dict[str, t
     specs = named_param_specs(model, ConfigError)
     out = {}
     for name, value in opt.full_parameters().items():  # experts: put back at their global rows
-        out[name] = (value, st.rank_in("ep") * value.shape[0] if specs[name].grad_group == "edp" else None)
+        out[name] = (value, st.rank_in("ep") * value.shape[0] if specs[name].grads == EXPERT_PARALLEL else None)
     out.update({name: (buf.clone(), None) for name, buf in model.named_buffers() if name.endswith("router.bias")})
     return result.loss, out
 

@@ -23,7 +23,7 @@ from megalite.moe.step_metrics import moe_layers_of
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
-from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.moe import a2a_bytes_measured
@@ -93,7 +93,7 @@ def _check(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, ep: int, r
     for name, value in opt.full_parameters().items():
         spec = specs[name]
         want = ref_params[name].detach()
-        if spec.grad_group == "edp":  # this rank's experts are a block of the reference's
+        if spec.grads == EXPERT_PARALLEL:  # this rank's experts are a block of the reference's
             n = want.shape[0] // local
             want = want[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n]
         got = unshard(value, spec.layout, st)

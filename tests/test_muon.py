@@ -28,7 +28,7 @@ import torch.nn as nn
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import MuonSettings, build_distributed_optimizer
-from megalite.parallel.param_spec import named_param_specs
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.inputs import Layout, ModelDims
@@ -183,7 +183,7 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
 
         def mine(name: str, full: torch.Tensor) -> torch.Tensor:  # an expert stack: this ep rank's block of it
             n = full.shape[0] // ep
-            return full[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n] if specs[name].grad_group == "edp" else full
+            return full[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n] if specs[name].grads == EXPERT_PARALLEL else full
 
         def plain(name: str) -> str:  # full_parameters of several chunks (vpp): "<chunk>.<global name>"
             return name if name in specs else name.split(".", 1)[1]

@@ -2,8 +2,8 @@
 and the routers' bias buffers.
 
 A stacked expert weight ([E/ep, ...] on each rank, `experts.Experts`) is stored as the whole [E, ...]
-tensor; rank ep_rank holds rows [ep_rank * E/ep, (ep_rank + 1) * E/ep). Its gradient group is 'edp', and
-those ranks hold the same experts: they deal the writes among themselves, as dp x cp does for the rest.
+tensor; rank ep_rank holds rows [ep_rank * E/ep, (ep_rank + 1) * E/ep) (`GradReduction.split_over`). The ranks
+of its gradient group hold the same experts: they deal the writes among themselves, as dp x cp does for the rest.
 So a checkpoint saved at one ep loads at any other (every expert's tensor is complete on disk), and the
 offline tool needs no ep: its files are per (tp, pp) rank and every ep rank reads its rows from one of them.
 """
@@ -32,13 +32,14 @@ def routing_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
 
 
 def expert_shard_map(smap: ShardMap, spec: ParamSpec, state: ParallelState) -> ShardMap:
-    """`smap` (the TP view of this rank's tensor) lifted into the whole-expert tensor when `spec` is an
-    expert weight (grad_group 'edp'); unchanged otherwise."""
-    ep = state.size("ep")
-    if spec.grad_group != "edp" or ep == 1:
+    """`smap` (the TP view of this rank's tensor) lifted into the whole-expert tensor when `spec` is split
+    along dim 0 over other ranks too (`GradReduction.split_over`: an expert weight over ep); unchanged otherwise."""
+    split = spec.grads.split_over
+    ep = state.size(split) if split else 1
+    if split is None or ep == 1:
         return smap
     local = smap.local_shape[0]
-    start = state.rank_in("ep") * local
+    start = state.rank_in(split) * local
     pieces = tuple(Piece(pc.local, (pc.glob[0] + start,) + pc.glob[1:], pc.shape) for pc in smap.pieces)
     return replace(smap, global_shape=(smap.global_shape[0] * ep,) + smap.global_shape[1:], pieces=pieces)
 

@@ -175,8 +175,9 @@ def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Mod
     info = model_info(chunks[0].cfg)
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
-    items: list[tuple[str, ShardMap, torch.Tensor]] = []
-    experts: list[tuple[str, ShardMap, torch.Tensor]] = []
+    # The writes are dealt among the ranks holding the same values (`GradReduction.group`: dp x cp for a
+    # dense weight, the experts' own group for MoE experts), so each slab is written once.
+    dealt: dict[GroupKind, list[tuple[str, ShardMap, torch.Tensor]]] = {SAME_PARAMS: []}
     opt_step: float | None = None
     for name, p, _, spec in params:
         if spec.tied is Tied.HEAD_COPY or (not spec.layout.split and state.tp_rank != 0):
@@ -184,15 +185,16 @@ def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Mod
         smap = expert_shard_map(shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank,
                                           info["vocab_size"]), spec, state)
         st = pstates.get(name, {})
-        group = experts if spec.grad_group == "edp" else items  # MoE experts: dealt over the ranks holding them
+        group = dealt.setdefault(spec.grads.group, [])
         group.append((f"param/{name}", smap, st.get("master", p)))
         group += [(f"{kind}/{name}", smap, st[kind]) for kind in STATE_KINDS if kind in st]
         if "step" in st:
             opt_step = float(st["step"])
     if state.tp_rank == 0:  # MoE routers' bias: not a parameter, but routing depends on it
-        items += [(f"buffer/{name}", ShardMap(tuple(b.shape), tuple(b.shape), (Piece((0,), (0,), tuple(b.shape)),)), b)
-                  for name, b in routing_buffers(chunks)]
-    mine = items[state.rank_in(SAME_PARAMS)::state.size(SAME_PARAMS)] + experts[state.rank_in("edp")::state.size("edp")]
+        dealt[SAME_PARAMS] += [(f"buffer/{name}", ShardMap(tuple(b.shape), tuple(b.shape),
+                                                           (Piece((0,), (0,), tuple(b.shape)),)), b)
+                               for name, b in routing_buffers(chunks)]
+    mine = [item for group, items in dealt.items() for item in items[state.rank_in(group)::state.size(group)]]
     rng: dict[str, torch.Tensor] = extra.get("rng") or {}
     file = f"rank_{state.rank:05d}.safetensors"
     slabs = [(f"{key}/{i}", _local(t.detach(), smap, i)) for key, smap, t in mine for i in range(len(smap.pieces))]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.dp.shards import Segment, Shard
-from megalite.parallel.param_spec import ParamSpec, Tied
+from megalite.parallel.param_spec import GradReduction, ParamSpec, Tied
 from megalite.parallel.state import GroupKind
 
 
@@ -36,7 +36,7 @@ class Bucket:
     lo: int
     hi: int
     segments: list[Segment]
-    group: GroupKind                        # the ranks its gradient is averaged over (and sharded over)
+    grads: GradReduction                    # how its gradient is reduced (`grads.group`: averaged, sharded over)
     param_flat: torch.Tensor                # model params (param dtype), [padded]; views of it are the params
     param_shard: torch.Tensor | None        # stage 3 only: the persistent 1/dp of `param_flat`
     grad_shard: torch.Tensor | None = None  # fp32 [hi - lo]: the reduced gradient this rank owns
@@ -51,6 +51,11 @@ class Bucket:
     index: dict[int, int] = field(default_factory=dict)  # id(param) -> position in `params`
 
     @property
+    def group(self) -> GroupKind:
+        """The ranks its gradient is summed over (and, ZeRO >= 1, sharded over)."""
+        return self.grads.group
+
+    @property
     def shard_numel(self) -> int:
         return self.hi - self.lo
 
@@ -61,7 +66,7 @@ class Bucket:
     def shard(self, sharded: bool) -> Shard:
         """What the optimizer updates of this bucket (the buffers must exist: see `GradSync`)."""
         assert self.grad_shard is not None
-        return Shard(self.own_params(), self.grad_shard, tuple(self.segments), self.group, sharded)
+        return Shard(self.own_params(), self.grad_shard, tuple(self.segments), self.grads, sharded)
 
 
 def make_bucket(params: list[nn.Parameter], specs: Mapping[nn.Parameter, ParamSpec], dp: int, dp_rank: int,
@@ -84,10 +89,10 @@ def make_bucket(params: list[nn.Parameter], specs: Mapping[nn.Parameter, ParamSp
             spec = specs[p]
             segments.append(Segment(a - lo, b - lo, p.dim() >= 2, not spec.layout.split, spec.sp_partial,
                                     spec.tied is Tied.HEAD_COPY))
-    groups = {specs[p].grad_group for p in params}
-    assert len(groups) == 1, f"a bucket mixes gradient groups {sorted(groups)}"
+    groups = {specs[p].grads for p in params}
+    assert len(groups) == 1, f"a bucket mixes gradient reductions {groups}"
     bucket = Bucket(params=params, offsets=offsets, numel=total, padded=padded, lo=lo, hi=hi, segments=segments,
-                    group=groups.pop(), param_flat=torch.empty(0), param_shard=None,
+                    grads=groups.pop(), param_flat=torch.empty(0), param_shard=None,
                     n_grads=sum(p.requires_grad for p in params),
                     index={id(p): i for i, p in enumerate(params)})
     return bucket, full32

@@ -47,13 +47,13 @@ import torch.nn as nn
 from megalite.errors import ConfigError
 from megalite.dp.buckets import Bucket, make_bucket, split_by_size
 from megalite.dp.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
-from megalite.dp.reduce_grads import grad_divisor, unique_params
+from megalite.dp.reduce_grads import unique_params
 from megalite.dp.shards import Shard
 from megalite.dp.zero3 import Zero3Gatherer, stage3_units, zero3_problems
 from megalite.layers.linear_fn import DeferredWeightGrads, Fold
 from megalite.parallel import comm
-from megalite.parallel.param_spec import ParamSpec, spec_table
-from megalite.parallel.state import GroupKind, ParallelState
+from megalite.parallel.param_spec import GradReduction, ParamSpec, spec_table
+from megalite.parallel.state import ParallelState
 
 
 @runtime_checkable
@@ -79,10 +79,10 @@ Params = list[nn.Parameter]
 
 
 def by_group(params: Params, specs: dict[nn.Parameter, ParamSpec]) -> list[Params]:
-    """`params` split by `grad_group`, order kept within each (groups in order of first appearance)."""
-    groups: dict[GroupKind, Params] = {}
+    """`params` split by their `GradReduction`, order kept within each (in order of first appearance)."""
+    groups: dict[GradReduction, Params] = {}
     for p in params:
-        groups.setdefault(specs[p].grad_group, []).append(p)
+        groups.setdefault(specs[p].grads, []).append(p)
     return list(groups.values())
 
 
@@ -279,7 +279,8 @@ class GradSync:
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's reduction (starting any that never filled), average over its group
-        (`grad_divisor`), then sum the SP-partial pieces over TP (the average and the TP sum commute)."""
+        (divided by its `GradReduction.divisor_group`'s size), then sum the SP-partial pieces over TP (the
+        average and the TP sum commute)."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
@@ -291,7 +292,7 @@ class GradSync:
                 assert b.scatter_out is not None
                 b.grad_shard.copy_(b.scatter_out)
                 b.scatter_out = None
-            n = grad_divisor(self.state, b.group)  # the group's average; dp x cp for experts (see there)
+            n = self.state.size(b.grads.divisor_group)  # the group's average; dp x cp for experts (see there)
             if n > 1:  # a full pass over the gradients: skip it when alone
                 b.grad_shard.div_(n)
             if self.stage >= 2:

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from megalite.parallel import comm
-from megalite.parallel.param_spec import ParamSpec, Tied
-from megalite.parallel.state import GroupKind, ParallelState
+from megalite.parallel.param_spec import GradReduction, ParamSpec, Tied
+from megalite.parallel.state import ParallelState
 
 Specs = Mapping[nn.Parameter, ParamSpec]
 
@@ -24,18 +24,9 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
 
 
-def grad_divisor(state: ParallelState, group: GroupKind) -> int:
-    """What a gradient summed over `group` is divided by: the group's size (its average), except for the
-    experts ('edp', megalite.moe), divided by dp x cp. Each rank's loss is the mean over its own tokens, so
-    the global-token mean is the sum over the dp x cp ranks / (dp x cp); an expert's gradient already holds
-    the tokens of every ep rank (the dispatch all-to-all's backward), so its sum over edp covers all dp x cp
-    ranks and takes the same divisor (the edp size would make expert gradients ep times too large)."""
-    return state.size("dp_cp") if group == "edp" else state.size(group)
-
-
 def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> None:
-    """Sum SP-partial grads over TP, then average each grad over its `grad_group` (dp x cp for a dense
-    model; the divisor is `grad_divisor`), one flat buffer per group.
+    """Sum SP-partial grads over TP, then sum each grad over its `grad_group` (dp x cp for a dense model)
+    and divide by the size of its `GradReduction.divisor_group`, one flat buffer per reduction.
 
     Under SP each TP rank saw 1/tp of the sequence, so replicated params (norms, row biases,
     positions) hold partial grads; Megatron all-reduces them over TP. The DP all-reduce of every
@@ -47,15 +38,15 @@ def reduce_gradients(model: nn.Module, state: ParallelState, specs: Specs) -> No
         flat = torch.cat([g.reshape(-1) for g in partial])
         comm.all_reduce(flat, state, "tp")
         _unflatten_into(flat, partial)
-    groups: dict[GroupKind, list[torch.Tensor]] = {}
+    groups: dict[GradReduction, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            groups.setdefault(specs[p].grad_group, []).append(p.grad)
-    for group, grads in groups.items():
-        if state.size(group) > 1:
+            groups.setdefault(specs[p].grads, []).append(p.grad)
+    for reduction, grads in groups.items():
+        if state.size(reduction.group) > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, state, group)
-            flat /= grad_divisor(state, group)
+            comm.all_reduce(flat, state, reduction.group)
+            flat /= state.size(reduction.divisor_group)
             _unflatten_into(flat, grads)
 
 
@@ -69,13 +60,15 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def global_grad_norm(model: nn.Module, state: ParallelState, specs: Specs) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: TP-replicated params
-    only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks, experts ('edp') over ep."""
+    only on tp rank 0, shards everywhere; summed over tensor and pipeline ranks, and over the ranks holding
+    other parameters of a kind (`GradReduction.norm_group`: the experts of other ep ranks)."""
     counted = [p for p in unique_params(model) if p.grad is not None
                and (specs[p].layout.split or state.tp_rank == 0)
                and specs[p].tied is not Tied.HEAD_COPY]  # the last stage's copy of a tied embedding
-    total = _squared_norm([p.grad for p in counted if specs[p].grad_group != "edp"], state)
-    experts = _squared_norm([p.grad for p in counted if specs[p].grad_group == "edp"], state)
-    total += comm.all_reduce(experts, state, "ep", count_as="norm")  # distinct experts on each ep rank
+    total = _squared_norm([p.grad for p in counted if specs[p].grads.norm_group(False) is None], state)
+    for group in dict.fromkeys(g for p in counted if (g := specs[p].grads.norm_group(False)) is not None):
+        pieces = [p.grad for p in counted if specs[p].grads.norm_group(False) == group]
+        total += comm.all_reduce(_squared_norm(pieces, state), state, group, count_as="norm")
     comm.all_reduce(total, state, "mp")
     return math.sqrt(total.item())
 

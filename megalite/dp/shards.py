@@ -21,6 +21,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from megalite.parallel import comm
+from megalite.parallel.param_spec import GradReduction
 from megalite.parallel.state import GroupKind, ParallelState
 
 
@@ -44,12 +45,22 @@ class Shard:
     params: torch.Tensor            # [n] this rank's elements of the parameters, model dtype
     grad: torch.Tensor              # [n] fp32: the reduced gradient of those elements
     segments: tuple[Segment, ...]   # which parameter pieces the range holds (padding belongs to none)
-    group: GroupKind                # the ranks the bucket's gradient was averaged over
+    grads: GradReduction            # how the bucket's gradient was reduced (over `grads.group`)
     sharded: bool                   # the range is 1/N of the bucket (ZeRO >= 1), not all of it
 
     @property
     def numel(self) -> int:
         return self.params.numel()
+
+    @property
+    def group(self) -> GroupKind:
+        """The ranks the bucket's gradient was summed over (and, ZeRO >= 1, sharded over)."""
+        return self.grads.group
+
+    @property
+    def norm_group(self) -> GroupKind | None:
+        """The ranks whose squared norms of this shard's kind add up (`GradReduction.norm_group`)."""
+        return self.grads.norm_group(self.sharded)
 
 
 @runtime_checkable
@@ -85,21 +96,12 @@ def scale_shards(shards: Sequence[Shard], factor: float) -> None:
         s.grad.mul_(factor)
 
 
-def norm_group(group: GroupKind, sharded: bool) -> GroupKind | None:
-    """The ranks whose squared norms of a `group` bucket add up to distinct parts of the model (None: none).
-    A sharded bucket's ranks each hold 1/N of it. Experts ('edp' buckets, megalite.moe) differ across the
-    ep ranks too: an unsharded one is summed over ep, a sharded one over ep x edp = dp x cp."""
-    if group == "edp":
-        return "dp_cp" if sharded else "ep"
-    return group if sharded else None
-
-
 def grad_norm(shards: Sequence[Shard], state: ParallelState) -> float:
     """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank 0 only,
-    summed over tp x pp ranks, and over the ranks of `norm_group` (sharded buckets, experts)."""
+    summed over tp x pp ranks, and over each shard's `norm_group` (sharded buckets, experts)."""
     by_group: dict[GroupKind | None, list[torch.Tensor]] = {}
     for s in shards:
-        key = norm_group(s.group, s.sharded)
+        key = s.norm_group
         by_group.setdefault(key, []).extend(
             s.grad[g.lo:g.hi] for g in s.segments if not ((g.replicated and state.tp_rank != 0) or g.copy))
     if not by_group:

@@ -214,8 +214,8 @@ class GPT(nn.Module):
 
 def count_parameters(model: nn.Module, state: ParallelState) -> int:
     """Parameters of the *whole* model on this stage (TP shards counted at full size, padding excluded
-    from neither: the padded vocab rows are real memory). Each shared parameter counted once; MoE experts
-    (grad_group 'edp') at all ep ranks' experts."""
+    from neither: the padded vocab rows are real memory). Each shared parameter counted once; a parameter
+    split along dim 0 over other ranks too (`GradReduction.split_over`: MoE experts over ep) at full size."""
     specs = spec_table(model, ConfigError)
-    return sum(p.numel() * (state.tp if spec.layout.split else 1) * (state.size("ep") if spec.grad_group == "edp" else 1)
-               for p, spec in specs.items())
+    return sum(p.numel() * (state.tp if spec.layout.split else 1)
+               * (state.size(spec.grads.split_over) if spec.grads.split_over else 1) for p, spec in specs.items())

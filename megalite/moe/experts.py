@@ -4,7 +4,7 @@ Weights are stacked per layer ([E/ep, 2F, H] gate and up fused for SwiGLU, [E/ep
 [E/ep, H, F] down), the layout of transformers' fused experts, and each expert is drawn in full from its
 global name (`layers.init`), so expert e has the same numbers at any ep. TP: experts are replicated over
 the tp ranks (each computes the tokens it holds: all of them without SP, its 1/tp slice with SP, whence
-`sp_partial`); expert-parallel over ep, their gradients reduced over 'edp' (`ParamSpec.grad_group`).
+`sp_partial`); expert-parallel over ep, their gradients reduced as `param_spec.EXPERT_PARALLEL` says.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn as nn
 from megalite.layers.fp8_experts import Fp8ExpertGemm
 from megalite.layers.init import full_normal
 from megalite.moe.grouped import expert_mm
-from megalite.parallel.param_spec import REPLICATED, ParamSpec
+from megalite.parallel.param_spec import EXPERT_PARALLEL, REPLICATED, ParamSpec
 from megalite.parallel.state import ParallelState
 
 
@@ -52,7 +52,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.stack(downs))
 
     def param_specs(self) -> dict[str, ParamSpec]:
-        spec = ParamSpec(REPLICATED, sp_partial=self.sp, grad_group="edp")
+        spec = ParamSpec(REPLICATED, sp_partial=self.sp, grads=EXPERT_PARALLEL)
         return {"up": spec, "down": spec}
 
     def muon_stacks(self) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ Bytes per step, all under the counter key "muon": see `megalite.perfmodel.muon`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -43,8 +44,8 @@ def adam_shards(shards: Sequence[Shard], plan: MuonPlan) -> list[Shard]:
     def muon(i: int, lo: int, hi: int) -> bool:
         return hi > lo and sum(max(0, min(s.stop, hi) - max(s.start, lo)) for s in pieces.get(i, [])) == hi - lo
 
-    return [Shard(sh.params, sh.grad, tuple(g for g in sh.segments if not muon(i, g.lo, g.hi)), sh.group,
-                  sh.sharded) for i, sh in enumerate(shards)]
+    return [replace(sh, segments=tuple(g for g in sh.segments if not muon(i, g.lo, g.hi)))
+            for i, sh in enumerate(shards)]
 
 
 class ShardMuon:

@@ -6,7 +6,7 @@ and down. Everything else stays on AdamW, as in Jordan et al. 2024 and Liu et al
 and the output layer (a column-parallel linear too, but outside the blocks), norms, biases, learned
 positions, and the MoE router (a replicated matrix). The MoE experts are stacks of whole matrices
 ([E/ep, rows, cols], replicated over tp: `StacksMatrices`): each expert's matrix is one Muon matrix (its up
-per logical part, gate and up), owned over the experts' own 'edp' group like any other under ZeRO and
+per logical part, gate and up), owned over the experts' own gradient group like any other under ZeRO and
 orthogonalised by that owner on every TP rank of its tp group alike (each holds it whole: no tp exchange).
 
 A fused column linear is orthogonalised per *logical* matrix (`TPLayout.parts`: q, k and v of the fused

@@ -83,6 +83,49 @@ class Tied(enum.Enum):
 
 
 @dataclass(frozen=True)
+class GradReduction:
+    """How a parameter's gradient is reduced over the data-parallel ranks and counted in the global norm: the
+    data side of a `ParamSpec`, as `TPLayout` is its tensor-parallel side. Code outside `parallel/` reads
+    these fields and never names a group of its own.
+
+      group       the ranks holding the same values: the gradient is summed over them and ZeRO shards the
+                  states over them (the gradient sync never puts two groups into one bucket)
+      split_over  the ranks (beyond TP's layout) holding *other* rows, along dim 0, of the same logical
+                  tensor, or None: their squared norms add, the parameter count and a checkpoint's global
+                  tensor are that many times the local rows
+      mean        the group whose size the sum is divided by (None: `group`'s, the plain average)
+      whole       `group` and `split_over` together (None: `group`): the ranks whose ZeRO shards hold every
+                  element of the logical tensor once between them
+    """
+
+    group: GroupKind = "dp_cp"
+    split_over: GroupKind | None = None
+    mean: GroupKind | None = None
+    whole: GroupKind | None = None
+
+    @property
+    def divisor_group(self) -> GroupKind:
+        """The group whose size the summed gradient is divided by."""
+        return self.mean or self.group
+
+    def norm_group(self, sharded: bool) -> GroupKind | None:
+        """The ranks over which the squared norms of such gradients add up to distinct parts of the model
+        (None: this rank's alone, the others hold the same). `sharded` (ZeRO >= 1): each rank of `whole`
+        holds its own 1/N; unsharded, only the `split_over` ranks hold other elements."""
+        return (self.whole or self.group) if sharded else self.split_over
+
+
+# Every dense weight: summed over dp x cp (the cp ranks saw other tokens of the same sequences) and averaged.
+DATA_PARALLEL = GradReduction()
+# Mixture-of-experts weights (`megalite.moe.experts`): rank ep_rank holds experts [ep_rank * E/ep, ...) of the
+# layer, and the 'edp' ranks (the rest of dp x cp) the same ones. Each rank's loss is the mean over its own
+# tokens, so the global-token mean is the sum over the dp x cp ranks / (dp x cp); an expert's gradient already
+# holds the tokens of every ep rank (the dispatch all-to-all's backward), so its sum over edp covers all dp x cp
+# ranks and takes the same divisor (the edp size would make expert gradients ep times too large).
+EXPERT_PARALLEL = GradReduction(group="edp", split_over="ep", mean="dp_cp", whole="dp_cp")
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """Everything the optimizer and the checkpoint need to know about one parameter."""
 
@@ -91,11 +134,13 @@ class ParamSpec:
     # gradient is a partial sum to be all-reduced over TP (Korthikanti et al. 2022).
     sp_partial: bool = False
     tied: Tied = Tied.NONE
-    # The ranks over which this parameter's gradient is averaged and ZeRO shards its states: dp x cp for
-    # every dense weight (cp ranks saw other tokens of the same sequences); a parameter replicated over
-    # another set of ranks (e.g. an expert's weights over the expert-data-parallel ranks) names that group.
-    # The gradient sync never puts parameters of two groups into one bucket (`megalite.dp.grad_sync`).
-    grad_group: GroupKind = "dp_cp"
+    # How the gradient is reduced over the data-parallel ranks and counted in the norm (`GradReduction`).
+    grads: GradReduction = DATA_PARALLEL
+
+    @property
+    def grad_group(self) -> GroupKind:
+        """The ranks this parameter's gradient is summed over and ZeRO shards its states over."""
+        return self.grads.group
 
     @property
     def pipeline_tied(self) -> bool:
