@@ -8,21 +8,19 @@ parameters the range holds. The optimizer (`ShardOptimizer`, e.g. `megalite.opti
 math on these: it never sees a module, a hook or a collective. At ZeRO 0 the range is the whole bucket,
 at ZeRO >= 1 it is 1/N of it (N = the size of the bucket's `group`).
 
-Loss scaling and the global gradient norm / clipping are math on the same shards (below); the norm's
-sum over ranks is the only communication on this side.
+Loss scaling, the global gradient norm and clipping are the optimizer's math on the same shards
+(`megalite.optim.zero`, `megalite.optim.clip`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from megalite.parallel import comm
 from megalite.parallel.param_spec import GradReduction
-from megalite.parallel.state import GroupKind, ParallelState
+from megalite.parallel.state import GroupKind
 
 
 @dataclass(frozen=True)
@@ -89,40 +87,3 @@ class ShardOptimizer(Protocol):
         """Bytes of state held: {"master": ..., "optimizer": ...}."""
         ...
 
-
-def scale_shards(shards: Sequence[Shard], factor: float) -> None:
-    """Multiply every reduced gradient by `factor` (undoing an fp16 loss scale)."""
-    for s in shards:
-        s.grad.mul_(factor)
-
-
-def grad_norm(shards: Sequence[Shard], state: ParallelState) -> float:
-    """Global L2 norm of the reduced gradient, each parameter once: TP-replicated pieces on tp rank 0 only,
-    summed over tp x pp ranks, and over each shard's `norm_group` (sharded buckets, experts)."""
-    by_group: dict[GroupKind | None, list[torch.Tensor]] = {}
-    for s in shards:
-        key = s.norm_group
-        by_group.setdefault(key, []).extend(
-            s.grad[g.lo:g.hi] for g in s.segments if not ((g.replicated and state.tp_rank != 0) or g.copy))
-    if not by_group:
-        by_group[None] = []
-    total: torch.Tensor | None = None
-    for group, pieces in by_group.items():
-        # One fused fp32 norm per piece (no float64 copy of the gradients), their squares summed in float64.
-        norms = list(torch._foreach_norm(pieces)) if pieces else []
-        sq = (torch.stack(norms).double().pow(2).sum().reshape(1) if norms
-              else torch.zeros(1, dtype=torch.float64, device=state.device))
-        if group is not None:
-            comm.all_reduce(sq, state, group, count_as="norm")
-        total = sq if total is None else total + sq
-    assert total is not None
-    comm.all_reduce(total, state, "mp")
-    return math.sqrt(total.item())
-
-
-def clip_shards(shards: Sequence[Shard], clip: float, norm: float) -> None:
-    """Scale every gradient by clip / norm when the (already global) norm exceeds `clip`."""
-    if clip > 0 and math.isfinite(norm) and norm > clip:
-        scale = clip / (norm + 1e-6)  # the same factor as `grads.clip_gradients`
-        for s in shards:
-            s.grad.mul_(scale)

@@ -17,9 +17,10 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from megalite.dp.reduce_grads import clip_gradients, global_grad_norm, reduce_gradients, sync_tied_embeddings, unique_params
+from megalite.dp.reduce_grads import reduce_gradients, sync_tied_embeddings, unique_params
 from megalite.errors import ConfigError
 from megalite.layers.linear_fn import DeferredWeightGrads
+from megalite.optim.clip import clip_grads, global_norm, param_pieces
 from megalite.parallel.param_spec import spec_table
 from megalite.parallel.state import ParallelState
 
@@ -78,12 +79,12 @@ class ReferenceOptimizer:
                 p.grad.mul_(factor)
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.model, self.state, self.specs)
+        return global_norm(param_pieces(unique_params(self.model), self.specs, self.state), self.state)
 
     def step(self, lr: float, clip: float, norm: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        clip_gradients(self.model, clip, norm)
+        clip_grads([p.grad for p in unique_params(self.model) if p.grad is not None], clip, norm)
         self.optimizer.step()
 
     def _named_params(self) -> dict[str, nn.Parameter]:

@@ -9,7 +9,7 @@
   `optimizer`  a `ShardOptimizer` (`megalite.dp.shards`; `ShardAdamW` here): math on the `Shard`s the
                sync hands it (fp32 master weights, moments). It never sees a module or a collective.
 
-and does the rest of a step on the shards itself: loss-scale undo, global norm, clipping (`shards`).
+and does the rest of a step on the shards itself: loss-scale undo, global norm, clipping (`clip`).
 Any other `ShardOptimizer` plugs onto the same sync unchanged (tests/test_grad_sync.py: SGD with
 momentum at ZeRO 0-3).
 
@@ -52,7 +52,8 @@ import torch
 from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.dp import zero_state
 from megalite.dp.grad_sync import GradSync
-from megalite.dp.shards import ShardOptimizer, clip_shards, grad_norm, scale_shards
+from megalite.dp.shards import ShardOptimizer
+from megalite.optim.clip import clip_grads, global_norm, shard_pieces
 
 
 class ZeroOptimizer:
@@ -86,17 +87,18 @@ class ZeroOptimizer:
         self.sync.finish_grad_sync()
 
     def scale_grads(self, factor: float) -> None:
-        scale_shards(self.shards, factor)
+        for s in self.shards:
+            s.grad.mul_(factor)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the reduced gradient, each parameter once (`shards.grad_norm`)."""
-        return grad_norm(self.shards, self.sync.state)
+        """Global L2 norm of the reduced gradient, each parameter once (`megalite.optim.clip`)."""
+        return global_norm(shard_pieces(self.shards, self.sync.state), self.sync.state)
 
     def step(self, lr: float, clip: float, norm: float) -> None:
         """Clip by the global norm, update this rank's shards, then publish the new params (ZeRO-1/2:
         their all-gathers are launched, and waited on in the next forward unless the overlap is off)."""
         self.sync.finish_param_sync()
-        clip_shards(self.shards, clip, norm)
+        clip_grads([s.grad for s in self.shards], clip, norm)
         self.optimizer.step(lr)
         self.sync.publish_params(wait=False)
 
