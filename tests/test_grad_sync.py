@@ -139,7 +139,7 @@ class _TwoGroups(nn.Module):
     def param_specs(self) -> Mapping[str, ParamSpec]:
         return {"c": ParamSpec(REPLICATED), **children_specs(self)}
 
-    def zero3_units(self) -> list[nn.Module]:
+    def units(self) -> list[nn.Module]:
         return [self.block]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

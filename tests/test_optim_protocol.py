@@ -16,11 +16,12 @@ from megalite.checkpoint import sharded
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.dp.grad_sync import FoldsWeightGrad, ShardableModel
+from megalite.dp.grad_sync import FoldsWeightGrad
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.state import ParallelState
+from megalite.parallel.units import MadeOfUnits
 from megalite.pipeline.engine import BackwardSync, PipelineEngine
 from megalite.training.step import train_step
 from tests.parallel_utils import reference_optimizer, tiny_model_cfg
@@ -84,22 +85,22 @@ def test_every_user_is_typed_with_the_protocol() -> None:
 
 
 def test_the_model_side_contracts() -> None:
-    """A GPT stage names its ZeRO-3 units (its blocks, in order); its linears take a weight-grad fold."""
+    """A GPT stage names the units it is made of (its blocks, in order); its linears take a weight-grad fold."""
     model = GPT(tiny_model_cfg("llama"), ParallelState(), seed=1)
-    assert isinstance(model, ShardableModel)
-    assert model.zero3_units() == list(model.layers.values())
+    assert isinstance(model, MadeOfUnits)
+    assert model.units() == list(model.layers.values())
     folds = {n for n, m in model.named_modules() if isinstance(m, FoldsWeightGrad)}
     assert folds == {"head"} | {f"layers.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.out", "mlp.up",
                                                                                 "mlp.down")}
 
 
 def test_zero3_refuses_a_model_that_names_no_units() -> None:
-    """Several interleaved chunks (an nn.ModuleList) are not one `ShardableModel`: a config error, before
+    """Several interleaved chunks (an nn.ModuleList) are not one `MadeOfUnits` model: a config error, before
     any process group is touched (dp=2 on one process is enough to reach the check)."""
     st = ParallelState(dp=2, rank=0)
     chunks = nn.ModuleList([GPT(tiny_model_cfg("llama"), st, seed=1, layers=range(0, 1), post_process=False),
                             GPT(tiny_model_cfg("llama"), st, seed=1, layers=range(1, 2), pre_process=False)])
-    assert not isinstance(chunks, ShardableModel)
+    assert not isinstance(chunks, MadeOfUnits)
     with pytest.raises(ConfigError, match="several model chunks"):
         build_distributed_optimizer(chunks, st, 3, 1e-3, 0.1, (0.9, 0.95), 1e-8, torch.float32)
 

@@ -29,8 +29,8 @@ zero-bubble schedules' W is then `store.run()`, a plain call (`megalite.pipeline
 
 Pipeline parallelism composes through the interface; a tied embedding's two stage copies get buckets
 of their own and are summed over the embedding group. What it reads from the model: every parameter's
-`ParamSpec` (building fails, naming the parameter, when one has none), the ZeRO-3 units
-(`ShardableModel.zero3_units()`) and the linears that take a fold (`FoldsWeightGrad`).
+`ParamSpec` (building fails, naming the parameter, when one has none), the units it is made of (ZeRO-3's
+gather units, `megalite.parallel.units.MadeOfUnits`) and the linears that take a fold (`FoldsWeightGrad`).
 """
 
 from __future__ import annotations
@@ -54,15 +54,7 @@ from megalite.layers.linear_fn import DeferredWeightGrads, Fold
 from megalite.parallel import comm
 from megalite.parallel.param_spec import GradReduction, ParamSpec, spec_table
 from megalite.parallel.state import ParallelState
-
-
-@runtime_checkable
-class ShardableModel(Protocol):
-    """A model (one pipeline chunk) that says which of its modules ZeRO-3 gathers one at a time: each is
-    all-gathered just before its forward and freed right after; everything else on the chunk forms one
-    more, "outer", unit (`megalite.dp.zero3`)."""
-
-    def zero3_units(self) -> list[nn.Module]: ...
+from megalite.parallel.units import MadeOfUnits
 
 
 @runtime_checkable
@@ -115,14 +107,14 @@ class GradSync:
         problems = zero3_problems(stage, len(chunks), bool(shared))
         if problems:
             raise ConfigError(problems[0])
-        if stage == 3 and not isinstance(model, ShardableModel):
-            raise ConfigError(f"parallel.zero=3 needs a model that names its gather units (zero3_units()); "
-                              f"{type(model).__name__} does not")
+        if stage == 3 and not isinstance(model, MadeOfUnits):
+            raise ConfigError(f"parallel.zero=3 needs a model that names the units it is made of (units()), "
+                              f"which ZeRO-3 gathers one at a time; {type(model).__name__} does not")
         self._names = {id(p): n for n, p in reversed(list(model.named_parameters()))}
         self._fp32: list[torch.Tensor] = []  # each bucket's own fp32 values before the cast (`take_fp32_values`)
         self.zero3: Zero3Gatherer | None = None
-        if stage == 3 and isinstance(model, ShardableModel):
-            blocks, outer = stage3_units(model, model.zero3_units(), params)
+        if stage == 3 and isinstance(model, MadeOfUnits):
+            blocks, outer = stage3_units(model, model.units(), params)
             units = ([outer] if outer else []) + blocks
             built = [(m, [self._build_bucket(g) for g in by_group(ps, self.specs)]) for m, ps in units]
             self.buckets = [b for _, bs in built for b in bs]

@@ -1,6 +1,6 @@
 """ZeRO stage 3 parameter life cycle: gather a module's weights just before use, free them right after.
 
-Each *unit* (each module the model names in `zero3_units()`, a GPT's transformer blocks, plus one
+Each *unit* (each module the model is made of, `MadeOfUnits.units()`: a GPT's transformer blocks, plus one
 "outer" unit with everything else on the stage: embedding, learned positions, final norm, head) is one
 flat bucket per gradient group (`ParamSpec.grad_group`; one for a dense model) whose full buffer exists
 only while the unit computes (Rajbhandari et al. 2020, "ZeRO",
@@ -165,7 +165,8 @@ def zero3_problems(stage: int, chunks_per_rank: int, pipeline_tied: bool) -> lis
 
 def stage3_units(model: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[
         list[Unit], Unit | None]:
-    """One unit per module the model names (`blocks` = `zero3_units()`), plus the rest as the outer unit."""
+    """ZeRO-3's gather units: one per unit the model is made of (`blocks` = `MadeOfUnits.units()`), with its
+    parameters among `params`, plus the rest of the model as the outer unit."""
     in_block = {id(p) for blk in blocks for p in blk.parameters()}
     units = [(blk, [p for p in params if id(p) in {id(q) for q in blk.parameters()}]) for blk in blocks]
     rest = [p for p in params if id(p) not in in_block]

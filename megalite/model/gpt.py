@@ -118,8 +118,8 @@ class GPT(nn.Module):
         """`megalite.moe.losses.ScalesAuxLoss`: the factor on this micro-batch's loss, for the router losses."""
         self.aux_scale.value = scale
 
-    def zero3_units(self) -> list[nn.Module]:
-        """ZeRO-3 gathers each transformer block just before it runs (the rest of the stage is one unit)."""
+    def units(self) -> list[nn.Module]:
+        """The units this stage is made of (`megalite.parallel.units`): its transformer blocks, in order."""
         return list(self.layers.values())
 
     def local_seq_len(self) -> int:

@@ -1,7 +1,7 @@
 """Which parameters Muon updates, where their pieces lie, and which rank orthogonalises each.
 
 Muon takes the 2-D weights of the tensor-parallel linears (`ParamSpec.layout` column or row) inside the
-transformer blocks (the model's `ShardableModel.zero3_units()`): attention qkv and out, the MLP's up/gate
+transformer blocks (the units the model is made of, `MadeOfUnits.units()`): attention qkv and out, the MLP's up/gate
 and down. Everything else stays on AdamW, as in Jordan et al. 2024 and Liu et al. 2025: the embedding
 and the output layer (a column-parallel linear too, but outside the blocks), norms, biases, learned
 positions, and the MoE router (a replicated matrix). The MoE experts are stacks of whole matrices
@@ -31,10 +31,10 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 import torch.nn as nn
 
 from megalite.optim.muon_exchange import OwnerExchange, greedy_owners
-from megalite.dp.grad_sync import ShardableModel
 from megalite.dp.buckets import Bucket
 from megalite.parallel.param_spec import ParamSpec, TPLayout
 from megalite.parallel.state import GroupKind, ParallelState
+from megalite.parallel.units import MadeOfUnits
 
 
 def takes_muon(p: nn.Parameter, spec: ParamSpec) -> bool:
@@ -43,9 +43,9 @@ def takes_muon(p: nn.Parameter, spec: ParamSpec) -> bool:
 
 
 def block_params(chunks: Sequence[nn.Module]) -> set[int]:
-    """ids of the parameters inside the chunks' transformer blocks (their `zero3_units()`)."""
-    return {id(p) for c in chunks if isinstance(c, ShardableModel) for unit in c.zero3_units()
-            for p in unit.parameters()}
+    """ids of the parameters inside the chunks' transformer blocks (the units they are made of), where Muon's
+    hidden matrices are."""
+    return {id(p) for c in chunks if isinstance(c, MadeOfUnits) for unit in c.units() for p in unit.parameters()}
 
 
 @runtime_checkable
@@ -61,8 +61,8 @@ def stacked_params(chunks: Sequence[nn.Module]) -> dict[int, tuple[int, ...]]:
     """id of each stacked-matrix parameter inside the chunks' blocks -> its matrices' row parts."""
     out: dict[int, tuple[int, ...]] = {}
     for c in chunks:
-        if isinstance(c, ShardableModel):
-            for unit in c.zero3_units():
+        if isinstance(c, MadeOfUnits):
+            for unit in c.units():
                 for m in unit.modules():
                     if isinstance(m, StacksMatrices):
                         out.update({id(getattr(m, name)): parts for name, parts in m.muon_stacks().items()})
