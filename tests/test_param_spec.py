@@ -14,8 +14,8 @@ from megalite.checkpoint.sharded import load_sharded, save_sharded
 from megalite.errors import CheckpointError, ConfigError
 from megalite.model.gpt import GPT, count_parameters
 from megalite.optim import build_distributed_optimizer
-from megalite.parallel.param_spec import (REPLICATED, ROW, VOCAB, ParamSpec, Tied, TPLayout, column,
-                                          named_param_specs, spec_table)
+from megalite.parallel.param_spec import (EXPERT_PARALLEL, REPLICATED, ROW, VOCAB, MatrixStack, ParamSpec, Tied,
+                                          TPLayout, column, named_param_specs, spec_table)
 from megalite.parallel.state import ParallelState
 from tests.parallel_utils import reference_optimizer, tiny_model_cfg
 
@@ -43,6 +43,25 @@ def test_every_layer_declares_its_parameters() -> None:
     assert llama["layers.0.mlp.up.weight"] == ParamSpec(column((f, f)))  # gate and up, split separately
     assert llama["layers.0.norm2.weight"] == ParamSpec(REPLICATED)  # no SP: full gradients
     assert llama["head.weight"].layout == column((llama["head.weight"].layout.parts[0],))
+
+
+def test_expert_weights_say_what_they_are() -> None:
+    """MoE experts declare their weights as stacks of whole per-expert matrices, reduced as expert-parallel
+    weights; Muon's planner and the FP8 filter derive what they need from that (no method on the module)."""
+    from megalite.layers.fp8 import stacked_dims
+    from megalite.moe.experts import Experts
+
+    h, f = 16, 24
+    for gated, up_rows in ((True, (f, f)), (False, (f,))):
+        experts = Experts(4, h, f, gated, ParallelState(), ops=None, name="e", seed=1, std=0.02,  # type: ignore[arg-type]
+                          num_layers=2)
+        specs = named_param_specs(experts, ConfigError)
+        assert specs["up"] == ParamSpec(REPLICATED, grads=EXPERT_PARALLEL, stack=MatrixStack(up_rows))
+        assert specs["down"] == ParamSpec(REPLICATED, grads=EXPERT_PARALLEL, stack=MatrixStack((h,)))
+        assert sorted(set(stacked_dims(experts))) == [h, f]
+    model = _gpt()
+    assert all(s.stack is None and s.grads.split_over is None for s in named_param_specs(model, ConfigError).values())
+    assert all(stacked_dims(m) == [] for m in model.modules())
 
 
 def test_tied_embedding_roles_across_pipeline_stages() -> None:

@@ -43,6 +43,7 @@ from megalite.layers import scaled_mm as smm
 from megalite.layers.scaled_mm import Recipe, cast_scaled
 from megalite.layers.linear_fn import Blocks, Fold
 from megalite.parallel import comm
+from megalite.parallel.param_spec import DeclaresParamSpecs
 from megalite.parallel.state import GroupKind, ParallelState
 
 Tensor = torch.Tensor
@@ -208,6 +209,16 @@ def linear_shapes(module: nn.Module) -> tuple[str, int, list[int]] | None:
     return None
 
 
+def stacked_dims(module: nn.Module) -> list[int]:
+    """Every logical size of the matrices `module`'s own parameters stack (`ParamSpec.stack`: the MoE experts'
+    hidden and ffn sizes); empty for a module holding no stack."""
+    if not isinstance(module, DeclaresParamSpecs):
+        return []
+    specs = module.param_specs()
+    stacks = [(specs[n].stack, p) for n, p in module.named_parameters(recurse=False) if n in specs]
+    return [d for stack, p in stacks if stack is not None for d in stack.dims(p.shape[-1])]
+
+
 def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: ParallelState) -> list[str]:
     """Give every filtered parallel linear of `chunks` its `Fp8Gemm`, and every filtered module of experts its
     `Fp8ExpertGemm` (megalite/layers/fp8_experts.py; None settings: leave all in the run dtype); returns the
@@ -222,9 +233,9 @@ def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: Par
     chosen = []
     for chunk in chunks:
         for name, module in chunk.named_modules():
-            if isinstance(module, Fp8Experts):  # the up and down GEMMs share the rule: min(hidden, ffn)
-                hidden, ffn = module.fp8_dims()
-                if fp8_filter(name, hidden, [ffn], settings.min_dim):
+            dims = stacked_dims(module)
+            if dims and isinstance(module, Fp8Experts):  # its GEMMs share the rule: min(hidden, ffn)
+                if fp8_filter(name, dims[0], dims[1:], settings.min_dim):
                     module.fp8 = Fp8ExpertGemm(settings.recipe)
                     chosen.append(name)
                 continue

@@ -128,9 +128,8 @@ class Fp8ExpertGemm:
 
 @runtime_checkable
 class Fp8Experts(Protocol):
-    """What `enable_fp8` needs of a module of stacked experts (`megalite.moe.experts.Experts` has it): the
-    logical (hidden, ffn) sizes its GEMMs are filtered on, and the slot its FP8 GEMMs go in."""
+    """The slot a module of stacked experts (`megalite.moe.experts.Experts`) takes its FP8 GEMMs in; which
+    modules those are, and the logical sizes the filter decides on, `enable_fp8` reads from the module's
+    `ParamSpec.stack`s."""
 
     fp8: Fp8ExpertGemm | None
-
-    def fp8_dims(self) -> tuple[int, int]: ...

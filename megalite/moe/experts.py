@@ -18,7 +18,7 @@ import torch.nn as nn
 from megalite.layers.fp8_experts import Fp8ExpertGemm
 from megalite.layers.init import full_normal
 from megalite.moe.grouped import expert_mm
-from megalite.parallel.param_spec import EXPERT_PARALLEL, REPLICATED, ParamSpec
+from megalite.parallel.param_spec import EXPERT_PARALLEL, REPLICATED, MatrixStack, ParamSpec
 from megalite.parallel.state import ParallelState
 
 
@@ -52,18 +52,13 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.stack(downs))
 
     def param_specs(self) -> dict[str, ParamSpec]:
-        spec = ParamSpec(REPLICATED, sp_partial=self.sp, grads=EXPERT_PARALLEL)
-        return {"up": spec, "down": spec}
-
-    def muon_stacks(self) -> dict[str, tuple[int, ...]]:
-        """Muon's view (`megalite.optim.muon_plan.StacksMatrices`): each expert's up is its gate and up (or the
-        GeLU up alone), each its own matrix; its down one matrix."""
+        """Both weights are stacks of whole per-expert matrices (`MatrixStack`): an expert's up is its gate and
+        up (or the GeLU up alone), its down one matrix."""
         hidden, ffn = self.down.shape[1], self.down.shape[2]
-        return {"up": (ffn, ffn) if self.gated else (ffn,), "down": (hidden,)}
 
-    def fp8_dims(self) -> tuple[int, int]:
-        """(hidden, ffn): the logical sizes the FP8 filter decides on."""
-        return self.down.shape[1], self.down.shape[2]
+        def stack(rows: tuple[int, ...]) -> ParamSpec:
+            return ParamSpec(REPLICATED, sp_partial=self.sp, grads=EXPERT_PARALLEL, stack=MatrixStack(rows))
+        return {"up": stack((ffn, ffn) if self.gated else (ffn,)), "down": stack((hidden,))}
 
     def _mm(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
             sources: list[list[int]] | None) -> torch.Tensor:

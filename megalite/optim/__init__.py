@@ -21,7 +21,7 @@ from megalite.dp.overlap import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from megalite.errors import ConfigError
 from megalite.optim.muon import ShardMuon
 from megalite.optim.muon_math import MuonSettings
-from megalite.optim.muon_plan import block_params, build_plan, stacked_params
+from megalite.optim.muon_plan import block_params, build_plan
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.shard_adamw import ShardAdamW
 from megalite.optim.zero import ZeroOptimizer
@@ -56,8 +56,7 @@ def build_distributed_optimizer(chunks: nn.Module | Sequence[nn.Module], state: 
         raise ConfigError(f"train.optimizer={optimizer!r} unknown: use {' or '.join(OPTIMIZERS)}")
     sync = GradSync(parts, state, zero, dtype, settings, on_event, fold_weight_grads)
     if optimizer == "muon":
-        plan = build_plan(sync.buckets, sync.specs, sync.names(), block_params(parts), state, sync.stage > 0,
-                          stacked_params(parts))
+        plan = build_plan(sync.buckets, sync.specs, sync.names(), block_params(parts), state, sync.stage > 0)
         return ZeroOptimizer(sync, ShardMuon(sync.shards(), sync.take_fp32_values(), plan, state, muon,
                                              weight_decay, betas, eps))
     return ZeroOptimizer(sync, ShardAdamW(sync.shards(), sync.take_fp32_values(), weight_decay, betas, eps))

@@ -5,7 +5,7 @@ transformer blocks (the units the model is made of, `MadeOfUnits.units()`): atte
 and down. Everything else stays on AdamW, as in Jordan et al. 2024 and Liu et al. 2025: the embedding
 and the output layer (a column-parallel linear too, but outside the blocks), norms, biases, learned
 positions, and the MoE router (a replicated matrix). The MoE experts are stacks of whole matrices
-([E/ep, rows, cols], replicated over tp: `StacksMatrices`): each expert's matrix is one Muon matrix (its up
+([E/ep, rows, cols], replicated over tp: `ParamSpec.stack`): each expert's matrix is one Muon matrix (its up
 per logical part, gate and up), owned over the experts' own gradient group like any other under ZeRO and
 orthogonalised by that owner on every TP rank of its tp group alike (each holds it whole: no tp exchange).
 
@@ -26,7 +26,7 @@ At ZeRO 0 each dp rank holds whole buckets and orthogonalises redundantly (no dp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Mapping, Sequence
 
 import torch.nn as nn
 
@@ -46,27 +46,6 @@ def block_params(chunks: Sequence[nn.Module]) -> set[int]:
     """ids of the parameters inside the chunks' transformer blocks (the units they are made of), where Muon's
     hidden matrices are."""
     return {id(p) for c in chunks if isinstance(c, MadeOfUnits) for unit in c.units() for p in unit.parameters()}
-
-
-@runtime_checkable
-class StacksMatrices(Protocol):
-    """A module whose parameters are stacks of whole hidden matrices ([n, rows, cols], each matrix replicated
-    over tp: the MoE experts, `megalite.moe.experts.Experts`): per parameter name, the logical parts its
-    matrices' rows are made of (an expert's gate and up)."""
-
-    def muon_stacks(self) -> dict[str, tuple[int, ...]]: ...
-
-
-def stacked_params(chunks: Sequence[nn.Module]) -> dict[int, tuple[int, ...]]:
-    """id of each stacked-matrix parameter inside the chunks' blocks -> its matrices' row parts."""
-    out: dict[int, tuple[int, ...]] = {}
-    for c in chunks:
-        if isinstance(c, MadeOfUnits):
-            for unit in c.units():
-                for m in unit.modules():
-                    if isinstance(m, StacksMatrices):
-                        out.update({id(getattr(m, name)): parts for name, parts in m.muon_stacks().items()})
-    return out
 
 
 @dataclass(frozen=True)
@@ -113,20 +92,20 @@ def _piece(off: int, numel: int, lo: int, hi: int) -> tuple[int, int]:
 
 
 def build_plan(buckets: Sequence[Bucket], specs: Mapping[nn.Parameter, ParamSpec], names: Mapping[int, str],
-               blocks: set[int], state: ParallelState, sharded: bool,
-               stacks: Mapping[int, tuple[int, ...]] | None = None) -> MuonPlan:
+               blocks: set[int], state: ParallelState, sharded: bool) -> MuonPlan:
     """The plan for the gradient sync's `buckets` (`sharded`: ZeRO >= 1, each rank owns 1/N of each);
-    `blocks`: the ids of the block parameters (`block_params`); `stacks`: the stacked ones (`stacked_params`),
-    each of whose matrices is one Muon matrix."""
+    `blocks`: the ids of the block parameters (`block_params`). Each matrix of a stacked parameter
+    (`ParamSpec.stack`) is one Muon matrix."""
     matrices: list[MuonMatrix] = []
     for bi, b in enumerate(buckets):
         for p, off in zip(b.params, b.offsets):
             if id(p) not in blocks or not p.requires_grad:
                 continue
-            if stacks and id(p) in stacks and p.dim() == 3:
+            stack = specs[p].stack
+            if stack is not None and p.dim() == 3:
                 n, r, c = (int(x) for x in p.shape)
                 matrices += [MuonMatrix(f"{names[id(p)]}[{e}]", bi, off + e * r * c, (r, c), specs[p].layout,
-                                        stacks[id(p)]) for e in range(n)]
+                                        stack.rows) for e in range(n)]
             elif takes_muon(p, specs[p]):
                 matrices.append(MuonMatrix(names[id(p)], bi, off, (int(p.shape[0]), int(p.shape[1])), specs[p].layout))
     own, dp_sizes = [], []

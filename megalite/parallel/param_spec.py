@@ -126,6 +126,20 @@ EXPERT_PARALLEL = GradReduction(group="edp", split_over="ep", mean="dp_cp", whol
 
 
 @dataclass(frozen=True)
+class MatrixStack:
+    """A parameter [n, rows, cols] that is n whole matrices stacked along dim 0 (the MoE experts: one per
+    expert, each replicated over tp), not one tensor; each matrix's rows fuse the logical matrices of sizes
+    `rows` (an expert's gate and up). An optimizer that treats matrices as matrices (Muon) takes each on its
+    own; the FP8 filter decides on their logical sizes."""
+
+    rows: tuple[int, ...]
+
+    def dims(self, cols: int) -> list[int]:
+        """Every logical size of one matrix (its row parts, then `cols`)."""
+        return [*self.rows, cols]
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """Everything the optimizer and the checkpoint need to know about one parameter."""
 
@@ -136,6 +150,8 @@ class ParamSpec:
     tied: Tied = Tied.NONE
     # How the gradient is reduced over the data-parallel ranks and counted in the norm (`GradReduction`).
     grads: GradReduction = DATA_PARALLEL
+    # A stack of whole matrices along dim 0 (the MoE experts), not one tensor (`MatrixStack`), or None.
+    stack: MatrixStack | None = None
 
     @property
     def grad_group(self) -> GroupKind:

@@ -233,7 +233,7 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
 
 
 def _muon_experts(m: Any, layout: Any, ep: int) -> tuple[dict, str]:
-    """Muon on the experts (`megalite.optim.muon_plan.StacksMatrices`): each expert's logical matrices
+    """Muon on the experts (`megalite.parallel.param_spec.MatrixStack`): each expert's logical matrices
     orthogonalised on one owner over edp (ZeRO >= 1; every edp rank at ZeRO 0) and by every TP rank alike
     (experts are whole there: no tp bytes); the dp part's bytes bounded as `muon.muon_dp_bytes_bound`."""
     from megalite.perfmodel.muon import muon_dp_bytes_bound, ns_flops
