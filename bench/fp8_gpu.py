@@ -31,6 +31,8 @@ from megalite.config import ModelConfig  # noqa: E402
 from megalite.config.presets import PRESETS  # noqa: E402
 from megalite.layers import scaled_mm as smm  # noqa: E402
 from megalite.layers.fp8 import Fp8Gemm, Fp8Settings, Splits, enable_fp8  # noqa: E402
+from megalite.layers.fp8_experts import Fp8Experts  # noqa: E402
+from megalite.layers.linear_fn import TakesGemms  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
@@ -109,8 +111,10 @@ def bench_model(device: torch.device, smoke: bool, mbs: int, steps: int) -> dict
     batch = [(toks[:, :-1].to(device), toks[:, 1:].to(device))]
     rows = []
     for recipe in RECIPES:
-        for mod in model.modules():
-            if hasattr(mod, "fp8"):
+        for mod in model.modules():  # back to the run dtype before the next recipe
+            if isinstance(mod, TakesGemms):
+                mod.set_gemms(None)
+            if isinstance(mod, Fp8Experts):
                 mod.fp8 = None
         chosen = enable_fp8([model], None if recipe == "none" else Fp8Settings(recipe, 128), state)  # type: ignore[arg-type]
         ctx = StepContext.build(model, state, dtype, tcfg, LossScaler(False))

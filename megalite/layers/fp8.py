@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from megalite.layers import scaled_mm as smm
 from megalite.layers.scaled_mm import Recipe, cast_scaled
-from megalite.layers.linear_fn import Blocks, Fold
+from megalite.layers.linear_fn import Blocks, Fold, TakesGemms
 from megalite.parallel import comm
 from megalite.parallel.param_spec import DeclaresParamSpecs
 from megalite.parallel.state import GroupKind, ParallelState
@@ -240,10 +240,11 @@ def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: Par
                     chosen.append(name)
                 continue
             shapes = linear_shapes(module)
-            if shapes is None or not fp8_filter(name, shapes[1], shapes[2], settings.min_dim):
+            if (shapes is None or not isinstance(module, TakesGemms)
+                    or not fp8_filter(name, shapes[1], shapes[2], settings.min_dim)):
                 continue
             kind = shapes[0]
             splits = Splits(tokens, tp if kind == "row" else (), tp if kind == "column" else ())
-            module.fp8 = Fp8Gemm(settings.recipe, splits, state)  # type: ignore[union-attr]
+            module.set_gemms(Fp8Gemm(settings.recipe, splits, state))
             chosen.append(name)
     return chosen

@@ -9,9 +9,10 @@ Each layer declares how its parameters are cut (`param_specs()`, a `ParamSpec` p
 (e.g. q, k, v, each split separately), the row weight as a row layout, the row bias replicated (and,
 under SP, with gradients that are partial sums over TP).
 
-The matmuls run in `linear_fn` (one per logical part). Both layers implement the optimizer's
-`FoldsWeightGrad` contract (`megalite.dp.grad_sync`): a gradient sync that keeps fp32 gradient buffers
-registers a fold with `set_wgrad_fold`, and the weight gradient then goes straight into its buffer.
+The matmuls run in `linear_fn` (one per logical part), or in the `Gemms` a caller swaps in (`set_gemms`:
+FP8's, `megalite.layers.fp8`). Both layers implement the gradient sync's `FoldsWeightGrad` contract
+(`megalite.dp.grad_sync`): a sync that keeps fp32 gradient buffers registers a fold with `set_wgrad_fold`,
+and the weight gradient then goes straight into its buffer.
 """
 
 from __future__ import annotations
@@ -21,28 +22,37 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.layers.linear_fn import Fold, Gemms, linear, linear_parts, part_blocks
+from megalite.layers.linear_fn import TORCH_GEMMS, Fold, Gemms, part_blocks
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ROW, ParamSpec, column
 from megalite.parallel.state import ParallelState
 
 
 class _WeightGradFold:
-    """The fold slot both linears share: set by the optimizer, passed to `linear_fn` on every call."""
+    """The fold slot both linears share: set by the gradient sync, passed to `linear_fn` on every call."""
 
     wgrad_fold: Fold | None = None
-    fp8: Gemms | None = None  # set by `megalite.layers.fp8.enable_fp8`: this layer's matmuls in FP8
 
     def set_wgrad_fold(self, fold: Fold | None) -> None:
-        """Let backward add the weight gradient into the optimizer's buffer (`linear_fn`), or stop it (None)."""
+        """Let backward add the weight gradient into the gradient sync's buffer (`linear_fn`), or stop it (None)."""
         self.wgrad_fold = fold
+
+
+class _SwappableGemms:
+    """The matmuls both linears call (`linear_fn.Gemms`): torch's unless swapped (`linear_fn.TakesGemms`)."""
+
+    gemms: Gemms = TORCH_GEMMS
+
+    def set_gemms(self, gemms: Gemms | None) -> None:
+        """Run this layer's matmuls with `gemms` (FP8: `megalite.layers.fp8.enable_fp8`), or torch's (None)."""
+        self.gemms = TORCH_GEMMS if gemms is None else gemms
 
 
 def _shard_rows(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return full.chunk(tp, dim=0)[rank]
 
 
-class ColumnParallelLinear(_WeightGradFold, nn.Module):
+class ColumnParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):
     """y = x A^T with A's output rows split over TP; `out_parts` fuse several logical outputs.
 
     Returns one tensor per part (a 1-tuple for a single part), each this rank's [..., part/tp] slice,
@@ -77,14 +87,13 @@ class ColumnParallelLinear(_WeightGradFold, nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.input_ready:
             x = enter_tp_region(x, self.state)
-        mm = linear_parts if self.fp8 is None else self.fp8.linear_parts
-        ys = mm(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
+        ys = self.gemms.linear_parts(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
         if self.gather_output:
             ys = tuple(comm.gather_last_dim(y, self.state) for y in ys)
         return ys
 
 
-class RowParallelLinear(_WeightGradFold, nn.Module):
+class RowParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):
     """y = sum_i x_i B_i^T with B's input columns split over TP; x is already split (input is parallel).
 
     Without SP the partial outputs are all-reduced (g); with SP they are reduce-scattered along the
@@ -109,8 +118,7 @@ class RowParallelLinear(_WeightGradFold, nn.Module):
         return weight if self.bias is None else weight | {"bias": ParamSpec(REPLICATED, sp_partial=self.state.sp)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mm = linear if self.fp8 is None else self.fp8.linear
-        y = exit_tp_region(mm(x, self.weight, fold=self.wgrad_fold), self.state)
+        y = exit_tp_region(self.gemms.linear(x, self.weight, fold=self.wgrad_fold), self.state)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

@@ -28,7 +28,7 @@ outputs ([tokens, out] per part). A linear without a fold computes dW in its bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -153,10 +153,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fold: Fold | N
 
 
 class Gemms(Protocol):
-    """The matmuls a parallel linear calls: this module's `linear_parts` / `linear` by default, or another
-    implementation with the same arguments and outputs (FP8: `megalite.layers.fp8.Fp8Gemm`)."""
+    """The matmuls a parallel linear calls: this module's `linear_parts` / `linear` by default (`TORCH_GEMMS`),
+    or another implementation with the same arguments and outputs (FP8: `megalite.layers.fp8.Fp8Gemm`)."""
 
     def linear_parts(self, x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks,
                      fold: Fold | None = None) -> tuple[Tensor, ...]: ...
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, fold: Fold | None = None) -> Tensor: ...
+
+
+class _TorchGemms:
+    """This module's functions as `Gemms` (static: a linear's call reaches them with no extra frame)."""
+
+    linear_parts = staticmethod(linear_parts)
+    linear = staticmethod(linear)
+
+
+TORCH_GEMMS: Gemms = _TorchGemms()
+
+
+@runtime_checkable
+class TakesGemms(Protocol):
+    """A layer whose matmuls can be swapped (`megalite.layers.fp8.enable_fp8` gives it FP8 GEMMs)."""
+
+    def set_gemms(self, gemms: Gemms | None) -> None: ...
