@@ -37,10 +37,10 @@ from bench.launch import spawn_ranks  # noqa: E402
 from bench.results_io import spread, write_results  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.dp.overlap import MiB  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
-from megalite.dp.overlap import MiB  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 

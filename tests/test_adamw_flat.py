@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.optim.shard_adamw import AdamWState, adamw_flat, adamw_flat_unfused
 from megalite.dp.buckets import Bucket, make_bucket
+from megalite.optim.shard_adamw import AdamWState, adamw_flat, adamw_flat_unfused
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 
 LR, WD, BETAS, EPS, STEPS = 1e-2, 0.1, (0.9, 0.95), 1e-8, 3

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.model.gpt import GPT
 from megalite.dp.grad_sync import GradSync
 from megalite.dp.shards import Shard, ShardOptimizer
+from megalite.model.gpt import GPT
 from megalite.optim.zero import ZeroOptimizer
 from megalite.parallel.param_spec import REPLICATED, GradReduction, ParamSpec, children_specs
 from megalite.parallel.state import ParallelState

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megalite.dp.grad_sync import FoldsWeightGrad
 from megalite.layers.linear_fn import linear, linear_parts, part_blocks
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
-from megalite.dp.grad_sync import FoldsWeightGrad
 from megalite.parallel.state import ParallelState
 from tests.parallel_utils import tiny_model_cfg
 

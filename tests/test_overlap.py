@@ -27,11 +27,11 @@ import torch
 import torch.nn as nn
 
 from megalite.config import parse_args, validate
+from megalite.dp import OverlapEvent
+from megalite.dp.buckets import split_by_size
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
-from megalite.dp import OverlapEvent
 from megalite.optim import build_distributed_optimizer
-from megalite.dp.buckets import split_by_size
 from megalite.training.step import train_step
 from tests.conftest import free_port
 from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,

@@ -44,12 +44,12 @@ from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 import torch
 import torch.nn as nn
 
-from megalite.errors import ConfigError
 from megalite.dp.buckets import Bucket, make_bucket, split_by_size
 from megalite.dp.overlap import EventSink, OverlapEvent, OverlapSettings, ParamGatherOverlap
 from megalite.dp.reduce_grads import unique_params
 from megalite.dp.shards import Shard
 from megalite.dp.zero3 import Zero3Gatherer, stage3_units, zero3_problems
+from megalite.errors import ConfigError
 from megalite.layers.linear_fn import DeferredWeightGrads, Fold
 from megalite.parallel import comm
 from megalite.parallel.param_spec import GradReduction, ParamSpec, spec_table

@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from megalite import torch_private
-from megalite.dp.overlap import ahead
 from megalite.dp.buckets import Bucket
+from megalite.dp.overlap import ahead
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 

@@ -25,11 +25,11 @@ from typing import Sequence
 
 import torch
 
+from megalite.dp.shards import Shard
 from megalite.errors import ConfigError
 from megalite.optim.muon_math import MuonSettings, lr_scale, newton_schulz
 from megalite.optim.muon_plan import MuonMatrix, MuonPlan
 from megalite.optim.shard_adamw import FUSED_ADAMW_DEVICES, ShardAdamW
-from megalite.dp.shards import Shard
 from megalite.parallel.state import ParallelState
 
 

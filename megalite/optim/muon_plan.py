@@ -30,8 +30,8 @@ from typing import Mapping, Sequence
 
 import torch.nn as nn
 
-from megalite.optim.muon_exchange import OwnerExchange, greedy_owners
 from megalite.dp.buckets import Bucket
+from megalite.optim.muon_exchange import OwnerExchange, greedy_owners
 from megalite.parallel.param_spec import ParamSpec, TPLayout
 from megalite.parallel.state import GroupKind, ParallelState
 from megalite.parallel.units import MadeOfUnits

@@ -49,10 +49,10 @@ from typing import Iterator
 
 import torch
 
-from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.dp import zero_state
 from megalite.dp.grad_sync import GradSync
 from megalite.dp.shards import ShardOptimizer
+from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.optim.clip import clip_grads, global_norm, shard_pieces
 
 

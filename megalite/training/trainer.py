@@ -22,6 +22,7 @@ from megalite.checkpoint import storage
 from megalite.context import ContextOptions
 from megalite.data import DataBundle, DataSampler, build_data, make_batch
 from megalite.data.tokenizer import Tokenizer
+from megalite.dp import mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.layers.fp8 import enable_fp8, fp8_settings
@@ -30,7 +31,6 @@ from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
-from megalite.dp import mib_to_bytes
 from megalite.optim import MuonSettings, build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
