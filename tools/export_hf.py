@@ -35,11 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, metavar="HF_DIR", help="directory for config.json + model.safetensors")
     p.add_argument("--tokenizer", default="", metavar="FILE",
                    help="also write this tokenizer (tokenizer.json, tiktoken or SentencePiece file) for AutoTokenizer")
+    p.add_argument("--chat-template", default="", metavar="FILE",
+                   help="Jinja chat template for tokenizer_config.json (default: an SFT run's data.chat_template)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weight dtype (default fp32: exact)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     out = export_hf(args.input, args.output, show_progress=not args.quiet, tokenizer=args.tokenizer,
-                    dtype=args.dtype, mapping=MAPPING)
+                    dtype=args.dtype, mapping=MAPPING,
+                    chat_template=args.chat_template)
     extra = " and the tokenizer" if args.tokenizer else ""
     print(f"wrote {out}/config.json and {out}/model.safetensors{extra}", file=sys.stderr)
     return 0

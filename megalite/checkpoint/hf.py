@@ -214,10 +214,11 @@ EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "b
 
 
 def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tokenizer: str = "",
-              dtype: str = "fp32", mapping: HFMapping = DENSE) -> Path:
+              dtype: str = "fp32", mapping: HFMapping = DENSE, chat_template: str = "") -> Path:
     """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout); with
     `tokenizer`, also its tokenizer files (see megalite/checkpoint/hf_tokenizer.py) and its BOS/EOS ids in
-    config.json. `dtype` "bf16" stores the weights in bfloat16 (half the size; fp32 is exact).
+    config.json. `dtype` "bf16" stores the weights in bfloat16 (half the size; fp32 is exact). The chat template
+    (`chat_template`, a file; else the SFT run's, from the checkpoint's config) goes into tokenizer_config.json.
 
     The weights and config are written under temporary names and renamed into place only when complete: a
     failing export leaves an existing export in `out` exactly as it was."""
@@ -269,7 +270,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
         if tok is not None and staged is not None:
             from megalite.checkpoint.hf_tokenizer import export_tokenizer
 
-            export_tokenizer(tok, staged)
+            export_tokenizer(tok, staged, _chat_template(index, tokenizer, chat_template))
             for f in staged.iterdir():
                 refuse_link(out / f.name, hard_links=False)  # before the weights: all or nothing
         with atomic_output(out / "model.safetensors") as tmp_model, atomic_output(out / "config.json") as tmp_cfg:
@@ -300,6 +301,19 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
     return out
+
+
+def _chat_template(index: dict[str, Any], tokenizer: str, template_file: str) -> str | None:
+    """The chat template an export carries: `template_file`, else the one an SFT run (data.format = chat) used."""
+    from megalite.data.chat_template import load_template_text
+
+    config = index.get("extra", {}).get("config", {}) if isinstance(index.get("extra"), dict) else {}
+    data = config.get("data", {}) if isinstance(config, dict) else {}
+    if template_file:
+        return load_template_text(tokenizer, template_file)
+    if isinstance(data, dict) and data.get("format") == "chat":
+        return load_template_text(tokenizer, str(data.get("chat_template", "")))
+    return None
 
 
 def _opened(path: Path) -> Any:

@@ -189,8 +189,11 @@ def _sentencepiece_to_json(tok: Any, out: Path) -> None:
     backend.save(str(out / "tokenizer.json"))
 
 
-def export_tokenizer(tok: Tokenizer, out: Path) -> None:
-    """Write `out/tokenizer.json` and `out/tokenizer_config.json` for `tok` (from `load_tokenizer`)."""
+def export_tokenizer(tok: Tokenizer, out: Path, chat_template: str | None = None) -> None:
+    """Write `out/tokenizer.json` and `out/tokenizer_config.json` for `tok` (from `load_tokenizer`). With a
+    `chat_template` (an SFT model's) it is written too, and the special tokens are recognised in text
+    (`split_special_tokens: false`, as in every Hugging Face chat tokenizer), so `apply_chat_template` gives the
+    ids SFT trained on (megalite/data/chat_template.py recognises them in the rendered chat)."""
     if tok.kind == "hf":
         shutil.copyfile(tok.path, out / "tokenizer.json")
         eod_text, bos_text = tok.eod_text, tok.bos_text  # type: ignore[attr-defined]
@@ -204,7 +207,7 @@ def export_tokenizer(tok: Tokenizer, out: Path) -> None:
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod_text,
                               "bos_token": bos_text if tok.add_bos else None, "add_bos_token": tok.add_bos,
                               "add_eos_token": False, "clean_up_tokenization_spaces": False,
-                              "split_special_tokens": True,  # special-token text is ordinary text, as in megalite
-                              "model_max_length": None}
+                              "split_special_tokens": chat_template is None,  # special-token text is ordinary text
+                              "model_max_length": None, "chat_template": chat_template}
     (out / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
                                                           indent=2))

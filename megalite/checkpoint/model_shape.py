@@ -59,6 +59,10 @@ def apply_checkpoint_shape(cfg: Config, argv: list[str] | None) -> Config:
     """`cfg` with the model shape of the checkpoint it will load (if any); a CheckpointError naming every
     field a flag contradicts. Call before `resolve` (which derives from these values)."""
     path = find(cfg.checkpoint.load, cfg.checkpoint.dir)
+    if path is None and cfg.train.init_from:  # a fresh run from another checkpoint's weights: its shape too
+        from megalite.checkpoint.init_from import resolve_init_from
+
+        path = resolve_init_from(cfg.train.init_from, cfg.data.cache_dir)
     if path is None:
         return cfg
     saved: dict[str, Any] = read_index(path).get("model", {})

@@ -335,9 +335,12 @@ def check_model(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None
 
 
 def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
-                 optimizer: DistributedOptimizer | None, state: ParallelState) -> dict[str, Any]:
+                 optimizer: DistributedOptimizer | None, state: ParallelState,
+                 weights_only: bool = False) -> dict[str, Any]:
     """Load this rank's shards at the current layout; returns `extra` plus step, rng (None when the layout
-    changed) and has_optimizer_state. Reads only the slab regions that overlap this rank's shards."""
+    changed) and has_optimizer_state. Reads only the slab regions that overlap this rank's shards.
+    `weights_only`: the parameters alone (the optimizer's master weights set from them, its moments left
+    fresh), for `train.init_from`."""
     path = Path(path)
     chunks = _chunks(model_chunks)
     params = _params(chunks)
@@ -345,7 +348,7 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     index = read_index(path)
     check_model(index.get("model", {}), info, path)
     reader = SlabReader(path, index)
-    has_opt = any(k.startswith("exp_avg/") for k in index["tensors"])
+    has_opt = any(k.startswith("exp_avg/") for k in index["tensors"]) and not weights_only
     states: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, p, source, spec in params:

@@ -130,11 +130,15 @@ class TrainConfig:
     muon_nesterov: bool = _f(True, "Muon: orthogonalise G + mu M (Nesterov) instead of M")
     muon_ns_steps: int = _f(5, "Muon: Newton-Schulz steps (quintic, coefficients 3.4445, -4.7750, 2.0315)")
     muon_rms: float = _f(0.2, "Muon: update RMS to match (Liu et al. 2025): lr x muon_rms x sqrt(max(rows, cols))")
+    init_from: str = _f("", "start from these weights (a megalite checkpoint of any layout, or a Hugging Face model "
+                            "directory) with a fresh optimizer, schedule and data position; ignored when resuming")
 
 
 @dataclass
 class DataConfig:
-    path: list[str] = _lf(".bin/.idx prefixes; empty = the embedded demo corpus")
+    path: list[str] = _lf(".bin/.idx prefixes and raw sources streamed as read (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, "
+                          "a directory of them, a datasets save_to_disk directory, hf:NAME from the local cache); "
+                          "empty = the embedded demo corpus")
     weights: list[float] = _lf("blend weights, one per path; empty = proportional to size")
     tokenizer: str = _f("", "SentencePiece .model, HF tokenizer.json or tiktoken file; empty = the demo tokenizer")
     valid_fraction: float = _f(0.02, "share of documents held out for validation")
@@ -144,6 +148,22 @@ class DataConfig:
     document_mask: bool = _f(False, "attend only within each document of a packed sample (the EOD tokens end them) "
                                     "and restart positions at each document (Llama 3; Megatron's "
                                     "--reset-attention-mask --reset-position-ids)")
+    # Raw sources (megalite/data/sources.py, loader.py; docs/data.md "Raw data, streamed").
+    format: str = _f("text", "raw records: text (a string under text_key) | chat (a messages list under messages_key, "
+                             "rendered with the chat template; loss on the assistant tokens only)")
+    text_key: str = _f("text", "JSON key / column holding a text record's document")
+    messages_key: str = _f("messages", "JSON key / column holding a chat record's messages list")
+    chat_template: str = _f("", "Jinja chat template file with {% generation %} blocks; empty = the tokenizer's "
+                                "tokenizer_config.json chat_template")
+    streams: int = _f(0, "independent data streams (fixed for the run's life; a multiple of every dp it will run "
+                         "at, dividing train.global_batch_size); 0 = dp")
+    workers: int = _f(2, "tokenizer processes per rank for raw sources; 0 = tokenize in the loader thread")
+    prefetch: int = _f(4, "steps of batches the loader prepares ahead of training")
+    max_record_bytes: int = _f(16 << 20, "a raw record larger than this is counted as oversized and skipped")
+    max_bad_records: int = _f(-1, "stop the run when more raw records than this were bad (over all ranks); -1 = no "
+                                  "count limit")
+    max_bad_fraction: float = _f(0.01, "stop the run when more than this share of the raw records read were bad "
+                                       "(checked from the 1,000th record on)")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, split_document
 from megalite.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megalite.data.preprocess import preprocess
 from megalite.data.sampler import DataSampler, make_batch
+from megalite.data.sources import is_streaming
 from megalite.data.tokenizer import Tokenizer, document_ids, load_tokenizer, train_tokenizer
 from megalite.errors import ConfigError, DataError
 
@@ -30,9 +31,10 @@ __all__ = [
 
 @dataclass
 class DataBundle:
-    """What training needs from the data side. `valid` is None when data.valid_fraction == 0."""
+    """What training needs from the data side. `valid` is None when data.valid_fraction == 0. `train` is None
+    when data.path holds a raw source: then the data is streamed (megalite/data/loader.py)."""
 
-    train: Dataset
+    train: Dataset | None
     valid: Dataset | None
     tokenizer: Tokenizer
 
@@ -46,11 +48,17 @@ def build_data(cfg: Config) -> DataBundle:
 
     Empty `data.path` -> the embedded demo corpus (built once, cached). Several paths -> a blend with
     `data.weights` (default: proportional to each dataset's token count). Each dataset is split into
-    train/valid by document with `data.valid_fraction`.
+    train/valid by document with `data.valid_fraction`. A raw source among the paths (jsonl, parquet, a
+    datasets directory) -> only the tokenizer (the demo one when data.tokenizer is empty): the trainer
+    streams the data (`StreamLoader`).
     """
     data, seq_len, seed = cfg.data, int(cfg.model.seq_len), int(cfg.train.seed)
     paths = list(data.path)
     tokenizer_path = data.tokenizer
+    if any(is_streaming(p) for p in paths):
+        if not tokenizer_path:
+            _, tokenizer_path = prepare_demo_data(data.cache_dir, data.demo_max_bytes, data.demo_vocab_size)
+        return DataBundle(train=None, valid=None, tokenizer=load_tokenizer(tokenizer_path))
     if not paths:
         prefix, demo_tokenizer = prepare_demo_data(data.cache_dir, data.demo_max_bytes, data.demo_vocab_size)
         paths = [prefix]

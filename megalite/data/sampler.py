@@ -16,7 +16,7 @@ Consequences that the tests hold us to:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ class SampleSource(Protocol):
 
 class DataSampler:
     """Yields, per optimizer step, this DP rank's micro-batches of dataset indices."""
+
+    extra_key: ClassVar[str] = "sampler"  # its entry in a checkpoint's extra state
 
     def __init__(self, dataset_len: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, seed: int, consumed_samples: int = 0) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -108,6 +109,18 @@ def all_gather(t: torch.Tensor, state: ParallelState, group: GroupKind, dim: int
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t, group=state.group(group))
     return torch.cat(parts, dim=dim)
+
+
+def all_gather_object(obj: Any, state: ParallelState, group: GroupKind, count_as: CountKey) -> list[Any]:
+    """Every rank's picklable `obj` over `group` (rank order): small host-side state such as the data streams'
+    positions at a checkpoint. Counted as an all-gather of the pickled bytes."""
+    n = state.size(group)
+    if n == 1:
+        return [obj]
+    state.counter.record(check_count_key(count_as), "all_gather", len(pickle.dumps(obj)) * n, n)
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=state.group(group))
+    return out
 
 
 @outside_graph

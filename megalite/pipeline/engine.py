@@ -95,17 +95,23 @@ class PipelineEngine:
     peak_in_flight: int = 0
     p2p_depth: int = 1                          # receives posted ahead of the one being waited for
     _exchange: Exchange | None = None           # this step's p2p traffic (`p2p.py`)
+    _divisor: float | None = None               # this step's `loss_divisor` (None: mean per micro-batch)
+    _loss_scale: float = 1.0
 
     def _pp_rank(self, vstage: int) -> int:
         return stage_rank(vstage, self.state.pp, self.v_shape)
 
     def run(self, actions: list[Action], batches: list[Batch], loss_scale: float,
-            optimizer: BackwardSync | None) -> torch.Tensor:
+            optimizer: BackwardSync | None, loss_divisor: float | None = None) -> torch.Tensor:
         """Execute the schedule; returns the sum over micro-batches of the mean token loss (0 off the
         last stage). The loss is scaled by loss_scale / M for backward (gradient accumulation). Of the
         optimizer only `no_sync()` and `defer_weight_grads()` are used (None: forward-only evaluation,
-        no backward actions)."""
+        no backward actions).
+
+        `loss_divisor` D (a global token mean, `training.step`): each micro-batch's loss is instead its sum of
+        token losses / D, backpropagated with loss_scale alone, and the return value is the sum of those."""
         m = len(batches)
+        self._divisor, self._loss_scale = loss_divisor, loss_scale
         live: dict[tuple[int, int], _InFlight] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.state.device)
         split = split_backwards(actions)
@@ -156,9 +162,14 @@ class PipelineEngine:
         # Every chunk gets the ids: the first embeds them, document masking reads them on every stage.
         out = chunk(ids, labels if last else None, hidden=inp, dtype=self.dtype)
         if last:
-            loss = out.mean()
-            total += loss.detach().double()
-            out = loss * scale
+            if self._divisor is None:
+                loss = out.mean()
+                total += loss.detach().double()
+                out = loss * scale
+            else:  # a token mean over the whole step: this micro-batch's share of it
+                loss = out.sum() / self._divisor
+                total += loss.detach().double()
+                out = loss * self._loss_scale
             self._exchange.send(i, None, None)
         else:
             self._exchange.send(i, out.detach(), release=out)

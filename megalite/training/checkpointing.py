@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch.nn as nn
 
@@ -12,7 +12,6 @@ from megalite.checkpoint import sharded
 from megalite.checkpoint.async_save import AsyncSaver, Outcome, raise_if_failed
 from megalite.config import CheckpointConfig
 from megalite.errors import CheckpointError
-from megalite.data import DataSampler
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
@@ -20,6 +19,17 @@ from megalite.parallel.state import ParallelState
 from megalite.runtime.faults import FaultInjector
 
 Note = Callable[[str], None]
+
+
+class DataPosition(Protocol):
+    """Where the data stream stands (the sampler, or the streamed sources' positions): saved in a checkpoint's
+    extra state under `extra_key`, restored on resume."""
+
+    extra_key: str
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, d: dict[str, Any]) -> None: ...
 
 
 def check_same_optimizer(index: dict, config: dict, path: Path) -> None:
@@ -47,7 +57,7 @@ class RunCheckpoints:
     config: dict                 # the resolved run config, saved for the record
     model: nn.Module             # this rank's chunks
     optimizer: DistributedOptimizer
-    sampler: DataSampler
+    sampler: DataPosition
     scaler: LossScaler
     rng: RNGStreams
     state: ParallelState
@@ -70,13 +80,19 @@ class RunCheckpoints:
         # Any layout: each rank reads the slices it needs (ZeRO-3: into temporarily gathered params).
         with self.optimizer.gathered():
             extra = sharded.load_sharded(path, self.model, self.optimizer, self.state)
-        if "sampler" in extra:  # an imported Hugging Face model has no data position
-            self.sampler.load_state_dict(extra["sampler"])
+        if self.sampler.extra_key in extra:  # an imported Hugging Face model has no data position
+            self.sampler.load_state_dict(extra[self.sampler.extra_key])
         if "scaler" in extra:
             self.scaler.load_state_dict(extra["scaler"])
         if extra["rng"] is not None:  # same layout: restore every rank's streams; else keep the fresh seeds
             self.rng.load_state_dict(extra["rng"])
         return str(path), int(extra["step"])
+
+    def init_weights(self, path: Path) -> None:
+        """`train.init_from`: the weights of checkpoint `path` (any layout), nothing else: the optimizer's
+        moments, the step and schedule, the data position, the loss scale and the RNG streams stay fresh."""
+        with self.optimizer.gathered():
+            sharded.load_sharded(path, self.model, self.optimizer, self.state, weights_only=True)
 
     def due(self, step: int, total_steps: int) -> bool:
         """Every `checkpoint.interval` steps and at the end, when `checkpoint.dir` is set."""
@@ -89,7 +105,7 @@ class RunCheckpoints:
         if not self.settings.dir:
             return None
         self.optimizer.finish_param_sync()  # the model's parameters are read: none may still be in flight
-        extra = {"config": self.config, "sampler": self.sampler.state_dict(),
+        extra = {"config": self.config, self.sampler.extra_key: self.sampler.state_dict(),
                  "scaler": self.scaler.state_dict(), "rng": self.rng.state_dict()}
         if self.saver is None:
             self.last_saved = Path(sharded.save_sharded(self.settings.dir, step, self.model, self.optimizer, extra,

@@ -20,8 +20,8 @@ class StepReport:
     """Constants of the run (tokens per step, FLOPs per token, the device's peak) and the record."""
 
     def __init__(self, cfg: Config, state: ParallelState, ctx: StepContext,
-                 optimizer: DistributedOptimizer, train_samples: int) -> None:
-        self.cfg, self.state, self.ctx, self.optimizer, self.train_samples = cfg, state, ctx, optimizer, train_samples
+                 optimizer: DistributedOptimizer, data_note: str) -> None:
+        self.cfg, self.state, self.ctx, self.optimizer, self.data_note = cfg, state, ctx, optimizer, data_note
         m = cfg.model
         counts = moe_param_counts(m)  # the dense count for a dense model
         self.n_params, self.n_active = counts.total, counts.active
@@ -39,8 +39,8 @@ class StepReport:
         logger.note(f"megalite: {self.n_params / 1e6:.2f}M params{active} | layout tp={par.tp} "
                     + (f"cp={par.cp} " if par.cp > 1 else "") + (f"ep={par.ep} " if par.ep > 1 else "") + f"pp={par.pp} dp={par.dp} "
                     f"sp={par.sp} | {st.device.type} {str(dtype).removeprefix('torch.')} | vocab "
-                    f"{self.cfg.model.vocab_size} | {self.tokens_per_step} tokens/step | {self.train_samples} train "
-                    "samples" + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else "")
+                    f"{self.cfg.model.vocab_size} | {self.tokens_per_step} tokens/step | {self.data_note}"
+                    + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else "")
                     + f" | {malloc_note}")
         mem = self.optimizer.memory_bytes()
         logger.note("model-state bytes on rank 0 at start: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())

@@ -7,6 +7,13 @@ has the same token count in pretraining). The DP average is taken by the optimiz
 Context parallelism: each cp rank's loss is the mean over its S/cp tokens of each sequence, so its
 gradient is cp times its share of the sequence's; the optimizer sums the gradients over dp x cp and divides
 by dp x cp (each parameter's `ParamSpec.grad_group`), which gives the single-process gradient.
+
+A global token mean (`StepContext.global_token_mean`, SFT: labels of -100 are not counted): the loss is the
+sum of every counted token loss of the step, over all micro-batches and ranks, divided once by their number
+N, never a mean of per-micro-batch means (which would weigh a micro-batch with few assistant tokens as much
+as one with many, and change with dp and gradient accumulation). N is summed over dp x cp first (one
+all-reduce of one number); each micro-batch then backpropagates its token-loss sum / (N / (dp x cp)), and the
+gradient reduction's division by dp x cp makes that sum / N exactly.
 """
 
 from __future__ import annotations
@@ -63,13 +70,15 @@ class StepContext:
     settings: StepSettings     # learning-rate schedule and clipping
     scaler: LossScaler         # fp16 dynamic loss scale (disabled otherwise); updated by each step
     schedule: str = "1f1b"     # pipeline schedule name (megalite.pipeline.schedules)
+    global_token_mean: bool = False  # loss = sum of counted token losses / their number over the step (SFT)
 
     @classmethod
     def build(cls, model: nn.Module | PipelineEngine, state: ParallelState, dtype: torch.dtype,
-              settings: StepSettings, scaler: LossScaler, schedule: str = "1f1b") -> StepContext:
+              settings: StepSettings, scaler: LossScaler, schedule: str = "1f1b",
+              global_token_mean: bool = False) -> StepContext:
         """A context for a pipeline engine, or for a whole model on one stage (pp = 1)."""
         engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
-        return cls(engine, settings, scaler, schedule)
+        return cls(engine, settings, scaler, schedule, global_token_mean)
 
     @property
     def vpp(self) -> int:
@@ -86,7 +95,8 @@ def train_step(ctx: StepContext,
     lr = lr_at(step, settings.lr, settings.min_lr, settings.warmup_steps, settings.steps)
     optimizer.zero_grad()
     actions = build_schedule(ctx.schedule, len(batches), state.pp, state.pp_rank, ctx.vpp)
-    total = engine.run(actions, batches, scaler.scale, optimizer)
+    divisor = token_divisor(batches, state) if ctx.global_token_mean else None
+    total = engine.run(actions, batches, scaler.scale, optimizer, divisor)
     optimizer.finish_grad_sync()  # DP reduction (and a tied embedding's pipeline copies summed), once per step
     if poison_grads:  # fault injection (megalite.runtime.faults): exercise the skip path end to end
         optimizer.scale_grads(float("inf"))
@@ -98,8 +108,23 @@ def train_step(ctx: StepContext,
     if not skipped:
         optimizer.step(lr, settings.clip_grad, norm)
     moe = finish_moe_step(engine.chunks, state, update_bias=not skipped)  # DeepSeek's bias update, the loads
-    total /= len(batches)
+    if divisor is None:
+        total /= len(batches)
     return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped, moe=moe)
+
+
+IGNORE_INDEX = -100  # the cross entropy's ignore_index: a label the loss is not on
+
+
+def token_divisor(batches: list[Batch], state: ParallelState) -> float:
+    """N / (dp x cp) for N the labels the step's loss is on, over every micro-batch of every dp x cp rank
+    (each pp stage holds the labels and sums over its own dp x cp group). At least one token, so a step
+    without any counted label has loss 0 and no gradient instead of 0/0."""
+    n = torch.zeros((), dtype=torch.float64, device=state.device)
+    for _, labels in batches:
+        n += (labels != IGNORE_INDEX).sum().to(n.device, torch.float64)
+    comm.all_reduce(n, state, "dp_cp", count_as="metrics")
+    return max(float(n.item()), 1.0) / state.size("dp_cp")
 
 
 def mean_over_ranks(total: torch.Tensor, state: ParallelState) -> float:
@@ -115,11 +140,14 @@ def mean_over_ranks(total: torch.Tensor, state: ParallelState) -> float:
 
 @torch.no_grad()
 def evaluate(model: nn.Module | PipelineEngine, batches: list[Batch], state: ParallelState,
-             dtype: torch.dtype) -> float:
-    """Mean token loss over the given micro-batches, averaged over dp x cp ranks (forward only)."""
+             dtype: torch.dtype, global_token_mean: bool = False) -> float:
+    """Mean token loss over the given micro-batches, averaged over dp x cp ranks (forward only); with
+    `global_token_mean`, the mean over every counted label of them all (as `train_step`)."""
     engine = model if isinstance(model, PipelineEngine) else single_stage_engine(model, state, dtype)
     for chunk in engine.chunks:
         chunk.eval()
-    total = engine.run(forward_only_schedule(len(batches), len(engine.chunks)), batches, 1.0, None)
-    total /= max(1, len(batches))
+    divisor = token_divisor(batches, state) if global_token_mean else None
+    total = engine.run(forward_only_schedule(len(batches), len(engine.chunks)), batches, 1.0, None, divisor)
+    if divisor is None:
+        total /= max(1, len(batches))
     return mean_over_ranks(total, state)

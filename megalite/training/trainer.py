@@ -19,8 +19,9 @@ import torch.nn as nn
 
 from megalite import config as config_mod
 from megalite.checkpoint import storage
+from megalite.checkpoint.init_from import resolve_init_from
 from megalite.context import ContextOptions
-from megalite.data import DataBundle, DataSampler, build_data, make_batch
+from megalite.data import DataBundle, build_data
 from megalite.data.tokenizer import Tokenizer
 from megalite.dp import mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
@@ -41,6 +42,7 @@ from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
 from megalite.runtime.threads import configure_threads, local_processes
 from megalite.runtime.watchdog import Watchdog
+from megalite.training.batches import StreamBatches, TrainBatches, build_batches
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
 from megalite.training.policy import StepHealth
@@ -91,7 +93,7 @@ class Run:
     ctx: StepContext
     model: nn.Module                 # this rank's chunks (one unless pp > 1 with vpp > 1)
     optimizer: DistributedOptimizer
-    sampler: DataSampler
+    batches: TrainBatches            # each step's micro-batches, and the data position checkpoints save
     checkpoints: RunCheckpoints
     # This run started the default process group, so it ends it; a program that had joined one before calling
     # `main` (tests/pool_pretrain.py's warm ranks) keeps it for its next run.
@@ -135,12 +137,13 @@ def build_run(cfg: config_mod.Config) -> Run:
                                                               tr.muon_ns_steps, tr.muon_rms),
                                             fold_weight_grads=not cfg.model.compile)
     scaler = LossScaler(enabled=dtype == torch.float16)
-    sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
-                          tr.seed)
-    checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, sampler, scaler,
+    batches = build_batches(cfg, data, state)
+    checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, batches, scaler,
                                  rng, state)
-    ctx = StepContext(engine, tr, scaler, par.schedule)
-    return Run(cfg, state, data, ctx, model, optimizer, sampler, checkpoints,
+    # SFT (chat records): labels off the assistant tokens are ignored, so the loss is one mean over the step's
+    # counted tokens (megalite/training/step.py), not a mean of micro-batch means.
+    ctx = StepContext(engine, tr, scaler, par.schedule, global_token_mean=data.train is None and cfg.data.format == "chat")
+    return Run(cfg, state, data, ctx, model, optimizer, batches, checkpoints,
                owns_group=state.world_size > 1 and not joined)
 
 
@@ -148,15 +151,13 @@ def validation_loss(run: Run, step: int) -> float | None:
     """The mean loss over `train.eval_steps` fixed validation batches, every `train.eval_interval`
     steps and at the end; None when not due or there is no validation split."""
     tr, state = run.cfg.train, run.state
-    if run.data.valid is None or tr.eval_interval <= 0 or not (step % tr.eval_interval == 0 or step == tr.steps):
+    if tr.eval_interval <= 0 or not (step % tr.eval_interval == 0 or step == tr.steps):
+        return None
+    batches = run.batches.validation()  # the same batches every time, so successive values compare
+    if batches is None:
         return None
     run.optimizer.finish_param_sync()  # explicit, although the forward's hooks would wait too
-    # The same batches every time (a fixed seed, a fresh sampler), so successive values compare.
-    sampler = DataSampler(len(run.data.valid), tr.global_batch_size, tr.micro_batch_size, state.dp_rank, state.dp,
-                          tr.seed + 1)
-    batches = [make_batch(run.data.valid, idx, state.cp, state.cp_rank)
-               for _ in range(tr.eval_steps) for idx in sampler.next_step()]
-    return evaluate(run.ctx.engine, batches, state, run.ctx.engine.dtype)
+    return evaluate(run.ctx.engine, batches, state, run.ctx.engine.dtype, run.ctx.global_token_mean)
 
 
 def run(cfg: config_mod.Config) -> dict[str, float]:
@@ -177,8 +178,19 @@ def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str
     """Build the run, resume, and claim its directories; then the loop (`_loop`)."""
     tr = cfg.train
     r = build_run(cfg)
+    try:
+        return _resume_and_loop(cfg, r, stop, malloc_note)
+    finally:
+        r.batches.close()  # the loader thread and tokenizer workers, if any
+
+
+def _resume_and_loop(cfg: config_mod.Config, r: Run, stop: StopFlag, malloc_note: str) -> dict[str, float]:
     state = r.state
     resumed_from, start_step = r.checkpoints.resume()
+    init = resolve_init_from(cfg.train.init_from, cfg.data.cache_dir) if resumed_from is None and cfg.train.init_from \
+        else None
+    if init is not None:  # weights only: optimizer, schedule, data position and RNG start fresh
+        r.checkpoints.init_weights(init)
     if stop.agreed(state):
         print(f"megalite: stop requested by signal before step {start_step + 1}: exiting, nothing trained",
               file=sys.stderr)
@@ -207,11 +219,14 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
     tracker = Tracker(cfg.logging.wandb_project, cfg.logging.wandb_entity, cfg.logging.wandb_run_name,
                       config_mod.config_to_dict(cfg), cfg.logging.dir, enabled=state.rank == 0)
     logger = MetricsLogger(cfg.logging.dir, state.rank == 0, tracker, tr.steps, resumed_step=start_step)
-    meter = StepReport(cfg, state, r.ctx, optimizer, len(r.data.train))
+    meter = StepReport(cfg, state, r.ctx, optimizer, r.batches.describe())
     samples = TrainingSamples(cfg.logging, r.data.tokenizer, r.ctx.engine.chunks, state, r.ctx.engine.dtype, logger,
                               tracker)
     logger.totals.tokens_seen = start_step * meter.tokens_per_step
     meter.startup(logger, resumed_from, start_step, malloc_note)
+    if resumed_from is None and cfg.train.init_from:
+        logger.note(f"initialized the weights from {cfg.train.init_from} (train.init_from; fresh optimizer, schedule "
+                    "and data position)")
     faults = FaultInjector(state.rank)
     watchdog = Watchdog(state.rank, state.counter, tr.watchdog_factor, tr.watchdog_min_s)
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)
@@ -227,19 +242,23 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
             state.counter.reset()
             written.start()
             t0 = time.perf_counter()
-            batches = [make_batch(r.data.train, idx, state.cp, state.cp_rank) for idx in r.sampler.next_step()]
+            batches = r.batches.next_step()
             result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
             seconds = time.perf_counter() - t0
             step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
             step_written = written.stop()
+            data_report = r.batches.after_step()  # streamed data: bad records summed over dp, checked against the limits
             spike = health.check(done, result)
             valid_loss = validation_loss(r, done)
             last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
             logger.step_done(done, result.loss, result.skipped, seconds, meter.tokens_per_step)
             if meter.due(done, start_step) or valid_loss is not None:
-                logger.log(meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written))
+                record = meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written)
+                logger.log({**record, "data": data_report} if data_report is not None else record)
+                if isinstance(r.batches, StreamBatches):
+                    logger.note(r.batches.progress())
             samples.maybe_sample(done, optimizer)  # logging.sample_interval: a short greedy text sample
             watchdog.end_step()
             stopping = stop.agreed(state, done)
