@@ -5,7 +5,7 @@
     blockwise  block attention returning its log-sum-exp, its backward, the online-softmax merge
     ring       ring attention (K/V passed around, overlapped with compute; dK/dV passed back)
     allgather  the all-gather-K/V form (Llama 3)
-    ulysses    the all-to-all form (DeepSpeed-Ulysses): sequence-sharded <-> head-sharded
+    a2a        the all-to-all form (DeepSpeed-Ulysses): sequence-sharded <-> head-sharded
     hybrid     all-to-all inside groups of cp ranks, the ring across them (USP, Megatron's a2a+p2p)
     options    the cp mode the model is built with (`parallel.cp_mode`); attend: the dispatch on it
     costs      the bytes each form moves, in closed form
@@ -19,7 +19,7 @@ from megalite.context.hybrid import check_hybrid, hybrid_attention
 from megalite.context.group import ContextGroup
 from megalite.context.options import CP_MODES, ContextOptions, CpMode
 from megalite.context.ring import ring_attention
-from megalite.context.ulysses import a2a_attention, check_a2a_heads
+from megalite.context.a2a import a2a_attention, check_a2a_heads
 from megalite.context.zigzag import check_zigzag, zigzag_merge, zigzag_positions, zigzag_split
 
 __all__ = ["CP_MODES", "ContextGroup", "ContextOptions", "CpBytes", "CpMode", "a2a_attention", "a2a_attention_bytes",

@@ -49,7 +49,7 @@ def allgather_attention_bytes(batch: int, seq_len: int, kv_heads: int, head_dim:
 
 def a2a_attention_bytes(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
                         elem_bytes: int) -> CpBytes:
-    """All-to-all (Ulysses, megalite/context/ulysses.py): q, k, v to head-sharded and the output back; the
+    """All-to-all (Ulysses, megalite/context/a2a.py): q, k, v to head-sharded and the output back; the
     backward sends their gradients the reverse ways, in the same dtype. `heads`/`kv_heads` per tp rank."""
     per_head = batch * (seq_len // cp) * head_dim * elem_bytes
     moved = (cp - 1) * per_head * (2 * heads + 2 * kv_heads) // cp

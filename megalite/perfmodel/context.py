@@ -12,7 +12,7 @@ size (the compute dtype),
 and full recompute re-runs the block's forward, ring included, so it sends the forward again. Selective recompute
 does not: the ring's backward already keeps only q, k, v, the output and the log-sum-exp (megalite/model/block.py),
 so the model does not checkpoint it a second time.
-The other modes (megalite/context/allgather.py, ulysses.py), per call, hq = num_heads/tp, t = b·(S/cp)·d:
+The other modes (megalite/context/allgather.py, a2a.py), per call, hq = num_heads/tp, t = b·(S/cp)·d:
 
     allgather forward (cp-1)·kv·e, backward (cp-1)·kv·4   (the K/V once, the fp32 dK/dV reduce-scattered)
     a2a       forward = backward = (cp-1)/cp·t·(2·hq + 2·hk)·e   (q, k, v all-to-all'd, the output back)
