@@ -15,7 +15,7 @@ PACKAGE = REPO / "megalite"
 
 
 # The dependency direction, lowest layer first: a module imports modules of its own unit (a subpackage of
-# megalite, or `training.step`) and of lower layers only. Layers 1-5 are the core a learner reads
+# megalite, or one of `SUBUNITS`) and of lower layers only. Layers 1-5 are the core a learner reads
 # (docs/architecture.md); everything after them uses the core and the core never uses it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megalite", "errors", "torch_private", "kernels"),  # base: root, error kinds, private torch calls, Triton
@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("observability", "runtime"),                 # what the loop reports through; the process around it
     ("config",),                                  # the typed config, its parsing and validation
     ("data", "perfmodel"),                        # the data pipeline; the analytic model
-    ("checkpoint",),                              # checkpoints, resharding, Hugging Face conversion
+    ("checkpoint",),                              # megalite's checkpoints: sharded, resharded, async
+    ("checkpoint.interop",),                      # other formats: Hugging Face, DCP, torchtitan, Megatron
     ("inference",),                               # generation from a model or a checkpoint
     ("training",),                                # the loop behind pretrain.py
     ("tools", "bench", "pretrain"),               # outside the package: entry points and benchmarks
@@ -45,13 +46,18 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# Parts of a subpackage on a layer of their own: one optimizer step (the core) below the loop around it, and
+# the other frameworks' formats above megalite's own checkpoints (which never import them).
+SUBUNITS = ("training.step", "checkpoint.interop")
+
+
 def _unit(module: str) -> str:
     """megalite.parallel.state -> parallel; megalite.training.step -> training.step; tools.x -> tools."""
     parts = module.split(".")
     if parts[0] != "megalite":
         return parts[0]
-    if parts[1:3] == ["training", "step"]:
-        return "training.step"
+    if ".".join(parts[1:3]) in SUBUNITS:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "megalite"
 
 

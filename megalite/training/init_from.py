@@ -3,7 +3,7 @@ Hugging Face model directory, imported once into the cache the way tools/import_
 
 Only the weights are taken: the run builds a fresh optimizer, starts the learning-rate schedule and the data
 at their beginning and seeds its RNG streams from train.seed, as a new run would. The model's shape comes from
-that checkpoint (`model_shape.apply_checkpoint_shape`), as for `checkpoint.load`. A run that finds a checkpoint
+that checkpoint (`checkpoint.model_shape.apply_checkpoint_shape`), as for `checkpoint.load`. A run that finds a checkpoint
 of its own to resume (checkpoint.dir, checkpoint.load) resumes it instead: a restarted fine-tuning job
 continues where it stopped rather than starting over from the base weights.
 """
