@@ -20,7 +20,7 @@ import torch.nn as nn
 from megalite import config as config_mod
 from megalite.checkpoint.claim import DirectoryClaim, claim_directory, claim_log_directory
 from megalite.training.init_from import resolve_init_from
-from megalite.context import ContextOptions
+from megalite.context.options import ContextOptions
 from megalite.data import DataBundle, build_data
 from megalite.data.tokenizer import Tokenizer
 from megalite.dp import mib_to_bytes
