@@ -178,6 +178,17 @@ def test_files_stay_focused() -> None:
     assert not long, long
 
 
+def test_the_cost_formulas_load_without_torch() -> None:
+    """Each feature owns its closed-form costs (context/costs.py, moe/costs.py) and the cost model imports them
+    rather than restating them: importing them, and the estimator's cp part, loads no torch."""
+    import subprocess
+
+    code = ("import sys, megalite.context.costs, megalite.moe.costs, megalite.perfmodel.context; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_the_read_order_counts_are_this_trees() -> None:
     """docs/architecture.md gives each core file's line count (`path` (N)): they stay true."""
     import re
