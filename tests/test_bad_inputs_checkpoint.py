@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import pytest
 
-from megalite.checkpoint import storage
+from megalite.checkpoint import claim as claims, storage
 from megalite.parallel.state import ParallelState
 from megalite.training.trainer import main
 from tests.conftest import SMALL_RUN
@@ -65,7 +65,7 @@ def _edit_index(step_dir: Path, change: Callable[[dict[str, Any]], None]) -> Non
 def test_directory_in_use_by_another_run(ck: dict[str, Any], tmp_path: Path, capsys) -> None:
     shared = _copy(ck["good"], tmp_path / "shared")
     before = snapshot(shared)
-    claim = storage.claim_directory(str(shared), 1, None, ParallelState())
+    claim = claims.claim_directory(str(shared), 1, None, ParallelState())
     try:
         got, err = _train(ck, tmp_path, capsys, "--checkpoint.dir", str(shared), "--train.steps", "2")
     finally:
@@ -77,19 +77,19 @@ def test_directory_in_use_by_another_run(ck: dict[str, Any], tmp_path: Path, cap
 
 def test_lock_of_a_killed_run_is_released(tmp_path: Path) -> None:
     """flock belongs to the process: SIGKILL cannot leave the directory stuck."""
-    code = ("import sys, time; from megalite.checkpoint import storage; from megalite.parallel.state import "
-            f"ParallelState; c = storage.claim_directory({str(tmp_path)!r}, 0, None, ParallelState()); "
+    code = ("import sys, time; from megalite.checkpoint import claim; from megalite.parallel.state import "
+            f"ParallelState; c = claim.claim_directory({str(tmp_path)!r}, 0, None, ParallelState()); "
             "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-        with pytest.raises(storage.CheckpointError, match="in use"):
-            storage.claim_directory(str(tmp_path), 0, None, ParallelState())
+        with pytest.raises(claims.CheckpointError, match="in use"):
+            claims.claim_directory(str(tmp_path), 0, None, ParallelState())
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    storage.claim_directory(str(tmp_path), 0, None, ParallelState()).release()
+    claims.claim_directory(str(tmp_path), 0, None, ParallelState()).release()
 
 
 def test_fresh_run_never_rewinds_an_old_directory(ck: dict[str, Any], tmp_path: Path, capsys) -> None:
@@ -126,7 +126,7 @@ def test_unwritable_directory_found_before_step_1(ck: dict[str, Any], tmp_path: 
     def refuse(directory: Path) -> None:  # root ignores chmod, so stand in for a read-only mount
         raise OSError(30, "Read-only file system", str(directory / "probe"))
 
-    monkeypatch.setattr(storage, "_probe_writable", refuse)
+    monkeypatch.setattr(claims, "_probe_writable", refuse)
     got, err = _train(ck, tmp_path, capsys, "--checkpoint.dir", str(tmp_path / "ro"))
     assert_one_line(err, got, CKPT, "Read-only file system")
     assert not (tmp_path / "log" / "metrics.jsonl").exists(), "trained although the checkpoint cannot be saved"
@@ -327,8 +327,8 @@ def test_tools_from_the_command_line(ck: dict[str, Any], tmp_path: Path) -> None
 def _claim_on_every_rank(rank: int, directory: str, start_step: int) -> str:
     state = ParallelState(dp=2, rank=rank)
     try:
-        storage.claim_directory(directory, start_step, None, state).release()
-    except storage.CheckpointError as e:
+        claims.claim_directory(directory, start_step, None, state).release()
+    except claims.CheckpointError as e:
         return f"refused: {e}"
     return "claimed"
 

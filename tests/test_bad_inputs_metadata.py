@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megalite.checkpoint import files
-from megalite.checkpoint import hf as hf_mod
+from megalite.checkpoint.interop import hf as hf_mod
 from megalite.errors import INTERRUPTED_EXIT
 from megalite.untrusted import MAX_DEPTH
 from tests.test_bad_inputs import CKPT, CONFIG, DATA, assert_one_line, snapshot

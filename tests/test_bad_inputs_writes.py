@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from megalite import atomic
-from megalite.checkpoint import files, storage
+from megalite.checkpoint import claim as claims, files
 from megalite.data import indexed
 from megalite.observability.metrics import start_metrics_file
 from megalite.parallel.state import ParallelState
@@ -138,7 +138,7 @@ def test_pruning_deletes_only_names_megalite_wrote(tmp_path: Path) -> None:
     assert sorted(p.name for p in base.iterdir()) == sorted(set(names) - {"step_00000001", "step_00000002"}
                                                             | {"step_00000000"})
     assert snapshot(outside) == before
-    assert storage.newest_step(base) == 3
+    assert claims.newest_step(base) == 3
 
 
 # ----------------------------------------------------------------------------- a refused run writes nothing
@@ -157,14 +157,14 @@ def test_refused_runs_leave_the_previous_runs_files(ck: dict[str, Any], tmp_path
     for extra, needle in cases:
         got, err = _train(ck, tmp_path, capsys, *extra)
         assert_one_line(err, got, CKPT, needle)
-    claim = storage.claim_directory(str(good), 1, None, ParallelState())  # a live run holds it
+    claim = claims.claim_directory(str(good), 1, None, ParallelState())  # a live run holds it
     try:
         got, err = _train(ck, tmp_path, capsys, "--checkpoint.dir", str(good), "--train.steps", "2",
                           "--train.lr", "0.5")
     finally:
         claim.release()
     assert_one_line(err, got, CKPT, "in use by another run")
-    claim = storage.claim_log_directory(str(logs), "", ParallelState())  # a live run logs there, no checkpoints
+    claim = claims.claim_log_directory(str(logs), "", ParallelState())  # a live run logs there, no checkpoints
     try:
         got, err = _train(ck, tmp_path, capsys, "--train.lr", "0.5")
     finally:

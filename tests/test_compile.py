@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.context import ContextOptions
+from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.layers.fp8 import enable_fp8, fp8_settings
 from megalite.model.compile import compile_blocks

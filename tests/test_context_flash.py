@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("triton")
 from megalite.kernels.testing import use_interpreter  # noqa: E402
 
-from megalite.context import ContextGroup, zigzag_split  # noqa: E402
+from megalite.context.group import ContextGroup  # noqa: E402
+from megalite.context.zigzag import zigzag_split  # noqa: E402
 from megalite.context.blockwise import CAUSAL, block_backward, block_forward, merge_into  # noqa: E402
 from tests.test_context_parallel import _problem, _reference, _ring, _run_cp  # noqa: E402
 

@@ -15,9 +15,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from megalite.context import (ContextGroup, allgather_attention, allgather_attention_bytes, check_zigzag,
-                              ring_attention, ring_attention_bytes, zigzag_merge,
-                              zigzag_positions, zigzag_split)
+from megalite.context.allgather import allgather_attention
+from megalite.context.costs import allgather_attention_bytes, ring_attention_bytes
+from megalite.context.group import ContextGroup
+from megalite.context.ring import ring_attention
+from megalite.context.zigzag import check_zigzag, zigzag_merge, zigzag_positions, zigzag_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import rope_tables
 from megalite.model.ops import apply_rope, attention

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.context import a2a_attention, cp_attention_bytes, hybrid_attention, zigzag_split
+from megalite.context.a2a import a2a_attention
+from megalite.context.costs import cp_attention_bytes
+from megalite.context.hybrid import hybrid_attention
+from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError
 from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState

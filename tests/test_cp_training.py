@@ -28,7 +28,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.context import ContextOptions, cp_attention_bytes
+from megalite.context.costs import cp_attention_bytes
+from megalite.context.options import ContextOptions
 from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
@@ -226,7 +227,7 @@ def test_stop_flag_reaches_every_cp_rank(dist_world) -> None:
 def test_batches_keep_each_cp_ranks_zigzag_split() -> None:
     """Every cp rank builds its split of the same samples; the splits of inputs and labels put back
     together are the unsplit batch (labels stay aligned with their inputs: next-token targets)."""
-    from megalite.context import zigzag_merge
+    from megalite.context.zigzag import zigzag_merge
     from megalite.data.sampler import make_batch
 
     samples = [torch.arange(i * 100, i * 100 + SEQ + 1).numpy() for i in range(3)]

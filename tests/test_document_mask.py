@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.context import ContextOptions
+from megalite.context.options import ContextOptions
 from megalite.context.documents import documents
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
@@ -87,7 +87,10 @@ def _ring_skip_rank_fn(rank: int) -> tuple[int, int, int]:
     spies: 1 of 4 pairs each way, so 1/4 of the ring's attention FLOPs), its output and gradients equal masked
     attention over the unsplit sequence, and the bytes are the ring's as ever: the K/V (and the dK/dV
     accumulators) still travel the whole ring, the next rank may need them, so no transfer is saved."""
-    from megalite.context import ring, ring_attention, ring_attention_bytes, zigzag_split
+    from megalite.context import ring
+    from megalite.context.costs import ring_attention_bytes
+    from megalite.context.ring import ring_attention
+    from megalite.context.zigzag import zigzag_split
     from megalite.context.documents import DocumentIds, document_causal_mask
     from megalite.model.ops import masked_attention
     from tests.parallel_utils import layout

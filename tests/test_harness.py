@@ -52,7 +52,7 @@ def test_rank_grid_tp_fastest_then_dp_then_pp() -> None:
 
 def test_rank_grid_with_cp_tp_then_cp_then_dp_then_pp() -> None:
     """cp sits between tp and dp; the cp groups agree with megalite.context's ring order."""
-    from megalite.context import ContextGroup
+    from megalite.context.group import ContextGroup
     tp, cp, pp, dp = 2, 2, 2, 2
     st = ParallelState(tp=tp, pp=pp, dp=dp, cp=cp)
     assert layout_grid(tp=tp, cp=cp, dp=dp, pp=pp).coords(6) == {"tp": 0, "cp": 1, "dp": 1, "pp": 0, "ep": 0, "edp": 3}

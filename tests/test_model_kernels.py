@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 kernels = pytest.importorskip("megalite.kernels")  # the module the model calls (monkeypatched below)
 
-from megalite.context import ContextOptions  # noqa: E402
+from megalite.context.options import ContextOptions  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.step import train_step  # noqa: E402

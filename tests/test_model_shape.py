@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.checkpoint.hf import import_hf
+from megalite.checkpoint.interop.hf import import_hf
 from megalite.checkpoint.model_shape import SHAPE_FIELDS
 from megalite.checkpoint.sharded import save_sharded
 from megalite.config import ModelConfig, resolve

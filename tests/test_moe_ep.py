@@ -19,6 +19,7 @@ import torch.nn as nn
 from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
+from megalite.moe.costs import a2a_bytes_measured
 from megalite.moe.step_metrics import moe_layers_of
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
@@ -26,7 +27,6 @@ from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.moe import a2a_bytes_measured
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg

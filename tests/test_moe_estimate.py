@@ -11,8 +11,9 @@ import pytest
 from megalite.config import PRESETS, ModelConfig
 from megalite.config.derive import resolve
 from megalite.config.schema import Config
+from megalite.moe.costs import a2a_bytes_balanced, a2a_bytes_measured
 from megalite.perfmodel.inputs import Precision
-from megalite.perfmodel.moe import a2a_bytes_balanced, a2a_bytes_measured, moe_estimate, moe_param_counts
+from megalite.perfmodel.moe import moe_estimate, moe_param_counts
 
 
 def _model(preset: str):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.checkpoint.hf_tokenizer import export_tokenizer, onig_pattern
+from megalite.checkpoint.interop.hf_tokenizer import export_tokenizer, onig_pattern
 from megalite.data import load_tokenizer, train_tokenizer
 from megalite.errors import DataError
 from tests.tokenizer_utils import RICH_MERGES, TEXTS, train_hf_bpe, write_tiktoken

@@ -63,7 +63,7 @@ def read_source(fmt: str, path: Path, model_args: str) -> Source:
             raise CheckpointError(f"--input {path}: give a checkpoint directory")
         return from_megalite(src)
     if fmt == "dcp":
-        from megalite.checkpoint.dcp import from_dcp
+        from megalite.checkpoint.interop.dcp import from_dcp
 
         return from_dcp(path)
     if fmt == "torchtitan":
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         to_megalite(source, out, args.tp, args.pp, args.vpp, pp_layers, show_progress=not args.quiet)
         where = f" (tp={args.tp} pp={args.pp} vpp={args.vpp})"
     elif args.dst == "dcp":
-        from megalite.checkpoint.dcp import to_dcp
+        from megalite.checkpoint.interop.dcp import to_dcp
 
         to_dcp(source, out)
         where = " (torch.distributed.checkpoint)"

@@ -88,7 +88,7 @@ def prune(base: Path, keep: int, current: str | None = None) -> None:
     """Delete all but the `keep` newest complete step directories up to `current` (the one just published).
     Only names megalite writes are candidates (`saved_steps`): a user's `step_00000002.keep` or a link is
     never deleted. Steps after `current` exist only when a run went back on purpose (see
-    `storage.claim_directory`); they are left alone, and counting them would delete the checkpoint `latest`
+    `claim.claim_directory`); they are left alone, and counting them would delete the checkpoint `latest`
     now names."""
     if keep <= 0:
         return

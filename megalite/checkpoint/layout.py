@@ -27,10 +27,9 @@ from typing import Any
 
 from megalite.errors import CheckpointError
 from megalite.layers.embedding import padded_vocab_size
-from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column
+from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column, logical_name
 
 VOCAB_TENSORS = ("embedding.weight", "head.weight")
-_CHUNK_PREFIX = re.compile(r"^\d+\.")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -50,11 +49,6 @@ class ShardMap:
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-
-
-def logical_name(name: str) -> str:
-    """Drop the "0." / "1." chunk prefix that `nn.ModuleList(engine.chunks)` adds: names are global."""
-    return _CHUNK_PREFIX.sub("", name, count=1)
 
 
 def layout_of(name: str, tp_layout: TPLayout) -> TPLayout:

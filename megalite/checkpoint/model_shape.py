@@ -12,6 +12,7 @@ values are filled in, so `num_kv_heads`, `ffn_hidden_size` and `tie_embeddings` 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from megalite.checkpoint.layout import MOE_INFO_KEYS
@@ -55,14 +56,12 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def apply_checkpoint_shape(cfg: Config, argv: list[str] | None) -> Config:
+def apply_checkpoint_shape(cfg: Config, argv: list[str] | None, init_from: Path | None = None) -> Config:
     """`cfg` with the model shape of the checkpoint it will load (if any); a CheckpointError naming every
-    field a flag contradicts. Call before `resolve` (which derives from these values)."""
-    path = find(cfg.checkpoint.load, cfg.checkpoint.dir)
-    if path is None and cfg.train.init_from:  # a fresh run from another checkpoint's weights: its shape too
-        from megalite.checkpoint.init_from import resolve_init_from
-
-        path = resolve_init_from(cfg.train.init_from, cfg.data.cache_dir)
+    field a flag contradicts. Call before `resolve` (which derives from these values). `init_from`: the
+    checkpoint whose weights a fresh run starts from (`train.init_from`, resolved by the caller,
+    megalite.training.init_from), whose shape it takes too when it loads none of its own."""
+    path = find(cfg.checkpoint.load, cfg.checkpoint.dir) or init_from
     if path is None:
         return cfg
     saved: dict[str, Any] = read_index(path).get("model", {})

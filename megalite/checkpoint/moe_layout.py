@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from megalite.checkpoint.layout import Piece, ShardMap, logical_name
-from megalite.parallel.param_spec import ROW, ParamSpec, TPLayout, column
+from megalite.checkpoint.layout import Piece, ShardMap
+from megalite.parallel.param_spec import ROW, ParamSpec, TPLayout, column, logical_name
 from megalite.parallel.state import ParallelState
 
 

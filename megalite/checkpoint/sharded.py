@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.checkpoint.layout import Piece, ShardMap, logical_name, model_info, shard_map
+from megalite.checkpoint.layout import Piece, ShardMap, model_info, shard_map
 from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
                                       refuse_link, sha256, step_dir_name, write_atomic)
 from megalite.checkpoint.index_check import check_index
@@ -57,7 +57,7 @@ from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.checkpoint.moe_layout import expert_shard_map, routing_buffers
 from megalite.optim.protocol import DistributedOptimizer
-from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
+from megalite.parallel.param_spec import ParamSpec, Tied, logical_name, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
 from megalite.untrusted import loads_json
 

@@ -143,7 +143,7 @@ def _is_saved_checkpoint(path: Path) -> bool:
 def _path_problems(cfg: Config) -> list[str]:
     """Directories that exist as files, outputs under a file, and a checkpoint.dir inside a step directory."""
     out: list[str] = []
-    # checkpoint.dir is checked (exit code 4, with a real write) by megalite.checkpoint.storage.claim_directory
+    # checkpoint.dir is checked (exit code 4, with a real write) by megalite.checkpoint.claim.claim_directory
     dirs = {"logging.dir": cfg.logging.dir, "data.cache_dir": cfg.data.cache_dir}
     for key, value in dirs.items():
         if not value:

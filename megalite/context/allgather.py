@@ -21,7 +21,7 @@ import torch
 
 from megalite.context.blockwise import (Backend, Mask, PositionMask, block_backward, block_forward, from_grouped,
                                         to_grouped)
-from megalite.context.documents import DocumentIds
+from megalite.context.documents import DocumentIds, document_mask
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.ring import check_heads, stack_kv
 from megalite.context.zigzag import zigzag_positions, zigzag_split
@@ -44,7 +44,7 @@ def _mask(positions: PositionMask, docs: DocumentIds | None, cp: int) -> Mask:
     if docs is None:
         return positions
     key_docs = torch.cat([zigzag_split(docs.full, cp, r) for r in range(cp)], dim=1)  # the gathered order
-    return positions.keep() & docs.keep(docs.local, key_docs)
+    return positions.keep() & document_mask(docs.local, key_docs, causal=False)
 
 
 class _AllGatherAttention(torch.autograd.Function):

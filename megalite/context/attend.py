@@ -12,7 +12,7 @@ from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.context.hybrid import hybrid_attention
 from megalite.context.options import ContextOptions
 from megalite.context.ring import ring_attention
-from megalite.context.ulysses import LocalAttention, a2a_attention
+from megalite.context.a2a import LocalAttention, a2a_attention
 from megalite.parallel.comm import outside_graph
 from megalite.parallel.state import ParallelState
 

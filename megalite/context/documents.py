@@ -36,13 +36,19 @@ def documents(tokens: Tensor, eod: int) -> Documents:
     return Documents(ids, index - starts.cummax(dim=1).values)
 
 
-def document_causal_mask(query_docs: Tensor, key_docs: Tensor, causal: bool = True) -> Tensor:
-    """[B, 1, Sq, Sk] bool, True where query i may see key j: the same document (and j <= i when `causal`,
-    for queries and keys of the same positions in order)."""
-    keep = query_docs[:, None, :, None] == key_docs[:, None, None, :]
+def document_mask(query_docs: Tensor, key_docs: Tensor, causal: bool) -> Tensor:
+    """[B, sq, sk] bool, True where query i may see key j: the same document, and j <= i when `causal` (for
+    queries and keys of the same positions in order; the cp forms whose blocks are not add their own
+    causal part). The one rule every attention path masks documents by."""
+    keep = query_docs[:, :, None] == key_docs[:, None, :]
     if causal:
         keep &= torch.ones(keep.shape[-2:], dtype=torch.bool, device=keep.device).tril_()
     return keep
+
+
+def document_causal_mask(query_docs: Tensor, key_docs: Tensor, causal: bool = True) -> Tensor:
+    """`document_mask` as masked SDPA takes it: [B, 1, Sq, Sk], one mask for every head."""
+    return document_mask(query_docs, key_docs, causal)[:, None]
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,3 @@ class DocumentIds:
 
     local: Tensor
     full: Tensor
-
-    def keep(self, query_docs: Tensor, key_docs: Tensor) -> Tensor:
-        """[B, sq, sk] bool: the same document (callers add the causal part)."""
-        return query_docs[:, :, None] == key_docs[:, None, :]

@@ -6,7 +6,7 @@ pp puts consecutive cp ranks next to each other, inside a node: the all-to-all t
 the R cp ranks with its cp_rank mod a2a (`ContextGroup.ring_of`, across nodes: the ring hides its transfers
 behind attention compute). Per attention call:
 
-1. all-to-all inside the group (`ulysses.a2a_attention` with degree a2a): each rank gets hq/a2a query and
+1. all-to-all inside the group (`a2a.a2a_attention` with degree a2a): each rank gets hq/a2a query and
    hk/a2a kv heads of the group's tokens;
 2. the group's tokens are exactly ring rank i's zigzag split of an R-way cut (i = cp_rank // a2a): group i
    holds chunks i·a2a .. i·a2a + a2a - 1 of the 2·cp chunks, one contiguous chunk i of the 2R-way cut, and
@@ -14,7 +14,7 @@ behind attention compute). Per attention call:
    the R ranks expects, and the ring runs unchanged on them (document masks included);
 3. the output goes back by the inverse all-to-all.
 
-Bytes per rank per call (t = b (S/cp) d e, as in ulysses.py; the ring's kv = 2 b (S/R) (hk/a2a) d elements):
+Bytes per rank per call (t = b (S/cp) d e, as in a2a.py; the ring's kv = 2 b (S/R) (hk/a2a) d elements):
 
     forward   (a2a-1)/a2a t (2 hq + 2 hk)  +  (R-1) kv e
     backward  (a2a-1)/a2a t (2 hq + 2 hk)  +  (R-1) kv (e + 4)
@@ -31,7 +31,7 @@ from megalite.context.blockwise import Backend
 from megalite.context.documents import DocumentIds
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.ring import ring_attention
-from megalite.context.ulysses import a2a_attention
+from megalite.context.a2a import a2a_attention
 from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError
 from megalite.parallel.state import ParallelState

@@ -4,7 +4,7 @@
                only this rank's K/V are held. The default.
     allgather  all-gather the K/V, reduce-scatter dK/dV (`allgather.py`; the form Llama 3 used): fewer
                bytes than the ring, the full-sequence K/V held on every rank, transfers not overlapped.
-    a2a        all-to-all between sequence-sharded and head-sharded layouts (`ulysses.py`; DeepSpeed-Ulysses,
+    a2a        all-to-all between sequence-sharded and head-sharded layouts (`a2a.py`; DeepSpeed-Ulysses,
                Jacobs et al. 2023): each rank attends over the whole sequence for heads/cp of its heads;
                needs the heads and the kv heads (after tp) divisible by cp.
     hybrid     all-to-all inside groups of `parallel.cp_a2a` cp ranks, the ring across the groups (`hybrid.py`;

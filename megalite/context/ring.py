@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megalite.context.blockwise import (CAUSAL, Backend, Mask, block_backward, block_forward, from_grouped,
                                         merge_into, to_grouped)
-from megalite.context.documents import DocumentIds
+from megalite.context.documents import DocumentIds, document_mask
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError
@@ -81,9 +81,7 @@ def _block_mask(docs: DocumentIds | None, cpg: ContextGroup, owner: int, rows: s
     travel on, the next rank may need them, so the bytes do not change)."""
     if docs is None:
         return (CAUSAL if causal else None), False
-    keep = docs.keep(docs.local[:, rows], zigzag_split(docs.full, cpg.cp, owner)[:, keys])
-    if causal:
-        keep &= torch.ones(keep.shape[-2:], dtype=torch.bool, device=keep.device).tril_()
+    keep = document_mask(docs.local[:, rows], zigzag_split(docs.full, cpg.cp, owner)[:, keys], causal)
     return keep, not bool(keep.any())
 
 

@@ -10,21 +10,17 @@ buffers from the per-parameter tensors and keeps this rank's range. Every rank t
 
 from __future__ import annotations
 
-import re
 from typing import Mapping, Sequence
 
 import torch
 
 from megalite.dp.buckets import Bucket
 from megalite.parallel import comm
+from megalite.parallel.param_spec import logical_name
 from megalite.parallel.state import ParallelState
 
 Names = Mapping[int, str]  # id(parameter) -> its name in the model
 States = dict[str, dict[str, torch.Tensor]]
-
-
-def _global_name(name: str) -> str:
-    return re.sub(r"^\d+\.", "", name, count=1)  # drop an nn.ModuleList chunk prefix
 
 
 def _full(b: Bucket, shard: torch.Tensor, sharded: bool, state: ParallelState) -> torch.Tensor:
@@ -50,7 +46,7 @@ def param_states(buckets: Sequence[Bucket], shard_states: Sequence[Mapping[str, 
             entry = {kind: full[sl].view(p.shape).clone() for kind, full in fulls.items()}
             if step > 0:
                 entry["step"] = torch.tensor(float(step))
-            out[_global_name(names[id(p)])] = entry
+            out[logical_name(names[id(p)])] = entry
     return out
 
 
@@ -65,7 +61,7 @@ def load_param_states(buckets: Sequence[Bucket], names: Names, states: States,
         device = b.grad_shard.device if b.grad_shard is not None else b.param_flat.device
         flats = {k: torch.zeros(b.padded, dtype=torch.float32, device=device) for k in kinds}
         for p, off in zip(b.params, b.offsets):
-            entry = states.get(_global_name(names[id(p)]), {})
+            entry = states.get(logical_name(names[id(p)]), {})
             for kind, flat in flats.items():
                 if kind in entry:
                     flat[off:off + p.numel()] = entry[kind].reshape(-1).to(flat.device, torch.float32)

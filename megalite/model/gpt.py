@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context import ContextOptions, zigzag_merge, zigzag_positions, zigzag_split
+from megalite.context.options import ContextOptions
+from megalite.context.zigzag import zigzag_merge, zigzag_positions, zigzag_split
 from megalite.context.documents import DocumentIds, Documents, documents
 from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size

@@ -11,7 +11,6 @@ checked against it.
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Iterator
 
 import torch
@@ -21,7 +20,7 @@ from megalite.dp.reduce_grads import reduce_gradients, sync_tied_embeddings, uni
 from megalite.errors import ConfigError
 from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.optim.clip import clip_grads, global_norm, param_pieces
-from megalite.parallel.param_spec import spec_table
+from megalite.parallel.param_spec import logical_name, spec_table
 from megalite.parallel.state import ParallelState
 
 
@@ -91,7 +90,7 @@ class ReferenceOptimizer:
         """Global parameter names (the "0." / "1." chunk prefix of an nn.ModuleList dropped), each once."""
         out: dict[str, nn.Parameter] = {}
         for name, p in self.model.named_parameters():
-            out.setdefault(re.sub(r"^\d+\.", "", name, count=1), p)
+            out.setdefault(logical_name(name), p)
         return out
 
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -142,7 +142,7 @@ def reduce_scatter(t: torch.Tensor, state: ParallelState, group: GroupKind, dim:
 @outside_graph
 def all_to_all(t: torch.Tensor, state: ParallelState, group: GroupKind) -> torch.Tensor:
     """Chunk j of `t` along dim 0 (of n equal chunks) goes to the group's rank j; returns the chunks
-    received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/ulysses.py).
+    received, chunk r from rank r, in the same shape (DeepSpeed-Ulysses' exchange, megalite/context/a2a.py).
     `all_to_all_single` with equal splits: counted as the (n-1)/n of `t` that leaves this rank."""
     n = state.size(group)
     if n == 1:

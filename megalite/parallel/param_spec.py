@@ -26,6 +26,7 @@ as they are at that moment).
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Literal, Mapping, Protocol, runtime_checkable
 
@@ -169,6 +170,15 @@ class DeclaresParamSpecs(Protocol):
     """A module that declares the specs of the parameters under it, by name relative to itself."""
 
     def param_specs(self) -> Mapping[str, ParamSpec]: ...
+
+
+_CHUNK_PREFIX = re.compile(r"^\d+\.")
+
+
+def logical_name(name: str) -> str:
+    """A parameter's global name: `name` without the "0." / "1." chunk prefix `nn.ModuleList(chunks)` adds
+    under interleaved pipelines (the name checkpoints, optimizer states and the reference use)."""
+    return _CHUNK_PREFIX.sub("", name, count=1)
 
 
 def declared_specs(module: nn.Module) -> dict[str, ParamSpec]:

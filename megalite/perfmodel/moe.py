@@ -1,18 +1,7 @@
 """Mixture of experts in the estimator: total vs active parameters, per-rank expert memory, all-to-all bytes.
 
-Parameters of a MoE layer replace the dense MLP's (3 h f SwiGLU, 2 h f + biases-free GeLU experts) by
-  router      E h
-  routed      E x (3 h F) (llama) or E x (2 h F) (gpt2 experts have no biases)
-  shared      3 h (n_s F_s) (llama) or 2 h (n_s F_s) + n_s F_s + h (a gpt2 MLP with biases)
-and a token uses the router, its k experts and the shared ones: active = total - (E - k) x expert.
-
-Expert parallelism moves, per MoE layer and micro-batch, on each rank (the `CommCounter` convention for
-all_to_all: the bytes sent to the other ep ranks):
-  counts     (ep - 1) x E/ep x 8 bytes (how many rows go to each expert; int64)
-  dispatch   rows sent off-rank x h x b forward, the same rows' gradients back in the combine's backward
-  combine    rows received from other ranks x h x b forward, and again in the dispatch's backward
-so with balanced routing (each of the T k assignments equally likely on any ep rank) a rank sends
-T k (ep - 1)/ep rows each way: 4 x T k (ep - 1)/ep x h x b per layer per micro-batch, plus the counts.
+The formulas (parameters of a MoE layer, the all-to-all's bytes, the experts' FLOPs) are
+`megalite/moe/costs.py`'s, their one home; here they are applied to a model config and a layout.
 """
 
 from __future__ import annotations
@@ -21,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
+from megalite.moe.costs import (a2a_bytes_balanced, busiest, busiest_a2a_bytes, expert_flops, expert_params,
+                                mlp_params, moe_layer_params)
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Memory, count_params, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
@@ -34,10 +25,6 @@ class MoEParams:
     experts: int          # routed-expert parameters of the whole model (split over ep)
 
 
-def expert_params(arch: str, hidden: int, ffn: int) -> int:
-    return (3 if arch == "llama" else 2) * hidden * ffn
-
-
 def moe_param_counts(m: Any) -> MoEParams:
     """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE)."""
     tie = bool(m.tie_embeddings)
@@ -48,36 +35,10 @@ def moe_param_counts(m: Any) -> MoEParams:
         return MoEParams(dense, dense, 0)
     n = len(moe_layers(m))
     h = m.hidden_size
-    dense_mlp = expert_params(m.arch, h, m.ffn_hidden_size) + (m.ffn_hidden_size + h if m.arch == "gpt2" else 0)
     one = expert_params(m.arch, h, s.ffn)
-    shared = 0
-    if s.shared:
-        fs = s.shared * s.shared_ffn
-        shared = expert_params(m.arch, h, fs) + (fs + h if m.arch == "gpt2" else 0)
-    per_layer = h * s.experts + s.experts * one + shared
-    total = dense + n * (per_layer - dense_mlp)
+    per_layer = moe_layer_params(m.arch, h, s.experts, s.ffn, s.shared * s.shared_ffn)
+    total = dense + n * (per_layer - mlp_params(m.arch, h, m.ffn_hidden_size))
     return MoEParams(total, total - n * (s.experts - s.top_k) * one, n * s.experts * one)
-
-
-def a2a_bytes_balanced(tokens: int, top_k: int, experts: int, hidden: int, ep: int, bytes_per: int) -> float:
-    """One rank's all-to-all bytes for one MoE layer and micro-batch of `tokens` local tokens, forward and
-    backward, under balanced routing (module doc)."""
-    if ep == 1:
-        return 0.0
-    rows = tokens * top_k * (ep - 1) / ep
-    return 4 * rows * hidden * bytes_per + (ep - 1) * (experts // ep) * 8
-
-
-def a2a_bytes_measured(off_rank_rows: int, calls: int, ep: int, experts: int, hidden: int, bytes_per: int,
-                       forward_passes: int = 1) -> int:
-    """The same from a run's measured routing: `off_rank_rows` = rows this rank sent to plus received from
-    the other ep ranks over `calls` layer-micro-batches (metrics.jsonl moe.a2a_rows / a2a_calls). Dispatch
-    and combine each move those rows forward (forward_passes times: 2 with full recompute, where the
-    forward's exchange runs again in the backward) and once backward, plus the counts per forward."""
-    if ep == 1:
-        return 0
-    counts = (ep - 1) * (experts // ep) * 8
-    return (forward_passes + 1) * off_rank_rows * hidden * bytes_per + forward_passes * calls * counts
 
 
 @dataclass(frozen=True)
@@ -93,18 +54,6 @@ class MoEEstimate:
     expert_flops_per_step: float = 0.0  # this rank's expert GEMM FLOPs per step (fwd + bwd) under balanced routing
     busiest_factor: float = 1.0        # what `imbalance` implies for the busiest ep rank's expert work (`busiest`)
     ep_bytes_per_step_busiest: float = 0.0  # that rank's all-to-all bytes per step (it sends back all it got)
-
-
-def busiest(load_max_over_mean: float | None, ep: int) -> float:
-    """The busiest ep rank's expert rows over the balanced T k, at most, given a measured max/mean load per
-    expert X: a rank's E/ep experts each hold at most X x mean, and no rank holds more than every row, so
-    min(X, ep) (exact when each rank holds one expert). At ep 1 every rank computes every expert: 1."""
-    if load_max_over_mean is None or ep == 1:
-        return 1.0
-    if not load_max_over_mean >= 1:
-        raise ConfigError(f"a load max/mean of {load_max_over_mean} is impossible: the busiest expert holds at least "
-                          "the mean (metrics.jsonl moe.load_max / moe.load_mean, >= 1)")
-    return min(load_max_over_mean, float(ep))
 
 
 def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, micro_batch_size: int,
@@ -133,16 +82,11 @@ def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int,
     mem = Memory(*(getattr(mem_dense, k) + getattr(mem_exp, k) for k in ("params", "grads", "master", "optimizer")))
     tokens = micro_batch_size * m.seq_len // cp // (tp if sp else 1)
     per_layer = a2a_bytes_balanced(tokens, s.top_k, s.experts, m.hidden_size, ep, prec.activation)
-    # Balanced, a rank's experts take T k rows per layer and micro-batch (ep ranks' T k each over ep blocks),
-    # 2 x one FLOPs a row forward and twice that backward. The busiest rank takes f times as many and sends
-    # them all back in the combine (its dispatch sends its own T k (ep-1)/ep, as balanced): 2 (1 + f) of
-    # the balanced 4 x rows x h x b.
     f = busiest(load_max_over_mean, ep)
-    row_bytes = tokens * s.top_k * (ep - 1) / ep * m.hidden_size * prec.activation
-    busiest_layer = per_layer + 2 * (f - 1) * row_bytes
+    busiest_layer = busiest_a2a_bytes(tokens, s.top_k, s.experts, m.hidden_size, ep, prec.activation, f)
     n = most * num_microbatches
     return MoEEstimate(counts.total, counts.active, experts_rank, dense_rank, mem, per_layer * n, per_layer,
-                       load_max_over_mean, 6.0 * tokens * s.top_k * one * n, f, busiest_layer * n)
+                       load_max_over_mean, expert_flops(tokens, s.top_k, one) * n, f, busiest_layer * n)
 
 
 _DIM_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",

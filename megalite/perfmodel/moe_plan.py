@@ -9,9 +9,9 @@ Per layout (`moe_cost`):
   as one dense MLP of the width a token uses, k F + the shared experts), so FLOPs count active parameters;
 * memory per GPU: model states from `moe.moe_estimate` (experts split over ep, their ZeRO states over
   edp = dp x cp / ep; the rest over dp x cp), activations of the active model on its worst stage, plus
-  the dispatch buffers a MoE layer keeps for the backward (its T k routed input rows and the experts'
-  output rows: 2 T k h bytes per element, per layer and micro-batch in flight);
-* the all-to-all (`moe.a2a_bytes_balanced`, balanced routing), on the step's critical path (megalite's
+  the dispatch buffers a MoE layer keeps for the backward (`moe.costs.dispatch_buffer_bytes`, per layer and
+  micro-batch in flight);
+* the all-to-all (`moe.costs.a2a_bytes_balanced`, balanced routing), on the step's critical path (megalite's
   dispatch and combine are synchronous), at the intra-node bandwidth when every ep group lies inside a
   node and at the network's otherwise. Whether it does is read from the layout's rank grid
   (`parallel.state.layout_grid`, `ep_crosses_nodes`): with rank order tp, cp, dp, pp an ep group spans
@@ -27,6 +27,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from megalite.moe.costs import dispatch_buffer_bytes
 from megalite.moe.settings import MoESettings
 from megalite.parallel.state import layout_grid
 from megalite.perfmodel.activations import stage_activation_bytes
@@ -70,7 +71,8 @@ def moe_memory(m: Any, lay: Layout, ep: int, prec: Precision) -> tuple[float, fl
     acts = stage_activation_bytes(dims, lay, prec, 0, lay.num_microbatches)
     tokens = lay.micro_batch_size * lay.local_seq_len(m.seq_len) // (lay.tp if lay.sp else 1)
     in_flight = 1 if lay.recompute == "full" else min(lay.pp, lay.num_microbatches)
-    acts += 2 * tokens * s.top_k * m.hidden_size * prec.activation * math.ceil(m.num_layers / lay.pp) * in_flight
+    acts += dispatch_buffer_bytes(tokens, s.top_k, m.hidden_size, prec.activation) * math.ceil(m.num_layers / lay.pp) \
+        * in_flight
     return states, acts
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from megalite.context import ContextOptions
+from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
 from megalite.parallel.random import RNGStreams

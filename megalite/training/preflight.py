@@ -25,6 +25,7 @@ from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.config.validate_fields import check_text_fields
 from megalite.errors import ConfigError
 from megalite.training.checkpointing import check_same_optimizer
+from megalite.training.init_from import resolve_init_from
 from megalite.training.memory_check import check_memory_of, tokenizer_vocab_size
 
 
@@ -59,8 +60,10 @@ def with_checkpoint(cfg: config_mod.Config, argv: list[str] | None) -> config_mo
     `train.optimizer` than the checkpoint's, is one line here: before any process group starts, and the same
     in `--check-config` as in the workers."""
     check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
-    cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
     path = sharded.find(cfg.checkpoint.load, cfg.checkpoint.dir)
+    init = resolve_init_from(cfg.train.init_from, cfg.data.cache_dir) if path is None and cfg.train.init_from \
+        else None  # a fresh run from another checkpoint's weights takes its shape too
+    cfg = apply_checkpoint_shape(cfg, argv, init)  # model dims from the checkpoint it loads; contradicting flags refused
     if path is not None:
         check_same_optimizer(sharded.read_index(path), {"train": {"optimizer": cfg.train.optimizer}}, path)
     return cfg

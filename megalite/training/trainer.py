@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite import config as config_mod
-from megalite.checkpoint import storage
-from megalite.checkpoint.init_from import resolve_init_from
-from megalite.context import ContextOptions
+from megalite.checkpoint.claim import DirectoryClaim, claim_directory, claim_log_directory
+from megalite.training.init_from import resolve_init_from
+from megalite.context.options import ContextOptions
 from megalite.data import DataBundle, build_data
 from megalite.data.tokenizer import Tokenizer
 from megalite.dp import mib_to_bytes
@@ -197,11 +197,11 @@ def _resume_and_loop(cfg: config_mod.Config, r: Run, stop: StopFlag, malloc_note
         if r.owns_group:
             dist.destroy_process_group()
         return {}
-    claim = storage.claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
-                                    Path(resumed_from) if resumed_from else None, state)
-    log_claim = storage.DirectoryClaim(None)
+    claim = claim_directory(cfg.checkpoint.dir, start_step,  # this run's until it ends
+                            Path(resumed_from) if resumed_from else None, state)
+    log_claim = DirectoryClaim(None)
     try:
-        log_claim = storage.claim_log_directory(cfg.logging.dir, cfg.checkpoint.dir, state)
+        log_claim = claim_log_directory(cfg.logging.dir, cfg.checkpoint.dir, state)
         return _loop(cfg, r, resumed_from, start_step, stop, malloc_note)
     finally:
         log_claim.release()

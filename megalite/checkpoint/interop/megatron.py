@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megalite.checkpoint.dcp import load_tensor, read_metadata, tensor_shapes
+from megalite.checkpoint.interop.dcp import load_tensor, read_metadata, tensor_shapes
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file

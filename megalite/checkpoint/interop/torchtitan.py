@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from megalite.checkpoint.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
+from megalite.checkpoint.interop.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file

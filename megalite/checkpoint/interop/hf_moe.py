@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from megalite.checkpoint import hf
+from megalite.checkpoint.interop import hf
 from megalite.checkpoint.index_check import MAX_DIM
 from megalite.errors import CheckpointError
 from megalite.moe.settings import MoESettings

@@ -236,7 +236,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     config["torch_dtype"] = dtype_name
     tok = None
     if tokenizer:
-        from megalite.checkpoint.hf_tokenizer import load_tokenizer
+        from megalite.checkpoint.interop.hf_tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
         if tok.vocab_size > info["vocab_size"]:
@@ -268,7 +268,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out)) if tok is not None else None
     try:
         if tok is not None and staged is not None:
-            from megalite.checkpoint.hf_tokenizer import export_tokenizer
+            from megalite.checkpoint.interop.hf_tokenizer import export_tokenizer
 
             export_tokenizer(tok, staged, _chat_template(index, tokenizer, chat_template))
             for f in staged.iterdir():

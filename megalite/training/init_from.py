@@ -3,7 +3,7 @@ Hugging Face model directory, imported once into the cache the way tools/import_
 
 Only the weights are taken: the run builds a fresh optimizer, starts the learning-rate schedule and the data
 at their beginning and seeds its RNG streams from train.seed, as a new run would. The model's shape comes from
-that checkpoint (`model_shape.apply_checkpoint_shape`), as for `checkpoint.load`. A run that finds a checkpoint
+that checkpoint (`checkpoint.model_shape.apply_checkpoint_shape`), as for `checkpoint.load`. A run that finds a checkpoint
 of its own to resume (checkpoint.dir, checkpoint.load) resumes it instead: a restarted fine-tuning job
 continues where it stopped rather than starting over from the base weights.
 """
@@ -44,8 +44,8 @@ def resolve_init_from(path: str, cache_dir: str = "", quiet: bool = True) -> Pat
     if not (p / "config.json").is_file():
         raise CheckpointError(f"train.init_from {path!r} is neither a megalite checkpoint (no {INDEX}) nor a Hugging "
                               "Face model directory (no config.json)")
-    from megalite.checkpoint.hf import import_hf
-    from megalite.checkpoint.hf_moe import MAPPING
+    from megalite.checkpoint.interop.hf import import_hf
+    from megalite.checkpoint.interop.hf_moe import MAPPING
 
     out = Path(default_cache_dir(cache_dir)) / "init_from" / f"{p.name}-{_hf_key(p)}"
     if (out / INDEX).is_file():
