@@ -13,21 +13,25 @@ checkpoint (its names, its RoPE layout; model and optimizer state); `megatron`: 
 `torch_dist` (DCP) or legacy `iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`, Llama- or GPT-2-style (input only;
 the model weights and the iteration: the optimizer starts fresh).
 A megalite output can be laid out for any --tp/--pp/--vpp; the model dims always come from the input.
-Bad input is one line and exit code 4; the output is written under a temporary name and renamed when
-complete, so nothing that exists is changed.
+Every tensor and buffer is carried or the conversion is refused; optimizer state the target cannot hold (Muon's
+momentum into torchtitan's AdamW, Megatron's optimizer) is refused unless --weights-only; what is knowingly not
+carried (a scheduler, RNG states) is named on one line. The output is read back by megalite's own reader before
+the tool reports success. Bad input is one line and exit code 4; the output is written under a temporary name
+and renamed when complete, so nothing that exists is changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`: make `megalite` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.checkpoint.interop.source import Source, from_megalite, to_megalite  # noqa: E402
+from megalite.checkpoint.interop.source import Source, from_megalite, to_megalite, weights_only  # noqa: E402
 from megalite.checkpoint.files import refuse_output_in_checkpoint  # noqa: E402
 from megalite.checkpoint.sharded import find  # noqa: E402
 from megalite.errors import CheckpointError, entry_point, one_line_arguments  # noqa: E402
@@ -52,11 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "input's 'megalite_model_args.json', which megalite writes into every torchtitan output")
     p.add_argument("--torchtitan-fused-qkv", action="store_true",
                    help="--to torchtitan: for a model built with fuse_qkv=True (its optimizer state is of the fused wqkv)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="convert the model's tensors and buffers alone, leaving the optimizer state behind (the "
+                        "target starts it fresh); needed where the target cannot hold the input's optimizer state")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
-def read_source(fmt: str, path: Path, model_args: str) -> Source:
+def read_source(fmt: str, path: Path, model_args: str, no_optimizer: bool = False) -> Source:
     if fmt == "megalite":
         src = find(str(path), "")
         if src is None:
@@ -69,10 +76,35 @@ def read_source(fmt: str, path: Path, model_args: str) -> Source:
     if fmt == "torchtitan":
         from megalite.checkpoint.interop.torchtitan import from_torchtitan
 
-        return from_torchtitan(path, Path(model_args) if model_args else None)
+        return from_torchtitan(path, Path(model_args) if model_args else None, no_optimizer)
     from megalite.checkpoint.interop.megatron import from_megatron
 
-    return from_megatron(path)
+    return from_megatron(path, no_optimizer)
+
+
+def check_written(fmt: str, out: Path, source: Source) -> None:
+    """Read `out` back with megalite's own reader (index or metadata checks, every tensor's shape, the step): a
+    conversion never reports success for a checkpoint megalite would refuse. On a failure `out` (which this
+    run created) is removed."""
+    try:
+        back = read_source(fmt, out, "")
+        back.close()
+        if back.shapes != source.shapes or back.step != source.step:
+            diff = sorted(set(back.shapes) ^ set(source.shapes)) or \
+                [k for k in source.shapes if back.shapes.get(k) != source.shapes[k]] or ["the step"]
+            raise CheckpointError(f"the written {out} reads back differently ({diff[0]}): a megalite bug, please "
+                                  "report it")
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def not_carried(source: Source, dst: str) -> list[str]:
+    """What the output knowingly lacks, one phrase each (the reader's list, and what the target has no place for)."""
+    out = list(source.dropped)
+    if dst == "torchtitan" and source.extra:
+        out.append(f"megalite's {', '.join(sorted(source.extra))} (torchtitan's checkpoint has no place for them)")
+    return out
 
 
 @entry_point
@@ -89,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         raise CheckpointError(f"--output {out} lies inside --input {args.input}: it would change the input "
                               f"checkpoint; write it beside it, e.g. {src.parent / out.name}")
     pp_layers = parse_pp_layers(args.pp_layers)
-    source = read_source(args.src, Path(args.input), args.model_args)
+    source = read_source(args.src, Path(args.input), args.model_args, args.weights_only)
+    if args.weights_only:
+        source = weights_only(source)
     if args.dst == "megalite":
         check_target(source.info, args.tp, args.pp, args.vpp, pp_layers)
         to_megalite(source, out, args.tp, args.pp, args.vpp, pp_layers, show_progress=not args.quiet)
@@ -104,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
         to_torchtitan(source, out, fused_qkv=args.torchtitan_fused_qkv)
         where = " (torchtitan DCP)"
-    print(f"wrote {out}{where}", file=sys.stderr)
+    check_written(args.dst, out, source)
+    missing = not_carried(source, args.dst)
+    print(f"wrote {out}{where}" + (f"; not carried: {'; '.join(missing)}" if missing else ""), file=sys.stderr)
     return 0
 
 

@@ -41,6 +41,7 @@ import argparse
 import enum
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ import numpy as np
 import torch
 
 from megalite.checkpoint.dcp import load_tensor, read_metadata, tensor_shapes
+from megalite.checkpoint.interop.megatron_checks import (check_shape, check_tied_head, has_tensors, layer_shapes,
+                                                         leftover_tensors, refuse_optimizer_state, top_shapes)
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file
@@ -67,9 +70,13 @@ def _allowed() -> list[Any]:
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
     allowed: list[Any] = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:  # args hold megatron-core's enums (model_type, attention_backend, fp8_recipe, cuda_graph_scope, ...):
-        # every Enum class its two enum modules define, by class (unpickling an Enum only looks a member up)
-        import megatron.core.enums as core_enums  # type: ignore[import-untyped]
-        import megatron.core.transformer.enums as transformer_enums  # type: ignore[import-untyped]
+        # every Enum class its two enum modules define, by class (unpickling an Enum only looks a member up).
+        # Importing megatron-core on a machine without Transformer Engine / Apex warns four times that it falls
+        # back to torch's kernels: nothing a conversion uses, and it would bury a one-line refusal.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+            import megatron.core.enums as core_enums  # type: ignore[import-untyped]
+            import megatron.core.transformer.enums as transformer_enums  # type: ignore[import-untyped]
     except ImportError:
         return allowed
     for module in (core_enums, transformer_enums):
@@ -113,6 +120,28 @@ def _arg(args: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+def _flag(args: Any, name: str, default: bool = False) -> bool:
+    """A boolean field of `args`: a crafted or hand-edited file's "false" (a string, which is truthy) or 0 is
+    refused, not read as a switch."""
+    value = getattr(args, name, None)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"the checkpoint's args.{name} is {value!r}, not True or False: the model's "
+                              "structure is unknown (the file is damaged or crafted)")
+    return value
+
+
+def _number(args: Any, name: str, default: float) -> float:
+    """A positive finite number field of `args` (a string "1e-5" is not one)."""
+    value = getattr(args, name, None)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise CheckpointError(f"the checkpoint's args.{name} is {value!r}, not a positive number: the file is "
+                              "damaged or crafted")
+    return float(value)
+
+
 # Megatron-LM options that change what the model computes in ways megalite's layers do not: refused, by name.
 _UNMODELLED = (("apply_residual_connection_post_layernorm", "residuals taken after the norm"),
                ("apply_layernorm_1p", "zero-centred norm weights (apply_layernorm_1p)"),
@@ -129,18 +158,18 @@ _UNMODELLED = (("apply_residual_connection_post_layernorm", "residuals taken aft
 
 def _family(args: Any, src: Path) -> str:
     """'llama' (RMSNorm, SwiGLU, RoPE, no biases) or 'gpt2' (LayerNorm, tanh GeLU, learned positions, biases)."""
-    norm, swiglu = _arg(args, "normalization", default="LayerNorm"), bool(_arg(args, "swiglu", default=False))
+    norm, swiglu = _arg(args, "normalization", default="LayerNorm"), _flag(args, "swiglu")
     pos = _arg(args, "position_embedding_type", default="learned_absolute")
-    bias = bool(_arg(args, "add_bias_linear", default=True))
+    bias = _flag(args, "add_bias_linear", True)
     if (norm, swiglu, pos, bias) == ("RMSNorm", True, "rope", False):
-        if _arg(args, "add_qkv_bias"):
+        if _flag(args, "add_qkv_bias"):
             raise CheckpointError(f"{src}: the checkpoint has biases in the QKV projection only (add_qkv_bias), "
                                   "which megalite's llama does not have")
         return "llama"
     if (norm, swiglu, pos, bias) == ("LayerNorm", False, "learned_absolute", True):
         # Megatron-LM's MLP computes the tanh GeLU when it fuses bias and GeLU (its default) or with openai_gelu;
         # otherwise torch's exact erf GeLU, which megalite's gpt2 MLP (tanh) does not compute.
-        if not (_arg(args, "openai_gelu") or _arg(args, "bias_gelu_fusion", default=True)):
+        if not (_flag(args, "openai_gelu") or _flag(args, "bias_gelu_fusion", True)):
             raise CheckpointError(f"{src}: the checkpoint's MLP is the exact (erf) GeLU (bias_gelu_fusion=False, "
                                   "openai_gelu=False); megalite's gpt2 computes the tanh GeLU: not converted")
         return "gpt2"
@@ -181,18 +210,18 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
     if vision:
         raise CheckpointError(f"{src}: the checkpoint has a vision tower ({vision}), which megalite does not have")
     for key, what in _UNMODELLED:
-        if getattr(args, key, None):
+        if getattr(args, key, None) not in (None, False, 0, "", ()):  # a string "false" is refused as set, too
             raise CheckpointError(f"{src}: the checkpoint's model has {what}, which megalite does not have")
     arch = _family(args, src)
     layers, heads, hidden, ffn = (_count(args, src, n) for n in ("num_layers", "num_attention_heads", "hidden_size",
                                                                  "ffn_hidden_size"))
-    kv_channels = _arg(args, "kv_channels", default=hidden // heads)
-    if int(kv_channels) * heads != hidden:
+    kv_channels = _count(args, src, "kv_channels", hidden // heads)
+    if kv_channels * heads != hidden:
         raise CheckpointError(f"{src}: kv_channels={kv_channels} with {heads} heads of a hidden size {hidden}: "
                               "megalite's head size is hidden_size / num_heads")
-    if arch == "llama" and float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
+    if arch == "llama" and _number(args, "rotary_percent", 1.0) != 1.0:
         raise CheckpointError(f"{src}: rotary_percent={args.rotary_percent}: megalite rotates the whole head")
-    groups = _count(args, src, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads
+    groups = _count(args, src, "num_query_groups", heads) if _flag(args, "group_query_attention") else heads
     if heads % groups:
         raise CheckpointError(f"{src}: num_query_groups={groups} does not divide num_attention_heads={heads}: the "
                               "checkpoint's args are inconsistent")
@@ -201,10 +230,8 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
     return {"arch": arch, "num_layers": layers, "hidden_size": hidden,
             "num_heads": heads, "num_kv_heads": groups, "ffn_hidden_size": ffn,
             "vocab_size": vocab_rows, "seq_len": seq,
-            "make_vocab_divisible_by": 1, "tie_embeddings": not bool(_arg(args, "untie_embeddings_and_output_weights",
-                                                                           default=False)),
-            "norm_eps": float(_arg(args, "norm_epsilon", default=1e-5)),
-            "rope_theta": float(_arg(args, "rotary_base", default=10000))}
+            "make_vocab_divisible_by": 1, "tie_embeddings": not _flag(args, "untie_embeddings_and_output_weights"),
+            "norm_eps": _number(args, "norm_epsilon", 1e-5), "rope_theta": _number(args, "rotary_base", 10000)}
 
 
 def ungroup_qkv(w: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
@@ -271,7 +298,7 @@ def _check_core_names(where: Path, names: list[str]) -> None:
                           "megatron-core GPT checkpoint")
 
 
-def _from_torch_dist(src: Path) -> Source:
+def _from_torch_dist(src: Path, weights_only: bool) -> Source:
     md = read_metadata(src)  # names a missing shard file
     common = safe_load(src / "common.pt")
     args = common.get("args") if isinstance(common, dict) else None
@@ -287,6 +314,14 @@ def _from_torch_dist(src: Path) -> Source:
     missing = next((m for m in names.values() if m not in flat), None)
     if missing:
         raise CheckpointError(f"{src}: no tensor {missing} in the checkpoint")
+    tops = top_shapes(info)
+    for n, m in names.items():
+        check_shape(src, m, flat[m], tops[n])
+    used = set(names.values())
+    if info["tie_embeddings"] and "output_layer.weight" in flat:  # a tied head saved anyway: it must be the embedding
+        check_tied_head(src, info, load_tensor(src, ["output_layer.weight"], flat["output_layer.weight"]),
+                        load_tensor(src, [names["embedding.weight"]], flat[names["embedding.weight"]]))
+        used.add("output_layer.weight")
     per_layer = _per_layer(info)
     cache: dict[str, torch.Tensor] = {}
 
@@ -313,9 +348,12 @@ def _from_torch_dist(src: Path) -> Source:
         if not flat[mkey] or flat[mkey][0] != info["num_layers"]:  # stacked over the layers: [num_layers, ...]
             raise CheckpointError(f"{src}: {mkey} holds {flat[mkey][0] if flat[mkey] else 0} layers but args.num_layers is "
                                   f"{info['num_layers']}: the checkpoint is inconsistent; not guessing which is right")
+        check_shape(src, f"{mkey} (one layer of it)", flat[mkey][1:], layer_shapes(info)[rest])
+        used.add(mkey)
         for i in range(info["num_layers"]):
             shapes[f"param/layers.{i}.{rest}"] = flat[mkey][1:]
-    return Source(info, shapes, fetch, _iteration(common, src / "common.pt"))
+    dropped = leftover_tensors(src, list(flat), used, weights_only)
+    return Source(info, shapes, fetch, _iteration(common, src / "common.pt"), dropped=dropped)
 
 
 def _merge_tp(rest: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
@@ -329,7 +367,15 @@ def _merge_tp(rest: str, shards: list[torch.Tensor], gated: bool) -> torch.Tenso
     return torch.cat(shards)  # qkv (whole query groups per rank), fc1, their biases, embedding / output rows
 
 
-def _from_legacy(src: Path) -> Source:
+def _merged(where: Path, key: str, shards: list[torch.Tensor], rest: str, gated: bool) -> torch.Tensor:
+    try:
+        return _merge_tp(rest, shards, gated).float()
+    except RuntimeError as e:  # TP shards whose other dims differ: torch.cat refuses
+        raise CheckpointError(f"{where}: the TP shards of {key} do not fit together ({[list(t.shape) for t in shards]}): "
+                              "the checkpoint is damaged or mixed") from None
+
+
+def _from_legacy(src: Path, weights_only: bool) -> Source:
     ranks: dict[tuple[int, int], Path] = {}
     for d in src.iterdir():
         m = _RANK_DIR.match(d.name)
@@ -352,6 +398,12 @@ def _from_legacy(src: Path) -> Source:
         raise CheckpointError(f"{ranks[(0, 0)]} has no 'args' (Megatron-LM's argparse.Namespace): the model's dims "
                               "are unknown")
     models = {k: v.get("model") or {} for k, v in states.items()}
+    opt = next((k for k, v in states.items() if has_tensors(v.get("optimizer"))), None)
+    if opt is not None and not weights_only:
+        refuse_optimizer_state(ranks[opt], "its 'optimizer' entry")
+    dropped = ["Megatron's optimizer state (--weights-only)"] if opt is not None else []
+    rest_state = sorted({k for v in states.values() for k in v if k in ("rng_state", "opt_param_scheduler")})
+    dropped += [f"Megatron's {' and '.join(rest_state)}"] if rest_state else []
     for (t, p), sd in models.items():
         if p == 0:
             _check_core_names(ranks[(t, p)], list(sd))
@@ -372,12 +424,23 @@ def _from_legacy(src: Path) -> Source:
     info = model_info(args, src, vocab, [n for m in models.values() for n in m], None if pos is None else pos.shape[0])
     per_stage = info["num_layers"] // pp
     full: dict[str, torch.Tensor] = {}
+    used: dict[int, set[str]] = {p: set() for p in range(pp)}
+    tops, layers = top_shapes(info), layer_shapes(info)
     for name, mname in _top_level(info).items():
         stage = 0 if mname.startswith("embedding.") else pp - 1
         if mname not in models[(0, stage)]:
             raise CheckpointError(f"{ranks[(0, stage)]}: no tensor {mname}")
         shards = [models[(t, stage)][mname] for t in range(tp)]
-        full[f"param/{name}"] = torch.cat(shards) if name in ("embedding.weight", "head.weight") else shards[0]
+        full[f"param/{name}"] = _merged(src, mname, shards, "embedding" if name in ("embedding.weight", "head.weight")
+                                        else "norm1.", False)
+        check_shape(src, mname, tuple(full[f"param/{name}"].shape), tops[name])
+        used[stage].add(mname)
+    last = models[(0, pp - 1)]
+    if info["tie_embeddings"] and "output_layer.weight" in last:  # Megatron's copy of a tied head
+        head = _merged(src, "output_layer.weight", [models[(t, pp - 1)]["output_layer.weight"] for t in range(tp)],
+                       "embedding", False)
+        check_tied_head(src, info, head, full["param/embedding.weight"])
+        used[pp - 1].add("output_layer.weight")
     for p in range(pp):
         for local in range(per_stage):
             for rest, candidates in _per_layer(info).items():
@@ -385,23 +448,27 @@ def _from_legacy(src: Path) -> Source:
                             if f"decoder.layers.{local}.{c}" in models[(0, p)]), None)
                 if key is None:
                     raise CheckpointError(f"{ranks[(0, p)]}: no tensor decoder.layers.{local}.{candidates[0]}")
-                merged = _merge_tp(rest, [models[(r, p)][key] for r in range(tp)], info["arch"] == "llama").float()
+                merged = _merged(src, key, [models[(r, p)][key] for r in range(tp)], rest, info["arch"] == "llama")
+                check_shape(ranks[(0, p)].parent, f"{key} (merged over TP)", tuple(merged.shape), layers[rest])
+                used[p].add(key)
                 full[f"param/layers.{p * per_stage + local}.{rest}"] = \
                     ungroup_qkv(merged, info) if rest.startswith("attn.qkv.") else merged
+        leftover_tensors(ranks[(0, p)], list(models[(0, p)]), used[p], weights_only)
     return Source(info, {k: tuple(v.shape) for k, v in full.items()}, lambda k: full[k].float(),
-                  _iteration(first, ranks[(0, 0)]))
+                  _iteration(first, ranks[(0, 0)]), dropped=dropped)
 
 
-def from_megatron(path: Path) -> Source:
-    """A Megatron-LM checkpoint (root or iter_N; torch_dist or legacy) as megalite tensors (model weights)."""
+def from_megatron(path: Path, weights_only: bool = False) -> Source:
+    """A Megatron-LM checkpoint (root or iter_N; torch_dist or legacy) as megalite tensors (model weights;
+    optimizer state is refused unless `weights_only`)."""
     src = _iteration_dir(Path(path))
     if (src / "metadata.json").is_file() or (src / ".metadata").is_file():
         if not (src / "common.pt").is_file():
             raise CheckpointError(f"{src}: a torch_dist checkpoint without common.pt (the args): it is incomplete")
         if not (src / "metadata.json").is_file():
             raise CheckpointError(f"{src}: a torch_dist checkpoint without metadata.json: it is incomplete")
-        return _from_torch_dist(src)
+        return _from_torch_dist(src, weights_only)
     if any(_RANK_DIR.match(d.name) for d in src.iterdir()):
-        return _from_legacy(src)
+        return _from_legacy(src, weights_only)
     raise CheckpointError(f"{src} is neither a torch_dist checkpoint (metadata.json, .metadata) nor a legacy one "
                           "(mp_rank_XX/model_optim_rng.pt)")
