@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`: ma
 from megalite.checkpoint.interop.source import Source, from_megalite, to_megalite, weights_only  # noqa: E402
 from megalite.checkpoint.files import refuse_output_in_checkpoint  # noqa: E402
 from megalite.checkpoint.sharded import find  # noqa: E402
-from megalite.errors import CheckpointError, entry_point, one_line_arguments  # noqa: E402
+from megalite.errors import CheckpointError, MegaliteError, entry_point, one_line_arguments  # noqa: E402
 from tools.reshard_checkpoint import add_layout_arguments, check_target, parse_pp_layers  # noqa: E402
 
 SOURCES = ("megalite", "dcp", "torchtitan", "megatron")
@@ -94,9 +94,40 @@ def check_written(fmt: str, out: Path, source: Source) -> None:
                 [k for k in source.shapes if back.shapes.get(k) != source.shapes[k]] or ["the step"]
             raise CheckpointError(f"the written {out} reads back differently ({diff[0]}): a megalite bug, please "
                                   "report it")
+        check_loadable(back)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def check_loadable(source: Source) -> None:
+    """The model its dims describe (built on the meta device: no memory) must hold exactly its tensors, as
+    `load_sharded` will ask for them; optimizer state only for the model's parameters, of their shapes."""
+    import torch
+
+    from megalite.checkpoint.sharded import stored_shapes
+    from megalite.inference.load import model_config_from_info
+    from megalite.model.gpt import GPT
+    from megalite.parallel.state import ParallelState
+
+    try:
+        with torch.device("meta"):
+            model = GPT(model_config_from_info(source.info), ParallelState(), seed=0)
+    except (ValueError, RuntimeError, MegaliteError) as e:
+        raise CheckpointError(f"its model dims {source.info} do not build a megalite model ({e}): the input "
+                              "checkpoint's dims are inconsistent") from None
+    want = stored_shapes(model)
+    for key, shape in source.shapes.items():
+        kind, name = key.split("/", 1)
+        need = want.get(key if kind in ("param", "buffer") else f"param/{name}")
+        if need != shape:
+            raise CheckpointError(f"tensor {key} {list(shape)} is not in the model its dims describe"
+                                  + (f" (which has {list(need)})" if need else "") + ": the input checkpoint's "
+                                  "dims contradict its tensors; not converted")
+    missing = sorted(set(want) - set(source.shapes))
+    if missing:
+        raise CheckpointError(f"the model its dims describe needs {missing[0]}, which the input lacks: the input "
+                              "checkpoint is incomplete; not converted")
 
 
 def not_carried(source: Source, dst: str) -> list[str]:
@@ -124,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     source = read_source(args.src, Path(args.input), args.model_args, args.weights_only)
     if args.weights_only:
         source = weights_only(source)
+    try:
+        check_loadable(source)  # before anything is written
+    except BaseException:
+        source.close()
+        raise
     if args.dst == "megalite":
         check_target(source.info, args.tp, args.pp, args.vpp, pp_layers)
         to_megalite(source, out, args.tp, args.pp, args.vpp, pp_layers, show_progress=not args.quiet)

@@ -94,6 +94,18 @@ def _params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter, str, Param
     return out
 
 
+def stored_shapes(model_chunks: nn.Module | list[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """The logical tensors a checkpoint of this model holds ("param/<name>", "buffer/<name>") and their global,
+    unpadded shapes: what a converter's output must hold exactly for `load_sharded` to take it (the model
+    may live on the meta device)."""
+    chunks = _chunks(model_chunks)
+    vocab = model_info(chunks[0].cfg)["vocab_size"]
+    out = {f"param/{name}": shard_map(name, tuple(p.shape), spec.layout, 1, 0, vocab).global_shape
+           for name, p, _, spec in _params(chunks) if spec.tied is not Tied.HEAD_COPY}
+    out.update({f"buffer/{name}": tuple(b.shape) for name, b in routing_buffers(chunks)})
+    return out
+
+
 def _layout(state: ParallelState, chunks: list[nn.Module],
             optimizer: DistributedOptimizer | None) -> dict[str, Any]:
     return {"tp": state.tp, "cp": state.cp, "pp": state.pp, "dp": state.dp, "sp": bool(state.sp),
