@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from megalite.checkpoint.layout import Piece, ShardMap, logical_name, model_info, shard_map
 from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
-                                      refuse_link, sha256, step_dir_name, write_atomic)
+                                      refuse_foreign_file, refuse_link, sha256, step_dir_name, write_atomic)
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
@@ -230,6 +230,8 @@ def write_planned(plan: SavePlan, barrier: Callable[[], None]) -> Path:
                for key, t in plan.slabs]
     try:
         if rank == 0:
+            for path in (final, tmp):
+                refuse_foreign_file(path)
             make_fresh_dir(tmp)  # leftovers of a crashed save go; a link planted there is refused
         barrier()
         writer = StreamingWriter(tmp / file, entries)
@@ -252,10 +254,19 @@ def write_planned(plan: SavePlan, barrier: Callable[[], None]) -> Path:
         raise
     barrier()
     if rank == 0:
-        _merge_index(tmp, plan.world_size, plan.head)
-        publish(tmp, final, plan.keep)
+        try:
+            _merge_index(tmp, plan.world_size, plan.head)
+            publish(tmp, final, plan.keep)
+        except BaseException as e:  # the same CheckpointError line whether the save runs in the background or not
+            if not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)  # megalite's own step_N.tmp: never left behind
+            if isinstance(e, OSError):
+                raise CheckpointError(f"cannot publish checkpoint {final}: {e.strerror or e} (check the directory "
+                                      "is writable and the disk has space)") from e
+            raise
     barrier()
     return final
+
 
 
 def _remove_partial(tmp: Path, file: str, rank: int) -> None:
