@@ -49,14 +49,14 @@ import numpy as np
 import torch
 
 from megalite.checkpoint.dcp import load_tensor, read_metadata, tensor_shapes
-from megalite.checkpoint.interop.megatron_checks import (check_shape, check_tied_head, has_tensors, layer_shapes,
-                                                         leftover_tensors, refuse_optimizer_state, top_shapes)
+from megalite.checkpoint.interop.megatron_checks import (check_shape, check_tied_head, layer_shapes,
+                                                         leftover_tensors, top_shapes)
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file
 
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _UNSUPPORTED = (("multi_latent_attention", "multi-latent attention (MLA)"),
                 ("vision_model_type", "a vision tower ({})"))
 
@@ -178,7 +178,7 @@ def _family(args: Any, src: Path) -> str:
                           "and GPT-2-style (LayerNorm, GeLU, learned_absolute, biases) Megatron models")
 
 
-def _count(args: Any, src: Path, name: str, default: Any = None) -> int:
+def count(args: Any, src: Path, name: str, default: Any = None) -> int:
     """A positive integer field of `args` (a crafted or damaged file may hold anything there)."""
     value = getattr(args, name, None)
     value = default if value is None else value
@@ -188,7 +188,7 @@ def _count(args: Any, src: Path, name: str, default: Any = None) -> int:
     return value
 
 
-def _iteration(state: dict[str, Any], where: Path) -> int:
+def iteration(state: dict[str, Any], where: Path) -> int:
     value = state.get("iteration", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointError(f"{where}: iteration {value!r} is not a step number: the file is damaged or crafted")
@@ -213,19 +213,19 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
         if getattr(args, key, None) not in (None, False, 0, "", ()):  # a string "false" is refused as set, too
             raise CheckpointError(f"{src}: the checkpoint's model has {what}, which megalite does not have")
     arch = _family(args, src)
-    layers, heads, hidden, ffn = (_count(args, src, n) for n in ("num_layers", "num_attention_heads", "hidden_size",
+    layers, heads, hidden, ffn = (count(args, src, n) for n in ("num_layers", "num_attention_heads", "hidden_size",
                                                                  "ffn_hidden_size"))
-    kv_channels = _count(args, src, "kv_channels", hidden // heads)
+    kv_channels = count(args, src, "kv_channels", hidden // heads)
     if kv_channels * heads != hidden:
         raise CheckpointError(f"{src}: kv_channels={kv_channels} with {heads} heads of a hidden size {hidden}: "
                               "megalite's head size is hidden_size / num_heads")
     if arch == "llama" and _number(args, "rotary_percent", 1.0) != 1.0:
         raise CheckpointError(f"{src}: rotary_percent={args.rotary_percent}: megalite rotates the whole head")
-    groups = _count(args, src, "num_query_groups", heads) if _flag(args, "group_query_attention") else heads
+    groups = count(args, src, "num_query_groups", heads) if _flag(args, "group_query_attention") else heads
     if heads % groups:
         raise CheckpointError(f"{src}: num_query_groups={groups} does not divide num_attention_heads={heads}: the "
                               "checkpoint's args are inconsistent")
-    seq = _count(args, src, "seq_length", _arg(args, "max_position_embeddings", default=2048)) \
+    seq = count(args, src, "seq_length", _arg(args, "max_position_embeddings", default=2048)) \
         if positions is None else positions
     return {"arch": arch, "num_layers": layers, "hidden_size": hidden,
             "num_heads": heads, "num_kv_heads": groups, "ffn_hidden_size": ffn,
@@ -257,11 +257,11 @@ _GPT2_BIASES = {"norm1.bias": ("self_attention.linear_qkv.layer_norm_bias", "inp
                 "mlp.down.bias": ("mlp.linear_fc2.bias",)}
 
 
-def _per_layer(info: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+def per_layer_names(info: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     return {**_PER_LAYER, **_GPT2_BIASES} if info["arch"] == "gpt2" else _PER_LAYER
 
 
-def _top_level(info: dict[str, Any]) -> dict[str, str]:
+def top_level(info: dict[str, Any]) -> dict[str, str]:
     """megalite names -> megatron-core names of the tensors outside the layers."""
     names = {"embedding.weight": "embedding.word_embeddings.weight", "final_norm.weight": "decoder.final_layernorm.weight"}
     if info["arch"] == "gpt2":
@@ -287,7 +287,7 @@ def _check_conflicts(src: Path, args: Any) -> None:
                               "is inconsistent; not guessing which is right")
 
 
-def _check_core_names(where: Path, names: list[str]) -> None:
+def check_core_names(where: Path, names: list[str]) -> None:
     """The first stage's tensors carry megatron-core's names (else: name what is there instead)."""
     if "embedding.word_embeddings.weight" in names:
         return
@@ -308,9 +308,9 @@ def _from_torch_dist(src: Path, weights_only: bool) -> Source:
     _check_conflicts(src, args)
     flat = tensor_shapes(md)
     pos = flat.get("embedding.position_embeddings.weight")
-    _check_core_names(src, list(flat))
+    check_core_names(src, list(flat))
     info = model_info(args, src, flat["embedding.word_embeddings.weight"][0], list(flat), pos[0] if pos else None)
-    names = _top_level(info)
+    names = top_level(info)
     missing = next((m for m in names.values() if m not in flat), None)
     if missing:
         raise CheckpointError(f"{src}: no tensor {missing} in the checkpoint")
@@ -322,7 +322,7 @@ def _from_torch_dist(src: Path, weights_only: bool) -> Source:
         check_tied_head(src, info, load_tensor(src, ["output_layer.weight"], flat["output_layer.weight"]),
                         load_tensor(src, [names["embedding.weight"]], flat[names["embedding.weight"]]))
         used.add("output_layer.weight")
-    per_layer = _per_layer(info)
+    per_layer = per_layer_names(info)
     cache: dict[str, torch.Tensor] = {}
 
     def stacked(key: str) -> torch.Tensor:  # one [num_layers, ...] tensor, kept while its layers are fetched
@@ -353,109 +353,7 @@ def _from_torch_dist(src: Path, weights_only: bool) -> Source:
         for i in range(info["num_layers"]):
             shapes[f"param/layers.{i}.{rest}"] = flat[mkey][1:]
     dropped = leftover_tensors(src, list(flat), used, weights_only)
-    return Source(info, shapes, fetch, _iteration(common, src / "common.pt"), dropped=dropped)
-
-
-def _merge_tp(rest: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
-    if rest.startswith(("norm1.", "norm2.")) or rest in ("attn.out.bias", "mlp.down.bias"):
-        return shards[0]  # replicated: norms, and the row-parallel linears' biases (added after the all-reduce)
-    if rest in ("attn.out.weight", "mlp.down.weight"):
-        return torch.cat(shards, dim=1)
-    if rest == "mlp.up.weight" and gated:  # every shard is [gate_r; up_r]
-        halves = [s.chunk(2) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return torch.cat(shards)  # qkv (whole query groups per rank), fc1, their biases, embedding / output rows
-
-
-def _merged(where: Path, key: str, shards: list[torch.Tensor], rest: str, gated: bool) -> torch.Tensor:
-    try:
-        return _merge_tp(rest, shards, gated).float()
-    except RuntimeError as e:  # TP shards whose other dims differ: torch.cat refuses
-        raise CheckpointError(f"{where}: the TP shards of {key} do not fit together ({[list(t.shape) for t in shards]}): "
-                              "the checkpoint is damaged or mixed") from None
-
-
-def _from_legacy(src: Path, weights_only: bool) -> Source:
-    ranks: dict[tuple[int, int], Path] = {}
-    for d in src.iterdir():
-        m = _RANK_DIR.match(d.name)
-        if m and d.is_dir():
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = d / "model_optim_rng.pt"
-    tp, pp = 1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks)
-    for t in range(tp):
-        for p in range(pp):
-            f = ranks.get((t, p), src / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")) / "model_optim_rng.pt")
-            if not f.is_file():
-                raise CheckpointError(f"{src}: {f.relative_to(src)} is missing (a {tp} x {pp} TP x PP checkpoint)")
-            ranks[(t, p)] = f
-    states = {k: safe_load(f) for k, f in sorted(ranks.items())}  # one full copy of the model in memory
-    for k, v in states.items():
-        if not isinstance(v, dict) or not isinstance(v.get("model") or {}, dict):
-            raise CheckpointError(f"{ranks[k]} is not a Megatron-LM checkpoint file (a dict with 'args' and 'model')")
-    first = states[(0, 0)]
-    args = first.get("args")
-    if not isinstance(args, argparse.Namespace):
-        raise CheckpointError(f"{ranks[(0, 0)]} has no 'args' (Megatron-LM's argparse.Namespace): the model's dims "
-                              "are unknown")
-    models = {k: v.get("model") or {} for k, v in states.items()}
-    opt = next((k for k, v in states.items() if has_tensors(v.get("optimizer"))), None)
-    if opt is not None and not weights_only:
-        refuse_optimizer_state(ranks[opt], "its 'optimizer' entry")
-    dropped = ["Megatron's optimizer state (--weights-only)"] if opt is not None else []
-    rest_state = sorted({k for v in states.values() for k in v if k in ("rng_state", "opt_param_scheduler")})
-    dropped += [f"Megatron's {' and '.join(rest_state)}"] if rest_state else []
-    for (t, p), sd in models.items():
-        if p == 0:
-            _check_core_names(ranks[(t, p)], list(sd))
-        bad = next((n for n, v in sd.items() if "_extra_state" not in n and not isinstance(v, torch.Tensor)), None)
-        if bad is not None:
-            raise CheckpointError(f"{ranks[(t, p)]}: model entry {bad} is a {type(sd[bad]).__name__}, not a tensor")
-        if set(sd) != set(models[(0, p)]):  # every TP rank of a stage holds its shard of the same tensors
-            odd = sorted(set(sd) ^ set(models[(0, p)]))[0]
-            raise CheckpointError(f"{ranks[(t, p)]} and {ranks[(0, p)]} differ in tensor {odd}: the TP ranks of a "
-                                  "stage must hold the same tensors; the checkpoint is damaged or mixed")
-        stage_layers = {int(x.group(1)) for n in sd if (x := _LAYER.match(n))}
-        if stage_layers and len(stage_layers) * pp != _count(args, src, "num_layers"):
-            raise CheckpointError(f"{ranks[(t, p)]} holds {len(stage_layers)} layers, but args.num_layers "
-                                  f"{args.num_layers} over {pp} pipeline stages is {args.num_layers / pp:g} per stage: "
-                                  "the checkpoint is inconsistent")
-    vocab = sum(models[(t, 0)]["embedding.word_embeddings.weight"].shape[0] for t in range(tp))
-    pos = models[(0, 0)].get("embedding.position_embeddings.weight")
-    info = model_info(args, src, vocab, [n for m in models.values() for n in m], None if pos is None else pos.shape[0])
-    per_stage = info["num_layers"] // pp
-    full: dict[str, torch.Tensor] = {}
-    used: dict[int, set[str]] = {p: set() for p in range(pp)}
-    tops, layers = top_shapes(info), layer_shapes(info)
-    for name, mname in _top_level(info).items():
-        stage = 0 if mname.startswith("embedding.") else pp - 1
-        if mname not in models[(0, stage)]:
-            raise CheckpointError(f"{ranks[(0, stage)]}: no tensor {mname}")
-        shards = [models[(t, stage)][mname] for t in range(tp)]
-        full[f"param/{name}"] = _merged(src, mname, shards, "embedding" if name in ("embedding.weight", "head.weight")
-                                        else "norm1.", False)
-        check_shape(src, mname, tuple(full[f"param/{name}"].shape), tops[name])
-        used[stage].add(mname)
-    last = models[(0, pp - 1)]
-    if info["tie_embeddings"] and "output_layer.weight" in last:  # Megatron's copy of a tied head
-        head = _merged(src, "output_layer.weight", [models[(t, pp - 1)]["output_layer.weight"] for t in range(tp)],
-                       "embedding", False)
-        check_tied_head(src, info, head, full["param/embedding.weight"])
-        used[pp - 1].add("output_layer.weight")
-    for p in range(pp):
-        for local in range(per_stage):
-            for rest, candidates in _per_layer(info).items():
-                key = next((f"decoder.layers.{local}.{c}" for c in candidates
-                            if f"decoder.layers.{local}.{c}" in models[(0, p)]), None)
-                if key is None:
-                    raise CheckpointError(f"{ranks[(0, p)]}: no tensor decoder.layers.{local}.{candidates[0]}")
-                merged = _merged(src, key, [models[(r, p)][key] for r in range(tp)], rest, info["arch"] == "llama")
-                check_shape(ranks[(0, p)].parent, f"{key} (merged over TP)", tuple(merged.shape), layers[rest])
-                used[p].add(key)
-                full[f"param/layers.{p * per_stage + local}.{rest}"] = \
-                    ungroup_qkv(merged, info) if rest.startswith("attn.qkv.") else merged
-        leftover_tensors(ranks[(0, p)], list(models[(0, p)]), used[p], weights_only)
-    return Source(info, {k: tuple(v.shape) for k, v in full.items()}, lambda k: full[k].float(),
-                  _iteration(first, ranks[(0, 0)]), dropped=dropped)
+    return Source(info, shapes, fetch, iteration(common, src / "common.pt"), dropped=dropped)
 
 
 def from_megatron(path: Path, weights_only: bool = False) -> Source:
@@ -468,7 +366,9 @@ def from_megatron(path: Path, weights_only: bool = False) -> Source:
         if not (src / "metadata.json").is_file():
             raise CheckpointError(f"{src}: a torch_dist checkpoint without metadata.json: it is incomplete")
         return _from_torch_dist(src, weights_only)
-    if any(_RANK_DIR.match(d.name) for d in src.iterdir()):
-        return _from_legacy(src, weights_only)
+    if any(RANK_DIR.match(d.name) for d in src.iterdir()):
+        from megalite.checkpoint.interop.megatron_legacy import from_legacy
+
+        return from_legacy(src, weights_only)
     raise CheckpointError(f"{src} is neither a torch_dist checkpoint (metadata.json, .metadata) nor a legacy one "
                           "(mp_rank_XX/model_optim_rng.pt)")
