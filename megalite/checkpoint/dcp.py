@@ -5,10 +5,12 @@ what torchtitan, torchtune and the other DCP-aware tools load. megalite writes i
 unpadded tensors, in the nested form torch's own `get_state_dict` produces, so any tool loads it with
 `dcp.load` (at any sharding: DCP reshards on load) and `set_optimizer_state_dict`:
 
-    {"model":     {<megalite name>: fp32 tensor, ...},
-     "optimizer": {"state": {<name>: {"exp_avg", "exp_avg_sq", "step"}},      (once the optimizer has stepped)
+    {"model":     {<megalite name>: fp32 tensor, ...},           (parameters, and buffers: a MoE router's bias)
+     "optimizer": {"state": {<name>: {"exp_avg", "exp_avg_sq", "step"}},      (once the optimizer has stepped;
+                             a Muon matrix: {"momentum_buffer", "step"}, torch.optim.Muon's name)
                    "param_groups": [{"params": [<name>, ...], "lr", "betas", "eps", "weight_decay"}]},
-     "megalite":  JSON string: model dims, step, optimizer step, extra (config, sampler position, scaler)}
+     "megalite":  JSON string: model dims, step, optimizer step, extra (config, sampler position, scaler),
+                  buffers (which "model" entries are buffers); checked field by field when read}
 
 Names are megalite's (`megalite.checkpoint.hf` lists them); a tied head is not stored (it is the embedding).
 Guarantees: the directory is written under a temporary name, fsynced (DCP's `sync_files`) and renamed, so a

@@ -7,7 +7,11 @@ Layouts read (a root with `latest_checkpointed_iteration.txt`, or an `iter_N` di
               ("decoder.layers.self_attention.linear_qkv.weight" is [num_layers, rows, hidden]) and stored
               whole, independent of the saving TP x PP.
   legacy      iter_N/mp_rank_<tp>[_<pp>]/model_optim_rng.pt, one torch.save per (tp, pp) rank: {"args",
-              "iteration", "model": that rank's shards, layers numbered from 0 on every stage}.
+              "iteration", "model": that rank's shards, layers numbered from 0 on every stage}
+              (read by `megatron_legacy`).
+
+Every declared dim is checked against the tensors and every flag's type before anything is written
+(`megatron_checks`); optimizer state is refused unless --weights-only (it is not converted).
 
 Model (megatron-core names -> megalite's). Llama-style (RMSNorm, SwiGLU, RoPE, no biases) -> arch llama;
 GPT-2-style (LayerNorm with bias, tanh GeLU, learned absolute positions, biases in every linear) -> arch gpt2:
