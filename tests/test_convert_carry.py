@@ -104,6 +104,10 @@ def test_muon_state_into_torchtitans_adamw_is_refused_unless_weights_only(tmp_pa
     capsys.readouterr()
     assert convert(args) == 4
     assert "Muon's" in _one_line(capsys) and not (tmp_path / "t").exists()
+    save_sharded(tmp_path / "bare", 1, engine.chunks, opt, {}, st, keep=1)  # no run config: the data tells
+    assert convert(["--from", "megalite", "--to", "torchtitan", "--input", str(find("latest", str(tmp_path / "bare"))),
+                    "--output", str(tmp_path / "t")]) == 4
+    assert "has no second moment" in _one_line(capsys) and not (tmp_path / "t").exists()
     assert convert(args + ["--weights-only"]) == 0
     err = _one_line(capsys)
     assert "not carried: the muon optimizer state (--weights-only)" in err and "config" in err, err

@@ -187,6 +187,7 @@ def test_megatron_args_are_checked_against_the_tensors(written: Path, tmp_path: 
                                                     "checkpoint's args (ffn_hidden_size=32"),
                          (dict(group_query_attention="false"), "args.group_query_attention is 'false', not True or False"),
                          (dict(kv_channels="8"), "args.kv_channels is '8', not a positive integer"),
+                         (dict(padded_vocab_size=256), "args.padded_vocab_size is 256 but the embedding has 512 rows"),
                          (dict(norm_epsilon="1e-5"), "args.norm_epsilon is '1e-5', not a positive number"),
                          (dict(untie_embeddings_and_output_weights=False), "output_layer.weight differs from the embedding"))):
         it = _copy(written, tmp_path / str(i))

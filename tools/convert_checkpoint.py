@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`: ma
 from megalite.checkpoint.interop.source import Source, from_megalite, to_megalite, weights_only  # noqa: E402
 from megalite.checkpoint.files import refuse_output_in_checkpoint  # noqa: E402
 from megalite.checkpoint.sharded import find  # noqa: E402
-from megalite.errors import CheckpointError, MegaliteError, entry_point, one_line_arguments  # noqa: E402
+from megalite.errors import CheckpointError, entry_point, one_line_arguments  # noqa: E402
 from tools.reshard_checkpoint import add_layout_arguments, check_target, parse_pp_layers  # noqa: E402
 
 SOURCES = ("megalite", "dcp", "torchtitan", "megatron")
@@ -105,17 +105,22 @@ def check_loadable(source: Source) -> None:
     `load_sharded` will ask for them; optimizer state only for the model's parameters, of their shapes."""
     import torch
 
+    from megalite.checkpoint.index_check import model_info_problems
     from megalite.checkpoint.sharded import stored_shapes
     from megalite.inference.load import model_config_from_info
     from megalite.model.gpt import GPT
     from megalite.parallel.state import ParallelState
 
+    problems = model_info_problems(source.info)
+    if problems:
+        raise CheckpointError(f"the input's model dims are not a model megalite builds ({'; '.join(problems)}): "
+                              "the checkpoint's metadata is damaged or contradicts itself; not converted")
     try:
         with torch.device("meta"):
             model = GPT(model_config_from_info(source.info), ParallelState(), seed=0)
-    except (ValueError, RuntimeError, MegaliteError) as e:
-        raise CheckpointError(f"its model dims {source.info} do not build a megalite model ({e}): the input "
-                              "checkpoint's dims are inconsistent") from None
+    except Exception as e:  # noqa: BLE001  (any failure to build the model is the dims' fault, said in one line)
+        raise CheckpointError(f"the input's model dims do not build a megalite model ({type(e).__name__}: {e}): "
+                              "the checkpoint's metadata is inconsistent; not converted") from None
     want = stored_shapes(model)
     for key, shape in source.shapes.items():
         kind, name = key.split("/", 1)

@@ -229,6 +229,10 @@ def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
     if heads % groups:
         raise CheckpointError(f"{src}: num_query_groups={groups} does not divide num_attention_heads={heads}: the "
                               "checkpoint's args are inconsistent")
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is not None and count(args, src, "padded_vocab_size") != vocab_rows:
+        raise CheckpointError(f"{src}: the checkpoint's args.padded_vocab_size is {padded} but the embedding has "
+                              f"{vocab_rows} rows: the args contradict the tensors; the checkpoint is inconsistent")
     seq = count(args, src, "seq_length", _arg(args, "max_position_embeddings", default=2048)) \
         if positions is None else positions
     return {"arch": arch, "num_layers": layers, "hidden_size": hidden,
