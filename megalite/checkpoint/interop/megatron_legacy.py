@@ -1,8 +1,8 @@
 """Megatron-LM's legacy checkpoints in: `iter_N/mp_rank_<tp>[_<pp>]/model_optim_rng.pt`, one torch.save per
 (tp, pp) rank ({"args", "iteration", "model": that rank's shards, layers numbered from 0 on every stage}), merged
-over TP and PP into megalite's logical tensors (the names and the QKV regrouping: `megalite.checkpoint.interop.megatron`).
+over TP and PP into megalite's logical tensors (the names and the QKV regrouping: `megatron_model`).
 
-Every file is read with the allow-listed unpickler (`megatron.safe_load`); every merged tensor is checked against
+Every file is read with the allow-listed unpickler (`megatron_model.safe_load`); every merged tensor is checked against
 the shape the args give it (`megatron_checks`), a tied head's saved copy against the embedding; a model tensor
 the conversion does not place is refused, and optimizer state unless --weights-only. The RNG and scheduler
 states are named as not carried.
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.interop.megatron import (LAYER, RANK_DIR, check_core_names, count, iteration, model_info,
-                                                  per_layer_names, safe_load, top_level, ungroup_qkv)
+from megalite.checkpoint.interop.megatron_model import (LAYER, RANK_DIR, check_core_names, count, iteration,
+                                                        model_info, per_layer_names, safe_load, top_level,
+                                                        ungroup_qkv)
 from megalite.checkpoint.interop.megatron_checks import (check_shape, check_tied_head, has_tensors, layer_shapes,
                                                          leftover_tensors, refuse_optimizer_state, top_shapes)
 from megalite.checkpoint.interop.source import Source
