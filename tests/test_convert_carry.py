@@ -132,7 +132,11 @@ def test_dcp_with_state_megalite_cannot_place_is_refused(muon_moe: Path, tmp_pat
               meta["model"], "optimizer.state.w.max_exp_avg_sq has no place"),
              ({"model": {"w": torch.zeros(2)}}, dict(meta, step="abc"), "step='abc' must be an integer"),
              ({"model": {"w": torch.zeros(2)}}, dict(meta, step=-5), "step=-5 must be an integer"),
-             ({"model": {"w": torch.zeros(2)}}, dict(meta, model=dict(meta["model"], seq_len=10**12)), "seq_len=")]
+             ({"model": {"w": torch.zeros(2)}}, dict(meta, model=dict(meta["model"], seq_len=10**12)), "seq_len="),
+             ({"model": {"w": torch.zeros(2)}}, dict(meta, extra=[1]), "extra=[1] must be a JSON object"),
+             ({"model": {"w": torch.zeros(2)}}, dict(meta, buffers="w"), "buffers='w' must be a list"),
+             ({"model": {"w": torch.zeros(2)}}, dict(meta, model=dict(meta["model"], tie_embeddings="false")),
+              "tie_embeddings='false' must be true or false")]
     for i, (sd, m, text) in enumerate(cases):
         crafted = tmp_path / f"c{i}"
         entry = m if "format" in m else dict(meta, model=m)
