@@ -229,9 +229,9 @@ def write_planned(plan: SavePlan, barrier: Callable[[], None]) -> Path:
     entries = [(key, torch.uint8 if key.startswith("rng/") else torch.float32, tuple(t.shape))
                for key, t in plan.slabs]
     try:
+        for path in (final, tmp):  # every rank, so on a shared file system none waits at a barrier for rank 0
+            refuse_foreign_file(path)
         if rank == 0:
-            for path in (final, tmp):
-                refuse_foreign_file(path)
             make_fresh_dir(tmp)  # leftovers of a crashed save go; a link planted there is refused
         barrier()
         writer = StreamingWriter(tmp / file, entries)
