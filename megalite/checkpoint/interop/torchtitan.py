@@ -348,6 +348,9 @@ def from_torchtitan(src: Path, model_args: Path | None = None, weights_only: boo
         if {f"optimizer.state.{n}.exp_avg" for n in (first, _fused_name(first))} & set(flat):
             shapes[f"exp_avg/{name}"] = shapes[f"exp_avg_sq/{name}"] = tuple(full)
     opt_step = float(load_tensor(src, ["optimizer", step_key[len("optimizer."):]], ())) if step_key else None
+    if opt_step is not None and not 0 <= opt_step <= MAX_COUNT:  # NaN fails both comparisons
+        raise CheckpointError(f"{src}: the optimizer's {step_key} is {opt_step}, not a step count: the checkpoint is "
+                              "damaged or edited")
     fetch_fn: Callable[[str], torch.Tensor] = fetch
     return Source(info, shapes, fetch_fn, args.get("step", 0), opt_step, {}, dropped=dropped)
 
