@@ -11,7 +11,7 @@ Formats: `megalite` (a step directory or a root with `latest`); `dcp`: plain tor
 megalite's names, with the optimizer state (docs/checkpoints.md); `torchtitan`: torchtitan's Llama 3 DCP
 checkpoint (its names, its RoPE layout; model and optimizer state); `megatron`: a Megatron-LM checkpoint,
 `torch_dist` (DCP) or legacy `iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`, Llama- or GPT-2-style (input only;
-the model weights and the iteration: the optimizer starts fresh).
+the model weights and the iteration; a checkpoint with optimizer state needs --weights-only).
 A megalite output can be laid out for any --tp/--pp/--vpp; the model dims always come from the input.
 Every tensor and buffer is carried or the conversion is refused; optimizer state the target cannot hold (Muon's
 momentum into torchtitan's AdamW, Megatron's optimizer) is refused unless --weights-only; what is knowingly not
