@@ -144,6 +144,14 @@ def test_dcp_with_state_megalite_cannot_place_is_refused(muon_moe: Path, tmp_pat
         assert convert(["--from", "dcp", "--to", "megalite", "--input", str(crafted), "--output",
                         str(tmp_path / "o")]) == 4
         assert text in _one_line(capsys) and not (tmp_path / "o").exists()
+    md = dcp.FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    sd = {"model": {k[len("model."):]: torch.zeros(tuple(v.size)) for k, v in md.items() if k.startswith("model.")}}
+    name = next(k for k in sd["model"] if k.endswith("norm1.weight"))
+    sd["optimizer"] = {"state": {name: {"exp_avg": torch.zeros(sd["model"][name].shape)}}}  # one moment of two
+    dcp.save({**sd, "megalite": json.dumps(meta)}, checkpoint_id=str(tmp_path / "half"), no_dist=True)
+    assert convert(["--from", "dcp", "--to", "megalite", "--input", str(tmp_path / "half"), "--output",
+                    str(tmp_path / "o")]) == 4
+    assert f"exp_avg/{name} without its other moment" in _one_line(capsys) and not (tmp_path / "o").exists()
     dcp.save({"model": {"w": torch.zeros(2)}, "megalite": json.dumps(dict(meta, optimizer_step=None))},
              checkpoint_id=str(tmp_path / "other"), no_dist=True)
     assert convert(["--from", "dcp", "--to", "megalite", "--input", str(tmp_path / "other"), "--output",

@@ -182,14 +182,15 @@ def test_megatron_args_are_checked_against_the_tensors(written: Path, tmp_path: 
         assert text in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "out").exists()
 
-    for i, (change, text) in enumerate( ((dict(num_query_groups=4), "(num_attention_heads=4, num_query_groups=4, hidden_size=32)"),
-                         (dict(ffn_hidden_size=32), "mlp.linear_fc1.weight (one layer of it) is [128, 32] but the "
-                                                    "checkpoint's args (ffn_hidden_size=32"),
-                         (dict(group_query_attention="false"), "args.group_query_attention is 'false', not True or False"),
-                         (dict(kv_channels="8"), "args.kv_channels is '8', not a positive integer"),
-                         (dict(padded_vocab_size=256), "args.padded_vocab_size is 256 but the embedding has 512 rows"),
-                         (dict(norm_epsilon="1e-5"), "args.norm_epsilon is '1e-5', not a positive number"),
-                         (dict(untie_embeddings_and_output_weights=False), "output_layer.weight differs from the embedding"))):
+    cases = [(dict(num_query_groups=4), "(num_attention_heads=4, num_query_groups=4, hidden_size=32)"),
+             (dict(ffn_hidden_size=32), "mlp.linear_fc1.weight (one layer of it) is [128, 32] but the checkpoint's "
+                                        "args (ffn_hidden_size=32"),
+             (dict(group_query_attention="false"), "args.group_query_attention is 'false', not True or False"),
+             (dict(kv_channels="8"), "args.kv_channels is '8', not a positive integer"),
+             (dict(padded_vocab_size=256), "args.padded_vocab_size is 256 but the embedding has 512 rows"),
+             (dict(norm_epsilon="1e-5"), "args.norm_epsilon is '1e-5', not a positive number"),
+             (dict(untie_embeddings_and_output_weights=False), "output_layer.weight differs from the embedding")]
+    for i, (change, text) in enumerate(cases):
         it = _copy(written, tmp_path / str(i))
         _common(it, **change)
         refused(it, text)

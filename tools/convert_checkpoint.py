@@ -129,6 +129,12 @@ def check_loadable(source: Source) -> None:
             raise CheckpointError(f"tensor {key} {list(shape)} is not in the model its dims describe"
                                   + (f" (which has {list(need)})" if need else "") + ": the input checkpoint's "
                                   "dims contradict its tensors; not converted")
+    other = {"exp_avg": "exp_avg_sq", "exp_avg_sq": "exp_avg"}
+    half = next((k for k in source.shapes if k.split("/", 1)[0] in other
+                 and f"{other[k.split('/', 1)[0]]}/{k.split('/', 1)[1]}" not in source.shapes), None)
+    if half is not None:  # the optimizer would resume one moment with the other missing
+        raise CheckpointError(f"the input has {half} without its other moment: its optimizer state is incomplete; "
+                              "convert with --weights-only")
     missing = sorted(set(want) - set(source.shapes))
     if missing:
         raise CheckpointError(f"the model its dims describe needs {missing[0]}, which the input lacks: the input "

@@ -53,7 +53,8 @@ def check_shape(where: Path, tensor: str, have: tuple[int, ...], want: tuple[tup
 
 def check_tied_head(where: Path, info: dict[str, Any], head: torch.Tensor | None, embedding: torch.Tensor) -> None:
     """A tied model's saved head copy (Megatron keeps one on the last stage) must be its embedding."""
-    if info["tie_embeddings"] and head is not None and not (head.shape == embedding.shape and torch.equal(head, embedding)):
+    same = head is not None and head.shape == embedding.shape and torch.equal(head, embedding)
+    if info["tie_embeddings"] and head is not None and not same:
         raise CheckpointError(f"{where}: args.untie_embeddings_and_output_weights is False (a tied head) but "
                               "output_layer.weight differs from the embedding: converting it as tied would drop the "
                               "head; the checkpoint's args are wrong (set it to True)")

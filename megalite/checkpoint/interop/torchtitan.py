@@ -217,7 +217,8 @@ def _expected(info: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
     for i in range(info["num_layers"]):
         p, a = f"layers.{i}.", f"layers.{i}.attention.qkv_linear."
         out.update({p + "attention_norm.weight": ((dim,), f"dim={dim}"), p + "ffn_norm.weight": ((dim,), f"dim={dim}"),
-                    a + "wq.weight": ((nh * hd, dim), f"n_heads={nh}"), a + "wk.weight": ((nkv * hd, dim), f"n_kv_heads={nkv}"),
+                    a + "wq.weight": ((nh * hd, dim), f"n_heads={nh}"),
+                    a + "wk.weight": ((nkv * hd, dim), f"n_kv_heads={nkv}"),
                     a + "wv.weight": ((nkv * hd, dim), f"n_kv_heads={nkv}"),
                     a + "wqkv.weight": (((nh + 2 * nkv) * hd, dim), f"n_heads={nh}, n_kv_heads={nkv}"),
                     p + "attention.wo.weight": ((dim, nh * hd), f"n_heads={nh}"),
