@@ -108,6 +108,9 @@ def test_muon_state_into_torchtitans_adamw_is_refused_unless_weights_only(tmp_pa
     assert convert(["--from", "megalite", "--to", "torchtitan", "--input", str(find("latest", str(tmp_path / "bare"))),
                     "--output", str(tmp_path / "t")]) == 4
     assert "has no second moment" in _one_line(capsys) and not (tmp_path / "t").exists()
+    assert convert(["--from", "megalite", "--to", "dcp", "--input", str(find("latest", str(tmp_path / "bare"))),
+                    "--output", str(tmp_path / "d")]) == 4
+    assert "has no second moment" in _one_line(capsys) and not (tmp_path / "d").exists()
     assert convert(args + ["--weights-only"]) == 0
     err = _one_line(capsys)
     assert "not carried: the muon optimizer state (--weights-only)" in err and "config" in err, err

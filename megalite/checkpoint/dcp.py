@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
 from megalite.checkpoint.index_check import MAX_COUNT, model_info_problems
-from megalite.checkpoint.interop.source import KINDS, Source, claim, optimizer_kind
+from megalite.checkpoint.interop.source import KINDS, Source, claim, optimizer_kind, refuse_moments_without_adam
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file, loads_json
 
@@ -232,6 +232,8 @@ def to_dcp(source: Source, out: Path) -> Path:
         full = {k: source.fetch(k) for k in source.shapes}
     finally:
         source.close()
+    if kind == "adamw":
+        refuse_moments_without_adam(full, "DCP (in torch's AdamW names)")
     params = {k.split("/", 1)[1]: t for k, t in full.items() if k.startswith("param/")}
     buffers = {k.split("/", 1)[1]: t for k, t in full.items() if k.startswith("buffer/")}
     step = torch.tensor(float(source.optimizer_step or 0.0))

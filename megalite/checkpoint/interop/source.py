@@ -60,6 +60,18 @@ def optimizer_kind(extra: dict[str, Any]) -> str:
     return str(kind)
 
 
+def refuse_moments_without_adam(full: dict[str, torch.Tensor], target: str) -> None:
+    """Refuse to label as AdamW's a state that cannot be: Adam's second moment is > 0 wherever its first is not,
+    so an "exp_avg" with an all-zero "exp_avg_sq" is Muon's momentum (a checkpoint saved without its run config,
+    which would name the optimizer)."""
+    lone = next((k for k in full if k.startswith("exp_avg/") and full[k].any()
+                 and not full[f"exp_avg_sq/{k.split('/', 1)[1]}"].any()), None)
+    if lone is not None:
+        raise CheckpointError(f"the checkpoint's {lone} has no second moment (exp_avg_sq is all zero): it is not "
+                              f"AdamW's state (Muon's momentum, saved without the run config that says so), which "
+                              f"{target} cannot hold as AdamW's: convert with --weights-only")
+
+
 def weights_only(source: Source) -> Source:
     """`source` without its optimizer state (the target starts the optimizer fresh), saying so."""
     if not source.has_optimizer_state():

@@ -40,7 +40,7 @@ import torch
 
 from megalite.checkpoint.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
 from megalite.checkpoint.index_check import MAX_COUNT, MAX_DIM
-from megalite.checkpoint.interop.source import Source, optimizer_kind
+from megalite.checkpoint.interop.source import Source, optimizer_kind, refuse_moments_without_adam
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file
 
@@ -127,12 +127,7 @@ def to_torchtitan(source: Source, out: Path, fused_qkv: bool = False) -> Path:
         full = {k: source.fetch(k) for k in source.shapes}
     finally:
         source.close()
-    lone = next((k for k in full if k.startswith("exp_avg/") and full[k].any()
-                 and not full[f"exp_avg_sq/{k.split('/', 1)[1]}"].any()), None)
-    if lone is not None:  # Adam's second moment is > 0 wherever its first is not: this is no AdamW state
-        raise CheckpointError(f"the checkpoint's {lone} has no second moment (exp_avg_sq is all zero): it is not "
-                              "AdamW's state (Muon's momentum?), which torchtitan's AdamW cannot hold: convert with "
-                              "--weights-only, or --to dcp")
+    refuse_moments_without_adam(full, "torchtitan's AdamW")
     sd: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     train = source.extra.get("config", {}).get("train", {})
