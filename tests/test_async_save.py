@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.checkpoint.async_save import AsyncSaver
+from megalite.checkpoint.async_save import AsyncSaver, raise_if_failed
 from megalite.checkpoint.sharded import plan_save, save_sharded
 from megalite.config import CheckpointConfig
 from megalite.data import DataSampler
@@ -167,3 +167,27 @@ def test_bench_smoke_writes_its_table(tmp_path: Path) -> None:
     assert bench(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 0
     assert "loop blocked per save" in (tmp_path / "async_save_smoke.md").read_text()
     assert json.loads((tmp_path / "async_save_smoke.json").read_text())["host_buffer_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["step_00000002", "step_00000002.tmp"])
+def test_a_users_file_in_the_way_is_the_same_refusal_sync_and_async(tmp_path: Path, name: str) -> None:
+    """A user's file where the step directory (or its temporary name) goes: the same one-line CheckpointError
+    (exit 4) whether the save runs in the background or not, the file untouched and no step_N.tmp left
+    (before: a raw NotADirectoryError (exit 1) in a sync save, a CheckpointError in an async one, and the
+    written step_N.tmp left on disk)."""
+    st, model, opt, _ = _tiny()
+    errors = []
+    for mode in ("sync", "async"):
+        root = tmp_path / mode
+        root.mkdir()
+        (root / name).write_text("mine")
+        with pytest.raises(CheckpointError) as e:
+            if mode == "sync":
+                save_sharded(root, 2, model, opt, {}, st, keep=2)
+            else:
+                saver = AsyncSaver(st, 60.0, pin=False)
+                saver.submit(plan_save(root, 2, model, opt, {}, st, keep=2))
+                raise_if_failed(saver.wait()[1])
+        errors.append(str(e.value).replace(str(root), "ROOT"))
+        assert sorted(p.name for p in root.iterdir()) == [name] and (root / name).read_text() == "mine"
+    assert errors[0] == errors[1] and "is a file, not a checkpoint directory" in errors[0]

@@ -27,8 +27,6 @@ a rounding midpoint may round the other way after the first update).
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,7 +37,7 @@ import torch.nn as nn
 from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.layers.fp8 import enable_fp8, fp8_settings
-from megalite.model.compile import compile_blocks
+from megalite.model.compile import compile_blocks, cpu_compiler
 from megalite.model.gpt import GPT
 from megalite.moe.layer import ROUTED_SHAPES
 from megalite.optim import build_distributed_optimizer
@@ -194,7 +192,7 @@ def test_compiled_blocks_train_like_eager_at_every_layout(dist_world) -> None:
     assert seen[0] == seen[1] and len(seen[0]) == len(CASES)
 
 
-@pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++")),
+@pytest.mark.skipif(cpu_compiler()[0] is None,
                     reason="inductor's CPU kernels need a C++ compiler (g++ not on PATH, CXX unset)")
 def test_pretrain_with_inductor_matches_eager(demo_cache_dir: str, tmp_path: Path) -> None:
     """The default backend (inductor, C++ kernels on CPU) through pretrain.py: losses within 1e-4 of eager."""
@@ -212,6 +210,26 @@ def test_compile_refuses_zero_bubble_and_unknown_backends() -> None:
     assert "nothing to defer to W" in problems(2, "--model.compile", "true", "--parallel.pp", "2",
                                                 "--parallel.schedule", "zb-h1")
     assert "use one of inductor, aot_eager, eager" in problems(1, "--model.compile_backend", "cudagraphs")
+
+
+def test_a_missing_cpp_compiler_is_one_config_line_before_step_1(monkeypatch: pytest.MonkeyPatch,
+                                                                 demo_cache_dir: str, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Inductor's own search list (`cpp.cxx`, from CXX at import) pointing at a compiler that does not exist, or
+    an empty PATH: config validation says so in one line, exit 2 (before: inductor's 111-line traceback at
+    step 1). aot_eager needs no compiler."""
+    from torch._inductor import config as inductor_config
+
+    from tests.test_bad_inputs import assert_one_line
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/bin/g++"))
+    assert "none of ['/nonexistent/bin/g++'] is an executable" in problems(1, "--model.compile", "true")
+    assert problems(1, "--model.compile", "true", "--model.compile_backend", "aot_eager") == ""
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "g++"))
+    monkeypatch.setenv("PATH", "")
+    got = main(_args(demo_cache_dir, tmp_path / "run", "--model.compile", "true"))
+    assert_one_line(capsys.readouterr().err, got, 2, "none of ['g++'] is an executable")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_compile_keeps_parameter_names_and_hooks_eager() -> None:

@@ -170,6 +170,52 @@ def test_bad_megatron_inputs_are_one_line_exit_4(written: Path, tmp_path: Path, 
     refused(first.parent, "the layout of Megatron-LM's pre-core model (language_model.*)")
 
 
+@pytest.mark.timeout(900)
+def test_megatron_args_are_checked_against_the_tensors(written: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Every declared dim against the tensor shapes, flags typed, a tied head that is not the embedding, and
+    optimizer state (refused unless --weights-only): one line each, exit 4, nothing written; and a refusal is
+    that one line even where megatron-core warns about its missing Transformer Engine / Apex on import."""
+    def refused(src: Path, text: str, *flags: str) -> None:
+        assert _convert(src.parent, tmp_path / "out", *flags) == 4
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()
+
+    cases = [(dict(num_query_groups=4), "(num_attention_heads=4, num_query_groups=4, hidden_size=32)"),
+             (dict(ffn_hidden_size=32), "mlp.linear_fc1.weight (one layer of it) is [128, 32] but the checkpoint's "
+                                        "args (ffn_hidden_size=32"),
+             (dict(group_query_attention="false"), "args.group_query_attention is 'false', not True or False"),
+             (dict(kv_channels="8"), "args.kv_channels is '8', not a positive integer"),
+             (dict(padded_vocab_size=256), "args.padded_vocab_size is 256 but the embedding has 512 rows"),
+             (dict(norm_epsilon="1e-5"), "args.norm_epsilon is '1e-5', not a positive number"),
+             (dict(untie_embeddings_and_output_weights=False), "output_layer.weight differs from the embedding")]
+    for i, (change, text) in enumerate(cases):
+        it = _copy(written, tmp_path / str(i))
+        _common(it, **change)
+        refused(it, text)
+    legacy = _copy(written, tmp_path, "llama", "legacy")
+    _common_legacy = legacy / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(_common_legacy, weights_only=False)
+    key = next(k for k in state["model"] if k.endswith("linear_fc1.weight"))
+    state["model"][key] = torch.cat([state["model"][key]] * 2)  # one TP shard of one layer twice as wide
+    torch.save(state, _common_legacy)
+    refused(legacy, "is [192, 32] but the checkpoint's args (ffn_hidden_size=64")
+    state["model"][key] = state["model"][key][: state["model"][key].shape[0] // 2]
+    state["optimizer"] = {"optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": []}}
+    torch.save(state, _common_legacy)
+    refused(legacy, "holds Megatron's optimizer state")
+    assert _convert(legacy.parent, tmp_path / "out", "--weights-only") == 0
+    err = capsys.readouterr().err.strip()
+    assert "not carried: Megatron's optimizer state (--weights-only); Megatron's opt_param_scheduler and rng_state" in \
+        err and len(err.splitlines()) == 1, err
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--from", "megatron", "--to", "megalite",
+                           "--input", str(legacy.parent), "--output", str(tmp_path / "o2")], capture_output=True,
+                          text=True, env={k: v for k, v in _env().items() if k != "PYTHONWARNINGS"}, cwd=str(REPO),
+                          timeout=300)
+    assert proc.returncode == 4 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 # ------------------------------------------------------------------ docs/checkpoints.md's recipes run as written
 
 def _recipe_commands() -> list[list[str]]:

@@ -179,3 +179,45 @@ def test_megalite_models_torchtitan_lacks_are_refused(tmp_path: Path, capsys: py
         err = capsys.readouterr().err.strip()
         assert "which torchtitan's Llama 3 has no place for" in err and text in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / f"{name}_titan").exists()
+
+
+def test_torchtitan_args_are_checked_against_the_tensors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every declared dim is compared with the tensors, types are checked, a tied head must be the embedding,
+    and optimizer state megalite cannot hold is refused unless --weights-only: one line, exit 4, nothing
+    written (before: k mangled and v dropped, lm_head dropped, "false" read as true, rows cut)."""
+    model = _titan(False, seed=3)
+    _save_titan(model, _adam(model), tmp_path / "titan")
+    base = {"n_heads": HEADS, "n_kv_heads": KV, "norm_eps": 1e-5, "rope_theta": THETA, "max_seq_len": 64}
+
+    def refused(src: Path, args: dict, text: str, *flags: str) -> None:
+        (tmp_path / "a.json").write_text(json.dumps(args))
+        assert convert(["--from", "torchtitan", "--to", "megalite", "--input", str(src), "--output",
+                        str(tmp_path / "o"), "--model-args", str(tmp_path / "a.json"), *flags]) == 4
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "o").exists()
+
+    titan = tmp_path / "titan"
+    refused(titan, dict(base, n_kv_heads=1), "wk.weight is [16, 32] but the model args (n_kv_heads=1) make it [8, 32]")
+    refused(titan, dict(base, enable_weight_tying="false"), "enable_weight_tying is 'false', not true or false")
+    refused(titan, dict(base, enable_weight_tying=True), "lm_head.weight differs from tok_embeddings.weight")
+    refused(titan, dict(base, n_kv_heads=True), "n_kv_heads is True, not a positive integer")
+    refused(titan, dict(base, max_seq_len=10**12), "max_seq_len is 1000000000000, not a positive integer")
+    refused(titan, dict(base, step="abc"), "step is 'abc', not an integer")
+    refused(titan, dict(base, step=-5), "step is -5, not an integer")
+    wide = ModelWrapper(model).state_dict()  # layer 1 twice as wide as layer 0
+    for w, shape in (("w1", (2 * HIDDEN, DIM)), ("w3", (2 * HIDDEN, DIM)), ("w2", (DIM, 2 * HIDDEN))):
+        wide[f"layers.1.feed_forward.{w}.weight"] = torch.zeros(shape)
+    dcp.save(wide, checkpoint_id=str(tmp_path / "wide"), no_dist=True)
+    refused(tmp_path / "wide", base, "layers.1.feed_forward.w1.weight is [128, 32] but the model args (hidden_dim=64")
+    sgd = torch.optim.SGD(list(model.named_parameters()), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    _save_titan(model, sgd, tmp_path / "sgd")
+    refused(tmp_path / "sgd", base, "optimizer entry optimizer.state.")
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    assert convert(["--from", "torchtitan", "--to", "megalite", "--input", str(tmp_path / "sgd"), "--output",
+                    str(tmp_path / "o"), "--model-args", str(tmp_path / "a.json"), "--weights-only", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert "not carried: the optimizer state (--weights-only)" in err and len(err.splitlines()) == 1, err

@@ -96,3 +96,11 @@ def prune(base: Path, keep: int, current: str | None = None) -> None:
     done = sorted((s, p) for s, p in saved_steps(base).items() if limit is None or s <= limit)
     for _, old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def refuse_foreign_file(path: Path) -> None:
+    """A file (not a directory, not a link: `refuse_link` names those) where megalite puts step_N or step_N.tmp
+    is the user's: refused before anything is written, and left as it is."""
+    if path.exists() and not path.is_dir() and not path.is_symlink():
+        raise CheckpointError(f"{path} exists and is a file, not a checkpoint directory: megalite will not replace "
+                              "it; move it away or give checkpoint.dir another directory")

@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from megalite.checkpoint.layout import Piece, ShardMap, model_info, shard_map
 from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
-                                      refuse_link, sha256, step_dir_name, write_atomic)
+                                      refuse_foreign_file, refuse_link, sha256, step_dir_name, write_atomic)
 from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
@@ -91,6 +91,18 @@ def _params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter, str, Param
             spec = specs[name]
             source = "embedding.weight" if spec.tied is Tied.HEAD_COPY else logical_name(name)
             out.append((logical_name(name), p, source, spec))
+    return out
+
+
+def stored_shapes(model_chunks: nn.Module | list[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """The logical tensors a checkpoint of this model holds ("param/<name>", "buffer/<name>") and their global,
+    unpadded shapes: what a converter's output must hold exactly for `load_sharded` to take it (the model
+    may live on the meta device)."""
+    chunks = _chunks(model_chunks)
+    vocab = model_info(chunks[0].cfg)["vocab_size"]
+    out = {f"param/{name}": shard_map(name, tuple(p.shape), spec.layout, 1, 0, vocab).global_shape
+           for name, p, _, spec in _params(chunks) if spec.tied is not Tied.HEAD_COPY}
+    out.update({f"buffer/{name}": tuple(b.shape) for name, b in routing_buffers(chunks)})
     return out
 
 
@@ -217,6 +229,8 @@ def write_planned(plan: SavePlan, barrier: Callable[[], None]) -> Path:
     entries = [(key, torch.uint8 if key.startswith("rng/") else torch.float32, tuple(t.shape))
                for key, t in plan.slabs]
     try:
+        for path in (final, tmp):  # every rank, so on a shared file system none waits at a barrier for rank 0
+            refuse_foreign_file(path)
         if rank == 0:
             make_fresh_dir(tmp)  # leftovers of a crashed save go; a link planted there is refused
         barrier()
@@ -240,10 +254,19 @@ def write_planned(plan: SavePlan, barrier: Callable[[], None]) -> Path:
         raise
     barrier()
     if rank == 0:
-        _merge_index(tmp, plan.world_size, plan.head)
-        publish(tmp, final, plan.keep)
+        try:
+            _merge_index(tmp, plan.world_size, plan.head)
+            publish(tmp, final, plan.keep)
+        except BaseException as e:  # the same CheckpointError line whether the save runs in the background or not
+            if not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)  # megalite's own step_N.tmp: never left behind
+            if isinstance(e, OSError):
+                raise CheckpointError(f"cannot publish checkpoint {final}: {e.strerror or e} (check the directory "
+                                      "is writable and the disk has space)") from e
+            raise
     barrier()
     return final
+
 
 
 def _remove_partial(tmp: Path, file: str, rank: int) -> None:

@@ -4,8 +4,6 @@ mixture of experts and Muon, one function each, called by `validate.validate` wi
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from typing import TYPE_CHECKING
 
 import torch
@@ -141,7 +139,12 @@ def compile_problems(cfg: Config, device_type: str) -> list[str]:
         # fold, which would defer it to W, cannot be traced): a split backward would have no W left to move.
         out.append(f"model.compile with parallel.schedule={cfg.parallel.schedule}: the compiled blocks compute "
                    "their weight gradients in B, so there is nothing to defer to W: use 1f1b or interleaved")
-    if m.compile_backend == "inductor" and device_type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++")):
-        out.append("model.compile with inductor on CPU needs a C++ compiler and g++ is not on PATH (nor CXX set): "
-                   "install one (apt-get install g++) or set model.compile_backend=aot_eager")
+    if m.compile_backend == "inductor" and device_type == "cpu":
+        from megalite.model.compile import cpu_compiler
+
+        found, searched = cpu_compiler()
+        if found is None:
+            out.append(f"model.compile with inductor on CPU needs a C++ compiler and none of {searched} is an "
+                       "executable (on PATH, or the path in CXX): install one (apt-get install g++), point CXX at "
+                       "it, or set model.compile_backend=aot_eager")
     return out

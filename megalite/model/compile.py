@@ -23,6 +23,9 @@ it runs eagerly between the block's graphs) and context-parallel attention.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from typing import Iterable
 
 import torch
@@ -32,6 +35,25 @@ from megalite.model.block import Block
 from megalite.parallel.comm import keep_outside_graphs
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; the other two: tracing only
+
+
+def cpu_compiler() -> tuple[str | None, list[str]]:
+    """(the C++ compiler inductor will build its CPU kernels with, or None; the names it searches). The search
+    list is inductor's own (`torch._inductor.config.cpp.cxx`: $CXX when set at import, else g++; None there
+    is its opt-in conda download), each looked up as inductor runs it (a name on PATH or a path), so a missing
+    or misnamed compiler is found before step 1 instead of as inductor's traceback during it."""
+    from torch._inductor import config as inductor_config
+
+    cxx = inductor_config.cpp.cxx
+    names: list[str | None] = list(cxx) if isinstance(cxx, (list, tuple)) else [cxx]
+    for name in names:
+        if name is None:
+            if sys.platform == "linux" and os.getenv("TORCH_INDUCTOR_INSTALL_GXX"):
+                return "g++ from conda (TORCH_INDUCTOR_INSTALL_GXX)", []
+            continue
+        if shutil.which(name):
+            return name, []
+    return None, [n for n in names if n is not None]
 
 
 def compile_blocks(chunks: Iterable[nn.Module], backend: str = "inductor") -> int:

@@ -5,10 +5,12 @@ what torchtitan, torchtune and the other DCP-aware tools load. megalite writes i
 unpadded tensors, in the nested form torch's own `get_state_dict` produces, so any tool loads it with
 `dcp.load` (at any sharding: DCP reshards on load) and `set_optimizer_state_dict`:
 
-    {"model":     {<megalite name>: fp32 tensor, ...},
-     "optimizer": {"state": {<name>: {"exp_avg", "exp_avg_sq", "step"}},      (once the optimizer has stepped)
+    {"model":     {<megalite name>: fp32 tensor, ...},           (parameters, and buffers: a MoE router's bias)
+     "optimizer": {"state": {<name>: {"exp_avg", "exp_avg_sq", "step"}},      (once the optimizer has stepped;
+                             a Muon matrix: {"momentum_buffer", "step"}, torch.optim.Muon's name)
                    "param_groups": [{"params": [<name>, ...], "lr", "betas", "eps", "weight_decay"}]},
-     "megalite":  JSON string: model dims, step, optimizer step, extra (config, sampler position, scaler)}
+     "megalite":  JSON string: model dims, step, optimizer step, extra (config, sampler position, scaler),
+                  buffers (which "model" entries are buffers); checked field by field when read}
 
 Names are megalite's (`megalite.checkpoint.hf` lists them); a tied head is not stored (it is the embedding).
 Guarantees: the directory is written under a temporary name, fsynced (DCP's `sync_files`) and renamed, so a
@@ -44,7 +46,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
-from megalite.checkpoint.interop.source import Source
+from megalite.checkpoint.index_check import MAX_COUNT, model_info_problems
+from megalite.checkpoint.interop.source import KINDS, Source, claim, optimizer_kind, refuse_moments_without_adam
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file, loads_json
 
@@ -219,23 +222,54 @@ def load_object(src: Path, key: str) -> Any:
 
 def to_dcp(source: Source, out: Path) -> Path:
     """Write `source` as a plain DCP directory `out` in megalite's names (memory: the whole model, as
-    `dcp.save` takes one state dict)."""
+    `dcp.save` takes one state dict). Every tensor is carried: parameters and buffers (a MoE router's bias) in
+    "model", as torch's own state dict holds persistent buffers; AdamW's moments as torch's AdamW names them;
+    Muon's momentum (on the matrices whose "exp_avg_sq" Muon never touches) as torch.optim.Muon names it,
+    "momentum_buffer", so no AdamW loads it as a first moment."""
     try:
+        kind = optimizer_kind(source.extra)
+        claim(source.shapes, {k for k in source.shapes if k.split("/", 1)[0] in KINDS}, "DCP")
         full = {k: source.fetch(k) for k in source.shapes}
     finally:
         source.close()
-    model = {k.split("/", 1)[1]: t for k, t in full.items() if k.startswith("param/")}
+    if kind == "adamw":
+        refuse_moments_without_adam(full, "DCP (in torch's AdamW names)")
+    params = {k.split("/", 1)[1]: t for k, t in full.items() if k.startswith("param/")}
+    buffers = {k.split("/", 1)[1]: t for k, t in full.items() if k.startswith("buffer/")}
     step = torch.tensor(float(source.optimizer_step or 0.0))
-    state = {name: {**{kind: full[f"{kind}/{name}"] for kind in _STATES}, "step": step.clone()}
-             for name in model if f"exp_avg/{name}" in full}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name in params:
+        if f"exp_avg/{name}" not in full:
+            continue
+        m, v = full[f"exp_avg/{name}"], full[f"exp_avg_sq/{name}"]
+        moments = {"momentum_buffer": m} if kind == "muon" and not v.any() else {"exp_avg": m, "exp_avg_sq": v}
+        state[name] = {**moments, "step": step.clone()}
     train = source.extra.get("config", {}).get("train", {})
-    group = {"params": list(model), "lr": float(train.get("lr", 0.0)),
+    group = {"params": list(params), "lr": float(train.get("lr", 0.0)),
              "betas": (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95))),
              "eps": float(train.get("adam_eps", 1e-8)), "weight_decay": float(train.get("weight_decay", 0.0))}
     meta = {"format": "megalite-dcp-1", "model": source.info, "step": source.step,
-            "optimizer_step": source.optimizer_step, "extra": source.extra}
-    return save_dcp(out, {"model": model, "optimizer": {"state": state, "param_groups": [group]},
+            "optimizer_step": source.optimizer_step, "extra": source.extra, "buffers": sorted(buffers)}
+    return save_dcp(out, {"model": {**params, **buffers}, "optimizer": {"state": state, "param_groups": [group]},
                           META_KEY: json.dumps(meta)})
+
+
+def _meta_problems(meta: Any) -> list[str]:
+    """What makes the '{META_KEY}' entry unusable (each value a megalite checkpoint must hold), one phrase each."""
+    if not isinstance(meta, dict):
+        return [f"it is a JSON {type(meta).__name__}, not an object"]
+    out = [f"model: {p}" for p in model_info_problems(meta.get("model"))]
+    step, opt = meta.get("step"), meta.get("optimizer_step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_COUNT:
+        out.append(f"step={step!r} must be an integer in [0, 2^62]")
+    if opt is not None and (isinstance(opt, bool) or not isinstance(opt, (int, float)) or not 0 <= opt <= MAX_COUNT):
+        out.append(f"optimizer_step={opt!r} must be a number in [0, 2^62]")
+    if not isinstance(meta.get("extra") or {}, dict):
+        out.append(f"extra={meta.get('extra')!r} must be a JSON object")
+    buffers = meta.get("buffers", [])
+    if not (isinstance(buffers, list) and all(isinstance(b, str) for b in buffers)):
+        out.append(f"buffers={buffers!r} must be a list of tensor names")
+    return out
 
 
 def from_dcp(src: Path) -> Source:
@@ -245,31 +279,56 @@ def from_dcp(src: Path) -> Source:
         raise CheckpointError(f"{src} is a DCP checkpoint without megalite's '{META_KEY}' entry (model dims): "
                               "for a torchtitan checkpoint use --from torchtitan")
     text = load_object(src, META_KEY)
+    if not isinstance(text, str):
+        raise CheckpointError(f"{src}: its '{META_KEY}' entry is not the JSON megalite writes (model dims, step): "
+                              "the checkpoint was not written by tools/convert_checkpoint.py or was edited")
     try:
-        meta = loads_json(text, f"{src}'s '{META_KEY}' entry", CheckpointError) if isinstance(text, str) else None
+        meta = loads_json(text, f"{src}'s '{META_KEY}' entry", CheckpointError)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{src}: its '{META_KEY}' entry is not valid JSON ({e.msg}): the checkpoint was "
                               "edited or damaged") from None
-    if not (isinstance(meta, dict) and isinstance(meta.get("model"), dict) and isinstance(meta.get("step"), int)
-            and isinstance(meta.get("extra") or {}, dict)):
-        raise CheckpointError(f"{src}: its '{META_KEY}' entry is not the JSON megalite writes (model dims, step): "
+    problems = _meta_problems(meta)
+    if problems:
+        raise CheckpointError(f"{src}: its '{META_KEY}' entry is not the JSON megalite writes ({'; '.join(problems)}): "
                               "the checkpoint was not written by tools/convert_checkpoint.py or was edited")
-    shapes, where = logical_keys(tensor_shapes(md))
-    return Source(meta["model"], shapes, lambda k: load_tensor(src, where[k], shapes[k]), int(meta["step"]),
-                  meta.get("optimizer_step"), meta.get("extra") or {})
+    extra = meta.get("extra") or {}
+    shapes, where = logical_keys(tensor_shapes(md), set(meta.get("buffers", [])), src)
+    if any(w[-1] == "momentum_buffer" for w in where.values()) and optimizer_kind(extra) != "muon":
+        raise CheckpointError(f"{src}: it holds Muon momentum (momentum_buffer) but its run config's optimizer is "
+                              f"{optimizer_kind(extra)}: the checkpoint is inconsistent; convert with --weights-only")
+
+    def fetch(key: str) -> torch.Tensor:
+        path = where[key]
+        return torch.zeros(shapes[key]) if not path else load_tensor(src, path, shapes[key])
+
+    return Source(meta["model"], shapes, fetch, int(meta["step"]), meta.get("optimizer_step"), extra)
 
 
-def logical_keys(flat: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
-    """megalite's logical keys ("param/<name>", "exp_avg/<name>") of a megalite-layout DCP, and each one's
-    nested DCP path."""
+def logical_keys(flat: dict[str, tuple[int, ...]], buffers: set[str],
+                 src: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
+    """megalite's logical keys ("param/<name>", "buffer/<name>", "exp_avg/<name>") of a megalite-layout DCP, and
+    each one's nested DCP path ([] for the zeros of a Muon matrix's "exp_avg_sq"). A tensor of any other key is
+    refused: converting without it would change the model or its optimizer without a word."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, list[str]] = {}
     for key, shape in flat.items():
         if key.startswith("model."):
             name = key[len("model."):]
-            shapes[f"param/{name}"], where[f"param/{name}"] = shape, ["model", name]
-        elif key.startswith("optimizer.state."):
-            name, _, kind = key[len("optimizer.state."):].rpartition(".")
-            if kind in _STATES:
-                shapes[f"{kind}/{name}"], where[f"{kind}/{name}"] = shape, ["optimizer", "state", name, kind]
+            kind = "buffer" if name in buffers else "param"
+            shapes[f"{kind}/{name}"], where[f"{kind}/{name}"] = shape, ["model", name]
+            continue
+        name, _, kind = key[len("optimizer.state."):].rpartition(".")
+        if not key.startswith("optimizer.state.") or kind not in _STATES + ("momentum_buffer", "step"):
+            raise CheckpointError(f"{src}: tensor {key} has no place in a megalite checkpoint (model, AdamW moments, "
+                                  "Muon momentum): refusing to drop it")
+        if kind in _STATES:
+            shapes[f"{kind}/{name}"], where[f"{kind}/{name}"] = shape, ["optimizer", "state", name, kind]
+        elif kind == "momentum_buffer":  # Muon: its momentum in megalite's "exp_avg" slot, "exp_avg_sq" zero
+            shapes[f"exp_avg/{name}"], where[f"exp_avg/{name}"] = shape, ["optimizer", "state", name, kind]
+            shapes[f"exp_avg_sq/{name}"], where[f"exp_avg_sq/{name}"] = shape, []
+    stray = sorted(k for k in shapes if not k.startswith(("param/", "buffer/"))
+                   and f"param/{k.split('/', 1)[1]}" not in shapes)
+    if stray:
+        raise CheckpointError(f"{src}: optimizer state {stray[0]} belongs to no parameter of the model: the "
+                              "checkpoint is damaged or edited")
     return shapes, where

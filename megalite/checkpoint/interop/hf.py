@@ -197,7 +197,7 @@ def _checked_info(info: dict[str, Any], source: str) -> None:
 @dataclass(frozen=True)
 class HFMapping:
     """What differs between architectures: config.json <-> model info, and the tensor names and shapes.
-    `DENSE` is this module's (Llama, GPT-2); `megalite.checkpoint.hf_moe.MAPPING` adds Mixtral and Qwen3(-MoE)."""
+    `DENSE` is this module's (Llama, GPT-2); `megalite.checkpoint.interop.hf_moe.MAPPING` adds Mixtral and Qwen3(-MoE)."""
 
     info_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     hf_config: Callable[[dict[str, Any]], dict[str, Any]]
@@ -216,7 +216,7 @@ EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "b
 def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tokenizer: str = "",
               dtype: str = "fp32", mapping: HFMapping = DENSE, chat_template: str = "") -> Path:
     """Write `out/config.json` and `out/model.safetensors` from a megalite checkpoint (any layout); with
-    `tokenizer`, also its tokenizer files (see megalite/checkpoint/hf_tokenizer.py) and its BOS/EOS ids in
+    `tokenizer`, also its tokenizer files (see megalite/checkpoint/interop/hf_tokenizer.py) and its BOS/EOS ids in
     config.json. `dtype` "bf16" stores the weights in bfloat16 (half the size; fp32 is exact). The chat template
     (`chat_template`, a file; else the SFT run's, from the checkpoint's config) goes into tokenizer_config.json.
 

@@ -1,5 +1,5 @@
 """Hugging Face MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen3ForCausalLM: their configs and weights to and
-from megalite's (the dense Llama / GPT-2 mapping is `megalite.checkpoint.hf`; `MAPPING` is both together, what
+from megalite's (the dense Llama / GPT-2 mapping is `megalite.checkpoint.interop.hf`; `MAPPING` is both together, what
 tools/import_hf.py and tools/export_hf.py use).
 
 Names (megalite's global names on the left; everything else maps as Llama's):

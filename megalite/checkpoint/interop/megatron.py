@@ -7,7 +7,11 @@ Layouts read (a root with `latest_checkpointed_iteration.txt`, or an `iter_N` di
               ("decoder.layers.self_attention.linear_qkv.weight" is [num_layers, rows, hidden]) and stored
               whole, independent of the saving TP x PP.
   legacy      iter_N/mp_rank_<tp>[_<pp>]/model_optim_rng.pt, one torch.save per (tp, pp) rank: {"args",
-              "iteration", "model": that rank's shards, layers numbered from 0 on every stage}.
+              "iteration", "model": that rank's shards, layers numbered from 0 on every stage}
+              (read by `megatron_legacy`).
+
+Every declared dim is checked against the tensors and every flag's type before anything is written
+(`megatron_checks`); optimizer state is refused unless --weights-only (it is not converted).
 
 Model (megatron-core names -> megalite's). Llama-style (RMSNorm, SwiGLU, RoPE, no biases) -> arch llama;
 GPT-2-style (LayerNorm with bias, tanh GeLU, learned absolute positions, biases in every linear) -> arch gpt2:
@@ -38,58 +42,20 @@ naming what was found.
 from __future__ import annotations
 
 import argparse
-import enum
-import pickle
-import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from megalite.checkpoint.interop.dcp import load_tensor, read_metadata, tensor_shapes
+from megalite.checkpoint.interop.megatron_checks import (check_shape, check_tied_head, layer_shapes,
+                                                         leftover_tensors, top_shapes)
+from megalite.checkpoint.interop.megatron_legacy import from_legacy
+from megalite.checkpoint.interop.megatron_model import (RANK_DIR, check_core_names, iteration, model_info,
+                                                        per_layer_names, safe_load, top_level, ungroup_qkv)
 from megalite.checkpoint.interop.source import Source
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file
-
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_UNSUPPORTED = (("multi_latent_attention", "multi-latent attention (MLA)"),
-                ("vision_model_type", "a vision tower ({})"))
-
-
-def _allowed() -> list[Any]:
-    # Legacy files hold Megatron's RNG states, numpy's among them (`np.random.get_state()`: a uint32 array):
-    # numpy's array reconstruction rebuilds an array from its bytes and dtype, and runs nothing else.
-    try:
-        from numpy._core.multiarray import _reconstruct  # numpy >= 2
-    except ImportError:  # numpy 1.x
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    allowed: list[Any] = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:  # args hold megatron-core's enums (model_type, attention_backend, fp8_recipe, cuda_graph_scope, ...):
-        # every Enum class its two enum modules define, by class (unpickling an Enum only looks a member up)
-        import megatron.core.enums as core_enums  # type: ignore[import-untyped]
-        import megatron.core.transformer.enums as transformer_enums  # type: ignore[import-untyped]
-    except ImportError:
-        return allowed
-    for module in (core_enums, transformer_enums):
-        allowed += [v for v in vars(module).values()
-                    if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__]
-    return allowed
-
-
-def safe_load(path: Path) -> Any:
-    """torch.load without running code from the file: weights_only with the allow-list above."""
-    try:
-        with torch.serialization.safe_globals(_allowed()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = found.group(1) if found else str(e).splitlines()[0]
-        raise CheckpointError(f"{path} needs the class {what} to be unpickled, which is not on the allow-list "
-                              "(argparse.Namespace, megatron-core enums, numpy arrays): refusing to run code from it") from e
-    except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"cannot read {path} ({e}): the file is damaged or not a torch checkpoint") from e
 
 
 def _iteration_dir(path: Path) -> Path:
@@ -103,145 +69,6 @@ def _iteration_dir(path: Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory: give a Megatron-LM checkpoint root or its iter_N directory")
     return path
-
-
-def _arg(args: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        value = getattr(args, n, None)
-        if value is not None:
-            return value
-    return default
-
-
-# Megatron-LM options that change what the model computes in ways megalite's layers do not: refused, by name.
-_UNMODELLED = (("apply_residual_connection_post_layernorm", "residuals taken after the norm"),
-               ("apply_layernorm_1p", "zero-centred norm weights (apply_layernorm_1p)"),
-               ("layernorm_zero_centered_gamma", "zero-centred norm weights (layernorm_zero_centered_gamma)"),
-               ("qk_layernorm", "query/key norms (qk_layernorm)"),
-               ("rotary_interleaved", "interleaved RoPE (rotary_interleaved)"),
-               ("use_rope_scaling", "RoPE frequency scaling (use_rope_scaling)"),
-               ("squared_relu", "a squared-ReLU MLP"), ("onnx_safe", "the exact (erf) GeLU of onnx_safe"),
-               ("window_size", "sliding-window attention (window_size)"), ("qk_l2_norm", "query/key L2 norms"),
-               ("attention_output_gate", "a gated attention output"),
-               ("mtp_num_layers", "multi-token prediction layers (mtp_num_layers)"),
-               ("hybrid_override_pattern", "Mamba / hybrid layers (hybrid_override_pattern)"))
-
-
-def _family(args: Any, src: Path) -> str:
-    """'llama' (RMSNorm, SwiGLU, RoPE, no biases) or 'gpt2' (LayerNorm, tanh GeLU, learned positions, biases)."""
-    norm, swiglu = _arg(args, "normalization", default="LayerNorm"), bool(_arg(args, "swiglu", default=False))
-    pos = _arg(args, "position_embedding_type", default="learned_absolute")
-    bias = bool(_arg(args, "add_bias_linear", default=True))
-    if (norm, swiglu, pos, bias) == ("RMSNorm", True, "rope", False):
-        if _arg(args, "add_qkv_bias"):
-            raise CheckpointError(f"{src}: the checkpoint has biases in the QKV projection only (add_qkv_bias), "
-                                  "which megalite's llama does not have")
-        return "llama"
-    if (norm, swiglu, pos, bias) == ("LayerNorm", False, "learned_absolute", True):
-        # Megatron-LM's MLP computes the tanh GeLU when it fuses bias and GeLU (its default) or with openai_gelu;
-        # otherwise torch's exact erf GeLU, which megalite's gpt2 MLP (tanh) does not compute.
-        if not (_arg(args, "openai_gelu") or _arg(args, "bias_gelu_fusion", default=True)):
-            raise CheckpointError(f"{src}: the checkpoint's MLP is the exact (erf) GeLU (bias_gelu_fusion=False, "
-                                  "openai_gelu=False); megalite's gpt2 computes the tanh GeLU: not converted")
-        return "gpt2"
-    raise CheckpointError(f"{src}: a model with normalization={norm}, swiglu={swiglu}, position embedding {pos}, "
-                          f"add_bias_linear={bias}: megalite converts Llama-style (RMSNorm, SwiGLU, rope, no biases) "
-                          "and GPT-2-style (LayerNorm, GeLU, learned_absolute, biases) Megatron models")
-
-
-def _count(args: Any, src: Path, name: str, default: Any = None) -> int:
-    """A positive integer field of `args` (a crafted or damaged file may hold anything there)."""
-    value = getattr(args, name, None)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{src}: the checkpoint's args.{name} is {value!r}, not a positive integer: the "
-                              "model's dims are unknown")
-    return value
-
-
-def _iteration(state: dict[str, Any], where: Path) -> int:
-    value = state.get("iteration", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointError(f"{where}: iteration {value!r} is not a step number: the file is damaged or crafted")
-    return value
-
-
-def model_info(args: Any, src: Path, vocab_rows: int, tensor_names: list[str],
-               positions: int | None = None) -> dict[str, Any]:
-    """megalite's model dims from Megatron's args, refusing architectures megalite lacks.
-    `positions`: the rows of a learned position table (a GPT-2-style model's seq_len)."""
-    if getattr(args, "num_experts", None):  # megalite has MoE layers (megalite/moe), but not Megatron's names for them
-        raise CheckpointError(f"{src}: the checkpoint has mixture-of-experts layers (num_experts={args.num_experts}): "
-                              "Megatron's MoE layers are not converted yet (dense models only)")
-    for key, what in _UNSUPPORTED:
-        value = getattr(args, key, None)
-        if value:
-            raise CheckpointError(f"{src}: the checkpoint has {what.format(value)}, which megalite does not have")
-    vision = next((n for n in tensor_names if "vision" in n), None)
-    if vision:
-        raise CheckpointError(f"{src}: the checkpoint has a vision tower ({vision}), which megalite does not have")
-    for key, what in _UNMODELLED:
-        if getattr(args, key, None):
-            raise CheckpointError(f"{src}: the checkpoint's model has {what}, which megalite does not have")
-    arch = _family(args, src)
-    layers, heads, hidden, ffn = (_count(args, src, n) for n in ("num_layers", "num_attention_heads", "hidden_size",
-                                                                 "ffn_hidden_size"))
-    kv_channels = _arg(args, "kv_channels", default=hidden // heads)
-    if int(kv_channels) * heads != hidden:
-        raise CheckpointError(f"{src}: kv_channels={kv_channels} with {heads} heads of a hidden size {hidden}: "
-                              "megalite's head size is hidden_size / num_heads")
-    if arch == "llama" and float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
-        raise CheckpointError(f"{src}: rotary_percent={args.rotary_percent}: megalite rotates the whole head")
-    groups = _count(args, src, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads
-    if heads % groups:
-        raise CheckpointError(f"{src}: num_query_groups={groups} does not divide num_attention_heads={heads}: the "
-                              "checkpoint's args are inconsistent")
-    seq = _count(args, src, "seq_length", _arg(args, "max_position_embeddings", default=2048)) \
-        if positions is None else positions
-    return {"arch": arch, "num_layers": layers, "hidden_size": hidden,
-            "num_heads": heads, "num_kv_heads": groups, "ffn_hidden_size": ffn,
-            "vocab_size": vocab_rows, "seq_len": seq,
-            "make_vocab_divisible_by": 1, "tie_embeddings": not bool(_arg(args, "untie_embeddings_and_output_weights",
-                                                                           default=False)),
-            "norm_eps": float(_arg(args, "norm_epsilon", default=1e-5)),
-            "rope_theta": float(_arg(args, "rotary_base", default=10000))}
-
-
-def ungroup_qkv(w: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
-    """Megatron's [g: q heads of group g, k_g, v_g] rows -> megalite's [q; k; v] (a weight or a bias)."""
-    nh, ng = info["num_heads"], info["num_kv_heads"]
-    hd, rest = info["hidden_size"] // nh, tuple(w.shape[1:])
-    g = w.reshape(ng, nh // ng + 2, hd, *rest)
-    return torch.cat([g[:, :-2].reshape(nh * hd, *rest), g[:, -2].reshape(ng * hd, *rest),
-                      g[:, -1].reshape(ng * hd, *rest)])
-
-
-_PER_LAYER = {"norm1.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-              "attn.qkv.weight": ("self_attention.linear_qkv.weight",),
-              "attn.out.weight": ("self_attention.linear_proj.weight",),
-              "norm2.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-              "mlp.up.weight": ("mlp.linear_fc1.weight",),
-              "mlp.down.weight": ("mlp.linear_fc2.weight",)}
-_GPT2_BIASES = {"norm1.bias": ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
-                "attn.qkv.bias": ("self_attention.linear_qkv.bias",),
-                "attn.out.bias": ("self_attention.linear_proj.bias",),
-                "norm2.bias": ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
-                "mlp.up.bias": ("mlp.linear_fc1.bias",),
-                "mlp.down.bias": ("mlp.linear_fc2.bias",)}
-
-
-def _per_layer(info: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    return {**_PER_LAYER, **_GPT2_BIASES} if info["arch"] == "gpt2" else _PER_LAYER
-
-
-def _top_level(info: dict[str, Any]) -> dict[str, str]:
-    """megalite names -> megatron-core names of the tensors outside the layers."""
-    names = {"embedding.weight": "embedding.word_embeddings.weight", "final_norm.weight": "decoder.final_layernorm.weight"}
-    if info["arch"] == "gpt2":
-        names.update({"position": "embedding.position_embeddings.weight", "final_norm.bias": "decoder.final_layernorm.bias"})
-    if not info["tie_embeddings"]:
-        names["head.weight"] = "output_layer.weight"
-    return names
 
 
 def _check_conflicts(src: Path, args: Any) -> None:
@@ -260,18 +87,7 @@ def _check_conflicts(src: Path, args: Any) -> None:
                               "is inconsistent; not guessing which is right")
 
 
-def _check_core_names(where: Path, names: list[str]) -> None:
-    """The first stage's tensors carry megatron-core's names (else: name what is there instead)."""
-    if "embedding.word_embeddings.weight" in names:
-        return
-    if any(n.startswith("language_model") for n in names):  # megatron.legacy.model's nested state dict
-        raise CheckpointError(f"{where}: the model is in the layout of Megatron-LM's pre-core model (language_model.*); "
-                              "only megatron-core's names (embedding.*, decoder.layers.*) are read")
-    raise CheckpointError(f"{where}: no tensor embedding.word_embeddings.weight (found {sorted(names)[:4]}): not a "
-                          "megatron-core GPT checkpoint")
-
-
-def _from_torch_dist(src: Path) -> Source:
+def _from_torch_dist(src: Path, weights_only: bool) -> Source:
     md = read_metadata(src)  # names a missing shard file
     common = safe_load(src / "common.pt")
     args = common.get("args") if isinstance(common, dict) else None
@@ -281,13 +97,21 @@ def _from_torch_dist(src: Path) -> Source:
     _check_conflicts(src, args)
     flat = tensor_shapes(md)
     pos = flat.get("embedding.position_embeddings.weight")
-    _check_core_names(src, list(flat))
+    check_core_names(src, list(flat))
     info = model_info(args, src, flat["embedding.word_embeddings.weight"][0], list(flat), pos[0] if pos else None)
-    names = _top_level(info)
+    names = top_level(info)
     missing = next((m for m in names.values() if m not in flat), None)
     if missing:
         raise CheckpointError(f"{src}: no tensor {missing} in the checkpoint")
-    per_layer = _per_layer(info)
+    tops = top_shapes(info)
+    for n, m in names.items():
+        check_shape(src, m, flat[m], tops[n])
+    used = set(names.values())
+    if info["tie_embeddings"] and "output_layer.weight" in flat:  # a tied head saved anyway: it must be the embedding
+        check_tied_head(src, info, load_tensor(src, ["output_layer.weight"], flat["output_layer.weight"]),
+                        load_tensor(src, [names["embedding.weight"]], flat[names["embedding.weight"]]))
+        used.add("output_layer.weight")
+    per_layer = per_layer_names(info)
     cache: dict[str, torch.Tensor] = {}
 
     def stacked(key: str) -> torch.Tensor:  # one [num_layers, ...] tensor, kept while its layers are fetched
@@ -313,95 +137,25 @@ def _from_torch_dist(src: Path) -> Source:
         if not flat[mkey] or flat[mkey][0] != info["num_layers"]:  # stacked over the layers: [num_layers, ...]
             raise CheckpointError(f"{src}: {mkey} holds {flat[mkey][0] if flat[mkey] else 0} layers but args.num_layers is "
                                   f"{info['num_layers']}: the checkpoint is inconsistent; not guessing which is right")
+        check_shape(src, f"{mkey} (one layer of it)", flat[mkey][1:], layer_shapes(info)[rest])
+        used.add(mkey)
         for i in range(info["num_layers"]):
             shapes[f"param/layers.{i}.{rest}"] = flat[mkey][1:]
-    return Source(info, shapes, fetch, _iteration(common, src / "common.pt"))
+    dropped = leftover_tensors(src, list(flat), used, weights_only)
+    return Source(info, shapes, fetch, iteration(common, src / "common.pt"), dropped=dropped)
 
 
-def _merge_tp(rest: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
-    if rest.startswith(("norm1.", "norm2.")) or rest in ("attn.out.bias", "mlp.down.bias"):
-        return shards[0]  # replicated: norms, and the row-parallel linears' biases (added after the all-reduce)
-    if rest in ("attn.out.weight", "mlp.down.weight"):
-        return torch.cat(shards, dim=1)
-    if rest == "mlp.up.weight" and gated:  # every shard is [gate_r; up_r]
-        halves = [s.chunk(2) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return torch.cat(shards)  # qkv (whole query groups per rank), fc1, their biases, embedding / output rows
-
-
-def _from_legacy(src: Path) -> Source:
-    ranks: dict[tuple[int, int], Path] = {}
-    for d in src.iterdir():
-        m = _RANK_DIR.match(d.name)
-        if m and d.is_dir():
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = d / "model_optim_rng.pt"
-    tp, pp = 1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks)
-    for t in range(tp):
-        for p in range(pp):
-            f = ranks.get((t, p), src / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")) / "model_optim_rng.pt")
-            if not f.is_file():
-                raise CheckpointError(f"{src}: {f.relative_to(src)} is missing (a {tp} x {pp} TP x PP checkpoint)")
-            ranks[(t, p)] = f
-    states = {k: safe_load(f) for k, f in sorted(ranks.items())}  # one full copy of the model in memory
-    for k, v in states.items():
-        if not isinstance(v, dict) or not isinstance(v.get("model") or {}, dict):
-            raise CheckpointError(f"{ranks[k]} is not a Megatron-LM checkpoint file (a dict with 'args' and 'model')")
-    first = states[(0, 0)]
-    args = first.get("args")
-    if not isinstance(args, argparse.Namespace):
-        raise CheckpointError(f"{ranks[(0, 0)]} has no 'args' (Megatron-LM's argparse.Namespace): the model's dims "
-                              "are unknown")
-    models = {k: v.get("model") or {} for k, v in states.items()}
-    for (t, p), sd in models.items():
-        if p == 0:
-            _check_core_names(ranks[(t, p)], list(sd))
-        bad = next((n for n, v in sd.items() if "_extra_state" not in n and not isinstance(v, torch.Tensor)), None)
-        if bad is not None:
-            raise CheckpointError(f"{ranks[(t, p)]}: model entry {bad} is a {type(sd[bad]).__name__}, not a tensor")
-        if set(sd) != set(models[(0, p)]):  # every TP rank of a stage holds its shard of the same tensors
-            odd = sorted(set(sd) ^ set(models[(0, p)]))[0]
-            raise CheckpointError(f"{ranks[(t, p)]} and {ranks[(0, p)]} differ in tensor {odd}: the TP ranks of a "
-                                  "stage must hold the same tensors; the checkpoint is damaged or mixed")
-        stage_layers = {int(x.group(1)) for n in sd if (x := _LAYER.match(n))}
-        if stage_layers and len(stage_layers) * pp != _count(args, src, "num_layers"):
-            raise CheckpointError(f"{ranks[(t, p)]} holds {len(stage_layers)} layers, but args.num_layers "
-                                  f"{args.num_layers} over {pp} pipeline stages is {args.num_layers / pp:g} per stage: "
-                                  "the checkpoint is inconsistent")
-    vocab = sum(models[(t, 0)]["embedding.word_embeddings.weight"].shape[0] for t in range(tp))
-    pos = models[(0, 0)].get("embedding.position_embeddings.weight")
-    info = model_info(args, src, vocab, [n for m in models.values() for n in m], None if pos is None else pos.shape[0])
-    per_stage = info["num_layers"] // pp
-    full: dict[str, torch.Tensor] = {}
-    for name, mname in _top_level(info).items():
-        stage = 0 if mname.startswith("embedding.") else pp - 1
-        if mname not in models[(0, stage)]:
-            raise CheckpointError(f"{ranks[(0, stage)]}: no tensor {mname}")
-        shards = [models[(t, stage)][mname] for t in range(tp)]
-        full[f"param/{name}"] = torch.cat(shards) if name in ("embedding.weight", "head.weight") else shards[0]
-    for p in range(pp):
-        for local in range(per_stage):
-            for rest, candidates in _per_layer(info).items():
-                key = next((f"decoder.layers.{local}.{c}" for c in candidates
-                            if f"decoder.layers.{local}.{c}" in models[(0, p)]), None)
-                if key is None:
-                    raise CheckpointError(f"{ranks[(0, p)]}: no tensor decoder.layers.{local}.{candidates[0]}")
-                merged = _merge_tp(rest, [models[(r, p)][key] for r in range(tp)], info["arch"] == "llama").float()
-                full[f"param/layers.{p * per_stage + local}.{rest}"] = \
-                    ungroup_qkv(merged, info) if rest.startswith("attn.qkv.") else merged
-    return Source(info, {k: tuple(v.shape) for k, v in full.items()}, lambda k: full[k].float(),
-                  _iteration(first, ranks[(0, 0)]))
-
-
-def from_megatron(path: Path) -> Source:
-    """A Megatron-LM checkpoint (root or iter_N; torch_dist or legacy) as megalite tensors (model weights)."""
+def from_megatron(path: Path, weights_only: bool = False) -> Source:
+    """A Megatron-LM checkpoint (root or iter_N; torch_dist or legacy) as megalite tensors (model weights;
+    optimizer state is refused unless `weights_only`)."""
     src = _iteration_dir(Path(path))
     if (src / "metadata.json").is_file() or (src / ".metadata").is_file():
         if not (src / "common.pt").is_file():
             raise CheckpointError(f"{src}: a torch_dist checkpoint without common.pt (the args): it is incomplete")
         if not (src / "metadata.json").is_file():
             raise CheckpointError(f"{src}: a torch_dist checkpoint without metadata.json: it is incomplete")
-        return _from_torch_dist(src)
-    if any(_RANK_DIR.match(d.name) for d in src.iterdir()):
-        return _from_legacy(src)
+        return _from_torch_dist(src, weights_only)
+    if any(RANK_DIR.match(d.name) for d in src.iterdir()):
+        return from_legacy(src, weights_only)
     raise CheckpointError(f"{src} is neither a torch_dist checkpoint (metadata.json, .metadata) nor a legacy one "
                           "(mp_rank_XX/model_optim_rng.pt)")

@@ -39,7 +39,8 @@ from typing import Any, Callable
 import torch
 
 from megalite.checkpoint.interop.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
-from megalite.checkpoint.interop.source import Source
+from megalite.checkpoint.index_check import MAX_COUNT, MAX_DIM
+from megalite.checkpoint.interop.source import Source, optimizer_kind, refuse_moments_without_adam
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file
 
@@ -119,9 +120,14 @@ def to_torchtitan(source: Source, out: Path, fused_qkv: bool = False) -> Path:
     info = source.info
     try:
         _check_titan_model(info, source.shapes)
+        if source.has_optimizer_state() and optimizer_kind(source.extra) == "muon":
+            raise CheckpointError("the checkpoint's optimizer state is Muon's (its momentum, no second moment), which "
+                                  "torchtitan's AdamW cannot hold: convert with --weights-only (the optimizer then "
+                                  "starts fresh), or --to dcp, which keeps it")
         full = {k: source.fetch(k) for k in source.shapes}
     finally:
         source.close()
+    refuse_moments_without_adam(full, "torchtitan's AdamW")
     sd: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     train = source.extra.get("config", {}).get("train", {})
@@ -169,14 +175,22 @@ def _model_args(src: Path, given: Path | None, shapes: dict[str, tuple[int, ...]
     args = load_json_file(path, f"the model args {path}", CheckpointError)
     if not isinstance(args, dict):
         raise CheckpointError(f"the model args {path} are not a JSON object of torchtitan's model args")
-    for key in ("n_heads", "n_kv_heads", "max_seq_len", "dim", "n_layers", "vocab_size", "hidden_dim"):
-        value = args.get(key)
+    limits = {"n_heads": MAX_DIM["num_heads"], "n_kv_heads": MAX_DIM["num_kv_heads"], "max_seq_len": MAX_DIM["seq_len"],
+              "dim": MAX_DIM["hidden_size"], "n_layers": MAX_DIM["num_layers"], "vocab_size": MAX_DIM["vocab_size"],
+              "hidden_dim": MAX_DIM["ffn_hidden_size"], "step": MAX_COUNT}
+    for key, most in limits.items():
+        value, least = args.get(key), 0 if key == "step" else 1
         if (key == "n_heads" or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
-                                                         or value < 1):
-            raise CheckpointError(f"the model args {path}: {key} is {value!r}, not a positive integer")
+                                                         or not least <= value <= most):
+            what = "an integer" if key == "step" else "a positive integer"
+            raise CheckpointError(f"the model args {path}: {key} is {value!r}, not {what} (at most {most})")
     for key in ("norm_eps", "rope_theta"):
-        if key in args and (isinstance(args[key], bool) or not isinstance(args[key], (int, float)) or args[key] <= 0):
+        if key in args and (isinstance(args[key], bool) or not isinstance(args[key], (int, float))
+                            or not 0 < args[key] < float("inf")):
             raise CheckpointError(f"the model args {path}: {key} is {args[key]!r}, not a positive number")
+    if not isinstance(args.get("enable_weight_tying", False), bool):
+        raise CheckpointError(f"the model args {path}: enable_weight_tying is {args['enable_weight_tying']!r}, not "
+                              "true or false (a JSON boolean)")
     scaling = args.get("rope_scaling", "none")
     if scaling not in ("none", None):
         raise CheckpointError(f"{path}: rope_scaling {scaling!r} (Llama 3.1 frequency scaling) is not in megalite's "
@@ -188,7 +202,72 @@ def _model_args(src: Path, given: Path | None, shapes: dict[str, tuple[int, ...]
     return args
 
 
-def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
+def _expected(info: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """torchtitan name -> (the shape the model args make it, which args those are), for every model tensor."""
+    dim, nh, nkv, hid, vocab = (info[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                                                   "vocab_size"))
+    hd = dim // nh
+    out = {"tok_embeddings.weight": ((vocab, dim), f"vocab_size={vocab}, dim={dim}"),
+           "norm.weight": ((dim,), f"dim={dim}"), "lm_head.weight": ((vocab, dim), f"vocab_size={vocab}, dim={dim}")}
+    for i in range(info["num_layers"]):
+        p, a = f"layers.{i}.", f"layers.{i}.attention.qkv_linear."
+        out.update({p + "attention_norm.weight": ((dim,), f"dim={dim}"), p + "ffn_norm.weight": ((dim,), f"dim={dim}"),
+                    a + "wq.weight": ((nh * hd, dim), f"n_heads={nh}"),
+                    a + "wk.weight": ((nkv * hd, dim), f"n_kv_heads={nkv}"),
+                    a + "wv.weight": ((nkv * hd, dim), f"n_kv_heads={nkv}"),
+                    a + "wqkv.weight": (((nh + 2 * nkv) * hd, dim), f"n_heads={nh}, n_kv_heads={nkv}"),
+                    p + "attention.wo.weight": ((dim, nh * hd), f"n_heads={nh}"),
+                    p + "feed_forward.w1.weight": ((hid, dim), f"hidden_dim={hid} (layer 0's)"),
+                    p + "feed_forward.w3.weight": ((hid, dim), f"hidden_dim={hid} (layer 0's)"),
+                    p + "feed_forward.w2.weight": ((dim, hid), f"hidden_dim={hid} (layer 0's)")})
+    return out
+
+
+def _check_shapes(src: Path, flat: dict[str, tuple[int, ...]], info: dict[str, Any]) -> None:
+    """Every model tensor and Adam moment has the shape the model args give it: an n_kv_heads that contradicts
+    the k/v rows, or a layer wider than layer 0, is refused before anything is read (else rows are cut or
+    regrouped without a word)."""
+    want = _expected(info)
+    for key, have in flat.items():
+        name = key[len("optimizer.state."):].rpartition(".")[0] if key.startswith("optimizer.state.") else key
+        if name in want and tuple(have) != want[name][0] and not key.endswith(".step"):
+            shape, why = want[name]
+            raise CheckpointError(f"{src}: {key} is {list(have)} but the model args ({why}) make it {list(shape)}: "
+                                  "the args contradict the tensors (or the layers differ in width); give this "
+                                  "checkpoint's model args")
+
+
+def _check_tying(src: Path, flat: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """enable_weight_tying must say what the tensors hold: a tied model's lm_head (torchtitan saves it too) is
+    the embedding; converting an untied one as tied would drop its head."""
+    if not tied or "lm_head.weight" not in flat or flat["lm_head.weight"] != flat["tok_embeddings.weight"]:
+        return
+    head = load_tensor(src, ["lm_head.weight"], flat["lm_head.weight"])
+    emb = load_tensor(src, ["tok_embeddings.weight"], flat["tok_embeddings.weight"])
+    if not torch.equal(head, emb):
+        raise CheckpointError(f"{src}: the model args say enable_weight_tying=true but lm_head.weight differs from "
+                              f"tok_embeddings.weight (by up to {float((head - emb).abs().max()):.3g}): set "
+                              "enable_weight_tying to false in the model args")
+
+
+def _optimizer_entries(src: Path, md: Any, flat: dict[str, tuple[int, ...]], weights_only: bool) -> list[str]:
+    """Refuse optimizer state other than AdamW's (it would be dropped); what is not carried, one phrase each."""
+    if weights_only:
+        return ["the optimizer state (--weights-only)"] if any(k.startswith("optimizer.") for k in flat) else []
+    odd = sorted(k for k in flat if k.startswith("optimizer.")
+                 and not (k.startswith("optimizer.state.") and k.rpartition(".")[2] in _STATES + ("step",)))
+    if odd:
+        raise CheckpointError(f"{src}: optimizer entry {odd[0]} is not AdamW's (exp_avg, exp_avg_sq, step): megalite "
+                              "cannot hold that optimizer's state; convert with --weights-only (it then starts fresh)")
+    top = sorted({k.split(".", 1)[0] for k in md.state_dict_metadata if k.split(".", 1)[0] != "optimizer"
+                  and k not in flat and k != "lm_head.weight"})
+    dropped = [f"torchtitan's {', '.join(top)} state"] if top else []
+    if any(k.startswith("optimizer.param_groups.") for k in md.state_dict_metadata):
+        dropped.append("the optimizer's hyper-parameters (param_groups: the megalite run's config sets them)")
+    return dropped
+
+
+def from_torchtitan(src: Path, model_args: Path | None = None, weights_only: bool = False) -> Source:
     """torchtitan's Llama 3 DCP checkpoint directory (`checkpoint/step-N`) as megalite tensors."""
     md = read_metadata(src)
     flat = tensor_shapes(md)
@@ -200,16 +279,19 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
     for key in ("tok_embeddings.weight", "layers.0.feed_forward.w1.weight"):
         if len(flat.get(key, ())) != 2:
             raise CheckpointError(f"{src}: no 2-d tensor {key} in the checkpoint: not a torchtitan Llama 3 checkpoint")
+    dropped = _optimizer_entries(src, md, flat, weights_only)
+    if weights_only:
+        flat = {k: v for k, v in flat.items() if not k.startswith("optimizer.")}
     dim, vocab = flat["tok_embeddings.weight"][1], flat["tok_embeddings.weight"][0]
     layers = 1 + max(int(m.group(1)) for k in flat if (m := _LAYER.match(k)))
     hidden = flat["layers.0.feed_forward.w1.weight"][0]
-    info: dict[str, Any] = {"arch": "llama", "num_layers": layers, "hidden_size": dim, "num_heads": int(args["n_heads"]),
-            "num_kv_heads": int(args.get("n_kv_heads") or args["n_heads"]), "ffn_hidden_size": hidden,
-            "vocab_size": vocab, "seq_len": int(args.get("max_seq_len", 2048)), "make_vocab_divisible_by": 1,
-            "tie_embeddings": bool(args.get("enable_weight_tying", False)), "norm_eps": float(args.get("norm_eps", 1e-5)),
+    info: dict[str, Any] = {"arch": "llama", "num_layers": layers, "hidden_size": dim, "num_heads": args["n_heads"],
+            "num_kv_heads": args.get("n_kv_heads") or args["n_heads"], "ffn_hidden_size": hidden,
+            "vocab_size": vocab, "seq_len": args.get("max_seq_len", 2048), "make_vocab_divisible_by": 1,
+            "tie_embeddings": args.get("enable_weight_tying", False), "norm_eps": float(args.get("norm_eps", 1e-5)),
             "rope_theta": float(args.get("rope_theta", 10000.0))}
     for key, have in (("dim", dim), ("n_layers", layers), ("vocab_size", vocab), ("hidden_dim", hidden)):
-        if key in args and int(args[key]) != have:
+        if key in args and args[key] != have:
             raise CheckpointError(f"{src}: the model args say {key}={args[key]} but the tensors have {have}: "
                                   "give the args of this checkpoint's model")
     known = {n for _, names in _titan_tensors(info) for n in names} | {"lm_head.weight"}  # also saved when tied
@@ -222,6 +304,8 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
     if dim % nh or nh % nkv or (dim // nh) % 2:
         raise CheckpointError(f"{src}: n_heads={nh}, n_kv_heads={nkv} do not fit dim={dim} (n_heads must divide dim "
                               "into an even head size, n_kv_heads must divide n_heads): give this model's args")
+    _check_shapes(src, flat, info)
+    _check_tying(src, flat, info["tie_embeddings"])
     hd = dim // nh
     step_key = next((k for k in flat if k.startswith("optimizer.state.") and k.endswith(".step")), None)
 
@@ -260,6 +344,9 @@ def from_torchtitan(src: Path, model_args: Path | None = None) -> Source:
         if {f"optimizer.state.{n}.exp_avg" for n in (first, _fused_name(first))} & set(flat):
             shapes[f"exp_avg/{name}"] = shapes[f"exp_avg_sq/{name}"] = tuple(full)
     opt_step = float(load_tensor(src, ["optimizer", step_key[len("optimizer."):]], ())) if step_key else None
+    if opt_step is not None and not 0 <= opt_step <= MAX_COUNT:  # NaN fails both comparisons
+        raise CheckpointError(f"{src}: the optimizer's {step_key} is {opt_step}, not a step count: the checkpoint is "
+                              "damaged or edited")
     fetch_fn: Callable[[str], torch.Tensor] = fetch
-    return Source(info, shapes, fetch_fn, int(args.get("step", 0)), opt_step, {})
+    return Source(info, shapes, fetch_fn, args.get("step", 0), opt_step, {}, dropped=dropped)
 
