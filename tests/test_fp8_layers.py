@@ -1,9 +1,9 @@
 """FP8 column- and row-parallel linears at tp2, tp2+sp and cp2 against the single-process FP8 linear:
 forward output, input gradient, weight and bias gradients, for both recipes; and the amax traffic each
-layout counts, exactly as `megalite.layers.fp8.amax_reductions` predicts.
+layout counts, exactly as `megalite.fp8.costs.amax_reductions` predicts.
 
 Why these agree to fp32 round-off: with every amax reduced over the ranks holding its tensor's pieces
-(the module doc of megalite/layers/fp8.py), each rank quantizes its piece to exactly the fp8 values
+(the module doc of megalite/fp8/linear.py), each rank quantizes its piece to exactly the fp8 values
 (and power-of-two scales) the single process does, so the products are the same; only the fp32 order in
 which partial sums meet differs (tp's partial sums of a row-parallel output or a column-parallel input
 gradient, cp's partial weight gradients). Hence rtol 1e-5 on O(1)-scaled values (observed ~1e-7).
@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.layers.fp8 import Fp8Gemm, Fp8Settings, Splits, amax_reductions, enable_fp8
+from megalite.fp8.costs import Splits, amax_reductions
+from megalite.fp8.enable import Fp8Settings, enable_fp8
+from megalite.fp8.linear import Fp8Gemm
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel import comm
 from megalite.parallel.counter import RING_FACTORS
@@ -116,7 +118,7 @@ def _check_quantize(st: ParallelState, recipe: str) -> None:
     """Each rank's quantized piece of a split tensor is bitwise the slice of the whole tensor's quantization
     (values and scales) when its amax is reduced over the splitting group, and not without: per tensor
     (tensorwise) and per row / column (rowwise), for each dimension tp or cp splits here."""
-    from megalite.layers.scaled_mm import E4M3
+    from megalite.fp8.scaled_mm import E4M3
 
     group, n, i = ("tp", st.tp, st.tp_rank) if st.tp > 1 else ("cp", st.cp, st.cp_rank)
     gen = torch.Generator().manual_seed(5)

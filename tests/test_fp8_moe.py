@@ -1,4 +1,4 @@
-"""FP8 expert GEMMs (megalite/layers/fp8_experts.py): against a plain-torch emulation to the bit, the filter
+"""FP8 expert GEMMs (megalite/fp8/experts.py): against a plain-torch emulation to the bit, the filter
 on the experts, a whole ep2 run against the single-process run for both recipes, and the estimator's count of the
 FP8 modules (megalite/perfmodel/fp8_moe.py).
 
@@ -34,8 +34,8 @@ import pytest
 import torch
 
 from megalite.errors import ConfigError
-from megalite.layers.fp8 import Fp8Settings, enable_fp8
-from megalite.layers.fp8_experts import Fp8ExpertGemm
+from megalite.fp8.enable import Fp8Settings, enable_fp8
+from megalite.fp8.experts import Fp8ExpertGemm
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler

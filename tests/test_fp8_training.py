@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.layers.fp8 import Fp8Settings, enable_fp8
+from megalite.fp8.enable import Fp8Settings, enable_fp8
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler

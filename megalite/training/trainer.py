@@ -26,7 +26,7 @@ from megalite.data.tokenizer import Tokenizer
 from megalite.dp import mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
-from megalite.layers.fp8 import enable_fp8, fp8_settings
+from megalite.fp8.enable import enable_fp8, fp8_settings
 from megalite.model.compile import compile_blocks
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger

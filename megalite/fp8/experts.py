@@ -1,6 +1,6 @@
 """FP8 expert GEMMs of a mixture-of-experts layer: y[rows of e] = x[rows of e] W_e^T in e4m3, current scaling.
 
-The dense linears' recipe (megalite/layers/fp8.py) scales activations and output gradients over the tokens of
+The dense linears' recipe (megalite/fp8/linear.py) scales activations and output gradients over the tokens of
 a micro-batch, which every layout can reconstruct with a max all-reduce over cp (and tp). An expert's rows
 are different: under expert parallelism the rank holding expert e receives the rows that *several* ranks'
 micro-batches routed to e (the all-to-all of megalite/moe/dispatch.py), while the single-process run meets
@@ -35,8 +35,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.autograd.function import once_differentiable
 
-from megalite.layers import scaled_mm as smm
-from megalite.layers.scaled_mm import Recipe, cast_scaled
+from megalite.fp8 import scaled_mm as smm
+from megalite.fp8.costs import Recipe
+from megalite.fp8.scaled_mm import cast_scaled
 
 Tensor = torch.Tensor
 
@@ -115,7 +116,7 @@ class _Fp8ExpertMM(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Fp8ExpertGemm:
-    """The expert GEMMs of one MoE layer in FP8 (set on the experts by `megalite.layers.fp8.enable_fp8`)."""
+    """The expert GEMMs of one MoE layer in FP8 (set on the experts by `megalite.fp8.enable.enable_fp8`)."""
 
     recipe: Recipe
 
