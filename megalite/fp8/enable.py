@@ -12,7 +12,7 @@ from typing import cast
 import torch.nn as nn
 
 from megalite.fp8 import scaled_mm as smm
-from megalite.fp8.costs import FP8_CHOICES, RECIPES, Groups, Recipe, Splits, fp8_filter
+from megalite.fp8.costs import BLOCK, FP8_CHOICES, RECIPES, Groups, Recipe, Splits, fp8_filter
 from megalite.fp8.experts import Fp8ExpertGemm, Fp8Experts
 from megalite.fp8.linear import Fp8Gemm
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -38,6 +38,14 @@ def fp8_settings(recipe: str, min_dim: int) -> Fp8Settings | None:
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {FP8_CHOICES}")
     return Fp8Settings(cast(Recipe, recipe), min_dim)
+
+
+def gemm_note(recipe: str) -> str | None:
+    """The training log's line on how a recipe's GEMMs run (None for the recipes torch._scaled_mm runs as asked)."""
+    if recipe not in BLOCK:
+        return None
+    return (f"fp8 {recipe}: block-scaled GEMMs emulated (quantise, dequantise, fp32 matmul; megalite/fp8/blocks.py) on "
+            "every device: torch._scaled_mm's block-scaled modes are not used, so expect no FP8 speed-up")
 
 
 def linear_shapes(module: nn.Module) -> tuple[str, int, list[int]] | None:

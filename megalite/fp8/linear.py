@@ -1,7 +1,9 @@
 """FP8 linears with current (just-in-time) scaling, the same numbers at every parallel layout.
 
 `train.fp8` = tensorwise | rowwise turns the column- and row-parallel linears chosen by the filter
-(`fp8_filter`) into FP8 GEMMs (`megalite.fp8.scaled_mm`). docs/fp8.md has the whole recipe; in short,
+(`fp8_filter`) into FP8 GEMMs (`megalite.fp8.scaled_mm`); blockwise | mxfp8 into block-scaled GEMMs, emulated
+(megalite/fp8/blocks.py has those recipes, their blocks per GEMM and why no amax of theirs is reduced: below is
+tensorwise and rowwise). docs/fp8.md has the whole recipe; in short,
 for one linear y = x W^T with x [T, in] (T tokens), W [out, in], g = dL/dy [T, out]:
 
     GEMM    computes      operands (dtype)        tensorwise scale     rowwise scale (amax over the contraction dim)
@@ -40,7 +42,8 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from megalite.fp8 import scaled_mm as smm
-from megalite.fp8.costs import Groups, Recipe, Splits
+from megalite.fp8.blocks import block_mm, quantize_blocks
+from megalite.fp8.costs import BLOCK, WEIGHT_BLOCK, Groups, Recipe, Splits
 from megalite.fp8.scaled_mm import cast_scaled
 from megalite.layers.linear_fn import Blocks, Fold
 from megalite.parallel import comm
@@ -66,6 +69,14 @@ class Fp8Gemm:
             comm.all_reduce(amax, self.state, g, op=dist.ReduceOp.MAX)
         return cast_scaled(t, amax, dtype)
 
+    def block_mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, weight_rows: int | None = None) -> Tensor:
+        """a @ b^T under a block recipe (megalite/fp8/blocks.py): a in 1 x B blocks, b in Bw x B blocks (Bw the
+        recipe's weight block unless `weight_rows` says), both along the contraction dim."""
+        b_len = BLOCK[self.recipe]
+        rows = WEIGHT_BLOCK[self.recipe] if weight_rows is None else weight_rows
+        return block_mm(quantize_blocks(a, 1, b_len, self.recipe), quantize_blocks(b, rows, b_len, self.recipe),
+                        out_dtype)
+
     def grad_dtype(self) -> torch.dtype:
         return smm.E5M2 if self.recipe == "tensorwise" else smm.E4M3  # type: ignore[return-value]
 
@@ -79,6 +90,10 @@ class Fp8Gemm:
         return _Fp8LinearParts.apply(x, weight, bias, ((0, weight.shape[0]),), fold, self)[0]
 
 
+def _with_bias(y: Tensor, bias: Tensor | None, lo: int, hi: int) -> Tensor:
+    return y if bias is None else y + bias[lo:hi].to(y.dtype)
+
+
 class _Fp8LinearParts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
@@ -86,6 +101,13 @@ class _Fp8LinearParts(torch.autograd.Function):
         s, e4m3 = gemm.splits, smm.E4M3
         assert e4m3 is not None
         x2 = x.reshape(-1, x.shape[-1])
+        ctx.blocks, ctx.x_shape, ctx.fold, ctx.gemm = blocks, x.shape, fold, gemm
+        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        if gemm.recipe in BLOCK:  # megalite/fp8/blocks.py: blocks along `in`, no amax reduced
+            ctx.save_for_backward(x2, weight)
+            y_all = gemm.block_mm(x2, weight, x.dtype)
+            return tuple(_with_bias(y_all[:, lo:hi].contiguous(), bias, lo, hi).view(*x.shape[:-1], hi - lo)
+                         for lo, hi in blocks)
         if gemm.recipe == "tensorwise":
             qx, sx = gemm.quantize(x2, e4m3, None, s.tokens + s.inner)
             qw, sw = gemm.quantize(weight, e4m3, None, s.outer + s.inner)
@@ -98,12 +120,8 @@ class _Fp8LinearParts(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         outs = []
         for (lo, hi), swi in zip(blocks, sw_rows):
-            y = smm.scaled_mm(qx, qw[lo:hi].t(), sx, swi, x.dtype)
-            if bias is not None:
-                y = y + bias[lo:hi].to(x.dtype)
+            y = _with_bias(smm.scaled_mm(qx, qw[lo:hi].t(), sx, swi, x.dtype), bias, lo, hi)
             outs.append(y.view(*x.shape[:-1], hi - lo))
-        ctx.blocks, ctx.x_shape, ctx.fold, ctx.gemm = blocks, x.shape, fold, gemm
-        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         return tuple(outs)
 
     @staticmethod
@@ -115,7 +133,7 @@ class _Fp8LinearParts(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gs = [g.reshape(-1, g.shape[-1]) for g in grads]
         g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)  # [T, out]: one GEMM over every part
-        tensorwise = gemm.recipe == "tensorwise"
+        tensorwise, block = gemm.recipe == "tensorwise", gemm.recipe in BLOCK
         if tensorwise:
             qx, sx, weight = ctx.saved_tensors
             qg, sg = gemm.quantize(g, gd, None, s.tokens + s.outer)
@@ -123,7 +141,9 @@ class _Fp8LinearParts(torch.autograd.Function):
             x2, weight = ctx.saved_tensors
         dx = dw = db = None
         if need_x:  # first: a ZeRO-3 fold below may free the weight's storage
-            if tensorwise:
+            if block:  # g per token and W^T along `out`
+                dx = gemm.block_mm(g, weight.t(), ctx.x_dtype)
+            elif tensorwise:
                 qw, sw = gemm.quantize(weight, e4m3, None, s.outer + s.inner)
                 dx = smm.scaled_mm(qg, qw, sg, sw, ctx.x_dtype)
             else:
@@ -134,7 +154,9 @@ class _Fp8LinearParts(torch.autograd.Function):
         if need_b:
             db = (gs[0].sum(0) if len(gs) == 1 else torch.cat([gi.sum(0) for gi in gs])).to(ctx.bias_dtype)
         if need_w:
-            if tensorwise:
+            if block:  # g^T and x^T along the tokens
+                full = gemm.block_mm(g.t(), x2.t(), torch.float32, weight_rows=1)
+            elif tensorwise:
                 full = smm.scaled_mm(qg.t(), qx, sg, sx, torch.float32)
             else:
                 qgc, sgc = gemm.quantize(g, gd, 0, s.tokens)         # [1, out]
