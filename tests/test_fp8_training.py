@@ -116,6 +116,9 @@ def test_fp8_runs_match_single_process(dist_world, tp: int, cp: int, pp: int, sp
 WIDE = dict(hidden_size=256, num_heads=2, num_kv_heads=2, ffn_hidden_size=512)
 
 
+# cp2 is checked layer by layer (tests/test_fp8_layers.py): a whole cp2 run needs 512-token sequences for whole
+# 128-token wgrad blocks, where cp's attention round-off already flips e4m3 values in the first step, for the
+# tensorwise and rowwise recipes alike (measured: losses 2e-5 to 5e-5 apart at step 0 for all four recipes).
 @pytest.mark.parametrize("tp,sp,zero", [(2, True, 0), (1, False, 1)])  # tp2 + sp; dp2 ZeRO-1
 def test_block_recipe_runs_match_single_process(dist_world, tp: int, sp: bool, zero: int) -> None:
     dist_world(2).run(_check_run, tp, 1, 1, sp, zero, ("blockwise", "mxfp8"), WIDE)
