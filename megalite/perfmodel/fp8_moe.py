@@ -7,7 +7,8 @@ min(hidden, expert ffn) >= train.fp8_min_dim, the rule of megalite/fp8/enable.py
 shared experts (a dense MLP `layers.{i}.mlp.shared`, of width shared x shared ffn, filtered like any linear).
 `fp8_modules` names each module as `enable_fp8` returns it (tests/test_fp8_moe.py compares the two).
 
-Per token, with full recompute's second forward counted where it runs (hardware FLOPs, not model FLOPs):
+Per token, with full recompute's second forward counted where it runs (hardware FLOPs, not model FLOPs; the
+formulas are megalite/fp8/costs.py's `linear_flops` and `expert_flops`):
 
     module           FP8 FLOPs per token                                  hardware FLOPs per token
     dense linear     6 x W (fprop, dgrad, wgrad) [+ 2 W full recompute]   the same (all its GEMMs are FP8)
