@@ -1,4 +1,5 @@
-"""FP8 against BF16 on the demo: the loss curves of train.fp8 = none | tensorwise | rowwise, same seed and data.
+"""FP8 against BF16 on the demo: the loss curves of train.fp8 = none | tensorwise | rowwise, same seed and data
+(`--variants none blockwise mxfp8`: the block recipes instead, written as fp8_curve_blocks*).
 
 Each variant is a `pretrain.py` run (bf16 run dtype, logging every step, no evaluation), all three started
 together and sharing the machine, so a loaded machine slows them alike and a stopped benchmark leaves
@@ -9,6 +10,7 @@ gap, and whether any loss or gradient norm was NaN/inf.
     python bench/fp8_curve.py --steps 300            # the demo; ~minutes per 10 steps on a loaded 2-core box
     python bench/fp8_curve.py --smoke                # seconds: 3 steps
     python bench/fp8_curve.py --preset tiny-moe --steps 300 --micro-batch 2   # FP8 expert GEMMs too
+    python bench/fp8_curve.py --steps 300 --variants none blockwise mxfp8   # DeepSeek-V3's and MX's recipes
 Writes runs/bench/fp8_curve.{json,md} (fp8_curve_PRESET.* for another preset than the demo's), or into
 --out DIR (--out bench/results updates the published figures).
 """
@@ -31,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.launch import start_pretrain  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
+from megalite.fp8.costs import FP8_CHOICES  # noqa: E402
 
 VARIANTS = ("none", "tensorwise", "rowwise")
 
@@ -95,6 +98,8 @@ def main() -> int:
     ap.add_argument("--min-dim", type=int, default=128, help="train.fp8_min_dim")
     ap.add_argument("--tail", type=int, default=20, help="steps the final gap is averaged over")
     ap.add_argument("--threads", type=int, default=1, help="threads per run (three runs at once)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=FP8_CHOICES,
+                    help="train.fp8 values to run together; the first is the baseline the others are compared to")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
     args = ap.parse_args()
@@ -104,16 +109,19 @@ def main() -> int:
     work = out / f"fp8_curve_runs_{args.preset}"
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
-    procs = {v: launch(v, args, work / v) for v in VARIANTS}
+    variants = tuple(args.variants)
+    procs = {v: launch(v, args, work / v) for v in variants}
     codes = {v: p.wait() for v, p in procs.items()}
-    curves = {v: read_curve(work / v) for v in VARIANTS}
+    curves = {v: read_curve(work / v) for v in variants}
     res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                     "machine": f"{platform.machine()} {os.cpu_count()} cores", "preset": args.preset,
                     "load_start": round(load_start, 1), "load_end": round(os.getloadavg()[0], 1),
                     "smoke": args.smoke, "tail": args.tail, "exit_codes": codes},
-           "gaps": {v: compare(curves["none"], curves[v], args.tail) for v in VARIANTS[1:]},
+           "gaps": {v: compare(curves[variants[0]], curves[v], args.tail) for v in variants[1:]},
            "curves": {v: [(r["step"], r["loss"]) for r in c] for v, c in curves.items()}}
     name = "fp8_curve" if args.preset == "tiny" else f"fp8_curve_{args.preset}"  # the demo's keeps its name
+    name += "" if variants == VARIANTS else "_blocks" if set(variants) == {"none", "blockwise", "mxfp8"} else \
+        "_" + "_".join(variants)
     write_results(out, f"{name}_smoke" if args.smoke else name, res, to_markdown)
     return 0 if all(c == 0 for c in codes.values()) else 1
 

@@ -29,9 +29,11 @@ from bench.results_io import write_results  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.config.presets import PRESETS  # noqa: E402
-from megalite.layers import scaled_mm as smm  # noqa: E402
-from megalite.layers.fp8 import Fp8Gemm, Fp8Settings, Splits, enable_fp8  # noqa: E402
-from megalite.layers.fp8_experts import Fp8Experts  # noqa: E402
+from megalite.fp8 import scaled_mm as smm  # noqa: E402
+from megalite.fp8.costs import Splits  # noqa: E402
+from megalite.fp8.enable import Fp8Settings, enable_fp8  # noqa: E402
+from megalite.fp8.linear import Fp8Gemm  # noqa: E402
+from megalite.fp8.experts import Fp8Experts  # noqa: E402
 from megalite.layers.linear_fn import TakesGemms  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402

@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("atomic", "untrusted"),                      # base: link-safe atomic writes; bounded JSON/TOML reading
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
+    ("fp8",),                                     # core: FP8 GEMMs of the linears and the expert GEMMs
     ("moe",),                                     # core: mixture-of-experts layers (routers, experts, dispatch)
     ("model", "dp"),                              # core: the GPT; gradient sync and ZeRO (wraps a model it never imports)
     ("optim",),                                   # core: the optimizers' maths on the shards dp hands over

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
-from megalite.layers.fp8 import enable_fp8, fp8_settings
+from megalite.fp8.enable import enable_fp8, fp8_settings
 from megalite.model.compile import compile_blocks, cpu_compiler
 from megalite.model.gpt import GPT
 from megalite.moe.layer import ROUTED_SHAPES
@@ -268,12 +268,13 @@ def test_limit_benchmark_smoke(tmp_path: Path) -> None:
 
 def test_traced_fp8_gemms_have_the_layouts_inductor_lowers() -> None:
     """inductor's `_scaled_mm` lowering takes `a` row-major and `b` column-major only, on CPU too (torch 2.13):
-    every traced FP8 GEMM of a linear, forward and backward, both recipes, gets them (megalite/layers/scaled_mm.py).
+    every traced FP8 GEMM of a linear, forward and backward, both recipes, gets them (megalite/fp8/scaled_mm.py).
     Checked on AOTAutograd's graphs, without inductor's C++ compile."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd  # test-only: a backend that inspects the graphs
 
-    from megalite.layers.fp8 import Fp8Gemm, Splits
+    from megalite.fp8.costs import Splits
+    from megalite.fp8.linear import Fp8Gemm
 
     layouts: list[tuple[bool, bool]] = []
 

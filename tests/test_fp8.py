@@ -1,7 +1,7 @@
 """FP8 in one process: the `_scaled_mm` wrapper, the FP8 linear against a plain-torch emulation (quantize,
 dequantize, matmul in fp32) to the bit, the filter, the config errors, and the estimator's FP8 and MFU figures.
 
-Why bitwise: torch 2.13's CPU `_scaled_mm` dequantizes and multiplies in fp32 (megalite/layers/scaled_mm.py),
+Why bitwise: torch 2.13's CPU `_scaled_mm` dequantizes and multiplies in fp32 (megalite/fp8/scaled_mm.py),
 and the scales are powers of two, so `(q.float() * scale) @ (q.float() * scale)` is the same computation, done
 by the same fp32 GEMM; the emulation below computes its scales independently (float64 log2, not frexp).
 """
@@ -15,9 +15,10 @@ import torch
 
 from megalite.config import Config, validate
 from megalite.errors import ConfigError
-from megalite.layers import scaled_mm as smm
-from megalite.layers.fp8 import Fp8Gemm, Splits, fp8_filter
-from megalite.layers.scaled_mm import pow2_scale
+from megalite.fp8 import scaled_mm as smm
+from megalite.fp8.costs import Splits, fp8_filter
+from megalite.fp8.linear import Fp8Gemm
+from megalite.fp8.scaled_mm import pow2_scale
 from megalite.layers.linear_fn import part_blocks
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import Layout, estimate

@@ -1,4 +1,4 @@
-"""FP8 expert GEMMs (megalite/layers/fp8_experts.py): against a plain-torch emulation to the bit, the filter
+"""FP8 expert GEMMs (megalite/fp8/experts.py): against a plain-torch emulation to the bit, the filter
 on the experts, a whole ep2 run against the single-process run for both recipes, and the estimator's count of the
 FP8 modules (megalite/perfmodel/fp8_moe.py).
 
@@ -34,8 +34,8 @@ import pytest
 import torch
 
 from megalite.errors import ConfigError
-from megalite.layers.fp8 import Fp8Settings, enable_fp8
-from megalite.layers.fp8_experts import Fp8ExpertGemm
+from megalite.fp8.enable import Fp8Settings, enable_fp8
+from megalite.fp8.experts import Fp8ExpertGemm
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
@@ -118,12 +118,12 @@ def test_the_filter_on_the_experts() -> None:
     assert all(m.fp8 is None for n, m in model.named_modules() if n.endswith("experts"))  # type: ignore[union-attr]
 
 
-def _run_ep2(rank: int) -> None:
+def _run_ep2(rank: int, recipes: tuple[str, ...]) -> None:
     st = moe_layout(ep=2)
     cfg = tiny_moe_cfg(seq_len=SEQ)
     every_step = random_steps(cfg, STEPS, MICRO * st.dp)  # one micro-batch per rank (module doc)
     train = tiny_train_cfg(STEPS, clip_grad=0.0)
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in recipes:
         settings = Fp8Settings(recipe, MIN_DIM)  # type: ignore[arg-type]
         ref = GPT(cfg, ParallelState(), seed=5)
         assert sum(n.endswith("experts") for n in enable_fp8([ref], settings, ParallelState())) == cfg.num_layers
@@ -150,7 +150,13 @@ def _run_ep2(rank: int) -> None:
 
 
 def test_fp8_experts_at_ep2_match_single_process(dist_world) -> None:
-    dist_world(2).run(_run_ep2)
+    dist_world(2).run(_run_ep2, ("tensorwise", "rowwise"))
+
+
+def test_block_recipe_experts_at_ep2_match_single_process(dist_world) -> None:
+    """The block recipes (megalite/fp8/blocks.py) keep the expert scales layout-free too (per token along the
+    channels, weight blocks within an expert): the same bitwise equality."""
+    dist_world(2).run(_run_ep2, ("blockwise", "mxfp8"))
 
 
 def test_the_estimate_counts_the_fp8_modules_enable_fp8_selects(capsys) -> None:

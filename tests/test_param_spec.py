@@ -48,7 +48,7 @@ def test_every_layer_declares_its_parameters() -> None:
 def test_expert_weights_say_what_they_are() -> None:
     """MoE experts declare their weights as stacks of whole per-expert matrices, reduced as expert-parallel
     weights; Muon's planner and the FP8 filter derive what they need from that (no method on the module)."""
-    from megalite.layers.fp8 import stacked_dims
+    from megalite.fp8.enable import stacked_dims
     from megalite.moe.experts import Experts
 
     h, f = 16, 24

@@ -29,6 +29,7 @@ from typing import Callable, NoReturn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.fp8.costs import FP8_CHOICES  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
@@ -133,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-node (NVLink) bandwidth in GB/s for TP (default: the inter-node one)")
     h.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per device")
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
-    h.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
+    h.add_argument("--fp8", choices=list(FP8_CHOICES), default="none",
                    help="train.fp8: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
-                        "all-reduces (docs/fp8.md; a MoE preset's expert GEMMs: its MoE section); MFU: bf16 peak")
+                        "all-reduces and scale tensors (docs/fp8.md; a MoE preset's expert GEMMs: its MoE section); "
+                        "MFU: bf16 peak")
     h.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="train.optimizer: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
     h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="train.fp8_min_dim (the FP8 filter)")

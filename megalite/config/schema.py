@@ -103,7 +103,7 @@ class TrainConfig:
     dtype: str = _f("auto", "auto | fp32 | bf16 | fp16 (auto = bf16 on CUDA, fp32 on CPU)")
     device: str = _f("auto", "auto | cpu | cuda")
     fp8: str = _f("none", "FP8 matmuls in the block linears and expert GEMMs, current scaling: "
-                          "none | tensorwise | rowwise (docs/fp8.md)")
+                          "none | tensorwise | rowwise | blockwise | mxfp8 (docs/fp8.md)")
     fp8_min_dim: int = _f(128, "FP8 filter: a linear stays in the run dtype when its smallest logical dimension "
                                "is below this (the output layer always does)")
     tune_malloc: bool = _f(True, "glibc: keep freed host memory for the next step instead of returning it to the "

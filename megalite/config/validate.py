@@ -20,6 +20,7 @@ from megalite.config.presets import PRESETS
 from megalite.config.validate_features import (compile_problems, cp_mode_problems, fp8_problems, moe_problems,
                                               muon_problems)
 from megalite.config.validate_fields import field_problems, text_problems
+from megalite.fp8.costs import FP8_CHOICES
 from megalite.model.params import count_params
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "parallel.cp_mode": ("ring", "allgather", "a2a", "hybrid"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
-    "train.fp8": ("none", "tensorwise", "rowwise"),
+    "train.fp8": FP8_CHOICES,
     "train.optimizer": ("adamw", "muon"),
 })
 

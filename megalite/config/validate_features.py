@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import torch
 
-from megalite.errors import ConfigError
-from megalite.layers import scaled_mm
+from megalite.fp8 import checks, costs
+from megalite.moe.settings import MoESettings, moe_layers
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -36,26 +35,21 @@ def cp_mode_problems(cfg: Config) -> list[str]:
 
 
 def fp8_problems(cfg: Config, device_type: str) -> list[str]:
-    """train.fp8 against the torch, the device and the dtype it would run with (docs/fp8.md)."""
-    tr = cfg.train
+    """train.fp8 (megalite/fp8/checks.py): the torch, device and dtype it runs with; a block recipe's layout."""
+    tr, m, p = cfg.train, cfg.model, cfg.parallel
     if tr.fp8 == "none":
         return []
-    out: list[str] = []
-    if tr.fp8_min_dim < 1:
-        out.append(f"train.fp8_min_dim must be >= 1, got {tr.fp8_min_dim}")
-    try:
-        scaled_mm.check_available()
-    except ConfigError as e:
-        out.append(str(e))
-    if tr.dtype == "fp16":
-        out.append(f"train.fp8={tr.fp8} with train.dtype=fp16 is not supported (fp16 loss scaling would scale the "
-                   "gradients FP8 re-scales anyway): use train.dtype=bf16 (or fp32)")
-    if device_type == "cuda" and torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        if cap < scaled_mm.MIN_CUDA_CAPABILITY:
-            out.append(f"train.fp8={tr.fp8} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
-                       f"newer) but {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}: set train.fp8=none")
-    return out
+    hd = m.head_dim or m.hidden_size // max(m.num_heads, 1)
+    gated, q, kv = m.arch == "llama", m.num_heads * hd, (m.num_kv_heads or m.num_heads) * hd
+    dense = costs.block_gemms(m.hidden_size, q, kv, m.ffn_hidden_size, gated, tr.fp8_min_dim)
+    gemms = [g for g in dense if g.name.startswith("attn.")]
+    s = MoESettings.from_model(m)
+    if s is None or len(moe_layers(m)) < m.num_layers:  # a dense layer's MLP
+        gemms += [g for g in dense if g.name.startswith("mlp.")]
+    if s is not None and s.shared:
+        gemms += costs.shared_expert_gemms(m.hidden_size, s.shared * s.shared_ffn, gated, tr.fp8_min_dim)
+    return (checks.fp8_problems(tr.fp8, tr.fp8_min_dim, tr.dtype, device_type)
+            + checks.block_layout_problems(tr.fp8, gemms, p.tp, p.cp, m.seq_len))
 
 
 def moe_problems(cfg: Config) -> list[str]:

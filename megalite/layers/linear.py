@@ -10,7 +10,7 @@ Each layer declares how its parameters are cut (`param_specs()`, a `ParamSpec` p
 under SP, with gradients that are partial sums over TP).
 
 The matmuls run in `linear_fn` (one per logical part), or in the `Gemms` a caller swaps in (`set_gemms`:
-FP8's, `megalite.layers.fp8`). Both layers implement the gradient sync's `FoldsWeightGrad` contract
+FP8's, `megalite.fp8.linear`). Both layers implement the gradient sync's `FoldsWeightGrad` contract
 (`megalite.dp.grad_sync`): a sync that keeps fp32 gradient buffers registers a fold with `set_wgrad_fold`,
 and the weight gradient then goes straight into its buffer.
 """
@@ -44,7 +44,7 @@ class _SwappableGemms:
     gemms: Gemms = TORCH_GEMMS
 
     def set_gemms(self, gemms: Gemms | None) -> None:
-        """Run this layer's matmuls with `gemms` (FP8: `megalite.layers.fp8.enable_fp8`), or torch's (None)."""
+        """Run this layer's matmuls with `gemms` (FP8: `megalite.fp8.enable.enable_fp8`), or torch's (None)."""
         self.gemms = TORCH_GEMMS if gemms is None else gemms
 
 

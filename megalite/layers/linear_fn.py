@@ -154,7 +154,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fold: Fold | N
 
 class Gemms(Protocol):
     """The matmuls a parallel linear calls: this module's `linear_parts` / `linear` by default (`TORCH_GEMMS`),
-    or another implementation with the same arguments and outputs (FP8: `megalite.layers.fp8.Fp8Gemm`)."""
+    or another implementation with the same arguments and outputs (FP8: `megalite.fp8.linear.Fp8Gemm`)."""
 
     def linear_parts(self, x: Tensor, weight: Tensor, bias: Tensor | None, blocks: Blocks,
                      fold: Fold | None = None) -> tuple[Tensor, ...]: ...
@@ -174,6 +174,6 @@ TORCH_GEMMS: Gemms = _TorchGemms()
 
 @runtime_checkable
 class TakesGemms(Protocol):
-    """A layer whose matmuls can be swapped (`megalite.layers.fp8.enable_fp8` gives it FP8 GEMMs)."""
+    """A layer whose matmuls can be swapped (`megalite.fp8.enable.enable_fp8` gives it FP8 GEMMs)."""
 
     def set_gemms(self, gemms: Gemms | None) -> None: ...

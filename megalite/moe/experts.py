@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn as nn
 
-from megalite.layers.fp8_experts import Fp8ExpertGemm
+from megalite.fp8.experts import Fp8ExpertGemm
 from megalite.layers.init import full_normal
 from megalite.moe.grouped import expert_mm
 from megalite.parallel.param_spec import EXPERT_PARALLEL, REPLICATED, MatrixStack, ParamSpec
@@ -33,7 +33,7 @@ class Activations(Protocol):
 
 
 class Experts(nn.Module):
-    fp8: Fp8ExpertGemm | None = None  # set by `megalite.layers.fp8.enable_fp8`: the expert GEMMs in FP8
+    fp8: Fp8ExpertGemm | None = None  # set by `megalite.fp8.enable.enable_fp8`: the expert GEMMs in FP8
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, state: ParallelState, ops: Activations,
                  name: str, seed: int, std: float, num_layers: int) -> None:

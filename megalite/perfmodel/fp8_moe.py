@@ -3,11 +3,12 @@
 `megalite.perfmodel.fp8` counts a dense block's four linears. A MoE model's blocks differ by layer (`moe_layers`):
 a dense layer has the attention's two linears and the MLP's two; a MoE layer has the attention's, a router (an fp32
 matmul, never FP8), its routed experts (one module per layer, `layers.{i}.mlp.experts`, in FP8 when
-min(hidden, expert ffn) >= train.fp8_min_dim, the rule of megalite/layers/fp8.py's `enable_fp8`) and optionally its
+min(hidden, expert ffn) >= train.fp8_min_dim, the rule of megalite/fp8/enable.py's `enable_fp8`) and optionally its
 shared experts (a dense MLP `layers.{i}.mlp.shared`, of width shared x shared ffn, filtered like any linear).
 `fp8_modules` names each module as `enable_fp8` returns it (tests/test_fp8_moe.py compares the two).
 
-Per token, with full recompute's second forward counted where it runs (hardware FLOPs, not model FLOPs):
+Per token, with full recompute's second forward counted where it runs (hardware FLOPs, not model FLOPs; the
+formulas are megalite/fp8/costs.py's `linear_flops` and `expert_flops`):
 
     module           FP8 FLOPs per token                                  hardware FLOPs per token
     dense linear     6 x W (fprop, dgrad, wgrad) [+ 2 W full recompute]   the same (all its GEMMs are FP8)
@@ -15,7 +16,7 @@ Per token, with full recompute's second forward counted where it runs (hardware 
 
 W: a linear's weights, W_e: one expert's (3 h F SwiGLU, 2 h F GeLU). An expert's weight gradient contracts over the
 tokens the expert received, which no layout-free FP8 scale covers, so it runs in the run dtype
-(megalite/layers/fp8_experts.py): two of an expert's three GEMMs are FP8. The share is of the active model's
+(megalite/fp8/experts.py): two of an expert's three GEMMs are FP8. The share is of the active model's
 hardware FLOPs (`active_hardware_flops`: attention, each layer's MLP as the token computes it, the router, the head).
 
 Amax traffic: the expert scales are per token and per expert weight, whole on their rank, so the experts reduce
@@ -30,10 +31,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megalite.layers.fp8 import fp8_filter
+from megalite.fp8.costs import Gemm, expert_flops, fp8_filter, linear_flops, shared_expert_gemms
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.flops import executed_flops
-from megalite.perfmodel.fp8 import Gemm, amax_bytes, layer_gemms
+from megalite.perfmodel.fp8 import amax_bytes, layer_gemms
 from megalite.perfmodel.inputs import Layout, ModelDims
 
 
@@ -59,15 +60,12 @@ def model_dims(m: Any) -> ModelDims:
 
 
 def _linear(prefix: str, g: Gemm) -> Fp8Module:
-    return Fp8Module(prefix + g.name, g.kind, g.fp8, g.weights, 6.0 * g.weights, 6.0 * g.weights if g.fp8 else 0.0,
-                     2.0 * g.weights)
+    f = linear_flops(g.weights, g.fp8)
+    return Fp8Module(prefix + g.name, g.kind, g.fp8, g.weights, f.flops, f.fp8_flops, f.forward_flops)
 
 
 def _shared_gemms(m: Any, s: MoESettings, min_dim: int) -> list[Gemm]:
-    h, fs = m.hidden_size, s.shared * s.shared_ffn
-    up = (fs, fs) if m.arch == "llama" else (fs,)
-    shapes = [("mlp.shared.up", h, up, "column"), ("mlp.shared.down", fs, (h,), "row")]
-    return [Gemm(n, i, o, k, fp8_filter(n, i, list(o), min_dim)) for n, i, o, k in shapes]
+    return shared_expert_gemms(m.hidden_size, s.shared * s.shared_ffn, m.arch == "llama", min_dim)
 
 
 def _layer_linears(m: Any, s: MoESettings | None, is_moe: bool, min_dim: int) -> list[Gemm]:
@@ -90,8 +88,9 @@ def fp8_modules(m: Any, min_dim: int) -> list[Fp8Module]:
             assert s is not None
             one, k = (3 if m.arch == "llama" else 2) * m.hidden_size * s.ffn, s.top_k
             fp8 = fp8_filter(p + "mlp.experts", m.hidden_size, [s.ffn], min_dim)  # enable_fp8's rule
-            out.append(Fp8Module(p + "mlp.experts", "experts", fp8, s.experts * one, 6.0 * k * one,
-                                 4.0 * k * one if fp8 else 0.0, 2.0 * k * one))
+            f = expert_flops(one, k, fp8)
+            out.append(Fp8Module(p + "mlp.experts", "experts", fp8, s.experts * one, f.flops, f.fp8_flops,
+                                 f.forward_flops))
     return out
 
 

@@ -3,6 +3,7 @@ step time and MFU of one `Estimate`, with the layout it was computed for."""
 
 from __future__ import annotations
 
+from megalite.fp8.costs import is_block_recipe
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
 from megalite.perfmodel.peak_memory import PeakOptions, peak_memory
 
@@ -69,8 +70,12 @@ def render(est: Estimate, kw: dict) -> str:
         names = [g["name"] for g in f8["gemms"] if g["fp8"]]
         out.append(f"fp8 {f8['recipe']} (min dim {f8['min_dim']}): {', '.join(names) or 'no GEMM'} in FP8, "
                    f"{f8['fp8_flops_fraction']:.1%} of the hardware FLOPs; amax all-reduces "
-                   + (", ".join(f"{g} {b / 1e6:.3g} MB" for g, b in f8["amax_bytes"].items()) or "none (tp = cp = 1)") +
-                   f"; largest FP8 weight copy {f8['weight_copy_bytes'] / 2**20:.1f} MiB")
+                   + (", ".join(f"{g} {b / 1e6:.3g} MB" for g, b in f8["amax_bytes"].items()) or ("none (block scales)" if is_block_recipe(f8["recipe"]) else "none (tp = cp = 1)")) +
+                   f"; largest FP8 weight copy {f8['weight_copy_bytes'] / 2**20:.1f} MiB; scale tensors "
+                   f"{f8['scale_bytes'] / 2**20:.2f} MiB per layer and micro-batch")
+        if is_block_recipe(f8["recipe"]):
+            out.append(f"fp8 {f8['recipe']}: the FP8 peak prices a native block-scaled GEMM; megalite emulates it "
+                       "today (megalite/fp8/blocks.py), so a run is slower than predicted")
         if est.predicted_mfu_fp8_peak is not None:
             out.append(f"MFU is over the bf16 dense peak; over the FP8 dense peak "
                        f"({f8['fp8_peak_flops'] / 1e12:.0f} TFLOP/s) it is {est.predicted_mfu_fp8_peak:.1%}")

@@ -26,7 +26,7 @@ from megalite.data.tokenizer import Tokenizer
 from megalite.dp import mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
-from megalite.layers.fp8 import enable_fp8, fp8_settings
+from megalite.fp8.enable import enable_fp8, fp8_settings, gemm_note
 from megalite.model.compile import compile_blocks
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
@@ -224,6 +224,8 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
                               tracker)
     logger.totals.tokens_seen = start_step * meter.tokens_per_step
     meter.startup(logger, resumed_from, start_step, malloc_note)
+    if (fp8_note := gemm_note(tr.fp8)) is not None:
+        logger.note(fp8_note)
     if resumed_from is None and cfg.train.init_from:
         logger.note(f"initialized the weights from {cfg.train.init_from} (train.init_from; fresh optimizer, schedule "
                     "and data position)")

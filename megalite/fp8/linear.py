@@ -1,7 +1,9 @@
 """FP8 linears with current (just-in-time) scaling, the same numbers at every parallel layout.
 
 `train.fp8` = tensorwise | rowwise turns the column- and row-parallel linears chosen by the filter
-(`fp8_filter`) into FP8 GEMMs (`megalite.layers.scaled_mm`). docs/fp8.md has the whole recipe; in short,
+(`fp8_filter`) into FP8 GEMMs (`megalite.fp8.scaled_mm`); blockwise | mxfp8 into block-scaled GEMMs, emulated
+(megalite/fp8/blocks.py has those recipes, their blocks per GEMM and why no amax of theirs is reduced: below is
+tensorwise and rowwise). docs/fp8.md has the whole recipe; in short,
 for one linear y = x W^T with x [T, in] (T tokens), W [out, in], g = dL/dy [T, out]:
 
     GEMM    computes      operands (dtype)        tensorwise scale     rowwise scale (amax over the contraction dim)
@@ -39,25 +41,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from megalite.layers import scaled_mm as smm
-from megalite.layers.scaled_mm import Recipe, cast_scaled
-from megalite.layers.linear_fn import Blocks, Fold, TakesGemms
+from megalite.fp8 import scaled_mm as smm
+from megalite.fp8.blocks import block_mm, quantize_blocks
+from megalite.fp8.costs import BLOCK, WEIGHT_BLOCK, Groups, Recipe, Splits
+from megalite.fp8.scaled_mm import cast_scaled
+from megalite.layers.linear_fn import Blocks, Fold
 from megalite.parallel import comm
-from megalite.parallel.param_spec import DeclaresParamSpecs
-from megalite.parallel.state import GroupKind, ParallelState
+from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
-FP8_CHOICES = ("none", "tensorwise", "rowwise")
-Groups = tuple[GroupKind, ...]
-
-
-@dataclass(frozen=True)
-class Splits:
-    """The groups splitting each dimension of a linear's 2-D operands at its GEMMs."""
-
-    tokens: Groups  # T (cp)
-    inner: Groups   # in (tp for a row-parallel linear)
-    outer: Groups   # out (tp for a column-parallel linear)
 
 
 @dataclass(frozen=True)
@@ -77,6 +69,14 @@ class Fp8Gemm:
             comm.all_reduce(amax, self.state, g, op=dist.ReduceOp.MAX)
         return cast_scaled(t, amax, dtype)
 
+    def block_mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, weight_rows: int | None = None) -> Tensor:
+        """a @ b^T under a block recipe (megalite/fp8/blocks.py): a in 1 x B blocks, b in Bw x B blocks (Bw the
+        recipe's weight block unless `weight_rows` says), both along the contraction dim."""
+        b_len = BLOCK[self.recipe]
+        rows = WEIGHT_BLOCK[self.recipe] if weight_rows is None else weight_rows
+        return block_mm(quantize_blocks(a, 1, b_len, self.recipe), quantize_blocks(b, rows, b_len, self.recipe),
+                        out_dtype)
+
     def grad_dtype(self) -> torch.dtype:
         return smm.E5M2 if self.recipe == "tensorwise" else smm.E4M3  # type: ignore[return-value]
 
@@ -90,6 +90,10 @@ class Fp8Gemm:
         return _Fp8LinearParts.apply(x, weight, bias, ((0, weight.shape[0]),), fold, self)[0]
 
 
+def _with_bias(y: Tensor, bias: Tensor | None, lo: int, hi: int) -> Tensor:
+    return y if bias is None else y + bias[lo:hi].to(y.dtype)
+
+
 class _Fp8LinearParts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
@@ -97,6 +101,13 @@ class _Fp8LinearParts(torch.autograd.Function):
         s, e4m3 = gemm.splits, smm.E4M3
         assert e4m3 is not None
         x2 = x.reshape(-1, x.shape[-1])
+        ctx.blocks, ctx.x_shape, ctx.fold, ctx.gemm = blocks, x.shape, fold, gemm
+        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        if gemm.recipe in BLOCK:  # megalite/fp8/blocks.py: blocks along `in`, no amax reduced
+            ctx.save_for_backward(x2, weight)
+            y_all = gemm.block_mm(x2, weight, x.dtype)
+            return tuple(_with_bias(y_all[:, lo:hi].contiguous(), bias, lo, hi).view(*x.shape[:-1], hi - lo)
+                         for lo, hi in blocks)
         if gemm.recipe == "tensorwise":
             qx, sx = gemm.quantize(x2, e4m3, None, s.tokens + s.inner)
             qw, sw = gemm.quantize(weight, e4m3, None, s.outer + s.inner)
@@ -109,12 +120,8 @@ class _Fp8LinearParts(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         outs = []
         for (lo, hi), swi in zip(blocks, sw_rows):
-            y = smm.scaled_mm(qx, qw[lo:hi].t(), sx, swi, x.dtype)
-            if bias is not None:
-                y = y + bias[lo:hi].to(x.dtype)
+            y = _with_bias(smm.scaled_mm(qx, qw[lo:hi].t(), sx, swi, x.dtype), bias, lo, hi)
             outs.append(y.view(*x.shape[:-1], hi - lo))
-        ctx.blocks, ctx.x_shape, ctx.fold, ctx.gemm = blocks, x.shape, fold, gemm
-        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         return tuple(outs)
 
     @staticmethod
@@ -126,7 +133,7 @@ class _Fp8LinearParts(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gs = [g.reshape(-1, g.shape[-1]) for g in grads]
         g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)  # [T, out]: one GEMM over every part
-        tensorwise = gemm.recipe == "tensorwise"
+        tensorwise, block = gemm.recipe == "tensorwise", gemm.recipe in BLOCK
         if tensorwise:
             qx, sx, weight = ctx.saved_tensors
             qg, sg = gemm.quantize(g, gd, None, s.tokens + s.outer)
@@ -134,7 +141,9 @@ class _Fp8LinearParts(torch.autograd.Function):
             x2, weight = ctx.saved_tensors
         dx = dw = db = None
         if need_x:  # first: a ZeRO-3 fold below may free the weight's storage
-            if tensorwise:
+            if block:  # g per token and W^T along `out`
+                dx = gemm.block_mm(g, weight.t(), ctx.x_dtype)
+            elif tensorwise:
                 qw, sw = gemm.quantize(weight, e4m3, None, s.outer + s.inner)
                 dx = smm.scaled_mm(qg, qw, sg, sw, ctx.x_dtype)
             else:
@@ -145,7 +154,9 @@ class _Fp8LinearParts(torch.autograd.Function):
         if need_b:
             db = (gs[0].sum(0) if len(gs) == 1 else torch.cat([gi.sum(0) for gi in gs])).to(ctx.bias_dtype)
         if need_w:
-            if tensorwise:
+            if block:  # g^T and x^T along the tokens
+                full = gemm.block_mm(g.t(), x2.t(), torch.float32, weight_rows=1)
+            elif tensorwise:
                 full = smm.scaled_mm(qg.t(), qx, sg, sx, torch.float32)
             else:
                 qgc, sgc = gemm.quantize(g, gd, 0, s.tokens)         # [1, out]
@@ -159,92 +170,3 @@ class _Fp8LinearParts(torch.autograd.Function):
             else:
                 dw = full.to(weight.dtype)
         return dx, dw, db, None, None, None
-
-
-def amax_reductions(recipe: Recipe, splits: Splits, tokens: int, in_local: int, out_local: int) -> list[tuple[Groups, int]]:
-    """(groups, fp32 elements) of every amax all-reduce one linear call makes, forward and backward (input
-    and weight gradients both needed): what `Fp8Gemm.quantize` sends, for the estimator and the tests."""
-    s = splits
-    if recipe == "tensorwise":  # x, W (fprop); g, W again (dgrad); wgrad reuses g's and x's
-        return [(s.tokens + s.inner, 1), (s.outer + s.inner, 1), (s.tokens + s.outer, 1), (s.outer + s.inner, 1)]
-    return [(s.inner, tokens), (s.inner, out_local),     # fprop: x per token, W per row
-            (s.outer, tokens), (s.outer, in_local),      # dgrad: g per token, W per column
-            (s.tokens, out_local), (s.tokens, in_local)]  # wgrad: g per output row, x per input column
-
-
-@dataclass(frozen=True)
-class Fp8Settings:
-    """`train.fp8` and its filter: a linear runs in FP8 when it is not the output layer and
-    min(in_features, every output part) >= min_dim, on the logical (unsharded) shape so that every
-    layout makes the same choice."""
-
-    recipe: Recipe
-    min_dim: int
-
-
-def fp8_settings(recipe: str, min_dim: int) -> Fp8Settings | None:
-    """`train.fp8` / `train.fp8_min_dim` as settings (None for "none"); validation has checked the name."""
-    if recipe == "none":
-        return None
-    if recipe not in ("tensorwise", "rowwise"):
-        raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {FP8_CHOICES}")
-    return Fp8Settings(cast(Recipe, recipe), min_dim)
-
-
-def fp8_filter(name: str, in_features: int, out_parts: list[int], min_dim: int) -> bool:
-    """Whether the linear `name` (a module path) with these logical sizes runs in FP8."""
-    if name == "head" or name.endswith(".head"):  # the output layer stays in the run dtype (torchao, TE)
-        return False
-    return min([in_features, *out_parts]) >= min_dim
-
-
-def linear_shapes(module: nn.Module) -> tuple[str, int, list[int]] | None:
-    """('column' | 'row', logical in_features, logical output parts) of a parallel linear, else None."""
-    from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    if isinstance(module, ColumnParallelLinear):
-        return "column", module.weight.shape[1], list(module.out_parts)
-    if isinstance(module, RowParallelLinear):
-        return "row", module.weight.shape[1] * module.state.tp, [module.weight.shape[0]]
-    return None
-
-
-def stacked_dims(module: nn.Module) -> list[int]:
-    """Every logical size of the matrices `module`'s own parameters stack (`ParamSpec.stack`: the MoE experts'
-    hidden and ffn sizes); empty for a module holding no stack."""
-    if not isinstance(module, DeclaresParamSpecs):
-        return []
-    specs = module.param_specs()
-    stacks = [(specs[n].stack, p) for n, p in module.named_parameters(recurse=False) if n in specs]
-    return [d for stack, p in stacks if stack is not None for d in stack.dims(p.shape[-1])]
-
-
-def enable_fp8(chunks: list[nn.Module], settings: Fp8Settings | None, state: ParallelState) -> list[str]:
-    """Give every filtered parallel linear of `chunks` its `Fp8Gemm`, and every filtered module of experts its
-    `Fp8ExpertGemm` (megalite/layers/fp8_experts.py; None settings: leave all in the run dtype); returns the
-    names of the FP8 modules."""
-    from megalite.layers.fp8_experts import Fp8ExpertGemm, Fp8Experts
-
-    if settings is None:
-        return []
-    smm.check_available()
-    tokens: Groups = ("cp",) if state.cp > 1 else ()
-    tp: Groups = ("tp",) if state.tp > 1 else ()
-    chosen = []
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            dims = stacked_dims(module)
-            if dims and isinstance(module, Fp8Experts):  # its GEMMs share the rule: min(hidden, ffn)
-                if fp8_filter(name, dims[0], dims[1:], settings.min_dim):
-                    module.fp8 = Fp8ExpertGemm(settings.recipe)
-                    chosen.append(name)
-                continue
-            shapes = linear_shapes(module)
-            if (shapes is None or not isinstance(module, TakesGemms)
-                    or not fp8_filter(name, shapes[1], shapes[2], settings.min_dim)):
-                continue
-            kind = shapes[0]
-            splits = Splits(tokens, tp if kind == "row" else (), tp if kind == "column" else ())
-            module.set_gemms(Fp8Gemm(settings.recipe, splits, state))
-            chosen.append(name)
-    return chosen

@@ -18,7 +18,7 @@ What torch 2.13 supports, checked on this pin (tests/test_fp8.py's first test as
   device (torch 2.13: "mat_b must be col_major"), so a traced call gets them on CPU too (a copy the graph plans).
 
 The power-of-two current scales both FP8 paths cast with (`pow2_scale`, `cast_scaled`) live here too, below the
-dense linears (megalite/layers/fp8.py) and the expert GEMMs (megalite/layers/fp8_experts.py).
+dense linears (megalite/fp8/linear.py) and the expert GEMMs (megalite/fp8/experts.py).
 
 `check_available()` is what config validation and the tests call: a torch without `_scaled_mm` or the
 float8 dtypes fails there with one line, not deep inside a training step.
@@ -27,7 +27,6 @@ float8 dtypes fails there with one line, not deep inside a training step.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
@@ -35,7 +34,6 @@ from megalite import torch_private
 from megalite.errors import ConfigError
 
 Tensor = torch.Tensor
-Recipe = Literal["tensorwise", "rowwise"]
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
 E5M2 = torch.float8_e5m2 if hasattr(torch, "float8_e5m2") else None
 # Dense FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.

@@ -1,6 +1,6 @@
 """FP8 expert GEMMs of a mixture-of-experts layer: y[rows of e] = x[rows of e] W_e^T in e4m3, current scaling.
 
-The dense linears' recipe (megalite/layers/fp8.py) scales activations and output gradients over the tokens of
+The dense linears' recipe (megalite/fp8/linear.py) scales activations and output gradients over the tokens of
 a micro-batch, which every layout can reconstruct with a max all-reduce over cp (and tp). An expert's rows
 are different: under expert parallelism the rank holding expert e receives the rows that *several* ranks'
 micro-batches routed to e (the all-to-all of megalite/moe/dispatch.py), while the single-process run meets
@@ -19,6 +19,10 @@ tensor). The weight gradient runs in the run dtype, as the non-FP8 experts' does
 weight's dtype (fp32 master). Powers-of-two scales and the same cast as the dense path (`cast_scaled`).
 Experts with no rows are skipped; their weight gradient is zero.
 
+The block recipes (megalite/fp8/blocks.py) fit this rule as they are: activation and gradient blocks run along the
+channels of one token (1 x 128, 1 x 32), and weight blocks lie within one expert, whole on its rank. Their GEMMs
+are emulated like the dense linears' (`_grouped_blocks`).
+
 The weight gradient is summed source rank by source rank (`sources`, from the dispatch: an expert's rows arrive
 ordered by the ep rank that sent them), one GEMM each, in rank order: the association of a dense weight's
 data-parallel gradient (each rank's part, then their sum). With one micro-batch per rank an ep run's expert
@@ -35,8 +39,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.autograd.function import once_differentiable
 
-from megalite.layers import scaled_mm as smm
-from megalite.layers.scaled_mm import Recipe, cast_scaled
+from megalite.fp8 import scaled_mm as smm
+from megalite.fp8.blocks import block_mm, quantize_blocks
+from megalite.fp8.costs import BLOCK, WEIGHT_BLOCK, Recipe
+from megalite.fp8.scaled_mm import cast_scaled
 
 Tensor = torch.Tensor
 
@@ -83,14 +89,31 @@ def _grouped(qa: Tensor, sa: Tensor, qw: Tensor, sw: Tensor, counts: list[int], 
     return out
 
 
+def _grouped_blocks(a: Tensor, weight: Tensor, counts: list[int], transpose: bool, recipe: Recipe,
+                    dtype: torch.dtype) -> Tensor:
+    """The block recipes' `_grouped` (megalite/fp8/blocks.py): a [N, K] in 1 x B blocks (per token), each expert's
+    weight (W_e, or W_e^T when `transpose` is False) in Bw x B blocks along the contraction dim, within the expert."""
+    b_len, rows = BLOCK[recipe], WEIGHT_BLOCK[recipe]
+    qa = quantize_blocks(a, 1, b_len, recipe)
+    w = weight.detach()
+    width = w.shape[1] if transpose else w.shape[2]
+    out = torch.zeros(a.shape[0], width, dtype=dtype, device=a.device)
+    for e, lo, hi in _spans(counts):
+        qw = quantize_blocks(w[e] if transpose else w[e].t(), rows, b_len, recipe)
+        out[lo:hi] = block_mm(qa.row_slice(lo, hi), qw, dtype)
+    return out
+
+
 class _Fp8ExpertMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, counts: list[int],  # type: ignore[override]
                 recipe: Recipe, sources: list[list[int]] | None) -> Tensor:
-        qx, sx = _quantize_rows(x)
-        qw, sw = _quantize_weight(weight, recipe, 2)  # per output row: amax over in
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.recipe, ctx.sources = counts, recipe, sources
+        if recipe in BLOCK:
+            return _grouped_blocks(x, weight, counts, True, recipe, x.dtype)
+        qx, sx = _quantize_rows(x)
+        qw, sw = _quantize_weight(weight, recipe, 2)  # per output row: amax over in
         return _grouped(qx, sx, qw, sw, counts, True, weight.shape[1], x.dtype)
 
     @staticmethod
@@ -100,7 +123,9 @@ class _Fp8ExpertMM(torch.autograd.Function):
         counts: list[int] = ctx.counts
         g = g.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.recipe in BLOCK:
+            dx = _grouped_blocks(g, weight, counts, False, ctx.recipe, x.dtype)
+        elif ctx.needs_input_grad[0]:
             qg, sg = _quantize_rows(g)
             qw, sw = _quantize_weight(weight, ctx.recipe, 1)  # per input column: amax over out
             dx = _grouped(qg, sg, qw, sw, counts, False, weight.shape[2], x.dtype)
@@ -115,7 +140,7 @@ class _Fp8ExpertMM(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Fp8ExpertGemm:
-    """The expert GEMMs of one MoE layer in FP8 (set on the experts by `megalite.layers.fp8.enable_fp8`)."""
+    """The expert GEMMs of one MoE layer in FP8 (set on the experts by `megalite.fp8.enable.enable_fp8`)."""
 
     recipe: Recipe
 
