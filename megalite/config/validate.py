@@ -20,7 +20,9 @@ from megalite.config.presets import PRESETS
 from megalite.config.validate_features import (compile_problems, cp_mode_problems, fp8_problems, moe_problems,
                                               muon_problems)
 from megalite.config.validate_fields import field_problems, text_problems
+from megalite.mla.config import mla_problems
 from megalite.model.params import count_params
+from megalite.model.rope import RopeScaling, rope_scaling_problems
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -324,6 +326,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += muon_problems(cfg)
+    problems += mla_problems(cfg.mla, cfg.model) + rope_scaling_problems(RopeScaling.of(cfg.model))
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     problems += fp8_problems(cfg, device_type)

@@ -1,0 +1,112 @@
+"""MLA and RoPE scaling against transformers: YaRN / llama3 frequencies and factors equal ROPE_INIT_FUNCTIONS',
+one MLA layer (YaRN on) equals DeepseekV3Attention with the weights copied through megalite/checkpoint/hf_mla.py,
+both ways, interleaved RoPE or not, with and without the low-rank query; and the `[mla]` checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megalite.checkpoint.hf_mla import attention_from_hf, attention_to_hf
+from megalite.config.schema import ModelConfig
+from megalite.mla.attention import MLAContext, MLAttention
+from megalite.mla.config import MLAConfig, mla_problems
+from megalite.model.ops import TORCH_OPS, masked_attention
+from megalite.model.rope import RopeScaling, attention_factor, inv_freq, rope_tables, softmax_scale_factor
+from megalite.parallel.state import ParallelState
+
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale  # noqa: E402
+
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+            mscale=0.707, mscale_all_dim=1.0)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+
+
+def _ours(p: dict) -> RopeScaling:
+    return RopeScaling(p["rope_type"], p["factor"], p["original_max_position_embeddings"], p.get("beta_fast", 32.0),
+                       p.get("beta_slow", 1.0), p.get("mscale", 0.0), p.get("mscale_all_dim", 0.0),
+                       p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0))
+
+
+@pytest.mark.parametrize("params,dim", [(YARN, 16), (YARN | dict(mscale=0.0, mscale_all_dim=0.0), 64),
+                                        (YARN | dict(beta_fast=8.0, beta_slow=2.0), 32), (LLAMA3, 32)])
+def test_rope_scaling_equals_transformers(params: dict, dim: int) -> None:
+    hf = transformers.LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim,
+                                  max_position_embeddings=256,
+                                  rope_parameters={"rope_theta": 10000.0, **params})
+    want, want_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+    r = _ours(params)
+    # Same fp32 formulas in the same order: equal to the last bit.
+    assert torch.equal(inv_freq(dim, 10000.0, r), want)
+    assert attention_factor(r) == pytest.approx(want_factor, rel=1e-12)
+    assert softmax_scale_factor(r) == pytest.approx(yarn_apply_mscale(params, 1.0), rel=1e-12)
+    cos, _ = rope_tables(8, dim, 10000.0, r)
+    assert torch.allclose(cos[3], (3 * want.double()).cos().float() * want_factor, atol=1e-6)
+
+
+def _hf_attention(q_lora: int | None, interleave: bool) -> tuple:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    cfg = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                        q_lora_rank=q_lora, kv_lora_rank=16, qk_rope_head_dim=8,
+                                        qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=128,
+                                        rope_interleave=interleave, rms_norm_eps=1e-6,
+                                        rope_parameters={"rope_theta": 10000.0, **YARN})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attn = DeepseekV3Attention(cfg, layer_idx=0).eval()
+    with torch.no_grad():  # norms off 1, so a wrong norm mapping shows
+        for name, p in attn.named_parameters():
+            p.copy_(torch.randn(p.shape) * (0.2 if p.dim() > 1 else 0.3) + (1.0 if p.dim() == 1 else 0.0))
+    return cfg, attn, DeepseekV3RotaryEmbedding(cfg)
+
+
+def _megalite_attention(q_lora: int, params: dict) -> MLAttention:
+    mla = MLAConfig(kv_lora_rank=16, q_lora_rank=q_lora, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+    shape = SimpleNamespace(hidden_size=64, num_heads=4, num_layers=2, norm_eps=1e-6, init_std=0.02,
+                            recompute="none")
+    ctx = MLAContext(mla, softmax_scale_factor(_ours(params)), TORCH_OPS, masked_attention)
+    return MLAttention(shape, ctx, ParallelState(), TORCH_OPS, "layers.0.attn", seed=1)
+
+
+@pytest.mark.parametrize("q_lora,interleave", [(32, True), (None, False)])
+def test_mla_layer_equals_deepseek_v3_attention(q_lora: int | None, interleave: bool) -> None:
+    cfg, hf, rotary = _hf_attention(q_lora, interleave)
+    ours = _megalite_attention(q_lora or 0, YARN)
+    mla = ours.mla.config
+    got = attention_from_hf(hf.state_dict(), mla, 4, interleave)
+    assert sorted(got) == sorted(n for n, _ in ours.named_parameters())
+    ours.load_state_dict(got)
+    # Export is the exact inverse (a permutation and renames).
+    back = attention_to_hf(got, mla, 4, interleave)
+    assert sorted(back) == sorted(hf.state_dict()) and all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+
+    s = 12
+    x = torch.randn(2, s, 64, requires_grad=True)
+    cos, sin = rope_tables(s, 8, 10000.0, _ours(YARN))
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    pos = torch.arange(s)[None].expand(2, s)
+    y_ours = ours(x, cos, sin)
+    y_hf, _ = hf(x, rotary(x, pos), mask)
+    # fp32, same weights; SDPA vs eager matmul+softmax and a different order of the rope products: a few ulps
+    # of O(1) outputs. A wrong mapping (a rope permutation, a swapped norm, the scale) is O(0.1).
+    assert torch.allclose(y_ours, y_hf, atol=2e-5, rtol=0), (y_ours - y_hf).abs().max()
+    g = torch.randn_like(y_hf)
+    (dx_ours,) = torch.autograd.grad(y_ours, x, g)
+    (dx_hf,) = torch.autograd.grad(y_hf, x, g)
+    assert torch.allclose(dx_ours, dx_hf, atol=2e-5, rtol=0)
+
+
+def test_mla_problems() -> None:
+    model = ModelConfig(num_heads=4, num_kv_heads=4)
+    assert mla_problems(MLAConfig(), model) == []  # off
+    assert mla_problems(MLAConfig(kv_lora_rank=16, qk_rope_head_dim=8), model) == []
+    assert "even" in " ".join(mla_problems(MLAConfig(kv_lora_rank=16, qk_rope_head_dim=7), model))
+    assert "num_kv_heads" in " ".join(mla_problems(MLAConfig(kv_lora_rank=16),
+                                                   ModelConfig(num_heads=4, num_kv_heads=2)))
+    assert "arch=llama" in " ".join(mla_problems(MLAConfig(kv_lora_rank=16), ModelConfig(arch="gpt2")))
+    assert "kv_lora_rank = 0" in " ".join(mla_problems(MLAConfig(q_lora_rank=8), model))
