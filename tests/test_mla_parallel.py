@@ -1,0 +1,74 @@
+"""A tiny MLA model (2 layers per stage, hidden 64, 4 heads, kv_lora_rank 16, qk_rope 8, qk_nope 16, v_head 12, with
+and without the low-rank query) trained at tp 2 (+ sp), cp 2 in every mode with document masking, cp 4 hybrid,
+and pp 2, against the single-process run: each step's loss and gradient norm, and every parameter after the steps.
+
+One rank function runs every layout in turn in one warm pool of 4 gloo ranks (the reference is recomputed per
+layout: each rank's own copy, cheap at this size). Tolerances as tests/test_cp_training.py: the layouts sum the
+same terms in another order (tp's partial sums of the replicated q_a / kv_a gradients, the ring's log-sum-exp
+merges, dp x cp's gradient average): O(1) losses agree to 1e-5, the norms to 1e-5 relative, parameters after
+AdamW steps at lr 1e-2 to 1e-4 (a wrong split or a missing TP reduction of a replicated gradient moves them O(lr)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from megalite.context import ContextOptions
+from megalite.mla.config import MLAConfig
+from megalite.model.gpt import GPT
+from megalite.optim import build_distributed_optimizer
+from megalite.parallel.state import ParallelState
+from megalite.pipeline import build_pipeline
+from megalite.training.step import train_step
+from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, reference_optimizer, step_context
+from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
+from tests.test_cp_training import assert_params_match, local_batches
+
+STEPS, MICRO, SEQ, EOD = 2, 2, 16, 3
+LOSS_ATOL = 1e-5
+
+
+def _mla(q_lora: int) -> MLAConfig:
+    return MLAConfig(kv_lora_rank=16, q_lora_rank=q_lora, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+
+
+def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lora: int, recompute: str,
+           a2a: int = 1) -> None:
+    st = layout(tp, pp, sp=sp, cp=cp)
+    what = f"MLA q_lora={q_lora} tp={tp} sp={sp} cp={cp} {mode} docs={eod is not None} pp={pp} {recompute}"
+    cfg = tiny_model_cfg(seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=2 * pp,
+                         recompute=recompute)
+    mla = _mla(q_lora)
+    data = random_steps(cfg, STEPS, MICRO * 2 * st.dp)  # 2 micro-batches per rank and step
+    if eod is not None:  # documents of random lengths: about one token in five ends one
+        data = [torch.where(d % 5 == 0, eod, d) for d in data]
+    context = ContextOptions.of(mode, eod, a2a)
+    ref_state = ParallelState()
+    ref = GPT(cfg, ref_state, seed=5, context=context, mla=mla)
+    ref_opt = reference_optimizer(ref, ref_state)
+    want = [train_step(step_context(ref, ref_state, torch.float32, tiny_train_cfg(STEPS)), ref_opt,
+                       micro_batches(d, MICRO), i) for i, d in enumerate(data)]
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, context=context, mla=mla)
+    model: nn.Module = engine.chunks[0]
+    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+    got = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g.loss - w.loss) <= LOSS_ATOL, f"{what}: step {i} loss {g.loss} != single-process {w.loss}"
+        assert abs(g.grad_norm - w.grad_norm) <= 1e-5 * w.grad_norm, f"{what}: step {i} grad norm"
+    assert_params_match(opt, st, engine.chunks, ref, what)
+
+
+def _rank_fn(rank: int) -> bool:
+    _check(2, 1, 1, True, "ring", None, 32, "selective")    # tp + sp, the low-rank query, selective recompute
+    _check(2, 1, 1, False, "ring", None, 0, "full")         # tp, the plain q projection, full recompute
+    for mode in ("ring", "allgather", "a2a"):                # cp 2 (x dp 2), each mode under document masking
+        _check(1, 2, 1, False, mode, EOD, 32, "none")
+    _check(1, 4, 1, False, "hybrid", EOD, 0, "none", a2a=2)  # cp 4 = a2a 2 x ring 2
+    _check(1, 1, 2, False, "ring", None, 32, "none")        # pp 2 (x dp 2)
+    return True
+
+
+def test_mla_trains_as_one_process(dist_world) -> None:
+    assert dist_world(4).run(_rank_fn) == [True] * 4
