@@ -110,3 +110,53 @@ def test_mla_problems() -> None:
                                                    ModelConfig(num_heads=4, num_kv_heads=2)))
     assert "arch=llama" in " ".join(mla_problems(MLAConfig(kv_lora_rank=16), ModelConfig(arch="gpt2")))
     assert "kv_lora_rank = 0" in " ".join(mla_problems(MLAConfig(q_lora_rank=8), model))
+
+
+def test_mla_costs_by_hand() -> None:
+    """The tiny shape by hand: h 64, H 4, r_q 32, r_kv 16, d_n 16, d_r 8 (d 24), d_v 12, 2 layers."""
+    from megalite.mla import costs
+    from megalite.model.gpt import GPT, count_parameters
+    from megalite.model.params import count_params
+    from tests.parallel_utils import tiny_model_cfg
+
+    m = MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+    # q_b 32x96, kv_b 16x(4x28), out 48x64; q_a 64x32, kv_a 64x(16+8); norms 32 + 16.
+    assert costs.attention_weights(64, 4, m) == (32 * 96 + 16 * 112 + 48 * 64, 64 * 32 + 64 * 24)
+    assert costs.attention_params(64, 4, m) == 3072 + 1792 + 3072 + 2048 + 1536 + 48
+    # The compressed cache: (16 + 8) per layer, against 4 x (24 + 12) expanded; 2-byte elements.
+    assert costs.kv_cache_bytes_per_token(2, m, 2) == 2 * 24 * 2
+    assert costs.expanded_kv_cache_bytes_per_token(2, 4, m, 2) == 2 * 4 * 36 * 2
+    # Attention core per token at s 16: QK^T 2·16·4·24, AV 2·16·4·12; executed at width 24 for both.
+    assert costs.core_flops_per_token(16, 4, m) == (2 * 16 * 4 * 36, 4 * 16 * 4 * 24)
+    # Activations, s 16, b 2, 16-bit, no parallelism: dense 26·sbh + latents sb(4·32 + 2·24 + 2·16)
+    # + heads sb·4·(6·24 + 2·12) + scores 5·4·16·16·2.
+    sb = 16 * 2
+    want = 26 * sb * 64 + sb * (128 + 48 + 32) + sb * 4 * (144 + 24) + 5 * 4 * 16 * 16 * 2
+    assert costs.activation_bytes_per_layer(16, 2, 64, 4, m) == want
+    for q_lora in (32, 0):  # the formula equals the built model's count, with and without the low-rank query
+        mla = MLAConfig(kv_lora_rank=16, q_lora_rank=q_lora, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+        cfg = tiny_model_cfg(hidden_size=64, num_heads=4, num_kv_heads=4, make_vocab_divisible_by=1)
+        built = count_parameters(GPT(cfg, ParallelState(), seed=0, mla=mla), ParallelState())
+        assert built == count_params("llama", 2, 64, 4, 4, 64, 61, 8, False, mla=mla)
+
+
+def test_estimator_prices_mla() -> None:
+    """The estimator's parameters, stage split and FLOPs use MLA's when `ModelDims.mla` is set."""
+    from megalite.mla.costs import MLADims, attention_params
+    from megalite.perfmodel.estimate import ModelDims, dims_params, stage_params
+    from megalite.perfmodel.flops import flops_per_token
+
+    m = MLADims(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+    plain = ModelDims(2, 64, 4, 61, 16, "llama", 4, 64, False)
+    dims = ModelDims(2, 64, 4, 61, 16, "llama", 4, 64, False, mla=m)
+    gqa_attn = 4 * 64 * 64
+    assert dims_params(dims) - dims_params(plain) == 2 * (attention_params(64, 4, m) - gqa_attn)
+    one, two = stage_params(dims, 1, 1, 0), stage_params(dims, 2, 1, 0)
+    # tp 2 halves q_b, kv_b, out and the MLP; q_a, kv_a, the norms stay whole.
+    split, whole = 32 * 96 + 16 * 112 + 48 * 64, 64 * 32 + 64 * 24
+    assert one.layers - two.layers == 2 * (split + 3 * 64 * 64) // 2
+    assert two.layers == 2 * ((split + 3 * 64 * 64) // 2 + whole + 48 + 2 * 64)
+    model, hardware = flops_per_token(dims, dims_params(dims), "none")
+    assert model == 6.0 * dims_params(dims) + 6.0 * 2 * 16 * 4 * 36  # 3 x the forward core, 2 layers
+    weights = 2 * (split + whole + 3 * 64 * 64) + 61 * 64
+    assert hardware == 6.0 * weights + 3.0 * 2 * 4 * 16 * 4 * 24

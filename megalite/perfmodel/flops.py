@@ -27,6 +27,7 @@ import os
 import re
 
 from megalite.errors import ConfigError
+from megalite.mla import costs as mla_costs
 from megalite.perfmodel.inputs import ModelDims
 
 PEAK_ENV_VAR = "MEGALITE_PEAK_TFLOPS"
@@ -111,7 +112,8 @@ def matmul_params(dims: ModelDims) -> tuple[int, int]:
     leaves them out, and so do the hardware FLOPs here."""
     h, q, kv = dims.hidden_size, dims.num_heads * dims.hd, dims.kv_heads * dims.hd
     mlp = (3 if dims.arch == "llama" else 2) * h * dims.ffn
-    return dims.num_layers * (h * (q + 2 * kv) + q * h + mlp), dims.vocab_size * h
+    attn = h * (q + 2 * kv) + q * h if dims.mla is None else sum(mla_costs.attention_weights(h, dims.num_heads, dims.mla))
+    return dims.num_layers * (attn + mlp), dims.vocab_size * h
 
 
 def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple[float, float]:
@@ -131,6 +133,10 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     layers, head = matmul_params(dims)
     attn = float(dims.num_layers) * dims.num_heads * dims.hd * dims.seq_len
     model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len)
+    if dims.mla is not None:  # MLA: QK^T at d = nope + rope, AV at v_head_dim; executed at the padded width
+        needed, executed = mla_costs.core_flops_per_token(dims.seq_len, dims.num_heads, dims.mla)
+        model = 6.0 * num_params + 3.0 * dims.num_layers * needed  # forward + twice it backward, as 12·L·H·Q·s
+        attn = dims.num_layers * executed / 4.0  # executed_flops counts the core as 12 x this (4 forward)
     return model, executed_flops(layers, head, attn, recompute)
 
 
