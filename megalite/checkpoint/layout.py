@@ -113,6 +113,8 @@ def model_info(cfg: Any) -> dict[str, Any]:
         info["qk_norm"] = True
     if getattr(cfg, "head_dim", 0):
         info["head_dim"] = cfg.head_dim
+    if getattr(cfg, "rope_scaling", "none") != "none":  # YaRN / llama3 (megalite/model/rope.py): all its fields
+        info.update({k: getattr(cfg, k) for k in ROPE_INFO_KEYS})
     return info
 
 
@@ -120,6 +122,8 @@ def model_info(cfg: Any) -> dict[str, Any]:
 MOE_INFO_KEYS = ("moe_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
                  "moe_first_dense", "moe_every", "moe_router", "moe_renorm", "moe_route_scale", "moe_groups",
                  "moe_group_top_k", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
+ROPE_INFO_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow",
+                  "rope_mscale", "rope_mscale_all_dim", "rope_low_freq_factor", "rope_high_freq_factor")
 
 
 def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
