@@ -18,6 +18,7 @@ from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.step import train_step  # noqa: E402
 from tests.parallel_utils import reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg  # noqa: E402
+from tests.test_model_kernels import count_calls  # noqa: E402
 
 if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -40,12 +41,7 @@ def _losses(kind: str) -> list[float]:
 
 
 def test_triton_mla_matches_torch(monkeypatch) -> None:
-    calls = {"flash_attention": 0, "apply_rope": 0}
-    for name in calls:
-        def counting(*args: object, _real=getattr(kernels, name), _name=name) -> object:
-            calls[_name] += 1
-            return _real(*args)
-        monkeypatch.setattr(kernels, name, counting)  # get_ops reads the package's attributes when it runs
+    calls = count_calls(monkeypatch, "flash_attention", "apply_rope")
     ref, tri = _losses("torch"), _losses("triton")
     assert tri == pytest.approx(ref, abs=1e-5)
     assert calls == {"flash_attention": 2, "apply_rope": 2}  # one forward per step, one layer
