@@ -185,3 +185,21 @@ def test_mla_under_fp8() -> None:
         losses.append(train_step(step_context(model, st, torch.float32, tiny_train_cfg(1)),
                                  reference_optimizer(model, st), [(d[:, :-1], d[:, 1:])], 0).loss)
     assert abs(losses[0] - losses[1]) < 5e-2, losses
+
+
+def test_estimate_tool_reads_the_mla_section(tmp_path, capsys) -> None:
+    """tools/estimate.py --config with an [mla] section prices MLA (its parameter count) and reports the cache."""
+    from megalite.model.params import count_params
+    from tools.estimate import main as estimate_main
+
+    (tmp_path / "c.toml").write_text("[model]\nnum_kv_heads = 4\nvocab_size = 256\n[train]\ndtype = \"fp32\"\n[mla]\nkv_lora_rank = 32\n"
+                                     "q_lora_rank = 64\nqk_rope_head_dim = 16\nqk_nope_head_dim = 32\nv_head_dim = 32\n")
+    assert estimate_main(["--config", str(tmp_path / "c.toml"), "--json"]) == 0
+    import json
+
+    got = json.loads(capsys.readouterr().out)
+    mla = MLAConfig(kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+    m = ModelConfig()
+    assert got["params"] == count_params("llama", m.num_layers, 128, 4, 4, 384, 256, 128, False, mla=mla)
+    assert estimate_main(["--config", str(tmp_path / "c.toml")]) == 0
+    assert "MLA KV cache for generation: 0.75 KiB per token" in capsys.readouterr().out  # 4 layers x 48 x 4 bytes

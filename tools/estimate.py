@@ -22,13 +22,14 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
+from megalite.mla.costs import MLADims  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
@@ -199,8 +200,6 @@ def presets() -> dict[str, dict]:
     knows) when that module is importable."""
     table = {name: dict(vars(d)) for name, d in PRESETS.items()}
     try:
-        from dataclasses import asdict
-
         from megalite.config import PRESETS as CONFIG_PRESETS, DataConfig, ModelConfig
     except ImportError:
         return table
@@ -223,6 +222,8 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     data = getattr(cfg, "data", None)
     demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
     dims = _model_dims_kwargs(model, demo_vocab)
+    mla = getattr(cfg, "mla", None)  # multi-head latent attention's widths (None when off or a config without it)
+    dims["mla"] = MLADims.of(mla) if mla is not None else None
     lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
                                                       "cp_mode", "cp_a2a")}
     lay["zero"] = getattr(par, "zero", 0)
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         lay = kw["layout"]
         inputs = {"layout": vars(lay), "dtype": kw["dtype"], "memory_layout": kw["memory_layout"],
-                  "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else vars(kw["dims"]),
+                  "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else asdict(kw["dims"]),
                   "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
                   "peak_flops": kw["peak_flops"]}
         print(json.dumps({"inputs": inputs, **est.to_dict(), "peak_memory": peak_of(kw), **sections}, indent=2))

@@ -21,12 +21,14 @@ reshard tool needs to plan a target layout without building a model.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from megalite.errors import CheckpointError
 from megalite.layers.embedding import padded_vocab_size
+from megalite.mla.config import MLAConfig
 from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column
 
 VOCAB_TENSORS = ("embedding.weight", "head.weight")
@@ -100,8 +102,9 @@ def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: TPLayout, tp: 
 
 
 # ----------------------------------------------------------------------------- planning without a model
-def model_info(cfg: Any) -> dict[str, Any]:
-    """The model dimensions a checkpoint records (and checks on load), from a model config object."""
+def model_info(cfg: Any, mla: MLAConfig | None = None) -> dict[str, Any]:
+    """The model dimensions a checkpoint records (and checks on load), from a model config object and, for
+    multi-head latent attention, its `[mla]` section (recorded as `mla`, only when on)."""
     keys = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "seq_len", "make_vocab_divisible_by", "tie_embeddings", "norm_eps", "rope_theta")
     info = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
@@ -115,6 +118,8 @@ def model_info(cfg: Any) -> dict[str, Any]:
         info["head_dim"] = cfg.head_dim
     if getattr(cfg, "rope_scaling", "none") != "none":  # YaRN / llama3 (megalite/model/rope.py): all its fields
         info.update({k: getattr(cfg, k) for k in ROPE_INFO_KEYS})
+    if mla is not None and mla.enabled:
+        info["mla"] = dataclasses.asdict(mla)
     return info
 
 

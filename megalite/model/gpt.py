@@ -62,6 +62,7 @@ class GPT(nn.Module):
         moe_settings = MoESettings.from_model(cfg)
         self.aux_scale = AuxScale()
         moe = (MoEContext(moe_settings, self.aux_scale, len(moe_layers(cfg))) if moe_settings is not None else None)
+        self.mla = mla if mla is not None and mla.enabled else None  # recorded by checkpoints (`model_info`)
         rope = RopeScaling.of(cfg)
         # Multi-head latent attention (`[mla]`, megalite/mla) in every block when mla.kv_lora_rank > 0.
         latent = (MLAContext(mla, softmax_scale_factor(rope), TORCH_OPS, masked_attention)

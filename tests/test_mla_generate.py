@@ -1,0 +1,63 @@
+"""An MLA model decodes from its compressed KV cache (megalite/inference/generate.py: the latent c_kv and the
+shared RoPE key per token and layer, W_UK absorbed into the query) with the logits of its ordinary forward, and
+a checkpoint records its `[mla]` widths so `load_model` (tools/generate.py) rebuilds it. Tolerance as
+tests/test_generate.py: the same fp32 math in another grouping (the absorbed form multiplies W_UK into q instead
+of into the keys), a few ulps of the largest logit; a wrong position or scale is O(0.1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.checkpoint.sharded import read_index, save_sharded
+from megalite.inference.generate import KVCache, SamplingConfig, forward_cached, generate_ids
+from megalite.inference.load import load_model
+from megalite.mla.config import MLAConfig
+from megalite.model.gpt import GPT
+from megalite.parallel.state import ParallelState
+from tests.parallel_utils import tiny_model_cfg
+
+SEQ, VOCAB = 24, 97
+MLA = MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+YARN = dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_positions=8, rope_mscale=1.0,
+            rope_mscale_all_dim=1.0)
+
+
+def test_mla_decodes_from_the_compressed_cache(tmp_path: Path) -> None:
+    cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, **YARN)
+    model = GPT(cfg, ParallelState(), seed=3, mla=MLA).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # sharpen the distribution: a random init at std 0.02 is near-uniform (ties)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    prompt = [5, 17, 3, 42, 8]
+    cached = list(generate_ids(model, prompt, SamplingConfig(12), use_cache=True))
+    assert cached == list(generate_ids(model, prompt, SamplingConfig(12), use_cache=False))
+    ids = torch.tensor([prompt + cached])
+    cache = KVCache(model, 1, torch.float32)
+    # The cache holds kv_lora_rank + qk_rope_head_dim numbers per token and layer.
+    assert sum(cache.k[n][0, 0].numel() + cache.v[n][0, 0].numel() for n in model.layers) == 2 * (16 + 8)
+    got = torch.cat([forward_cached(model, ids[:, :5], cache)] +
+                    [forward_cached(model, ids[:, i:i + 1], cache) for i in range(5, ids.shape[1])], dim=1)
+    with torch.no_grad():
+        want = model(ids)[..., :VOCAB]
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+    ckpt = save_sharded(tmp_path / "ckpt", 1, model, None, {}, ParallelState(), keep=0)
+    assert read_index(ckpt)["model"]["mla"] == vars(MLA)
+    loaded, _ = load_model(ckpt)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids)[..., :VOCAB], want)
+
+
+def test_checkpoint_of_another_mla_shape_is_refused(tmp_path: Path) -> None:
+    from megalite.checkpoint.sharded import load_sharded
+    from megalite.errors import CheckpointError
+
+    cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4)
+    ckpt = save_sharded(tmp_path / "c", 1, GPT(cfg, ParallelState(), seed=3, mla=MLA), None, {}, ParallelState(),
+                        keep=0)
+    with pytest.raises(CheckpointError, match="mla"):
+        load_sharded(ckpt, GPT(cfg, ParallelState(), seed=3), None, ParallelState())
