@@ -4,6 +4,7 @@ both ways, interleaved RoPE or not, with and without the low-rank query; and the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -203,3 +204,23 @@ def test_estimate_tool_reads_the_mla_section(tmp_path, capsys) -> None:
     assert got["params"] == count_params("llama", m.num_layers, 128, 4, 4, 384, 256, 128, False, mla=mla)
     assert estimate_main(["--config", str(tmp_path / "c.toml")]) == 0
     assert "MLA KV cache for generation: 0.75 KiB per token" in capsys.readouterr().out  # 4 layers x 48 x 4 bytes
+
+
+def test_estimate_and_plan_take_mla_flags(capsys) -> None:
+    """--kv-lora-rank (and the other widths) price MLA in tools/estimate.py and tools/plan.py."""
+    import json
+
+    from megalite.mla.costs import MLADims
+    from megalite.perfmodel.estimate import PRESETS, dims_params
+    from tools.estimate import main as estimate_main
+    from tools.plan import main as plan_main
+
+    flags = ["--kv-lora-rank", "16", "--q-lora-rank", "32", "--qk-rope-head-dim", "8", "--qk-nope-head-dim", "16",
+             "--v-head-dim", "12"]
+    assert estimate_main(["--preset", "llama-7b", *flags, "--json"]) == 0
+    mla = MLADims(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+    want = dims_params(replace(PRESETS["llama-7b"], mla=mla))
+    assert json.loads(capsys.readouterr().out)["params"] == want
+    assert plan_main(["--preset", "llama-7b", *flags, "--global-batch-size", "8", "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == want
+    assert estimate_main(["--preset", "llama-7b", "--kv-lora-rank", "16", "--v-head-dim", "0"]) != 0

@@ -1,6 +1,6 @@
 """A tiny MLA model (2 layers per stage, hidden 64, 4 heads, kv_lora_rank 16, qk_rope 8, qk_nope 16, v_head 12, with
 and without the low-rank query) trained at tp 2 (+ sp), cp 2 in every mode with document masking, cp 4 hybrid,
-and pp 2, against the single-process run: each step's loss and gradient norm, and every parameter after the steps.
+and pp 2 (ZeRO-3 at tp 2 + sp), against the single-process run: each step's loss and gradient norm, and every parameter after the steps.
 
 One rank function runs every layout in turn in one warm pool of 4 gloo ranks (the reference is recomputed per
 layout: each rank's own copy, cheap at this size). Tolerances as tests/test_cp_training.py: the layouts sum the
@@ -34,9 +34,9 @@ def _mla(q_lora: int) -> MLAConfig:
 
 
 def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lora: int, recompute: str,
-           a2a: int = 1) -> None:
+           a2a: int = 1, zero: int = 0) -> None:
     st = layout(tp, pp, sp=sp, cp=cp)
-    what = f"MLA q_lora={q_lora} tp={tp} sp={sp} cp={cp} {mode} docs={eod is not None} pp={pp} {recompute}"
+    what = f"MLA q_lora={q_lora} tp={tp} sp={sp} cp={cp} {mode} docs={eod is not None} pp={pp} {recompute} zero={zero}"
     cfg = tiny_model_cfg(seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=2 * pp,
                          recompute=recompute)
     mla = _mla(q_lora)
@@ -51,7 +51,7 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
                        micro_batches(d, MICRO), i) for i, d in enumerate(data)]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, context=context, mla=mla)
     model: nn.Module = engine.chunks[0]
-    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
     got = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
     for i, (g, w) in enumerate(zip(got, want)):
@@ -61,7 +61,7 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
 
 
 def _rank_fn(rank: int) -> bool:
-    _check(2, 1, 1, True, "ring", None, 32, "selective")    # tp + sp, the low-rank query, selective recompute
+    _check(2, 1, 1, True, "ring", None, 32, "selective", zero=3)  # tp + sp (x dp 2, ZeRO-3), low-rank q, selective
     _check(2, 1, 1, False, "ring", None, 0, "full")         # tp, the plain q projection, full recompute
     for mode in ("ring", "allgather", "a2a"):                # cp 2 (x dp 2), each mode under document masking
         _check(1, 2, 1, False, mode, EOD, 32, "none")

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+import dataclasses
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, NoReturn
@@ -84,7 +85,25 @@ def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help=("attention head dimension Q (default hidden/heads); PaLM's MFU counts "
                              "12·L·H·Q·s for attention" if name == "head_dim" else None))
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    for name, default in MLA_FLAGS.items():  # multi-head latent attention (docs/mla.md): on with --kv-lora-rank
+        m.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"MLA's {name} (the [mla] section; default {default})" if name != "kv_lora_rank"
+                       else "MLA: the compressed KV width; > 0 prices multi-head latent attention (docs/mla.md)")
     return m
+
+
+MLA_FLAGS = {f.name: f.default for f in dataclasses.fields(MLADims)}
+
+
+def mla_from_flags(args: argparse.Namespace, given: MLADims | None) -> MLADims | None:
+    """MLA's widths: the config's (`given`) with the MLA flags set over them; None when MLA stays off."""
+    base = dataclasses.asdict(given) if given is not None else dict(MLA_FLAGS, kv_lora_rank=0)
+    widths = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
+    if widths["kv_lora_rank"] <= 0:
+        return None
+    if min(widths.values()) < 0 or min(v for k, v in widths.items() if k != "q_lora_rank") < 1:
+        raise ConfigError(f"MLA widths {widths}: each must be >= 1 (q_lora_rank >= 0)")
+    return MLADims(**widths)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,6 +283,7 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     for k in _LAYOUT_FLAGS + ("sp",):
         if getattr(args, k) is not None:
             lay_kw[k] = getattr(args, k)
+    dims_kw["mla"] = mla_from_flags(args, dims_kw.get("mla"))
     dims = None
     required = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
     if any(dims_kw.get(k) for k in required):
