@@ -45,3 +45,18 @@ def test_triton_mla_matches_torch(monkeypatch) -> None:
     ref, tri = _losses("torch"), _losses("triton")
     assert tri == pytest.approx(ref, abs=1e-5)
     assert calls == {"flash_attention": 2, "apply_rope": 2}  # one forward per step, one layer
+
+
+def test_wide_heads_run_torch_attention_said_once(caplog) -> None:
+    """Past the flash kernel's tested width (q/k 136 here) the attention core runs SDPA, said once for all layers."""
+    from megalite.mla.attention import FLASH_MAX_HEAD_DIM, _log_torch_core
+    from megalite.model.ops import TORCH_OPS
+
+    _log_torch_core.cache_clear()  # once per process: forget an earlier test's
+
+    wide = MLAConfig(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=FLASH_MAX_HEAD_DIM, v_head_dim=12)
+    cfg = tiny_model_cfg(kernels="triton", hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=3, seq_len=8)
+    with caplog.at_level("WARNING", logger="megalite.mla.attention"):
+        model = GPT(cfg, ParallelState(), seed=3, mla=wide)
+    assert all(block.attn.ops is TORCH_OPS for block in model.layers.values())
+    assert sum("exceeds the Triton flash kernel" in r.message for r in caplog.records) == 1

@@ -1,6 +1,7 @@
 """A tiny MLA model (2 layers per stage, hidden 64, 4 heads, kv_lora_rank 16, qk_rope 8, qk_nope 16, v_head 12, with
-and without the low-rank query) trained at tp 2 (+ sp), cp 2 in every mode with document masking, cp 4 hybrid,
-and pp 2 (ZeRO-3 at tp 2 + sp), against the single-process run: each step's loss and gradient norm, and every parameter after the steps.
+and without the low-rank query, YaRN on) trained at tp 2 (+ sp, under ZeRO-3), cp 2 in every mode with document
+masking, cp 4 hybrid, tp 2 + sp x cp 2 a2a and pp 2, against the single-process run: each step's loss and gradient
+norm, and every parameter after the steps.
 
 One rank function runs every layout in turn in one warm pool of 4 gloo ranks (the reference is recomputed per
 layout: each rank's own copy, cheap at this size). Tolerances as tests/test_cp_training.py: the layouts sum the
@@ -26,6 +27,9 @@ from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
 from tests.test_cp_training import assert_params_match, local_batches
 
 STEPS, MICRO, SEQ, EOD = 2, 2, 16, 3
+# YaRN on (its tables are indexed at each rank's zigzag and per-document positions; its scale folded into q).
+YARN = dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_positions=4, rope_mscale=1.0,
+            rope_mscale_all_dim=1.0)
 LOSS_ATOL = 1e-5
 
 
@@ -38,7 +42,7 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
     st = layout(tp, pp, sp=sp, cp=cp)
     what = f"MLA q_lora={q_lora} tp={tp} sp={sp} cp={cp} {mode} docs={eod is not None} pp={pp} {recompute} zero={zero}"
     cfg = tiny_model_cfg(seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=2 * pp,
-                         recompute=recompute)
+                         recompute=recompute, **YARN)
     mla = _mla(q_lora)
     data = random_steps(cfg, STEPS, MICRO * 2 * st.dp)  # 2 micro-batches per rank and step
     if eod is not None:  # documents of random lengths: about one token in five ends one
@@ -66,6 +70,7 @@ def _rank_fn(rank: int) -> bool:
     for mode in ("ring", "allgather", "a2a"):                # cp 2 (x dp 2), each mode under document masking
         _check(1, 2, 1, False, mode, EOD, 32, "none")
     _check(1, 4, 1, False, "hybrid", EOD, 0, "none", a2a=2)  # cp 4 = a2a 2 x ring 2
+    _check(2, 2, 1, True, "a2a", EOD, 0, "none")             # tp 2 + sp x cp 2: one head per rank in the a2a
     _check(1, 1, 2, False, "ring", None, 32, "none")        # pp 2 (x dp 2)
     return True
 

@@ -31,6 +31,7 @@ softmax scale correction and 1/sqrt(width) of the padded width are folded into q
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -161,8 +162,7 @@ class MLAttention(nn.Module):
         self.selective = cfg.recompute == "selective"
         self.ops = ops
         if self.width > FLASH_MAX_HEAD_DIM and ops.block_backend == "triton":
-            log.warning("MLA: attention head width %d exceeds the Triton flash kernel's %d: the attention core "
-                        "runs torch SDPA", self.width, FLASH_MAX_HEAD_DIM)
+            _log_torch_core(self.width)
             self.ops = mla.torch_ops
         std = cfg.init_std
         self.q_a: ReplicatedLinear | None = None
@@ -246,6 +246,13 @@ class MLAttention(nn.Module):
             # Selective recompute (Korthikanti et al. 2022): drop the s^2 attention internals.
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
+
+
+@functools.cache
+def _log_torch_core(width: int) -> None:
+    """Said once per process (not once per layer)."""
+    log.warning("MLA: attention head width %d exceeds the Triton flash kernel's %d: the attention core runs torch "
+                "SDPA", width, FLASH_MAX_HEAD_DIM)
 
 
 def _pad(t: Tensor, width: int) -> Tensor:
