@@ -224,3 +224,47 @@ def test_estimate_and_plan_take_mla_flags(capsys) -> None:
     assert plan_main(["--preset", "llama-7b", *flags, "--global-batch-size", "8", "--top", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["params"] == want
     assert estimate_main(["--preset", "llama-7b", "--kv-lora-rank", "16", "--v-head-dim", "0"]) != 0
+
+
+def test_dense_deepseek_v3_logits(tmp_path) -> None:
+    """A whole DeepseekV3ForCausalLM with dense MLPs only (first_k_dense_replace = every layer: the MoE router is
+    the "mtp" engineer's) and YaRN: megalite's GPT with MLA computes its logits from the same weights. The attention
+    by checkpoint/hf_mla.py, the rest by Llama's names (the full import is tools/import_hf.py's, later)."""
+    from megalite.model.gpt import GPT
+    from tests.parallel_utils import tiny_model_cfg
+
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=67, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, first_k_dense_replace=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 10000.0, **YARN, "original_max_position_embeddings": 8},
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # norms off 1
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape))
+    mla = MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+    cfg = tiny_model_cfg(vocab_size=67, hidden_size=64, ffn_hidden_size=96, num_heads=4, num_kv_heads=4, seq_len=32,
+                         make_vocab_divisible_by=1, norm_eps=1e-6, rope_scaling="yarn", rope_factor=4.0,
+                         rope_original_max_positions=8, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.707,
+                         rope_mscale_all_dim=1.0)
+    ours = GPT(cfg, ParallelState(), seed=0, mla=mla).eval()
+    sd = hf.state_dict()
+    mine = {"embedding.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"],
+            "head.weight": sd["lm_head.weight"]}
+    for i in range(2):
+        hf_layer = f"model.layers.{i}."
+        attn = {k[len(hf_layer + "self_attn."):]: v for k, v in sd.items() if k.startswith(hf_layer + "self_attn.")}
+        mine |= {f"layers.{i}.attn.{k}": v for k, v in attention_from_hf(attn, mla, 4, True).items()}
+        mine |= {f"layers.{i}.norm1.weight": sd[hf_layer + "input_layernorm.weight"],
+                 f"layers.{i}.norm2.weight": sd[hf_layer + "post_attention_layernorm.weight"],
+                 f"layers.{i}.mlp.up.weight": torch.cat([sd[hf_layer + "mlp.gate_proj.weight"],
+                                                         sd[hf_layer + "mlp.up_proj.weight"]]),
+                 f"layers.{i}.mlp.down.weight": sd[hf_layer + "mlp.down_proj.weight"]}
+    ours.load_state_dict(mine)
+    ids = torch.randint(0, 67, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        err = (ours(ids) - hf(ids).logits).abs().max().item()
+    assert err <= 1e-5, f"megalite's logits differ from transformers' DeepseekV3 by {err:.2e}"  # as test_hf.py

@@ -17,6 +17,10 @@ default for DeepseekV3) rotate the RoPE dims as interleaved pairs (x0, x1), (x2,
 [x0, x2, ..., x1, x3, ...], and transformers returns it in that order: so permuting the rows that produce the
 RoPE part (each head's last `rope` rows of q_b / q, kv_a's last `rope` rows) gives the same q and k, in the same
 order, as transformers' computes. Export applies the inverse permutation.
+
+For a whole-model import: transformers builds `q_a_layernorm` and `kv_a_layernorm` with eps 1e-6 whatever
+`rms_norm_eps` says, megalite with `model.norm_eps` (DeepSeek-V3's rms_norm_eps is 1e-6: the same), and its
+dense layers' MLP is Llama's (tests/test_mla.py's dense DeepseekV3 logits test maps one).
 """
 
 from __future__ import annotations
