@@ -17,6 +17,8 @@ import torch.nn as nn
 
 from megalite.context import ContextOptions
 from megalite.mla.config import MLAConfig
+from megalite.mla.costs import MLADims
+from megalite.perfmodel.estimate import Layout, ModelDims, Precision, tp_comm_bytes
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.state import ParallelState
@@ -57,7 +59,15 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
     model: nn.Module = engine.chunks[0]
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+    st.counter.reset()
     got = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
+    if tp > 1 and cp == pp == 1 and zero == 0:  # the estimator's tp bytes, MLA's partial-gradient all-reduce included
+        dims = ModelDims(cfg.num_layers, 64, 4, cfg.vocab_size, SEQ, num_kv_heads=4, ffn_hidden_size=cfg.ffn_hidden_size,
+                         mla=MLADims.of(mla))
+        lay = Layout(tp=tp, dp=st.dp, sp=sp, micro_batch_size=MICRO, global_batch_size=MICRO * 2 * st.dp,
+                     recompute=recompute)
+        tp_bytes = STEPS * tp_comm_bytes(dims, lay, Precision.megalite("fp32"), 0, 2)
+        assert st.counter.exact_bytes("tp") == tp_bytes, f"{what}: tp bytes {st.counter.exact_bytes('tp')} != {tp_bytes}"
     for i, (g, w) in enumerate(zip(got, want)):
         assert abs(g.loss - w.loss) <= LOSS_ATOL, f"{what}: step {i} loss {g.loss} != single-process {w.loss}"
         assert abs(g.grad_norm - w.grad_norm) <= 1e-5 * w.grad_norm, f"{what}: step {i} grad norm"

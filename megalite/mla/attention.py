@@ -142,7 +142,7 @@ class MLAttention(nn.Module):
     """The block's attention when `mla.kv_lora_rank > 0`: forward(x, cos, sin, docs) as `model.block.Attention`,
     cos/sin of width qk_rope_head_dim / 2. Parameter names: q_a, q_a_norm, q_b (or q), kv_a, kv_a_norm, kv_b,
     out (transformers' q_a_proj, q_a_layernorm, q_b_proj / q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
-    kv_b_proj, o_proj: megalite/mla/hf.py)."""
+    kv_b_proj, o_proj: megalite/checkpoint/hf_mla.py)."""
 
     def __init__(self, cfg: MLAShape, mla: MLAContext, state: ParallelState, ops: MLAOps, name: str, seed: int,
                  context: ContextOptions = ContextOptions()) -> None:

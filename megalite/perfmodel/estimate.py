@@ -191,8 +191,13 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     total += m * (first + last) * all_reduce_bytes(x, t)
     total += m * last * all_reduce_bytes(3 * bs * 4, t)
+    partial: float = 0.0
     if layout.sp:
-        partial: float = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+        partial = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+    elif dims.mla is not None:  # MLA's replicated q_a / kv_a (and norms) have partial gradients at any tp
+        whole = mla_costs.attention_weights(dims.hidden_size, dims.num_heads, dims.mla)[1]
+        partial = dims.num_layers // layout.pp * (whole + dims.mla.q_lora_rank + dims.mla.kv_lora_rank)
+    if partial:
         if layout.zero >= 1:
             # ZeRO >= 1 sums only the partial pieces inside this rank's 1/(dp·cp) gradient shard (exact
             # when the shard boundaries split them evenly, as for megalite's single-bucket small models).
