@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from megalite.checkpoint.sharded import save_sharded
 from megalite.context import ContextOptions
 from megalite.mla.config import MLAConfig
 from megalite.mla.costs import MLADims
@@ -26,7 +27,7 @@ from megalite.pipeline import build_pipeline
 from megalite.training.step import train_step
 from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, reference_optimizer, step_context
 from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
-from tests.test_cp_training import assert_params_match, local_batches
+from tests.test_cp_training import PARAM_ATOL, assert_params_match, local_batches
 
 STEPS, MICRO, SEQ, EOD = 2, 2, 16, 3
 # YaRN on (its tables are indexed at each rank's zigzag and per-document positions; its scale folded into q).
@@ -40,7 +41,9 @@ def _mla(q_lora: int) -> MLAConfig:
 
 
 def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lora: int, recompute: str,
-           a2a: int = 1, zero: int = 0) -> None:
+           a2a: int = 1, zero: int = 0, save: str = "") -> dict[str, torch.Tensor]:
+    """Train at the layout and compare (module doc); with `save`, write a checkpoint there. Returns the reference's
+    parameters after the steps."""
     st = layout(tp, pp, sp=sp, cp=cp)
     what = f"MLA q_lora={q_lora} tp={tp} sp={sp} cp={cp} {mode} docs={eod is not None} pp={pp} {recompute} zero={zero}"
     cfg = tiny_model_cfg(seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=2 * pp,
@@ -72,18 +75,29 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
         assert abs(g.loss - w.loss) <= LOSS_ATOL, f"{what}: step {i} loss {g.loss} != single-process {w.loss}"
         assert abs(g.grad_norm - w.grad_norm) <= 1e-5 * w.grad_norm, f"{what}: step {i} grad norm"
     assert_params_match(opt, st, engine.chunks, ref, what)
+    if save:
+        save_sharded(save, STEPS, engine.chunks, opt, {}, st, keep=0)
+    return {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
-def _rank_fn(rank: int) -> bool:
-    _check(2, 1, 1, True, "ring", None, 32, "selective", zero=3)  # tp + sp (x dp 2, ZeRO-3), low-rank q, selective
+def _rank_fn(rank: int, ckpt: str) -> dict[str, torch.Tensor]:
+    saved = _check(2, 1, 1, True, "ring", None, 32, "selective", zero=3, save=ckpt)  # tp + sp (x dp 2, ZeRO-3)
     _check(2, 1, 1, False, "ring", None, 0, "full")         # tp, the plain q projection, full recompute
     for mode in ("ring", "allgather", "a2a"):                # cp 2 (x dp 2), each mode under document masking
         _check(1, 2, 1, False, mode, EOD, 32, "none")
     _check(1, 4, 1, False, "hybrid", EOD, 0, "none", a2a=2)  # cp 4 = a2a 2 x ring 2
     _check(2, 2, 1, True, "a2a", EOD, 0, "none")             # tp 2 + sp x cp 2: one head per rank in the a2a
     _check(1, 1, 2, False, "ring", None, 32, "none")        # pp 2 (x dp 2)
-    return True
+    return saved
 
 
-def test_mla_trains_as_one_process(dist_world) -> None:
-    assert dist_world(4).run(_rank_fn) == [True] * 4
+def test_mla_trains_as_one_process(dist_world, tmp_path) -> None:
+    """And the tp 2 + sp + ZeRO-3 run's checkpoint loads in one process (`load_model`: resharded to tp 1, its
+    `[mla]` widths from the index) with the single-process run's parameters."""
+    from megalite.inference.load import load_model
+
+    ref = dist_world(4).run(_rank_fn, str(tmp_path))[0]
+    model, _ = load_model(tmp_path)
+    for name, p in model.state_dict().items():
+        rows = model.cfg.vocab_size if name in ("embedding.weight", "head.weight") else None  # padding rows: not saved
+        assert (p[:rows] - ref[name][:rows]).abs().max().item() <= PARAM_ATOL, name
