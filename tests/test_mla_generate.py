@@ -61,3 +61,22 @@ def test_checkpoint_of_another_mla_shape_is_refused(tmp_path: Path) -> None:
                         keep=0)
     with pytest.raises(CheckpointError, match="mla"):
         load_sharded(ckpt, GPT(cfg, ParallelState(), seed=3), None, ParallelState())
+
+
+def _tp_generation(rank: int) -> list[int]:
+    from tests.parallel_utils import layout
+
+    # init_std 0.5: sharp logits, so the tp run's different fp32 summation order cannot flip an argmax.
+    cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, init_std=0.5,
+                         **YARN)
+    model = GPT(cfg, layout(2), seed=3, mla=MLA).eval()
+    reference = GPT(cfg, ParallelState(), seed=3, mla=MLA).eval()  # the same weights: init is layout-invariant
+    got = list(generate_ids(model, [5, 17, 3], SamplingConfig(12)))
+    assert got == list(generate_ids(reference, [5, 17, 3], SamplingConfig(12), use_cache=False)), rank
+    return got
+
+
+def test_compressed_cache_decodes_tensor_parallel(dist_world) -> None:
+    """At tp 2 each rank caches the whole (replicated) latent and absorbs its own heads' W_UK / W_UV."""
+    first, second = dist_world(2).run(_tp_generation)
+    assert first == second and len(first) == 12
