@@ -80,3 +80,29 @@ def test_compressed_cache_decodes_tensor_parallel(dist_world) -> None:
     """At tp 2 each rank caches the whole (replicated) latent and absorbs its own heads' W_UK / W_UV."""
     first, second = dist_world(2).run(_tp_generation)
     assert first == second and len(first) == 12
+
+
+def test_offline_reshard_of_an_mla_checkpoint(tmp_path: Path) -> None:
+    """The offline tool's name rules (`layout_for`) give MLA's layouts (q_b / kv_b by heads, q_a / kv_a whole),
+    and tp 1 -> tp 2 -> tp 1 returns every tensor bit for bit."""
+    from megalite.checkpoint.layout import layout_for, layout_of, model_info
+    from megalite.checkpoint.offline import reshard
+    from megalite.checkpoint.storage import SlabReader
+    from megalite.errors import ConfigError
+    from megalite.parallel.param_spec import named_param_specs
+
+    cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4)
+    model = GPT(cfg, ParallelState(), seed=3, mla=MLA)
+    info = model_info(cfg, MLA)
+    specs = named_param_specs(model, ConfigError)
+    assert {n: layout_for(n, info) for n in specs} == {n: layout_of(n, s.layout) for n, s in specs.items()}
+    src = save_sharded(tmp_path / "a", 1, model, None, {}, ParallelState(), keep=0)
+    back = reshard(reshard(src, tmp_path / "b", tp=2, show_progress=False), tmp_path / "c", show_progress=False)
+
+    def tensors(path: Path) -> dict[str, torch.Tensor]:
+        index = read_index(path)
+        reader = SlabReader(path, index)
+        return {k: reader.read_region(k, (0,) * len(v["shape"]), tuple(v["shape"])) for k, v in index["tensors"].items()}
+
+    before, after = tensors(src), tensors(back)
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)

@@ -144,7 +144,12 @@ def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
         return column((f, f) if info["arch"] == "llama" else (f,))
     if name.endswith("attn.out.weight") or name.endswith("mlp.down.weight"):
         return ROW
-    return REPLICATED
+    mla = info.get("mla")
+    if mla and (name.endswith("attn.q_b.weight") or name.endswith("attn.q.weight")):  # MLA (megalite/mla): by heads
+        return column((info["num_heads"] * (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]),))
+    if mla and name.endswith("attn.kv_b.weight"):
+        return column((info["num_heads"] * (mla["qk_nope_head_dim"] + mla["v_head_dim"]),))
+    return REPLICATED  # MLA's q_a, kv_a and their norms too
 
 
 def local_shape_for(name: str, global_shape: tuple[int, ...], tp_layout: TPLayout, tp: int,
