@@ -1,6 +1,6 @@
 """A tiny MLA model (2 layers per stage, hidden 64, 4 heads, kv_lora_rank 16, qk_rope 8, qk_nope 16, v_head 12, with
 and without the low-rank query, YaRN on) trained at tp 2 (+ sp, under ZeRO-3), cp 2 in every mode with document
-masking, cp 4 hybrid, tp 2 + sp x cp 2 a2a and pp 2, against the single-process run: each step's loss and gradient
+masking, cp 4 hybrid, tp 2 + sp x cp 2 a2a and pp 2 (zb-h1), against the single-process run: each step's loss and gradient
 norm, and every parameter after the steps.
 
 One rank function runs every layout in turn in one warm pool of 4 gloo ranks (the reference is recomputed per
@@ -41,7 +41,7 @@ def _mla(q_lora: int) -> MLAConfig:
 
 
 def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lora: int, recompute: str,
-           a2a: int = 1, zero: int = 0, save: str = "") -> dict[str, torch.Tensor]:
+           a2a: int = 1, zero: int = 0, save: str = "", schedule: str = "1f1b") -> dict[str, torch.Tensor]:
     """Train at the layout and compare (module doc); with `save`, write a checkpoint there. Returns the reference's
     parameters after the steps."""
     st = layout(tp, pp, sp=sp, cp=cp)
@@ -58,10 +58,11 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
     ref_opt = reference_optimizer(ref, ref_state)
     want = [train_step(step_context(ref, ref_state, torch.float32, tiny_train_cfg(STEPS)), ref_opt,
                        micro_batches(d, MICRO), i) for i, d in enumerate(data)]
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, context=context, mla=mla)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, context=context, mla=mla,
+                            schedule=schedule)
     model: nn.Module = engine.chunks[0]
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
-    ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+    ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS), schedule)
     st.counter.reset()
     got = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
     if tp > 1 and cp == pp == 1 and zero == 0:  # the estimator's tp bytes, MLA's partial-gradient all-reduce included
@@ -87,7 +88,7 @@ def _rank_fn(rank: int, ckpt: str) -> dict[str, torch.Tensor]:
         _check(1, 2, 1, False, mode, EOD, 32, "none")
     _check(1, 4, 1, False, "hybrid", EOD, 0, "none", a2a=2)  # cp 4 = a2a 2 x ring 2
     _check(2, 2, 1, True, "a2a", EOD, 0, "none")             # tp 2 + sp x cp 2: one head per rank in the a2a
-    _check(1, 1, 2, False, "ring", None, 32, "none")        # pp 2 (x dp 2)
+    _check(1, 1, 2, False, "ring", None, 32, "none", schedule="zb-h1")  # pp 2 (x dp 2), zero-bubble: W deferred
     return saved
 
 
