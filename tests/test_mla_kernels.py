@@ -13,6 +13,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 kernels = pytest.importorskip("megalite.kernels")
 
+from megalite.context import ContextOptions  # noqa: E402
 from megalite.mla.config import MLAConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
@@ -26,15 +27,18 @@ if not kernels.available():
 MLA = MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
 
 
-def _losses(kind: str) -> list[float]:
-    cfg = tiny_model_cfg(kernels=kind, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=1, seq_len=8)
+def _losses(kind: str, eod: int | None = None) -> list[float]:
+    cfg = tiny_model_cfg(kernels=kind, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=1,
+                         seq_len=8 if eod is None else 16)
     state = ParallelState()
-    model = GPT(cfg, state, seed=3, mla=MLA)
+    model = GPT(cfg, state, seed=3, mla=MLA, context=ContextOptions(document_eod=eod))
     opt = reference_optimizer(model, state)
     gen = torch.Generator().manual_seed(4)
     out = []
     for i in range(2):
-        d = torch.randint(1, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen)
+        d = torch.randint(1, cfg.vocab_size, (2 if eod is None else 1, cfg.seq_len + 1), generator=gen)
+        if eod is not None:  # documents of 3, 7 and 6 tokens (boundaries inside the kernel's 16-wide tiles)
+            d[:, [2, 9]] = eod
         out.append(train_step(step_context(model, state, torch.float32, tiny_train_cfg(2)), opt,
                               [(d[:, :-1], d[:, 1:])], i).loss)
     return out
@@ -45,6 +49,13 @@ def test_triton_mla_matches_torch(monkeypatch) -> None:
     ref, tri = _losses("torch"), _losses("triton")
     assert tri == pytest.approx(ref, abs=1e-5)
     assert calls == {"flash_attention": 2, "apply_rope": 2}  # one forward per step, one layer
+
+
+def test_triton_mla_under_document_masking_matches_torch(monkeypatch) -> None:
+    """data.document_mask: the flash kernel's segment ids on the padded core against masked SDPA."""
+    calls = count_calls(monkeypatch, "flash_attention")
+    assert _losses("triton", eod=0) == pytest.approx(_losses("torch", eod=0), abs=1e-5)
+    assert calls == {"flash_attention": 2}
 
 
 def test_wide_heads_run_torch_attention_said_once(caplog) -> None:
