@@ -67,6 +67,11 @@ def core_width(m: MLAShape) -> int:
     return max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
 
 
+def attention_width(heads: int, m: MLAShape) -> float:
+    """The H·Q of PaLM's attention term 12·L·H·Q·s for MLA's core: QK^T at d and AV at d_v average H·(d + d_v)/2."""
+    return heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+
+
 def core_flops_per_token(seq_len: int, heads: int, m: MLAShape) -> tuple[float, float]:
     """(needed, executed) forward FLOPs of one layer's attention core per token, full (unmasked) count as PaLM:
     QK^T 2·s·H·d plus AV 2·s·H·d_v needed; executed at the padded width, 4·s·H·D."""

@@ -62,7 +62,7 @@ _DTYPE_ALIASES: dict[str, str] = {
 # "fp8" is the dense FP8 tensor-core rate; devices without FP8 tensor cores (A100, A10, V100) have none.
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int,
+def model_flops_per_token(num_params: int, num_layers: int, hidden_size: float, seq_len: int,
                           causal: bool = False) -> float:
     """Training FLOPs per token: 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B).
 
@@ -134,9 +134,10 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     attn = float(dims.num_layers) * dims.num_heads * dims.hd * dims.seq_len
     model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len)
     if dims.mla is not None:  # MLA: QK^T at d = nope + rope, AV at v_head_dim; executed at the padded width
-        needed, executed = mla_costs.core_flops_per_token(dims.seq_len, dims.num_heads, dims.mla)
-        model = 6.0 * num_params + 3.0 * dims.num_layers * needed  # forward + twice it backward, as 12·L·H·Q·s
-        attn = dims.num_layers * executed / 4.0  # executed_flops counts the core as 12 x this (4 forward)
+        width = mla_costs.attention_width(dims.num_heads, dims.mla)
+        model = model_flops_per_token(int(num_params), dims.num_layers, width, dims.seq_len)
+        attn = dims.num_layers * mla_costs.core_flops_per_token(dims.seq_len, dims.num_heads, dims.mla)[1] / 4.0
+        # (executed_flops counts the core as 12 x attn: 4·s·H·D forward, twice that backward)
     return model, executed_flops(layers, head, attn, recompute)
 
 

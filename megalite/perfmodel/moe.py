@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
+from megalite.mla.costs import MLAShape
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Memory, count_params, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
@@ -38,11 +39,12 @@ def expert_params(arch: str, hidden: int, ffn: int) -> int:
     return (3 if arch == "llama" else 2) * hidden * ffn
 
 
-def moe_param_counts(m: Any) -> MoEParams:
-    """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE)."""
+def moe_param_counts(m: Any, mla: MLAShape | None = None) -> MoEParams:
+    """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE), its
+    attention MLA's when `mla` is given (megalite/mla/costs.py)."""
     tie = bool(m.tie_embeddings)
     dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                         m.vocab_size, m.seq_len, tie)
+                         m.vocab_size, m.seq_len, tie, mla=mla)
     s = MoESettings.from_model(m)
     if s is None:
         return MoEParams(dense, dense, 0)
