@@ -106,3 +106,22 @@ def test_offline_reshard_of_an_mla_checkpoint(tmp_path: Path) -> None:
 
     before, after = tensors(src), tensors(back)
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resume_takes_mla_and_rope_scaling_from_the_checkpoint(tmp_path: Path) -> None:
+    """A run resuming an MLA + YaRN checkpoint without those flags takes them from it; a contradicting
+    model.rope_* flag is refused in one line."""
+    from megalite.checkpoint.model_shape import apply_checkpoint_shape
+    from megalite.config.schema import Config
+    from megalite.errors import CheckpointError
+
+    cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, **YARN)
+    save_sharded(tmp_path, 1, GPT(cfg, ParallelState(), seed=3, mla=MLA), None, {}, ParallelState(), keep=0)
+    run = Config()
+    run.checkpoint.dir = str(tmp_path)
+    run = apply_checkpoint_shape(run, [])
+    assert vars(run.mla) == vars(MLA) and {k: getattr(run.model, k) for k in YARN} == YARN
+    run = Config()
+    run.checkpoint.dir, run.model.rope_factor = str(tmp_path), 8.0
+    with pytest.raises(CheckpointError, match="model.rope_factor=8.0 but the checkpoint has 4.0"):
+        apply_checkpoint_shape(run, ["--model.rope_factor", "8"])
