@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.results_io import spread, write_results  # noqa: E402
 
+from megalite.config.schema import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 
@@ -54,7 +55,8 @@ def megalite_layer(h: int, f: int, experts: int, k: int, seq: int) -> nn.Module:
                           moe_shared_experts=0, moe_shared_ffn_hidden_size=0, moe_first_dense=0, moe_every=1,
                           moe_router="qwen3", moe_renorm=True, moe_route_scale=1.0, moe_groups=1,
                           moe_group_top_k=1, moe_bias_rate=0.0, moe_aux_loss=0.0, moe_z_loss=0.0,
-                          moe_capacity_factor=None)
+                          moe_capacity_factor=None,
+                          **{k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k != "rope_theta"})
     return GPT(cfg, ParallelState(), seed=7).layers["0"].mlp
 
 

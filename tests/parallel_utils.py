@@ -39,6 +39,9 @@ def tiny_model_cfg(arch: str = "llama", **overrides: object):
                 ffn_hidden_size=64, seq_len=8, vocab_size=61, make_vocab_divisible_by=4, norm_eps=1e-5,
                 rope_theta=10000.0, dropout=0.0, tie_embeddings=arch == "gpt2", init_std=0.02,
                 kernels="torch", recompute="none")
+    from megalite.config.schema import ModelConfig
+
+    base.update({k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k not in base})  # no scaling
     base.update(overrides)
     return SimpleNamespace(**base)
 

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("fp8",),                                     # core: FP8 GEMMs of the linears and the expert GEMMs
-    ("moe",),                                     # core: mixture-of-experts layers (routers, experts, dispatch)
+    ("moe", "mla"),                               # core: mixture-of-experts layers; multi-head latent attention
     ("model", "dp"),                              # core: the GPT; gradient sync and ZeRO (wraps a model it never imports)
     ("optim",),                                   # core: the optimizers' maths on the shards dp hands over
     ("pipeline",),                                # core: stages, schedules, the p2p engine

@@ -125,6 +125,11 @@ HF_EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "legacy linear rope scaling": (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}),
                                    "rope scaling 'linear' (rope_scaling) is not supported"),
     "rope scaling not an object": (lambda c: c.update(rope_scaling="yarn"), "rope_scaling='yarn'"),
+    "llama3 rope without its lengths": (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+                                        "rope_original_max_positions = 0 must be >= 1"),
+    "yarn rope with factor below 1": (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 0.5,
+                                                                       "original_max_position_embeddings": 8}),
+                                      "model.rope_factor = 0.5 must be >= 1"),
     "norm eps a string": (lambda c: c.update(rms_norm_eps="1e-5"), "norm_eps='1e-5'"),
 }
 

@@ -166,3 +166,30 @@ def test_lm_eval_constructs_the_export(tmp_path: Path) -> None:
     assert export_main(["--input", str(ckpt), "--output", str(out), "--tokenizer", str(tok_path), "--quiet"]) == 0
     lm = hf_models.HFLM(pretrained=str(out), device="cpu", batch_size=1)
     assert lm.tok_encode("def main") == load_tokenizer(str(tok_path)).encode("def main")
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8),
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=16.0, beta_slow=1.0)])
+def test_import_scaled_rope_llama(tmp_path: Path, rope: dict) -> None:
+    """A Llama with llama3 (Llama 3.1) or YaRN rope scaling imports (megalite/checkpoint/interop/hf_rope.py) and computes
+    transformers' logits; export writes the same rope_parameters back."""
+    import json
+
+    from megalite.inference.load import load_model
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      rope_parameters={"rope_theta": 10000.0, **rope}, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    assert import_main(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"), "--quiet"]) == 0
+    model, _ = load_model(tmp_path / "ckpt")
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        err = (model(ids)[..., :VOCAB] - hf_model(ids).logits).abs().max().item()
+    assert err <= LOGITS_ATOL, f"{rope['rope_type']}: transformers logits differ from megalite's by {err:.2e}"
+    assert export_main(["--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--quiet"]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert written == {"rope_theta": 10000.0, **rope}

@@ -53,16 +53,22 @@ def _losses(kind: str, arch: str, state: ParallelState, steps: int = 3, eod: int
     return out
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, int]:
+    """Calls of these kernels from now on (get_ops reads the package's attributes when it runs)."""
+    calls = {name: 0 for name in names}
+    for name in names:
+        def counting(*args: object, _real=getattr(kernels, name), _name=name) -> object:
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(kernels, name, counting)
+    return calls
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_triton_model_matches_torch(arch: str, monkeypatch) -> None:
     """3 AdamW steps; and the parity would also hold if the model never called the fused residual add + norm
     kernel: count its calls (one per block and forward)."""
-    calls = {"add_rms_norm": 0, "add_layer_norm": 0}
-    for name in calls:
-        def counting(*args: object, _real=getattr(kernels, name), _name=name) -> object:
-            calls[_name] += 1
-            return _real(*args)
-        monkeypatch.setattr(kernels, name, counting)  # get_ops reads the package's attributes when it runs
+    calls = count_calls(monkeypatch, "add_rms_norm", "add_layer_norm")
     ref, tri = _losses("torch", arch, ParallelState()), _losses("triton", arch, ParallelState())
     assert tri == pytest.approx(ref, abs=1e-5)
     fused = "add_rms_norm" if arch == "llama" else "add_layer_norm"

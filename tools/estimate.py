@@ -22,7 +22,8 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+import dataclasses
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.fp8.costs import FP8_CHOICES  # noqa: E402
+from megalite.mla.costs import MLADims  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
@@ -84,7 +86,25 @@ def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help=("attention head dimension Q (default hidden/heads); PaLM's MFU counts "
                              "12·L·H·Q·s for attention" if name == "head_dim" else None))
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    for name, default in MLA_FLAGS.items():  # multi-head latent attention (docs/mla.md): on with --kv-lora-rank
+        m.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"MLA's {name} (the [mla] section; default {default})" if name != "kv_lora_rank"
+                       else "MLA: the compressed KV width; > 0 prices multi-head latent attention (docs/mla.md)")
     return m
+
+
+MLA_FLAGS = {f.name: f.default for f in dataclasses.fields(MLADims)}
+
+
+def mla_from_flags(args: argparse.Namespace, given: MLADims | None) -> MLADims | None:
+    """MLA's widths: the config's (`given`) with the MLA flags set over them; None when MLA stays off."""
+    base = dataclasses.asdict(given) if given is not None else dict(MLA_FLAGS, kv_lora_rank=0)
+    widths = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
+    if widths["kv_lora_rank"] <= 0:
+        return None
+    if min(widths.values()) < 0 or min(v for k, v in widths.items() if k != "q_lora_rank") < 1:
+        raise ConfigError(f"MLA widths {widths}: each must be >= 1 (q_lora_rank >= 0)")
+    return MLADims(**widths)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,8 +221,6 @@ def presets() -> dict[str, dict]:
     knows) when that module is importable."""
     table = {name: dict(vars(d)) for name, d in PRESETS.items()}
     try:
-        from dataclasses import asdict
-
         from megalite.config import PRESETS as CONFIG_PRESETS, DataConfig, ModelConfig
     except ImportError:
         return table
@@ -225,6 +243,8 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     data = getattr(cfg, "data", None)
     demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
     dims = _model_dims_kwargs(model, demo_vocab)
+    mla = getattr(cfg, "mla", None)  # multi-head latent attention's widths (None when off or a config without it)
+    dims["mla"] = MLADims.of(mla) if mla is not None else None
     lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
                                                       "cp_mode", "cp_a2a")}
     lay["zero"] = getattr(par, "zero", 0)
@@ -265,6 +285,7 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     for k in _LAYOUT_FLAGS + ("sp",):
         if getattr(args, k) is not None:
             lay_kw[k] = getattr(args, k)
+    dims_kw["mla"] = mla_from_flags(args, dims_kw.get("mla"))
     dims = None
     required = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
     if any(dims_kw.get(k) for k in required):
@@ -389,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         lay = kw["layout"]
         inputs = {"layout": vars(lay), "dtype": kw["dtype"], "memory_layout": kw["memory_layout"],
-                  "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else vars(kw["dims"]),
+                  "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else asdict(kw["dims"]),
                   "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
                   "peak_flops": kw["peak_flops"]}
         print(json.dumps({"inputs": inputs, **est.to_dict(), "peak_memory": peak_of(kw), **sections}, indent=2))

@@ -21,12 +21,14 @@ reshard tool needs to plan a target layout without building a model.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from megalite.errors import CheckpointError
 from megalite.layers.embedding import padded_vocab_size
+from megalite.mla.config import MLAConfig
 from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column, logical_name
 
 VOCAB_TENSORS = ("embedding.weight", "head.weight")
@@ -94,8 +96,9 @@ def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: TPLayout, tp: 
 
 
 # ----------------------------------------------------------------------------- planning without a model
-def model_info(cfg: Any) -> dict[str, Any]:
-    """The model dimensions a checkpoint records (and checks on load), from a model config object."""
+def model_info(cfg: Any, mla: MLAConfig | None = None) -> dict[str, Any]:
+    """The model dimensions a checkpoint records (and checks on load), from a model config object and, for
+    multi-head latent attention, its `[mla]` section (recorded as `mla`, only when on)."""
     keys = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "seq_len", "make_vocab_divisible_by", "tie_embeddings", "norm_eps", "rope_theta")
     info = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
@@ -107,6 +110,10 @@ def model_info(cfg: Any) -> dict[str, Any]:
         info["qk_norm"] = True
     if getattr(cfg, "head_dim", 0):
         info["head_dim"] = cfg.head_dim
+    if getattr(cfg, "rope_scaling", "none") != "none":  # YaRN / llama3 (megalite/model/rope.py): all its fields
+        info.update({k: getattr(cfg, k) for k in ROPE_INFO_KEYS})
+    if mla is not None and mla.enabled:
+        info["mla"] = dataclasses.asdict(mla)
     return info
 
 
@@ -114,6 +121,8 @@ def model_info(cfg: Any) -> dict[str, Any]:
 MOE_INFO_KEYS = ("moe_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
                  "moe_first_dense", "moe_every", "moe_router", "moe_renorm", "moe_route_scale", "moe_groups",
                  "moe_group_top_k", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
+ROPE_INFO_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow",
+                  "rope_mscale", "rope_mscale_all_dim", "rope_low_freq_factor", "rope_high_freq_factor")
 
 
 def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
@@ -129,7 +138,12 @@ def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
         return column((f, f) if info["arch"] == "llama" else (f,))
     if name.endswith("attn.out.weight") or name.endswith("mlp.down.weight"):
         return ROW
-    return REPLICATED
+    mla = info.get("mla")
+    if mla and (name.endswith("attn.q_b.weight") or name.endswith("attn.q.weight")):  # MLA (megalite/mla): by heads
+        return column((info["num_heads"] * (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]),))
+    if mla and name.endswith("attn.kv_b.weight"):
+        return column((info["num_heads"] * (mla["qk_nope_head_dim"] + mla["v_head_dim"]),))
+    return REPLICATED  # MLA's q_a, kv_a and their norms too
 
 
 def local_shape_for(name: str, global_shape: tuple[int, ...], tp_layout: TPLayout, tp: int,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megalite.checkpoint.layout import MOE_INFO_KEYS
+from megalite.checkpoint.layout import MOE_INFO_KEYS, ROPE_INFO_KEYS
 from megalite.checkpoint.sharded import find, read_index
 from megalite.config import cli
 from megalite.config.presets import PRESETS
@@ -28,7 +28,7 @@ SHAPE_FIELDS: tuple[str, ...] = ("arch", "num_layers", "hidden_size", "num_heads
 # A MoE model's structure and routing, and q/k norm, are refused when contradicted like the dims. The router
 # losses, bias rate and capacity are training choices: taken from the checkpoint unless given, never refused.
 TAKEN_FIELDS = ("make_vocab_divisible_by", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
-SHAPE_FIELDS += tuple(k for k in MOE_INFO_KEYS if k not in TAKEN_FIELDS) + ("qk_norm", "head_dim")
+SHAPE_FIELDS += tuple(k for k in MOE_INFO_KEYS if k not in TAKEN_FIELDS) + ("qk_norm", "head_dim") + ROPE_INFO_KEYS
 # "Derive me" values: given explicitly they still ask for the default, so they contradict nothing.
 _DERIVED = {"head_dim": 0, "num_kv_heads": 0, "ffn_hidden_size": 0, "vocab_size": 0, "tie_embeddings": None}
 
@@ -78,4 +78,8 @@ def apply_checkpoint_shape(cfg: Config, argv: list[str] | None, init_from: Path 
     for f in SHAPE_FIELDS + TAKEN_FIELDS:
         if f in saved and f not in given:
             setattr(cfg.model, f, saved[f])
+    if isinstance(saved.get("mla"), dict) and not cfg.mla.enabled:  # MLA's widths too, unless [mla] is set (then
+        for f, value in saved["mla"].items():                         # loading refuses a contradicting one)
+            if hasattr(cfg.mla, f):
+                setattr(cfg.mla, f, value)
     return cfg

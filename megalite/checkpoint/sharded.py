@@ -43,7 +43,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.checkpoint.moe_layout import expert_shard_map, routing_buffers
+from megalite.mla.config import MLAConfig
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, logical_name, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
@@ -184,7 +185,7 @@ def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Mod
               keep: int) -> SavePlan:
     """What this rank writes for step `step` (main thread: may gather ZeRO shards collectively)."""
     chunks = _chunks(model_chunks)
-    info = model_info(chunks[0].cfg)
+    info = model_info(chunks[0].cfg, cast(MLAConfig | None, chunks[0].mla))
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     # The writes are dealt among the ranks holding the same values (`GradReduction.group`: dp x cp for a
@@ -350,11 +351,12 @@ def read_index(path: Path) -> dict[str, Any]:
 def check_model(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
     """Refuse a checkpoint of another model shape, naming every dimension that differs."""
     diff = [k for k in MODEL_KEYS if k in saved and k in mine and saved[k] != mine[k]]
+    diff += ["mla"] if saved.get("mla") != mine.get("mla") else []  # recorded only when on: absent = off
     if diff:
-        theirs = ", ".join(f"{k}={saved[k]}" for k in diff)
-        ours = ", ".join(f"{k}={mine[k]}" for k in diff)
+        theirs = ", ".join(f"{k}={saved.get(k)}" for k in diff)
+        ours = ", ".join(f"{k}={mine.get(k)}" for k in diff)
         raise CheckpointError(f"checkpoint {path} is of a different model ({theirs}; this run has {ours}): "
-                              "set model.* to the checkpointed model's values")
+                              "set model.* (and mla.*) to the checkpointed model's values")
 
 
 def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
@@ -367,7 +369,7 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     path = Path(path)
     chunks = _chunks(model_chunks)
     params = _params(chunks)
-    info = model_info(chunks[0].cfg)
+    info = model_info(chunks[0].cfg, cast(MLAConfig | None, chunks[0].mla))
     index = read_index(path)
     check_model(index.get("model", {}), info, path)
     reader = SlabReader(path, index)

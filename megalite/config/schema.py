@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megalite.mla.config import MLAConfig
+
 
 def _f(default: Any, doc: str) -> Any:
     """A dataclass field with its one-line `--help` doc."""
@@ -34,6 +36,16 @@ class ModelConfig:
     make_vocab_divisible_by: int = _f(64, "embedding rows are padded to a multiple of this x tp")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    # Long-context RoPE scaling (megalite/model/rope.py, docs/mla.md "YaRN"), as transformers' rope_parameters.
+    rope_scaling: str = _f("none", "RoPE frequency scaling: none | yarn (DeepSeek-V3) | llama3 (Llama 3.1)")
+    rope_factor: float = _f(1.0, "yarn / llama3: context extension factor")
+    rope_original_max_positions: int = _f(0, "yarn / llama3: the context length the model was pretrained at")
+    rope_beta_fast: float = _f(32.0, "yarn: rotations that bound the extrapolated (unscaled) dims")
+    rope_beta_slow: float = _f(1.0, "yarn: rotations that bound the interpolated (scaled) dims")
+    rope_mscale: float = _f(0.0, "yarn: mscale (0 = unset); with mscale_all_dim sets the cos/sin factor")
+    rope_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (0 = unset); MLA's softmax scale x mscale(factor, it)^2")
+    rope_low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / this are divided by factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / this are kept")
     dropout: float = _f(0.0, "dropout probability on the embedding and the residual branches")
     tie_embeddings: bool | None = _f(None, "share input/output embedding; unset = arch default (llama no, gpt2 yes)")
     init_std: float = _f(0.02, "std of the normal weight init")
@@ -200,3 +212,4 @@ class Config:
     data: DataConfig = _section(DataConfig, "datasets and tokenizer")
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
     logging: LoggingConfig = _section(LoggingConfig, "metrics, JSONL and wandb")
+    mla: MLAConfig = _section(MLAConfig, "multi-head latent attention (DeepSeek-V2/V3; docs/mla.md)")

@@ -21,7 +21,9 @@ from megalite.config.validate_features import (compile_problems, cp_mode_problem
                                               muon_problems)
 from megalite.config.validate_fields import field_problems, text_problems
 from megalite.fp8.costs import FP8_CHOICES
+from megalite.mla.config import mla_problems
 from megalite.model.params import count_params
+from megalite.model.rope import RopeScaling, rope_scaling_problems
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -118,11 +120,12 @@ def _size_problems(cfg: Config) -> list[str]:
     head_dim = m.head_dim or m.hidden_size // m.num_heads
     if m.head_dim < 0 or (m.head_dim and m.arch != "llama"):
         out.append(f"model.head_dim {m.head_dim} must be 0 (hidden_size / num_heads) or, with model.arch=llama, > 0")
-    elif m.arch == "llama" and head_dim % 2:
+    elif m.arch == "llama" and head_dim % 2 and not cfg.mla.enabled:  # MLA rotates mla.qk_rope_head_dim
         out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
                    "rotary embeddings rotate pairs of dims: choose an even head dim")
     n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
-                     max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings), m.head_dim or None)
+                     max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings), m.head_dim or None,
+                     cfg.mla if cfg.mla.enabled else None)
     weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold
     if weights > _MAX_RANK_BYTES:
         out.append(f"the model has {n:.3g} parameters: its fp32 weights alone are {weights / 2**40:.3g} TiB per rank "
@@ -325,6 +328,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += muon_problems(cfg)
+    problems += mla_problems(cfg.mla, cfg.model) + rope_scaling_problems(RopeScaling.of(cfg.model))
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
     problems += fp8_problems(cfg, device_type)

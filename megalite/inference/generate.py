@@ -18,6 +18,7 @@ divided by the temperature, cut to the `top_k` largest and to the smallest set w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megalite.mla.attention import MLAttention
 from megalite.model.gpt import GPT
 from megalite.parallel import comm
 
@@ -45,14 +47,18 @@ class SamplingConfig:
 
 
 class KVCache:
-    """Per layer: keys and values [B, S_max, Hkv, D] preallocated for the model's seq_len."""
+    """Per layer: keys and values [B, S_max, Hkv, D] preallocated for the model's seq_len. With multi-head latent
+    attention (megalite/mla) the compressed cache instead: `k` holds the latent c_kv [B, S_max, kv_lora_rank] and
+    `v` the RoPE key shared by the heads k_pe [B, S_max, 1, qk_rope_head_dim] (DeepSeek-V2 section 2.1)."""
 
     def __init__(self, model: GPT, batch: int, dtype: torch.dtype) -> None:
         attn: Any = next(iter(model.layers.values())).attn
-        shape = (batch, model.cfg.seq_len, attn.local_kv, attn.head_dim)
+        s = model.cfg.seq_len
+        k_shape, v_shape = (((batch, s, attn.kv_rank), (batch, s, 1, attn.rope_dim)) if isinstance(attn, MLAttention)
+                            else ((batch, s, attn.local_kv, attn.head_dim),) * 2)
         device = _device(model)
-        self.k = {name: torch.zeros(shape, dtype=dtype, device=device) for name in model.layers}
-        self.v = {name: torch.zeros(shape, dtype=dtype, device=device) for name in model.layers}
+        self.k = {name: torch.zeros(k_shape, dtype=dtype, device=device) for name in model.layers}
+        self.v = {name: torch.zeros(v_shape, dtype=dtype, device=device) for name in model.layers}
         self.length = 0
 
 
@@ -74,6 +80,28 @@ def _cached_attention(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     return attn.out(o.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
 
 
+def _cached_latent_attention(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             c_cache: torch.Tensor, pe_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """MLA from the compressed cache, with W_UK absorbed into the query and W_UV applied after the weighted sum
+    (DeepSeek-V2 section 2.1.3): scores = (q_nope W_UK) . c_kv + q_pe . k_pe, never expanding the cached
+    tokens' keys and values. `compress` gives q already multiplied by the scale correction (`MLAttention.q_scale`)
+    that the attention core's 1/sqrt(width) completes."""
+    b, s, _ = x.shape
+    q, c_kv, k_pe = attn.compress(x, cos[start:start + s], sin[start:start + s])
+    c_cache[:, start:start + s] = c_kv
+    pe_cache[:, start:start + s] = k_pe
+    c, pe = c_cache[:, :start + s], pe_cache[:, :start + s, 0]
+    w = attn.kv_b.weight.view(attn.local_heads, attn.nope + attn.v_dim, attn.kv_rank)
+    q_latent = torch.einsum("bshn,hnr->bshr", q[..., :attn.nope], w[:, :attn.nope].to(q.dtype))
+    scores = (torch.einsum("bshr,btr->bsht", q_latent, c)
+              + torch.einsum("bshp,btp->bsht", q[..., attn.nope:], pe)) / math.sqrt(attn.width)
+    # New query i (absolute position start+i) sees keys 0..start+i.
+    mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    p = scores.float().masked_fill(~mask[None, :, None, :], float("-inf")).softmax(dim=-1).to(q.dtype)
+    o = torch.einsum("bshr,hvr->bshv", torch.einsum("bsht,btr->bshr", p, c), w[:, attn.nope:].to(q.dtype))
+    return attn.out(o.reshape(b, s, attn.local_heads * attn.v_dim))
+
+
 @torch.no_grad()
 def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits [B, s, vocab_size] of `ids` [B, s], the tokens at positions [cache.length, cache.length + s)."""
@@ -88,7 +116,8 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.d
     cos, sin = model.get_buffer("cos"), model.get_buffer("sin")
     for name, module in model.layers.items():
         block: Any = module
-        x = x + _cached_attention(block.attn, block.norm1(x), cos, sin, cache.k[name], cache.v[name], start)
+        attend = _cached_latent_attention if isinstance(block.attn, MLAttention) else _cached_attention
+        x = x + attend(block.attn, block.norm1(x), cos, sin, cache.k[name], cache.v[name], start)
         x = x + block.mlp(block.norm2(x))
     cache.length = start + s
     (logits,) = model.head(model.final_norm(x))

@@ -8,6 +8,7 @@ the run trained on the demo corpus, or the `tokenizer.json` of the HF directory 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from megalite.checkpoint.sharded import find, load_sharded, read_index
 from megalite.config.schema import DataConfig, ModelConfig
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import CheckpointError, DataError
+from megalite.mla.config import MLAConfig
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 
@@ -32,6 +34,17 @@ def model_config_from_info(info: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def mla_from_info(info: dict[str, Any]) -> MLAConfig | None:
+    """The checkpoint's multi-head latent attention widths (`mla`, recorded when on), else None."""
+    given = info.get("mla")
+    if given is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(MLAConfig)}
+    if not isinstance(given, dict) or set(given) != fields or not all(type(v) is int for v in given.values()):
+        raise CheckpointError(f"the checkpoint's model.mla {given!r} is not MLA's widths ({', '.join(sorted(fields))})")
+    return MLAConfig(**given)
+
+
 def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
     """(model in eval mode on `device`, the checkpoint's index) from a checkpoint step dir or root."""
     path = find(str(checkpoint), "")
@@ -41,7 +54,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict[s
     if "model" not in index:
         raise CheckpointError(f"{path} records no model dims (written by an older megalite): nothing to build")
     state = ParallelState(device=torch.device(device))
-    model = GPT(model_config_from_info(index["model"]), state, seed=0)
+    model = GPT(model_config_from_info(index["model"]), state, seed=0, mla=mla_from_info(index["model"]))
     load_sharded(path, model, None, state)
     return model.to(state.device).eval(), index
 

@@ -23,6 +23,7 @@ from megalite.context.attend import context_attention
 from megalite.context.options import ContextOptions
 from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.ops import Ops, apply_rope, masked_attention
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoELayer
@@ -187,11 +188,13 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
-                 context: ContextOptions = ContextOptions(), moe: MoEContext | None = None) -> None:
+                 context: ContextOptions = ContextOptions(), moe: MoEContext | None = None,
+                 mla: MLAContext | None = None) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context)
+        self.attn: nn.Module = (Attention(cfg, state, ops, f"{name}.attn", seed, context) if mla is None  # MLA:
+                                else MLAttention(cfg, mla, state, ops, f"{name}.attn", seed, context))  # megalite/mla
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.mlp: nn.Module
         if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)

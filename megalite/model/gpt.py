@@ -22,7 +22,10 @@ from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.model.block import Block, MoEContext, Norm
-from megalite.model.ops import get_ops, resolve_kernels
+from megalite.mla.attention import MLAContext
+from megalite.mla.config import MLAConfig
+from megalite.model.ops import TORCH_OPS, get_ops, masked_attention, resolve_kernels
+from megalite.model.rope import RopeScaling, rope_tables, softmax_scale_factor
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings, moe_layers
@@ -32,20 +35,13 @@ from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq_len, head_dim/2] in fp32 for rotate-half RoPE."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
 class GPT(nn.Module):
     """A GPT stage. `forward(ids, labels)` returns the per-token loss [B, S] on the last stage (fp32),
     else the hidden states to send to the next stage."""
 
     def __init__(self, cfg: ModelSpec, state: ParallelState, seed: int, rng: RNGStreams | None = None,
                  layers: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 context: ContextOptions = ContextOptions()) -> None:
+                 context: ContextOptions = ContextOptions(), mla: MLAConfig | None = None) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
@@ -67,7 +63,12 @@ class GPT(nn.Module):
         moe_settings = MoESettings.from_model(cfg)
         self.aux_scale = AuxScale()
         moe = (MoEContext(moe_settings, self.aux_scale, len(moe_layers(cfg))) if moe_settings is not None else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe)
+        self.mla = mla if mla is not None and mla.enabled else None  # recorded by checkpoints (`model_info`)
+        rope = RopeScaling.of(cfg)
+        # Multi-head latent attention (`[mla]`, megalite/mla) in every block when mla.kv_lora_rank > 0.
+        latent = (MLAContext(mla, softmax_scale_factor(rope), TORCH_OPS, masked_attention)
+                  if mla is not None and mla.enabled else None)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe, latent)
                                      for i in self.layer_ids})
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
@@ -84,7 +85,8 @@ class GPT(nn.Module):
                                               seed=seed, std=cfg.init_std)
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
-        cos, sin = rope_tables(cfg.seq_len, head_dim(cfg), cfg.rope_theta)
+        rope_dim = latent.config.qk_rope_head_dim if latent is not None else head_dim(cfg)
+        cos, sin = rope_tables(cfg.seq_len, rope_dim, cfg.rope_theta, rope)
         # Document masking indexes the whole tables by each token's position in its document.
         self.cos_full: torch.Tensor
         self.sin_full: torch.Tensor

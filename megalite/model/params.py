@@ -4,19 +4,23 @@ tests/test_flops_estimate.py holds it equal to a built model's count."""
 
 from __future__ import annotations
 
+from megalite.mla.costs import MLAShape, attention_params
+
 
 def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 ffn: int, vocab: int, seq_len: int, tie: bool, head_dim: int | None = None) -> int:
+                 ffn: int, vocab: int, seq_len: int, tie: bool, head_dim: int | None = None,
+                 mla: MLAShape | None = None) -> int:
     """Parameters of megalite's GPT (unpadded vocabulary, no parallelism).
 
     llama, per layer: q and o h x h each, k and v h x (kv·head_dim) each; SwiGLU 3·h·ffn;
     two RMSNorm weights. Then a final RMSNorm, the V x h embedding and an untied head unless `tie`.
     gpt2 adds biases (qkv, out, both MLP linears), LayerNorm weight+bias, a 2·h·ffn GeLU MLP
     and learned positions (s x h); its head is normally tied. `head_dim` defaults to hidden/heads.
+    With `mla` (multi-head latent attention, llama only) the attention is MLA's (`megalite.mla.costs`).
     """
     hd = hidden // num_heads if head_dim is None else head_dim
     q, kv = num_heads * hd, num_kv_heads * hd
-    attn = hidden * (q + 2 * kv) + q * hidden
+    attn = hidden * (q + 2 * kv) + q * hidden if mla is None else attention_params(hidden, num_heads, mla)
     if arch == "llama":
         layer = attn + 3 * hidden * ffn + 2 * hidden
         outside = hidden + vocab * hidden

@@ -4,6 +4,7 @@ stage holds, the last stage's logits; every term for the S/cp tokens a rank hold
 
 from __future__ import annotations
 
+from megalite.mla import costs as mla_costs
 from megalite.perfmodel.context import cp_held_kv_bytes
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 from megalite.perfmodel.schedules import microbatches_in_flight
@@ -52,6 +53,9 @@ def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_
 
     def per_layer(recompute: str) -> float:
         held = 0.0 if recompute == "full" else cp_held_kv_bytes(dims, layout, prec.activation)  # allgather's K/V
+        if dims.mla is not None:  # multi-head latent attention's own count (megalite/mla/costs.py)
+            return held + mla_costs.activation_bytes_per_layer(s, b, h, a, dims.mla, layout.tp, layout.sp, recompute,
+                                                               prec.activation, kv_len=dims.seq_len)
         return held + activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, recompute, prec.activation,
                                                  kv_len=dims.seq_len)
 

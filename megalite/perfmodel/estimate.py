@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
+from megalite.mla import costs as mla_costs
 from megalite.model.params import count_params  # noqa: F401  (re-exported)
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
@@ -35,7 +36,7 @@ GB = 1e9
 
 def dims_params(dims: ModelDims) -> int:
     return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
-                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim)
+                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim, dims.mla)
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,15 @@ def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int) -> StageParams
         raise ConfigError(f"tp={t} must divide num_heads ({dims.num_heads}), num_kv_heads "
                           f"({dims.kv_heads}) and ffn_hidden_size ({f}); pick a smaller parallel.tp")
     gpt2 = dims.arch == "gpt2"
-    sharded = (h * (q + 2 * kv) + q * h + (3 if not gpt2 else 2) * h * f) // t
+    # MLA: q_b / q, kv_b, out split by heads; q_a, kv_a and the latents' norms replicated (megalite/mla/costs.py)
+    attn, whole = ((h * (q + 2 * kv) + q * h, 0) if dims.mla is None
+                   else mla_costs.attention_weights(h, dims.num_heads, dims.mla))
+    sharded = (attn + (3 if not gpt2 else 2) * h * f) // t
     if gpt2:
         sharded += (q + 2 * kv + f) // t  # column-parallel biases
     replicated = 6 * h if gpt2 else 2 * h  # two norms (gpt2: weight+bias each, + out/down biases)
+    if dims.mla is not None:
+        replicated += whole + dims.mla.q_lora_rank + dims.mla.kv_lora_rank
     per_stage = dims.num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     emb = dims.padded_vocab(t) // t * h
@@ -185,8 +191,13 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     total += m * (first + last) * all_reduce_bytes(x, t)
     total += m * last * all_reduce_bytes(3 * bs * 4, t)
+    partial: float = 0.0
     if layout.sp:
-        partial: float = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+        partial = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+    elif dims.mla is not None:  # MLA's replicated q_a / kv_a (and norms) have partial gradients at any tp
+        whole = mla_costs.attention_weights(dims.hidden_size, dims.num_heads, dims.mla)[1]
+        partial = dims.num_layers // layout.pp * (whole + dims.mla.q_lora_rank + dims.mla.kv_lora_rank)
+    if partial:
         if layout.zero >= 1:
             # ZeRO >= 1 sums only the partial pieces inside this rank's 1/(dp·cp) gradient shard (exact
             # when the shard boundaries split them evenly, as for megalite's single-bucket small models).

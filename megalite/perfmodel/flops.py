@@ -27,6 +27,7 @@ import os
 import re
 
 from megalite.errors import ConfigError
+from megalite.mla import costs as mla_costs
 from megalite.perfmodel.inputs import ModelDims
 
 PEAK_ENV_VAR = "MEGALITE_PEAK_TFLOPS"
@@ -61,7 +62,7 @@ _DTYPE_ALIASES: dict[str, str] = {
 # "fp8" is the dense FP8 tensor-core rate; devices without FP8 tensor cores (A100, A10, V100) have none.
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int,
+def model_flops_per_token(num_params: int, num_layers: int, hidden_size: float, seq_len: int,
                           causal: bool = False) -> float:
     """Training FLOPs per token: 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B).
 
@@ -111,7 +112,8 @@ def matmul_params(dims: ModelDims) -> tuple[int, int]:
     leaves them out, and so do the hardware FLOPs here."""
     h, q, kv = dims.hidden_size, dims.num_heads * dims.hd, dims.kv_heads * dims.hd
     mlp = (3 if dims.arch == "llama" else 2) * h * dims.ffn
-    return dims.num_layers * (h * (q + 2 * kv) + q * h + mlp), dims.vocab_size * h
+    attn = h * (q + 2 * kv) + q * h if dims.mla is None else sum(mla_costs.attention_weights(h, dims.num_heads, dims.mla))
+    return dims.num_layers * (attn + mlp), dims.vocab_size * h
 
 
 def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple[float, float]:
@@ -131,6 +133,11 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     layers, head = matmul_params(dims)
     attn = float(dims.num_layers) * dims.num_heads * dims.hd * dims.seq_len
     model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len)
+    if dims.mla is not None:  # MLA: QK^T at d = nope + rope, AV at v_head_dim; executed at the padded width
+        width = mla_costs.attention_width(dims.num_heads, dims.mla)
+        model = model_flops_per_token(int(num_params), dims.num_layers, width, dims.seq_len)
+        attn = dims.num_layers * mla_costs.core_flops_per_token(dims.seq_len, dims.num_heads, dims.mla)[1] / 4.0
+        # (executed_flops counts the core as 12 x attn: 4·s·H·D forward, twice that backward)
     return model, executed_flops(layers, head, attn, recompute)
 
 

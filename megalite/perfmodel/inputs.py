@@ -9,6 +9,7 @@ import numbers
 from dataclasses import dataclass
 
 from megalite.errors import ConfigError
+from megalite.mla.costs import MLADims
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ModelDims:
     tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
     make_vocab_divisible_by: int = 1  # vocab padded to a multiple of this x tp
     head_dim: int | None = None  # None: hidden_size / num_heads (megalite's models); PaLM decouples them
+    mla: MLADims | None = None  # multi-head latent attention's widths (`[mla]`, megalite/mla/costs.py); None: off
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gpt2"):

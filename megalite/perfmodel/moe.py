@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
+from megalite.mla.costs import MLAShape
 from megalite.moe.costs import (a2a_bytes_balanced, busiest, busiest_a2a_bytes, expert_flops, expert_params,
                                 mlp_params, moe_layer_params)
 from megalite.moe.settings import MoESettings, moe_layers
@@ -25,11 +26,12 @@ class MoEParams:
     experts: int          # routed-expert parameters of the whole model (split over ep)
 
 
-def moe_param_counts(m: Any) -> MoEParams:
-    """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE)."""
+def moe_param_counts(m: Any, mla: MLAShape | None = None) -> MoEParams:
+    """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE), its
+    attention MLA's when `mla` is given (megalite/mla/costs.py)."""
     tie = bool(m.tie_embeddings)
     dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                         m.vocab_size, m.seq_len, tie)
+                         m.vocab_size, m.seq_len, tie, mla=mla)
     s = MoESettings.from_model(m)
     if s is None:
         return MoEParams(dense, dense, 0)

@@ -4,6 +4,7 @@ step time and MFU of one `Estimate`, with the layout it was computed for."""
 from __future__ import annotations
 
 from megalite.fp8.costs import is_block_recipe
+from megalite.mla import costs as mla_costs
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
 from megalite.perfmodel.peak_memory import PeakOptions, peak_memory
 
@@ -79,9 +80,20 @@ def render(est: Estimate, kw: dict) -> str:
         if est.predicted_mfu_fp8_peak is not None:
             out.append(f"MFU is over the bf16 dense peak; over the FP8 dense peak "
                        f"({f8['fp8_peak_flops'] / 1e12:.0f} TFLOP/s) it is {est.predicted_mfu_fp8_peak:.1%}")
+    if dims is not None and dims.mla is not None:
+        out.append(mla_cache_line(dims, prec.activation))
     for w in est.warnings:
         out.append(f"WARNING: {w}")
     return "\n".join(out)
+
+
+def mla_cache_line(dims: ModelDims, bytes_per_element: int) -> str:
+    """Multi-head latent attention's KV cache for generation (megalite/mla/costs.py), per token."""
+    assert dims.mla is not None
+    small = mla_costs.kv_cache_bytes_per_token(dims.num_layers, dims.mla, bytes_per_element)
+    full = mla_costs.expanded_kv_cache_bytes_per_token(dims.num_layers, dims.num_heads, dims.mla, bytes_per_element)
+    return (f"MLA KV cache for generation: {small / 1024:.4g} KiB per token (kv_lora_rank + qk_rope_head_dim per "
+            f"layer), against {full / 1024:.4g} KiB for the expanded keys and values ({full / small:.3g}x)")
 
 
 def peak_of(kw: dict) -> dict | None:

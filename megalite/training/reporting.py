@@ -9,6 +9,8 @@ from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
+from megalite.mla import costs as mla_costs
+from megalite.mla.costs import MLADims
 from megalite.perfmodel.moe import moe_param_counts
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
 from megalite.training.step import StepContext, StepResult
@@ -23,11 +25,14 @@ class StepReport:
                  optimizer: DistributedOptimizer, data_note: str) -> None:
         self.cfg, self.state, self.ctx, self.optimizer, self.data_note = cfg, state, ctx, optimizer, data_note
         m = cfg.model
-        counts = moe_param_counts(m)  # the dense count for a dense model
+        mla = MLADims.of(cfg.mla)
+        counts = moe_param_counts(m, mla)  # the dense count for a dense model
         self.n_params, self.n_active = counts.total, counts.active
-        # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters).
-        self.flops_per_token = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len)
-        self.flops_per_token_causal = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len,
+        # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters);
+        # MLA's attention core is at its own widths (megalite/mla/costs.py).
+        width = m.hidden_size if mla is None else mla_costs.attention_width(m.num_heads, mla)
+        self.flops_per_token = model_flops_per_token(self.n_active, m.num_layers, width, m.seq_len)
+        self.flops_per_token_causal = model_flops_per_token(self.n_active, m.num_layers, width, m.seq_len,
                                                             causal=True)
         device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
         self.peak = peak_flops(device_name, DTYPE_NAMES[ctx.engine.dtype])

@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from megalite.checkpoint.files import atomic_output, inside, refuse_link, refuse_output_in_checkpoint
+from megalite.checkpoint.interop.hf_rope import hf_rope_parameters, rope_scaling_info
 from megalite.checkpoint.index_check import model_info_problems
 from megalite.checkpoint.offline import write_checkpoint
 from megalite.checkpoint.sharded import find, read_index
@@ -118,7 +119,7 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
                 "head_dim": info.get("head_dim") or info["hidden_size"] // info["num_heads"], "vocab_size": info["vocab_size"],
                 "max_position_embeddings": info["seq_len"], "rms_norm_eps": info["norm_eps"],
                 "rope_theta": info["rope_theta"],
-                "rope_parameters": {"rope_type": "default", "rope_theta": info["rope_theta"]},
+                "rope_parameters": {"rope_theta": info["rope_theta"], **hf_rope_parameters(info)},
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
                 "tie_word_embeddings": tie, "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
     if info["num_kv_heads"] != info["num_heads"]:
@@ -137,14 +138,12 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     kind = cfg.get("model_type")
     if kind == "llama":
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+        scaling: dict[str, Any] = {}
         for key in ("rope_parameters", "rope_scaling"):  # the current name and the older one: check both
             given = cfg.get(key)
             if given is not None and not isinstance(given, dict):
                 raise CheckpointError(f"this Llama config cannot be imported: {key}={given!r} is not an object")
-            kind = (given or {}).get("rope_type", (given or {}).get("type", "default"))  # "type": legacy spelling
-            if kind != "default":
-                raise CheckpointError(f"this Llama config cannot be imported: rope scaling {kind!r} ({key}) is not "
-                                      "supported (megalite computes plain RoPE; importing it would be another model)")
+            scaling = scaling or rope_scaling_info(given or {}, cfg, key)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         bad = [what for what, ok in (
             ("hidden_act must be silu", cfg.get("hidden_act", "silu") == "silu"),
@@ -157,7 +156,8 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                 "num_kv_heads": cfg.get("num_key_value_heads") or nh, "ffn_hidden_size": cfg["intermediate_size"],
                 "vocab_size": cfg["vocab_size"], "seq_len": cfg.get("max_position_embeddings", 2048),
                 "make_vocab_divisible_by": 64, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-                "norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 1e4))}
+                "norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 1e4)),
+                **scaling}
     if kind == "gpt2":
         if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"GPT-2 activation {cfg['activation_function']!r} is not megalite's tanh GeLU")
