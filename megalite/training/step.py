@@ -25,7 +25,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from megalite.moe.step_metrics import finish_step as finish_moe_step
+from megalite.moe.balance import update_router_biases
+from megalite.moe.step_metrics import moe_step_metrics
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.schedule import lr_at
@@ -107,7 +108,8 @@ def train_step(ctx: StepContext,
     scaler.update(found_inf=skipped)
     if not skipped:
         optimizer.step(lr, settings.clip_grad, norm)
-    moe = finish_moe_step(engine.chunks, state, update_bias=not skipped)  # DeepSeek's bias update, the loads
+        update_router_biases(engine.chunks, state)  # DeepSeek-V3's aux-loss-free balancing, outside the optimizer
+    moe = moe_step_metrics(engine.chunks, state)  # reads the step's loads and router losses
     if divisor is None:
         total /= len(batches)
     return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped, moe=moe)
