@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("moe",),                                     # core: mixture-of-experts layers (routers, experts, dispatch)
+    ("mtp",),                                     # core: multi-token prediction modules (their block is passed in)
     ("model", "dp"),                              # core: the GPT; gradient sync and ZeRO (wraps a model it never imports)
     ("optim",),                                   # core: the optimizers' maths on the shards dp hands over
     ("pipeline",),                                # core: stages, schedules, the p2p engine

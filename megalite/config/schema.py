@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megalite.mtp.config import MTPConfig
+
 
 def _f(default: Any, doc: str) -> Any:
     """A dataclass field with its one-line `--help` doc."""
@@ -202,3 +204,4 @@ class Config:
     data: DataConfig = _section(DataConfig, "datasets and tokenizer")
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
     logging: LoggingConfig = _section(LoggingConfig, "metrics, JSONL and wandb")
+    mtp: MTPConfig = _section(MTPConfig, "multi-token prediction (DeepSeek-V3; docs/mtp.md)")

@@ -21,6 +21,7 @@ from megalite.config.validate_features import (compile_problems, cp_mode_problem
                                               muon_problems)
 from megalite.config.validate_fields import field_problems, text_problems
 from megalite.model.params import count_params
+from megalite.mtp.config import mtp_problems
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -171,7 +172,8 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     out: list[str] = []
     from megalite.dp.zero3 import zero3_problems  # the one place ZeRO-3's limits live (torch: imported late)
 
-    out += zero3_problems(p.zero, p.vpp, p.pp > 1 and bool(m.tie_embeddings))
+    # The embedding has a copy on the last stage: a tied head, or the MTP modules' input.
+    out += zero3_problems(p.zero, p.vpp, p.pp > 1 and (bool(m.tie_embeddings) or cfg.mtp.num_layers > 0))
     if m.num_heads >= 1 and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}: "
                    f"make hidden_size a multiple of num_heads")
@@ -321,6 +323,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     problems += moe_problems(cfg)
+    problems += mtp_problems(cfg.mtp, cfg.model, cfg.data.document_mask)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += muon_problems(cfg)

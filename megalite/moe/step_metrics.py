@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 
 from megalite.moe.layer import moe_layers_of
-from megalite.moe.settings import moe_layers
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 
@@ -21,18 +20,19 @@ _COUNTS = {"dropped_tokens", "a2a_rows", "a2a_calls"}
 
 
 @runtime_checkable
-class HasModelConfig(Protocol):
-    """A model chunk that knows the whole model's config (megalite.model.gpt.GPT), so any stage can name every
-    MoE layer of the model, its own or not."""
+class NamesMoELayers(Protocol):
+    """A model chunk that names every MoE layer of the whole model (megalite.model.gpt.GPT: its layers' and its
+    MTP modules' blocks'), so any stage can report every MoE layer of the model, its own or not."""
 
-    cfg: Any
+    def moe_layer_names(self) -> list[str]: ...
 
 
 def all_moe_layer_names(chunks: list[nn.Module]) -> list[str]:
-    """The names ("layers.i") of every MoE layer of the model, on every stage (empty for a dense model)."""
+    """The names ("layers.i", "mtp.layers.k.block") of every MoE layer of the model, on every stage (empty for a
+    dense model)."""
     for chunk in chunks:
-        if isinstance(chunk, HasModelConfig):
-            return [f"layers.{i}" for i in moe_layers(chunk.cfg)]
+        if isinstance(chunk, NamesMoELayers):
+            return chunk.moe_layer_names()
     return [name for name, _ in moe_layers_of(chunks)]
 
 

@@ -66,4 +66,5 @@ class StepReport:
                 "comm_convention": COMM_CONVENTION, "comm_written_bytes": written_bytes,
                 "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,
                 "loss_scale": self.ctx.scaler.scale, "spike": spike, "mem_bytes": self.optimizer.memory_bytes(),
-                "tokens_seen": step * self.tokens_per_step, **({"moe": result.moe} if result.moe else {})}
+                "tokens_seen": step * self.tokens_per_step, **({"moe": result.moe} if result.moe else {}),
+                **({"mtp_loss": result.mtp} if result.mtp else {})}

@@ -1,0 +1,35 @@
+"""The `[mtp]` config section (multi-token prediction, docs/mtp.md) and its checks, which config validation calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class MTPConfig:
+    num_layers: int = field(default=0, metadata={"doc": "multi-token prediction depth D: extra modules, module k "
+                                                        "predicting the token k+1 ahead (DeepSeek-V3); 0 = off"})
+    loss_weight: float = field(default=0.3, metadata={"doc": "lambda: the mean of the D depths' losses times this "
+                                                             "is added to the training loss"})
+
+
+def mtp_problems(mtp: MTPConfig, model: Any, document_mask: bool) -> list[str]:
+    """One line per bad `[mtp]` value or unsupported combination (empty when MTP is off)."""
+    out: list[str] = []
+    if mtp.num_layers < 0:
+        out.append(f"mtp.num_layers must be >= 0 (0 = off), got {mtp.num_layers}")
+    if not mtp.loss_weight >= 0:
+        out.append(f"mtp.loss_weight must be >= 0, got {mtp.loss_weight}")
+    if mtp.num_layers <= 0:
+        return out
+    if mtp.num_layers >= model.seq_len:
+        out.append(f"mtp.num_layers {mtp.num_layers} must be below model.seq_len {model.seq_len}: depth k predicts "
+                   "the token k+1 ahead")
+    if model.arch != "llama":
+        out.append(f"mtp.num_layers > 0 needs model.arch=llama (RoPE): the MTP modules embed the shifted tokens "
+                   f"without learned positions; got arch={model.arch}")
+    if document_mask:
+        out.append("mtp.num_layers > 0 with data.document_mask is not supported yet: the shifted tokens would cross "
+                   "documents; set data.document_mask=false or mtp.num_layers=0")
+    return out

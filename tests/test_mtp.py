@@ -1,0 +1,163 @@
+"""Multi-token prediction (DeepSeek-V3, Liu et al. 2024, section 2.2) against a reference written from the paper,
+and at tp2 + SP, pp2, cp2, dp2 with ZeRO-3 and ep2 (a MoE block in the MTP module) against one process.
+
+The reference truncates as the paper does (depth k runs on the first S - k positions: h'_i from h^{k-1}_i and
+Emb(t_{i+k})); the model rolls the tokens and masks the last k positions instead, so equality also shows the
+rolled tail never reaches a labelled position. Tolerances: fp32; the reference is the same products written
+out (RMSNorm by hand), 1e-5 on losses and 1e-5 absolute on gradients of O(1e-2) values. The layouts: as
+tests/test_moe_ep.py (the module doc there): losses 1e-5 absolute, norms 1e-5 relative, parameters after 3
+steps at lr 1e-2 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.data.sampler import cp_split
+from megalite.errors import ConfigError
+from megalite.model.gpt import GPT
+from megalite.mtp.config import MTPConfig
+from megalite.optim import build_distributed_optimizer
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
+from megalite.parallel.sharding import unshard
+from megalite.parallel.state import ParallelState
+from megalite.pipeline import build_pipeline
+from tests.moe_utils import moe_layout, tiny_moe_cfg
+from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer, step_context,
+                                  tiny_model_cfg, train_steps)
+
+SEQ, D, LAMBDA = 16, 2, 0.3
+MTP = MTPConfig(num_layers=D, loss_weight=LAMBDA)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _reference_loss(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """L_Main + lambda / D sum_k L_MTP^k (eq. 21-25), each L the mean cross-entropy over its labelled positions."""
+    assert model.embedding is not None and model.head is not None and model.final_norm is not None
+    assert model.mtp is not None
+    v, eps = model.cfg.vocab_size, model.cfg.norm_eps
+    x = model.embedding(ids)
+    for block in model.layers.values():
+        x = block(x, model.cos, model.sin)
+    head = model.head.weight
+
+    def ce(h: torch.Tensor, norm_w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = (_rms(h, norm_w, eps) @ head.t())[..., :v]
+        return F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1))
+
+    main = ce(x, model.final_norm.weight, labels)
+    h, s, losses = x, ids.shape[1], []
+    for k in range(1, D + 1):
+        m = model.mtp.layers[k - 1]
+        t = s - k                                           # positions with a token k+1 ahead
+        emb = F.embedding(ids[:, k:], model.embedding.weight)  # Emb(t_{i+k}), i < t
+        h = torch.cat([_rms(emb, m.enorm.weight, eps), _rms(h[:, :t], m.hnorm.weight, eps)], -1) @ m.eh_proj.t()
+        h = m.block(h, model.cos, model.sin)                # its own transformer block
+        losses.append(ce(h, m.norm.weight, labels[:, k:]))  # targets t_{i+k+1} = labels[i+k]
+    return main + LAMBDA / D * torch.stack(losses).sum(), losses
+
+
+def test_mtp_equals_the_papers_formulas() -> None:
+    cfg = tiny_model_cfg(seq_len=SEQ)
+    model = GPT(cfg, ParallelState(), seed=3, mtp=MTP).train()
+    ref = copy.deepcopy(model)
+    ids, labels = micro_batches(random_steps(cfg, 1, 3)[0], 3)[0]
+    model(ids, labels).mean().backward()   # the MTP losses reach the backward attached to the main loss
+    want, losses = _reference_loss(ref, ids, labels)
+    want.backward()
+    assert model.mtp is not None
+    for got_k, want_k in zip(model.mtp.sums, losses):
+        assert abs(got_k - float(want_k.detach())) <= 1e-5
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=0, msg=name)
+    names = {n for n, _ in model.named_parameters() if n.startswith("mtp.layers.1.")}
+    assert {"mtp.layers.1.eh_proj", "mtp.layers.1.enorm.weight", "mtp.layers.1.hnorm.weight",
+            "mtp.layers.1.norm.weight", "mtp.layers.1.block.attn.qkv.weight"} <= names
+
+
+def test_mtp_config_problems() -> None:
+    from megalite.mtp.config import mtp_problems
+
+    good = tiny_model_cfg(seq_len=SEQ)
+    assert mtp_problems(MTP, good, False) == []
+    assert "mtp.num_layers must be >= 0" in mtp_problems(MTPConfig(-1), good, False)[0]
+    assert "arch=llama" in mtp_problems(MTP, tiny_model_cfg("gpt2", seq_len=SEQ), False)[0]
+    assert "document_mask" in mtp_problems(MTP, good, True)[0]
+
+
+STEPS, MICRO, M = 3, 2, 2
+
+
+def _check(rank: int, case: str) -> None:
+    tp, pp, cp, sp, zero, ep = {"tp2+sp": (2, 1, 1, True, 1, 1), "pp2": (1, 2, 1, False, 1, 1),
+                                "cp2": (1, 1, 2, False, 2, 1), "dp2-zero3": (1, 1, 1, False, 3, 1),
+                                "ep2": (1, 1, 1, False, 1, 2)}[case]
+    if ep > 1:
+        st = moe_layout(ep=ep)
+        cfg = tiny_moe_cfg(seq_len=SEQ, moe_router="deepseek", moe_groups=2, moe_group_top_k=1,
+                           moe_bias_rate=0.01, moe_aux_loss=0.0, moe_seq_aux_loss=0.01)
+    else:
+        st = layout(tp, pp=pp, sp=sp, cp=cp)
+        cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2)
+    data = random_steps(cfg, STEPS, MICRO * M * st.dp)
+    ref = GPT(cfg, ParallelState(), seed=5, mtp=MTP)
+    ref_results = train_steps(ref, ParallelState(), reference_optimizer(ref, ParallelState()),
+                              [micro_batches(d, MICRO) for d in data], tiny_train_cfg_for())
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP)
+    model = engine.chunks[0]
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    ctx = step_context(engine, st, settings=tiny_train_cfg_for())
+    from megalite.training.step import train_step
+
+    def local(d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        n = d.shape[0] // st.dp
+        rows = d[st.dp_rank * n:(st.dp_rank + 1) * n]
+        return [(cp_split(i, st.cp, st.cp_rank), cp_split(t, st.cp, st.cp_rank)) for i, t in micro_batches(rows, MICRO)]
+
+    results = [train_step(ctx, opt, local(d), i) for i, d in enumerate(data)]
+    for i, (got, want) in enumerate(zip(results, ref_results)):
+        assert abs(got.loss - want.loss) <= 1e-5, f"{case}: step {i} loss {got.loss} != {want.loss}"
+        assert got.mtp is not None and want.mtp is not None and len(got.mtp) == D
+        for a, b in zip(got.mtp, want.mtp):
+            assert abs(a - b) <= 1e-5, f"{case}: step {i} mtp losses {got.mtp} != {want.mtp}"
+        assert abs(got.grad_norm - want.grad_norm) <= 1e-5 * want.grad_norm, f"{case}: step {i} norm"
+    ref_params = dict(ref.named_parameters())
+    specs = named_param_specs(model, ConfigError)
+    for name, value in opt.full_parameters().items():
+        spec = specs[name]
+        want_p = ref_params["embedding.weight" if name == "mtp.embedding.weight" else name].detach()
+        if spec.grads == EXPERT_PARALLEL:
+            n = want_p.shape[0] // st.size("ep")
+            want_p = want_p[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n]
+        err = (unshard(value, spec.layout, st) - want_p).abs().max().item()
+        assert err <= 1e-4, f"{case}: parameter {name} off by {err:.2e} after {STEPS} steps"
+    if pp > 1 and st.pp_rank == 1:
+        assert "mtp.embedding.weight" in specs  # the last stage's copy of the embedding, kept equal to it
+    for name, buf in model.named_buffers():  # the MTP block's DeepSeek router bias follows the global loads
+        if name.endswith("router.bias"):
+            assert torch.equal(buf, dict(ref.named_buffers())[name]), f"{case}: {name}"
+
+
+def tiny_train_cfg_for():
+    from tests.parallel_utils import tiny_train_cfg
+    return tiny_train_cfg(STEPS)
+
+
+def _all_cases(rank: int) -> None:
+    for case in ("tp2+sp", "pp2", "cp2", "dp2-zero3", "ep2"):
+        _check(rank, case)
+
+
+def test_mtp_layouts_equal_one_process(dist_world) -> None:
+    dist_world(2).run(_all_cases)
+
+
