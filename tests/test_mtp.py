@@ -94,6 +94,24 @@ def test_mtp_config_problems() -> None:
     assert "document_mask" in mtp_problems(MTP, good, True)[0]
 
 
+def test_estimator_prices_the_mtp_modules() -> None:
+    """mtp/costs.py's parameter count equals the built model's extra parameters, dense and with a MoE block (the
+    MTP block of a DeepSeek-like config is MoE: global layer num_layers + k), and the FLOPs follow 6N + 12 h s
+    plus the head's 6 h V per depth."""
+    from megalite.model.gpt import count_parameters
+    from megalite.perfmodel.mtp import mtp_costs
+
+    for cfg in (tiny_model_cfg(seq_len=SEQ), tiny_moe_cfg(seq_len=SEQ, moe_first_dense=1, moe_shared_experts=1)):
+        st = ParallelState()
+        extra = count_parameters(GPT(cfg, st, seed=1, mtp=MTP), st) - count_parameters(GPT(cfg, st, seed=1), st)
+        costs = mtp_costs(cfg, D)
+        assert costs.params == extra
+        h, v, s = cfg.hidden_size, cfg.vocab_size, cfg.seq_len
+        matmul = costs.active // D - 3 * h  # a depth's weights used in matmuls: its block and eh_proj
+        assert costs.flops_per_token == D * (6 * matmul + 12 * h * s + 6 * h * v)
+        assert costs.flops_per_token - costs.flops_per_token_causal == D * 6 * h * s
+
+
 STEPS, MICRO, M = 3, 2, 2
 
 

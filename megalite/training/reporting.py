@@ -11,6 +11,7 @@ from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.moe import moe_param_counts
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
+from megalite.perfmodel.mtp import mtp_costs
 from megalite.training.step import StepContext, StepResult
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -24,11 +25,13 @@ class StepReport:
         self.cfg, self.state, self.ctx, self.optimizer, self.data_note = cfg, state, ctx, optimizer, data_note
         m = cfg.model
         counts = moe_param_counts(m)  # the dense count for a dense model
-        self.n_params, self.n_active = counts.total, counts.active
+        mtp = mtp_costs(m, cfg.mtp.num_layers)  # the multi-token prediction modules (zero when off)
+        self.n_params, self.n_active = counts.total + mtp.params, counts.active + mtp.active
         # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters).
-        self.flops_per_token = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len)
-        self.flops_per_token_causal = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len,
-                                                            causal=True)
+        self.flops_per_token = model_flops_per_token(counts.active, m.num_layers, m.hidden_size, m.seq_len) \
+            + mtp.flops_per_token
+        self.flops_per_token_causal = model_flops_per_token(counts.active, m.num_layers, m.hidden_size, m.seq_len,
+                                                            causal=True) + mtp.flops_per_token_causal
         device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
         self.peak = peak_flops(device_name, DTYPE_NAMES[ctx.engine.dtype])
         self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
