@@ -179,3 +179,41 @@ def test_mtp_layouts_equal_one_process(dist_world) -> None:
     dist_world(2).run(_all_cases)
 
 
+
+
+def _save_at_pp2(rank: int, root: str) -> str:
+    """One step at pp2 (MTP on the last stage, the embedding's copy there), saved with the optimizer."""
+    from megalite.checkpoint.sharded import save_sharded
+
+    st = layout(1, pp=2)
+    cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP)
+    opt = build_distributed_optimizer(engine.chunks[0], st, 0, dtype=torch.float32, **HYPER)
+    data = random_steps(cfg, 2, MICRO * M)
+    train_steps(engine, st, opt, [micro_batches(data[0], MICRO)], tiny_train_cfg_for())
+    return str(save_sharded(root, 1, engine.chunks, opt, {}, st, keep=2))
+
+
+def test_checkpoint_saved_at_pp2_resumes_at_pp1(dist_world, tmp_path) -> None:
+    """The MTP parameters are named by depth (`mtp.layers.k...`, on the last stage at any pp) and the last
+    stage's embedding copy is not written (it is `embedding.weight`): a pp2 checkpoint resumes in one process,
+    optimizer included, and its second step equals two steps of one process."""
+    from megalite.checkpoint.sharded import load_sharded
+
+    step_dir = dist_world(2).run(_save_at_pp2, str(tmp_path))[0]
+    cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2)
+    data = random_steps(cfg, 2, MICRO * M)
+    st = ParallelState()
+    ref = GPT(cfg, st, seed=5, mtp=MTP)
+    want = train_steps(ref, st, reference_optimizer(ref, st), [micro_batches(d, MICRO) for d in data],
+                       tiny_train_cfg_for())
+    model = GPT(cfg, st, seed=9, mtp=MTP)  # another seed: every value must come from the checkpoint
+    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    load_sharded(step_dir, [model], opt, st)
+    got = train_steps(model, st, opt, [micro_batches(data[1], MICRO)], tiny_train_cfg_for(), start=1)
+    assert abs(got[0].loss - want[1].loss) <= 1e-5 and got[0].mtp is not None and want[1].mtp is not None
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(got[0].mtp, want[1].mtp))
+    mine = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        rows = cfg.vocab_size if name in ("embedding.weight", "head.weight") else None  # padding is not saved
+        assert (mine[name][:rows] - p[:rows]).abs().max().item() <= 1e-4, name
