@@ -112,6 +112,26 @@ def test_estimator_prices_the_mtp_modules() -> None:
         assert costs.flops_per_token - costs.flops_per_token_causal == D * 6 * h * s
 
 
+def test_estimate_counts_the_mtp_modules_per_stage() -> None:
+    """`perfmodel.estimate` with `ModelDims.mtp_layers`: the model's parameters and the last stage's (its blocks, the
+    eh_proj and norms, the embedding copy at pp > 1) equal the built model's, at pp 1 and 2 and tp 2; the FLOPs and
+    the last stage's activations grow."""
+    from megalite.model.gpt import count_parameters
+    from megalite.perfmodel.estimate import Layout, ModelDims, dims_params, estimate, stage_params
+
+    cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2, vocab_size=64)
+    dims = ModelDims(2, 32, 8, 64, SEQ, "llama", 4, 64, False, 4, mtp_layers=D)
+    st = ParallelState()
+    assert dims_params(dims) == count_parameters(GPT(cfg, st, seed=1, mtp=MTP), st)
+    last = GPT(cfg, st, seed=1, layers=range(1, 2), pre_process=False, post_process=True, mtp=MTP)
+    assert stage_params(dims, 1, 2, 1).total == sum(p.numel() for p in last.parameters())
+    plain, with_mtp = (estimate(ModelDims(2, 32, 8, 64, SEQ, "llama", 4, 64, False, 4, mtp_layers=n),
+                                Layout(tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=4)) for n in (0, D))
+    assert with_mtp.model_flops_per_step > plain.model_flops_per_step
+    assert with_mtp.memory.activations > plain.memory.activations
+    assert with_mtp.comm_bytes["embedding"] > 0 and "embedding" not in plain.comm_bytes
+
+
 STEPS, MICRO, M = 3, 2, 2
 
 

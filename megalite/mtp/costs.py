@@ -10,8 +10,8 @@ ones count its router, its k experts and the shared ones):
   FLOPs/token  6 (block_active + 2 h^2) + 12 h_attn s (the block, as PaLM's 6N + 12 L h s)
                + 6 h V (the shared head runs once more per depth)
   activations  the block's, plus [T, 2h] (the concatenation) and [T, h] (the embedding) in the run dtype and the
-               depth's fp32 logits [T, V/tp] kept for the cross-entropy's backward (not yet in the peak-memory
-               model, `perfmodel.peak_memory`, nor in the memory check before step 1)
+               depth's fp32 logits [T, V/tp] kept for the cross-entropy's backward, per micro-batch in flight
+               on the last stage (`perfmodel.activations`, which the estimate and the memory check both read)
 """
 
 from __future__ import annotations
@@ -35,3 +35,10 @@ def mtp_flops_per_token(depth: int, hidden: int, vocab: int, block_active: int, 
     attention = (6 if causal else 12) * attn_width * seq_len
     per_depth = 6 * (block_active + 2 * hidden * hidden) + attention + 6 * hidden * vocab
     return float(depth * per_depth)
+
+
+def mtp_activation_bytes(depth: int, tokens: int, hidden: int, vocab_per_rank: int, bytes_per_element: float,
+                         block_bytes: float) -> float:
+    """Bytes the D modules keep for the backward per micro-batch on the last stage, `block_bytes` being one
+    block's activations there."""
+    return depth * (block_bytes + tokens * 3 * hidden * bytes_per_element + tokens * vocab_per_rank * 4.0)
