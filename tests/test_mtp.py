@@ -136,16 +136,17 @@ STEPS, MICRO, M = 3, 2, 2
 
 
 def _check(rank: int, case: str) -> None:
-    tp, pp, cp, sp, zero, ep = {"tp2+sp": (2, 1, 1, True, 1, 1), "pp2": (1, 2, 1, False, 1, 1),
+    tp, pp, cp, sp, zero, ep = {"tp2+sp": (2, 1, 1, True, 0, 1), "pp2": (1, 2, 1, False, 0, 1),
                                 "cp2": (1, 1, 2, False, 2, 1), "dp2-zero3": (1, 1, 1, False, 3, 1),
-                                "ep2": (1, 1, 1, False, 1, 2)}[case]
+                                "ep2": (1, 1, 1, False, 1, 2), "pp2-tied": (1, 2, 1, False, 0, 1)}[case]
     if ep > 1:
         st = moe_layout(ep=ep)
         cfg = tiny_moe_cfg(seq_len=SEQ, moe_router="deepseek", moe_groups=2, moe_group_top_k=1,
                            moe_bias_rate=0.01, moe_aux_loss=0.0, moe_seq_aux_loss=0.01)
     else:
         st = layout(tp, pp=pp, sp=sp, cp=cp)
-        cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2)
+        # pp2-tied: the last stage's tied head is the embedding copy the MTP modules read (one parameter)
+        cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2, tie_embeddings=case == "pp2-tied")
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
     ref = GPT(cfg, ParallelState(), seed=5, mtp=MTP)
     ref_results = train_steps(ref, ParallelState(), reference_optimizer(ref, ParallelState()),
@@ -172,14 +173,15 @@ def _check(rank: int, case: str) -> None:
     specs = named_param_specs(model, ConfigError)
     for name, value in opt.full_parameters().items():
         spec = specs[name]
-        want_p = ref_params["embedding.weight" if name == "mtp.embedding.weight" else name].detach()
+        copies = ("mtp.embedding.weight", "head.weight" if cfg.tie_embeddings else "")  # of the embedding
+        want_p = ref_params["embedding.weight" if name in copies else name].detach()
         if spec.grads == EXPERT_PARALLEL:
             n = want_p.shape[0] // st.size("ep")
             want_p = want_p[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n]
         err = (unshard(value, spec.layout, st) - want_p).abs().max().item()
         assert err <= 1e-4, f"{case}: parameter {name} off by {err:.2e} after {STEPS} steps"
-    if pp > 1 and st.pp_rank == 1:
-        assert "mtp.embedding.weight" in specs  # the last stage's copy of the embedding, kept equal to it
+    if pp > 1 and st.pp_rank == 1:  # the last stage's copy of the embedding, kept equal to it: its own or the head
+        assert ("mtp.embedding.weight" in specs) == (not cfg.tie_embeddings)
     for name, buf in model.named_buffers():  # the MTP block's DeepSeek router bias follows the global loads
         if name.endswith("router.bias"):
             assert torch.equal(buf, dict(ref.named_buffers())[name]), f"{case}: {name}"
@@ -191,7 +193,7 @@ def tiny_train_cfg_for():
 
 
 def _all_cases(rank: int) -> None:
-    for case in ("tp2+sp", "pp2", "cp2", "dp2-zero3", "ep2"):
+    for case in ("tp2+sp", "pp2", "pp2-tied", "cp2", "dp2-zero3", "ep2"):
         _check(rank, case)
 
 
