@@ -88,10 +88,26 @@ def test_mtp_config_problems() -> None:
     from megalite.mtp.config import mtp_problems
 
     good = tiny_model_cfg(seq_len=SEQ)
-    assert mtp_problems(MTP, good, False) == []
-    assert "mtp.num_layers must be >= 0" in mtp_problems(MTPConfig(-1), good, False)[0]
-    assert "arch=llama" in mtp_problems(MTP, tiny_model_cfg("gpt2", seq_len=SEQ), False)[0]
-    assert "document_mask" in mtp_problems(MTP, good, True)[0]
+    from types import SimpleNamespace
+
+    par = SimpleNamespace(zero=0, pp=1)
+    assert mtp_problems(MTP, good, par, False) == []
+    assert "mtp.num_layers must be >= 0" in mtp_problems(MTPConfig(-1), good, par, False)[0]
+    assert "arch=llama" in mtp_problems(MTP, tiny_model_cfg("gpt2", seq_len=SEQ), par, False)[0]
+    assert "document_mask" in mtp_problems(MTP, good, par, True)[0]
+
+    def problems(world: int, *flags: str) -> str:  # through the config's validation, one line each
+        from megalite.config import parse_args, resolve, validate
+
+        try:
+            validate(resolve(parse_args(list(flags)), world), world)
+        except ConfigError as e:
+            return str(e)
+        return ""
+    pp2 = ("--mtp.num_layers", "1", "--parallel.pp", "2", "--train.global_batch_size", "32")
+    assert problems(2, *pp2) == ""
+    assert "mtp.num_layers > 0 with parallel.zero=3 and pp > 1" in problems(4, *pp2, "--parallel.zero", "3")
+    assert "mtp.loss_weight must be >= 0" in problems(1, "--mtp.num_layers", "1", "--mtp.loss_weight", "-1")
 
 
 def test_estimator_prices_the_mtp_modules() -> None:

@@ -172,8 +172,7 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     out: list[str] = []
     from megalite.dp.zero3 import zero3_problems  # the one place ZeRO-3's limits live (torch: imported late)
 
-    # The embedding has a copy on the last stage: a tied head, or the MTP modules' input.
-    out += zero3_problems(p.zero, p.vpp, p.pp > 1 and (bool(m.tie_embeddings) or cfg.mtp.num_layers > 0))
+    out += zero3_problems(p.zero, p.vpp, p.pp > 1 and bool(m.tie_embeddings))
     if m.num_heads >= 1 and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}: "
                    f"make hidden_size a multiple of num_heads")
@@ -323,7 +322,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     problems += moe_problems(cfg)
-    problems += mtp_problems(cfg.mtp, cfg.model, cfg.data.document_mask)
+    problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel, cfg.data.document_mask)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += muon_problems(cfg)

@@ -14,8 +14,9 @@ class MTPConfig:
                                                              "is added to the training loss"})
 
 
-def mtp_problems(mtp: MTPConfig, model: Any, document_mask: bool) -> list[str]:
-    """One line per bad `[mtp]` value or unsupported combination (empty when MTP is off)."""
+def mtp_problems(mtp: MTPConfig, model: Any, parallel: Any, document_mask: bool) -> list[str]:
+    """One line per bad `[mtp]` value or unsupported combination (empty when MTP is off); `model` and `parallel`
+    are the config's sections."""
     out: list[str] = []
     if mtp.num_layers < 0:
         out.append(f"mtp.num_layers must be >= 0 (0 = off), got {mtp.num_layers}")
@@ -29,6 +30,10 @@ def mtp_problems(mtp: MTPConfig, model: Any, document_mask: bool) -> list[str]:
     if model.arch != "llama":
         out.append(f"mtp.num_layers > 0 needs model.arch=llama (RoPE): the MTP modules embed the shifted tokens "
                    f"without learned positions; got arch={model.arch}")
+    if parallel.zero == 3 and parallel.pp > 1 and not model.tie_embeddings:  # tied: zero3_problems says it
+        out.append("mtp.num_layers > 0 with parallel.zero=3 and pp > 1 is not supported yet: the last stage holds a "
+                   "copy of the embedding, which ZeRO-3 cannot gather apart from the first stage's; use "
+                   "parallel.zero<=2 or pp=1")
     if document_mask:
         out.append("mtp.num_layers > 0 with data.document_mask is not supported yet: the shifted tokens would cross "
                    "documents; set data.document_mask=false or mtp.num_layers=0")
