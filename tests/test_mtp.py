@@ -259,3 +259,22 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1(dist_world, tmp_path) -> None:
     for name, p in ref.named_parameters():
         rows = cfg.vocab_size if name in ("embedding.weight", "head.weight") else None  # padding is not saved
         assert (mine[name][:rows] - p[:rows]).abs().max().item() <= 1e-4, name
+
+
+def test_resuming_without_the_checkpoints_mtp_modules_is_refused(tmp_path) -> None:
+    """index.json records the depth: a resume must keep it (one line), a load for generation or init_from may not."""
+    from megalite.checkpoint.sharded import load_sharded, read_index, save_sharded
+    from megalite.errors import CheckpointError
+
+    cfg = tiny_model_cfg(seq_len=SEQ)
+    st = ParallelState()
+    model = GPT(cfg, st, seed=1, mtp=MTP)
+    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    step_dir = save_sharded(tmp_path, 1, [model], opt, {}, st, keep=1)
+    assert read_index(step_dir)["model"]["mtp_layers"] == D
+    plain = GPT(cfg, st, seed=1)
+    with pytest.raises(CheckpointError, match="trained with mtp.num_layers=2 but this run has 0"):
+        load_sharded(step_dir, [plain], build_distributed_optimizer(plain, st, 0, dtype=torch.float32, **HYPER), st)
+    load_sharded(step_dir, [plain], None, st)  # generation: the main model alone
+    v = cfg.vocab_size  # the padded rows are not saved
+    torch.testing.assert_close(plain.head.weight[:v], model.head.weight[:v], atol=0, rtol=0)

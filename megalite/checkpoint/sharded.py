@@ -56,6 +56,7 @@ from megalite.checkpoint.index_check import check_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.checkpoint.moe_layout import expert_shard_map, routing_buffers
+from megalite.mtp.metrics import PredictsTokensAhead
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
@@ -172,7 +173,7 @@ def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Mod
               keep: int) -> SavePlan:
     """What this rank writes for step `step` (main thread: may gather ZeRO shards collectively)."""
     chunks = _chunks(model_chunks)
-    info = model_info(chunks[0].cfg)
+    info = _model_info(chunks)
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     # The writes are dealt among the ranks holding the same values (`GradReduction.group`: dp x cp for a
@@ -324,6 +325,25 @@ def read_index(path: Path) -> dict[str, Any]:
     return index
 
 
+def _model_info(chunks: list[nn.Module]) -> dict[str, Any]:
+    """The model's recorded dimensions, with its multi-token prediction depth when it has modules (docs/mtp.md)."""
+    info = model_info(chunks[0].cfg)
+    depth = max((c.mtp_depth for c in chunks if isinstance(c, PredictsTokensAhead)), default=0)
+    if depth:
+        info["mtp_layers"] = depth
+    return info
+
+
+def check_mtp(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
+    """A resumed run keeps the checkpoint's multi-token prediction modules (a load for generation, or
+    `train.init_from`, may leave them out)."""
+    theirs, ours = saved.get("mtp_layers", 0), mine.get("mtp_layers", 0)
+    if theirs != ours:
+        raise CheckpointError(f"checkpoint {path} was trained with mtp.num_layers={theirs} but this run has {ours}: "
+                              f"set mtp.num_layers={theirs} to resume it (or start from its weights with "
+                              "train.init_from)")
+
+
 def check_model(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
     """Refuse a checkpoint of another model shape, naming every dimension that differs."""
     diff = [k for k in MODEL_KEYS if k in saved and k in mine and saved[k] != mine[k]]
@@ -344,9 +364,11 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     path = Path(path)
     chunks = _chunks(model_chunks)
     params = _params(chunks)
-    info = model_info(chunks[0].cfg)
+    info = _model_info(chunks)
     index = read_index(path)
     check_model(index.get("model", {}), info, path)
+    if optimizer is not None and not weights_only:
+        check_mtp(index.get("model", {}), info, path)
     reader = SlabReader(path, index)
     has_opt = any(k.startswith("exp_avg/") for k in index["tensors"]) and not weights_only
     states: dict[str, dict[str, torch.Tensor]] = {}
