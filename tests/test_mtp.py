@@ -115,7 +115,7 @@ def test_estimator_prices_the_mtp_modules() -> None:
     MTP block of a DeepSeek-like config is MoE: global layer num_layers + k), and the FLOPs follow 6N + 12 h s
     plus the head's 6 h V per depth."""
     from megalite.model.gpt import count_parameters
-    from megalite.perfmodel.mtp import mtp_costs
+    from megalite.perfmodel.moe import mtp_costs
 
     for cfg in (tiny_model_cfg(seq_len=SEQ), tiny_moe_cfg(seq_len=SEQ, moe_first_dense=1, moe_shared_experts=1)):
         st = ParallelState()

@@ -1,4 +1,4 @@
-"""What multi-token prediction costs, torch-free (`megalite.perfmodel.mtp` reads these; docs/mtp.md).
+"""What multi-token prediction costs, torch-free (`megalite.perfmodel` reads these; docs/mtp.md).
 
 Per depth k (D of them), with h the width, V the vocabulary, s the sequence length, T the tokens of a micro-batch
 on a rank, `block` / `block_active` one transformer block's total / per-token parameters (a MoE block's active

@@ -9,9 +9,8 @@ from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.moe import moe_param_counts
+from megalite.perfmodel.moe import moe_param_counts, mtp_costs
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
-from megalite.perfmodel.mtp import mtp_costs
 from megalite.training.step import StepContext, StepResult
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
