@@ -34,6 +34,10 @@ def mtp_problems(mtp: MTPConfig, model: Any, parallel: Any, document_mask: bool)
         out.append("mtp.num_layers > 0 with parallel.zero=3 and pp > 1 is not supported yet: the last stage holds a "
                    "copy of the embedding, which ZeRO-3 cannot gather apart from the first stage's; use "
                    "parallel.zero<=2 or pp=1")
+    if parallel.schedule == "zbv" and parallel.pp > 1:  # as for tied embeddings (config.validate)
+        out.append("mtp.num_layers > 0 with parallel.schedule=zbv is not supported yet: zbv puts the first and the "
+                   "last stage on one rank, whose two copies of the embedding the 'embedding' group cannot sum; use "
+                   "zb-h1 or 1f1b")
     if document_mask:
         out.append("mtp.num_layers > 0 with data.document_mask is not supported yet: the shifted tokens would cross "
                    "documents; set data.document_mask=false or mtp.num_layers=0")
