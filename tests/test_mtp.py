@@ -156,9 +156,10 @@ def _check(rank: int, case: str) -> None:
     tp, pp, cp, sp, zero, ep = {"tp2+sp": (2, 1, 1, True, 0, 1), "pp2": (1, 2, 1, False, 0, 1),
                                 "cp2": (1, 1, 2, False, 2, 1), "dp2-zero3": (1, 1, 1, False, 3, 1),
                                 "ep2": (1, 1, 1, False, 1, 2), "pp2-tied": (1, 2, 1, False, 0, 1),
-                                "pp2-moe": (1, 2, 1, False, 0, 1)}[case]
-    if case in ("ep2", "pp2-moe"):  # DeepSeek MoE blocks, the MTP module's too
-        st = moe_layout(pp=pp, ep=ep)
+                                "pp2-moe": (1, 2, 1, False, 0, 1), "tp2+sp-moe": (2, 1, 1, True, 0, 1),
+                                "cp2-moe": (1, 1, 2, False, 0, 1)}[case]
+    if case.endswith("moe") or case == "ep2":  # DeepSeek MoE blocks, the MTP module's too (the sequence-wise
+        st = moe_layout(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp)  # balance loss over sequences split by SP / CP)
         cfg = tiny_moe_cfg(seq_len=SEQ, moe_router="deepseek", moe_groups=2, moe_group_top_k=1,
                            moe_bias_rate=0.01, moe_aux_loss=0.0, moe_seq_aux_loss=0.01)
     else:
@@ -190,6 +191,8 @@ def _check(rank: int, case: str) -> None:
         if want.moe is not None:  # every MoE layer's loads on every stage, the MTP block's ("mtp.layers.0.block") too
             assert got.moe is not None and got.moe["load_max"] == want.moe["load_max"], f"{case}: step {i} loads"
             assert "mtp.layers.0.block" in want.moe["load_max"]
+            for name, v in want.moe["seq_aux_loss"].items():  # per sequence, its tokens on several ranks or not
+                assert abs(got.moe["seq_aux_loss"][name] - v) <= 1e-6, f"{case}: step {i} {name} seq_aux"
     ref_params = dict(ref.named_parameters())
     specs = named_param_specs(model, ConfigError)
     for name, value in opt.full_parameters().items():
@@ -214,7 +217,7 @@ def tiny_train_cfg_for():
 
 
 def _all_cases(rank: int) -> None:
-    for case in ("tp2+sp", "pp2", "pp2-tied", "cp2", "dp2-zero3", "ep2", "pp2-moe"):
+    for case in ("tp2+sp", "pp2", "pp2-tied", "cp2", "dp2-zero3", "ep2", "pp2-moe", "tp2+sp-moe", "cp2-moe"):
         _check(rank, case)
 
 
