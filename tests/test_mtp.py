@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite.context import ContextOptions
 from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
@@ -157,7 +158,9 @@ def _check(rank: int, case: str) -> None:
                                 "cp2": (1, 1, 2, False, 2, 1), "dp2-zero3": (1, 1, 1, False, 3, 1),
                                 "ep2": (1, 1, 1, False, 1, 2), "pp2-tied": (1, 2, 1, False, 0, 1),
                                 "pp2-moe": (1, 2, 1, False, 0, 1), "tp2+sp-moe": (2, 1, 1, True, 0, 1),
-                                "cp2-moe": (1, 1, 2, False, 0, 1)}[case]
+                                "cp2-moe": (1, 1, 2, False, 0, 1), "cp2-a2a": (1, 1, 2, False, 0, 1),
+                                "cp2-allgather": (1, 1, 2, False, 0, 1)}[case]
+    context = ContextOptions.of(case.removeprefix("cp2-") if case in ("cp2-a2a", "cp2-allgather") else "ring")
     if case.endswith("moe") or case == "ep2":  # DeepSeek MoE blocks, the MTP module's too (the sequence-wise
         st = moe_layout(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp)  # balance loss over sequences split by SP / CP)
         cfg = tiny_moe_cfg(seq_len=SEQ, moe_router="deepseek", moe_groups=2, moe_group_top_k=1,
@@ -170,7 +173,7 @@ def _check(rank: int, case: str) -> None:
     ref = GPT(cfg, ParallelState(), seed=5, mtp=MTP)
     ref_results = train_steps(ref, ParallelState(), reference_optimizer(ref, ParallelState()),
                               [micro_batches(d, MICRO) for d in data], tiny_train_cfg_for())
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP, context=context)
     model = engine.chunks[0]
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     ctx = step_context(engine, st, settings=tiny_train_cfg_for())
@@ -217,7 +220,8 @@ def tiny_train_cfg_for():
 
 
 def _all_cases(rank: int) -> None:
-    for case in ("tp2+sp", "pp2", "pp2-tied", "cp2", "dp2-zero3", "ep2", "pp2-moe", "tp2+sp-moe", "cp2-moe"):
+    for case in ("tp2+sp", "pp2", "pp2-tied", "cp2", "cp2-a2a", "cp2-allgather", "dp2-zero3", "ep2", "pp2-moe",
+                 "tp2+sp-moe", "cp2-moe"):
         _check(rank, case)
 
 
