@@ -159,7 +159,8 @@ def _check(rank: int, case: str) -> None:
                                 "ep2": (1, 1, 1, False, 1, 2), "pp2-tied": (1, 2, 1, False, 0, 1),
                                 "pp2-moe": (1, 2, 1, False, 0, 1), "tp2+sp-moe": (2, 1, 1, True, 0, 1),
                                 "cp2-moe": (1, 1, 2, False, 0, 1), "cp2-a2a": (1, 1, 2, False, 0, 1),
-                                "cp2-allgather": (1, 1, 2, False, 0, 1)}[case]
+                                "cp2-allgather": (1, 1, 2, False, 0, 1), "pp2-zb-h1": (1, 2, 1, False, 0, 1)}[case]
+    schedule = "zb-h1" if case == "pp2-zb-h1" else "1f1b"  # zero-bubble: the weight gradients deferred
     context = ContextOptions.of(case.removeprefix("cp2-") if case in ("cp2-a2a", "cp2-allgather") else "ring")
     if case.endswith("moe") or case == "ep2":  # DeepSeek MoE blocks, the MTP module's too (the sequence-wise
         st = moe_layout(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp)  # balance loss over sequences split by SP / CP)
@@ -173,10 +174,11 @@ def _check(rank: int, case: str) -> None:
     ref = GPT(cfg, ParallelState(), seed=5, mtp=MTP)
     ref_results = train_steps(ref, ParallelState(), reference_optimizer(ref, ParallelState()),
                               [micro_batches(d, MICRO) for d in data], tiny_train_cfg_for())
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP, context=context)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP, context=context,
+                            schedule=schedule)
     model = engine.chunks[0]
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
-    ctx = step_context(engine, st, settings=tiny_train_cfg_for())
+    ctx = step_context(engine, st, settings=tiny_train_cfg_for(), schedule=schedule)
     from megalite.training.step import train_step
 
     def local(d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -220,8 +222,8 @@ def tiny_train_cfg_for():
 
 
 def _all_cases(rank: int) -> None:
-    for case in ("tp2+sp", "pp2", "pp2-tied", "cp2", "cp2-a2a", "cp2-allgather", "dp2-zero3", "ep2", "pp2-moe",
-                 "tp2+sp-moe", "cp2-moe"):
+    for case in ("tp2+sp", "pp2", "pp2-tied", "pp2-zb-h1", "cp2", "cp2-a2a", "cp2-allgather", "dp2-zero3", "ep2",
+                 "pp2-moe", "tp2+sp-moe", "cp2-moe"):
         _check(rank, case)
 
 
