@@ -55,7 +55,7 @@ def megalite_layer(h: int, f: int, experts: int, k: int, seq: int) -> nn.Module:
                           moe_shared_experts=0, moe_shared_ffn_hidden_size=0, moe_first_dense=0, moe_every=1,
                           moe_router="qwen3", moe_renorm=True, moe_route_scale=1.0, moe_groups=1,
                           moe_group_top_k=1, moe_bias_rate=0.0, moe_aux_loss=0.0, moe_z_loss=0.0,
-                          moe_capacity_factor=None,
+                          moe_capacity_factor=None, moe_seq_aux_loss=0.0,
                           **{k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k != "rope_theta"})
     return GPT(cfg, ParallelState(), seed=7).layers["0"].mlp
 

@@ -28,7 +28,7 @@ def moe_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = Fa
 MOE_DEFAULTS = dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_shared_experts=0,
                     moe_shared_ffn_hidden_size=0, moe_first_dense=0, moe_every=1, moe_router="qwen3",
                     moe_renorm=True, moe_route_scale=1.0, moe_groups=1, moe_group_top_k=1, moe_bias_rate=0.0,
-                    moe_aux_loss=0.01, moe_z_loss=0.001, moe_capacity_factor=None)
+                    moe_aux_loss=0.01, moe_z_loss=0.001, moe_capacity_factor=None, moe_seq_aux_loss=0.0)
 
 
 def tiny_moe_cfg(arch: str = "llama", **overrides: object):

@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("fp8",),                                     # core: FP8 GEMMs of the linears and the expert GEMMs
     ("moe", "mla"),                               # core: mixture-of-experts layers; multi-head latent attention
+    ("mtp",),                                     # core: multi-token prediction modules (their block is passed in)
     ("model", "dp"),                              # core: the GPT; gradient sync and ZeRO (wraps a model it never imports)
     ("optim",),                                   # core: the optimizers' maths on the shards dp hands over
     ("pipeline",),                                # core: stages, schedules, the p2p engine

@@ -42,7 +42,10 @@ from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_param
                                           utilizations)
 
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "vocab_size", "seq_len", "head_dim")
+                "vocab_size", "seq_len", "head_dim", "mtp_layers")
+_MODEL_HELP = {"head_dim": "attention head dimension Q (default hidden/heads); PaLM's MFU counts 12·L·H·Q·s for attention",
+               "mtp_layers": "multi-token prediction depth D (the config's mtp.num_layers; docs/mtp.md): D more blocks "
+                             "and logits on the last stage"}
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "zero", "vpp", "schedule", "micro_batch_size", "global_batch_size",
                  "recompute", "cp", "cp_mode", "cp_a2a")
 
@@ -83,8 +86,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     m.add_argument("--arch", choices=["llama", "gpt2"])
     for name in _MODEL_FLAGS[1:]:
         m.add_argument("--" + name.replace("_", "-"), type=positive_int,
-                       help=("attention head dimension Q (default hidden/heads); PaLM's MFU counts "
-                             "12·L·H·Q·s for attention" if name == "head_dim" else None))
+                       help=_MODEL_HELP.get(name))
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
     for name, default in MLA_FLAGS.items():  # multi-head latent attention (docs/mla.md): on with --kv-lora-rank
         m.add_argument("--" + name.replace("_", "-"), type=int, default=None,
@@ -245,6 +247,7 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     dims = _model_dims_kwargs(model, demo_vocab)
     mla = getattr(cfg, "mla", None)  # multi-head latent attention's widths (None when off or a config without it)
     dims["mla"] = MLADims.of(mla) if mla is not None else None
+    dims["mtp_layers"] = getattr(getattr(cfg, "mtp", None), "num_layers", 0) or None  # as `data` above: optional
     lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
                                                       "cp_mode", "cp_a2a")}
     lay["zero"] = getattr(par, "zero", 0)

@@ -32,7 +32,7 @@ from tools.estimate import (OneLineParser, add_model_args, fraction, mla_from_fl
                             positive_int, presets)  # (model flags, sizes and argument checks shared)
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-         "seq_len", "head_dim")
+         "seq_len", "head_dim", "mtp_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,21 +50,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.checkpoint.layout import Piece, ShardMap, model_info, shard_map
-from megalite.checkpoint.files import (LATEST, fsync_dir, inside, make_fresh_dir, open_no_link, prune,
+from megalite.checkpoint.files import (LATEST, fsync_dir, make_fresh_dir, open_no_link, prune,
                                       refuse_foreign_file, refuse_link, sha256, step_dir_name, write_atomic)
-from megalite.checkpoint.index_check import check_index
+from megalite.checkpoint.locate import FORMAT, INDEX, find, read_index  # noqa: F401 (their old home)
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError
 from megalite.checkpoint.moe_layout import expert_shard_map, routing_buffers
 from megalite.mla.config import MLAConfig
+from megalite.mtp.metrics import PredictsTokensAhead
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.param_spec import ParamSpec, Tied, logical_name, named_param_specs
 from megalite.parallel.state import GroupKind, ParallelState
-from megalite.untrusted import loads_json
 
 SAME_PARAMS: GroupKind = "dp_cp"  # the ranks holding the same parameters, among which the writes are dealt
-INDEX = "index.json"
-FORMAT = "megalite-sharded-1"
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 MODEL_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
               "tie_embeddings")
@@ -185,7 +183,7 @@ def plan_save(root: str | Path, step: int, model_chunks: nn.Module | list[nn.Mod
               keep: int) -> SavePlan:
     """What this rank writes for step `step` (main thread: may gather ZeRO shards collectively)."""
     chunks = _chunks(model_chunks)
-    info = model_info(chunks[0].cfg, cast(MLAConfig | None, chunks[0].mla))
+    info = _model_info(chunks)
     params = _params(chunks)
     pstates = optimizer.param_states() if optimizer is not None else {}
     # The writes are dealt among the ranks holding the same values (`GradReduction.group`: dp x cp for a
@@ -303,49 +301,23 @@ def _merge_index(tmp: Path, world_size: int, head: dict[str, Any]) -> None:
     _write_json(tmp / INDEX, index)
 
 
-def find(load: str, root: str) -> Path | None:
-    """Resolve `checkpoint.load` to a directory holding
-    index.json: 'none' -> None; '' or 'latest' -> newest under `root` (None if none yet); a checkpoint
-    root (with a `latest` pointer) -> its newest; else the directory itself."""
-    if load == "none":
-        return None
-    if not load or load == LATEST:
-        pointer = Path(root) / LATEST if root else None
-        if pointer is None or not pointer.exists():
-            return None
-        path = _follow_latest(Path(root))
-    else:
-        path = Path(load)
-        if (path / LATEST).exists():
-            path = _follow_latest(path)
-    if not (path / INDEX).is_file():
-        raise CheckpointError(f"{path} is not a complete megalite checkpoint (no {INDEX}); point checkpoint.load "
-                              "at a step_* directory, a checkpoint root with a `latest` file, or use 'latest'")
-    return path
+def _model_info(chunks: list[nn.Module]) -> dict[str, Any]:
+    """The model's recorded dimensions, with its multi-token prediction depth when it has modules (docs/mtp.md)."""
+    info = model_info(chunks[0].cfg, cast(MLAConfig | None, chunks[0].mla))
+    depth = max((c.mtp_depth for c in chunks if isinstance(c, PredictsTokensAhead)), default=0)
+    if depth:
+        info["mtp_layers"] = depth
+    return info
 
 
-def _follow_latest(root: Path) -> Path:
-    """The step directory named by `root/latest`, which must be a name inside `root`."""
-    try:
-        name = (root / LATEST).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read {root / LATEST} ({e}): point checkpoint.load at a step_* directory") from e
-    return inside(root, name, f"{LATEST} pointer")
-
-
-def read_index(path: Path) -> dict[str, Any]:
-    """index.json of a checkpoint, checked field by field (see `megalite.checkpoint.index_check`)."""
-    try:
-        index = loads_json((Path(path) / INDEX).read_text(encoding="utf-8"), str(Path(path) / INDEX),
-                           CheckpointError)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {Path(path) / INDEX} ({e}): not a complete megalite checkpoint; "
-                              "load an earlier one") from e
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        found = index.get("format") if isinstance(index, dict) else type(index).__name__
-        raise CheckpointError(f"{path} has checkpoint format {found!r}, expected {FORMAT!r}")
-    check_index(index, Path(path))
-    return index
+def check_mtp(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
+    """A resumed run keeps the checkpoint's multi-token prediction modules (a load for generation, or
+    `train.init_from`, may leave them out)."""
+    theirs, ours = saved.get("mtp_layers", 0), mine.get("mtp_layers", 0)
+    if theirs != ours:
+        raise CheckpointError(f"checkpoint {path} was trained with mtp.num_layers={theirs} but this run has {ours}: "
+                              f"set mtp.num_layers={theirs} to resume it (or start from its weights with "
+                              "train.init_from)")
 
 
 def check_model(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
@@ -369,9 +341,11 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     path = Path(path)
     chunks = _chunks(model_chunks)
     params = _params(chunks)
-    info = model_info(chunks[0].cfg, cast(MLAConfig | None, chunks[0].mla))
+    info = _model_info(chunks)
     index = read_index(path)
     check_model(index.get("model", {}), info, path)
+    if optimizer is not None and not weights_only:
+        check_mtp(index.get("model", {}), info, path)
     reader = SlabReader(path, index)
     has_opt = any(k.startswith("exp_avg/") for k in index["tensors"]) and not weights_only
     states: dict[str, dict[str, torch.Tensor]] = {}

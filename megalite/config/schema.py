@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megalite.mla.config import MLAConfig
+from megalite.mtp.config import MTPConfig
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -67,6 +68,8 @@ class ModelConfig:
     moe_group_top_k: int = _f(1, "deepseek group-limited routing: groups each token may use")
     moe_bias_rate: float = _f(0.001, "deepseek: aux-loss-free bias update per step (0 = no bias update)")
     moe_aux_loss: float = _f(0.0, "load-balancing loss coefficient (Switch/GShard form, mean over MoE layers)")
+    moe_seq_aux_loss: float = _f(0.0, "DeepSeek-V3's sequence-wise balance loss coefficient alpha (per sequence, "
+                                      "mean over MoE layers; 0 = off)")
     moe_z_loss: float = _f(0.0, "router z-loss coefficient (ST-MoE)")
     moe_capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
                                                  "unset = dropless")
@@ -213,3 +216,4 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
     logging: LoggingConfig = _section(LoggingConfig, "metrics, JSONL and wandb")
     mla: MLAConfig = _section(MLAConfig, "multi-head latent attention (DeepSeek-V2/V3; docs/mla.md)")
+    mtp: MTPConfig = _section(MTPConfig, "multi-token prediction (DeepSeek-V3; docs/mtp.md)")

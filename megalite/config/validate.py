@@ -24,6 +24,7 @@ from megalite.fp8.costs import FP8_CHOICES
 from megalite.mla.config import mla_problems
 from megalite.model.params import count_params
 from megalite.model.rope import RopeScaling, rope_scaling_problems
+from megalite.mtp.config import mtp_problems
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -325,6 +326,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     problems += moe_problems(cfg)
+    problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel, cfg.data.document_mask)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += muon_problems(cfg)

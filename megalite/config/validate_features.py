@@ -81,7 +81,7 @@ def moe_problems(cfg: Config) -> list[str]:
                    "lower it, or set model.moe_experts=0 for a dense model")
     if not m.moe_route_scale > 0:
         out.append(f"model.moe_route_scale must be > 0 (it multiplies the routing weights), got {m.moe_route_scale}")
-    for key in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
+    for key in ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "moe_bias_rate"):
         if not getattr(m, key) >= 0:
             out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
     if m.moe_groups < 1 or m.moe_experts % m.moe_groups:

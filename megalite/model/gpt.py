@@ -29,6 +29,8 @@ from megalite.model.rope import RopeScaling, rope_tables, softmax_scale_factor
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.losses import AuxScale
 from megalite.moe.settings import MoESettings, moe_layers
+from megalite.mtp.config import MTPConfig
+from megalite.mtp.module import MTPDepth, MultiTokenPrediction
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
 from megalite.parallel.random import RNGStreams
@@ -41,7 +43,8 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelSpec, state: ParallelState, seed: int, rng: RNGStreams | None = None,
                  layers: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 context: ContextOptions = ContextOptions(), mla: MLAConfig | None = None) -> None:
+                 context: ContextOptions = ContextOptions(), mla: MLAConfig | None = None,
+                 mtp: MTPConfig | None = None) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
@@ -70,6 +73,8 @@ class GPT(nn.Module):
                   if mla is not None and mla.enabled else None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe, latent)
                                      for i in self.layer_ids})
+        self.mtp_depth = mtp.num_layers if mtp is not None else 0  # multi-token prediction (megalite/mtp)
+        self._moe, self._context, self._latent = moe, context, latent
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
         if post_process:
@@ -85,6 +90,9 @@ class GPT(nn.Module):
                                               seed=seed, std=cfg.init_std)
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
+        self.mtp: MultiTokenPrediction | None = None
+        if post_process and mtp is not None and mtp.num_layers > 0:
+            self.mtp = self._build_mtp(mtp, seed)
         rope_dim = latent.config.qk_rope_head_dim if latent is not None else head_dim(cfg)
         cos, sin = rope_tables(cfg.seq_len, rope_dim, cfg.rope_theta, rope)
         # Document masking indexes the whole tables by each token's position in its document.
@@ -105,16 +113,41 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    def _build_mtp(self, mtp: MTPConfig, seed: int) -> MultiTokenPrediction:
+        """The MTP modules (megalite/mtp), depth k's block built as global layer num_layers + k - 1 (its init
+        name and whether it is a MoE layer); on a stage without the embedding, the embedding they read: the tied
+        head, or a copy of the first stage's embedding (summed over the 'embedding' group like a tied one)."""
+        cfg, h, st = self.cfg, self.cfg.hidden_size, self.state
+
+        def norm() -> Norm:
+            return Norm(h, cfg.arch, cfg.norm_eps, st, self.ops)
+        depths = [MTPDepth(h, norm, Block(cfg, st, self.ops, self.rng, cfg.num_layers + k, seed, self._context,
+                                          self._moe, self._latent), st, f"mtp.layers.{k}", seed, cfg.init_std)
+                  for k in range(mtp.num_layers)]
+        copy = None
+        if self.embedding is None:
+            copy = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab, h, st, name="embedding", seed=seed,
+                                          std=cfg.init_std)
+            if cfg.tie_embeddings and self.head is not None:
+                copy.weight = self.head.weight  # the tied head is already the embedding's copy: one parameter
+        return MultiTokenPrediction(depths, mtp.loss_weight, st, copy)
+
+    def _shares_embedding(self) -> bool:
+        """The embedding has a copy on the last stage: a tied head there, or the MTP modules' input embedding."""
+        return bool(self.cfg.tie_embeddings) or self.mtp_depth > 0
+
     def param_specs(self) -> dict[str, ParamSpec]:
         """Every parameter's spec (`megalite.parallel.param_spec`): the layers' own declarations, plus the
-        learned positions and the pipeline roles of a tied embedding, which only the model knows."""
+        learned positions and the pipeline roles of a shared embedding, which only the model knows."""
         specs = children_specs(self)
         if self.position is not None:  # replicated, added to each rank's 1/tp of the sequence under SP
             specs["position"] = ParamSpec(REPLICATED, sp_partial=self.state.sp)
-        if self.cfg.tie_embeddings and self.embedding is not None and not self.post_process:
+        if self._shares_embedding() and self.embedding is not None and not self.post_process:
             specs["embedding.weight"] = replace(specs["embedding.weight"], tied=Tied.EMBEDDING)
         if self.cfg.tie_embeddings and self.head is not None and self.embedding is None:
             specs["head.weight"] = replace(specs["head.weight"], tied=Tied.HEAD_COPY)
+        if self.mtp is not None and self.mtp.embedding is not None:
+            specs["mtp.embedding.weight"] = replace(specs["mtp.embedding.weight"], tied=Tied.HEAD_COPY)
         return specs
 
     def set_aux_loss_scale(self, scale: float) -> None:
@@ -123,7 +156,14 @@ class GPT(nn.Module):
 
     def units(self) -> list[nn.Module]:
         """The units this stage is made of (`megalite.parallel.units`): its transformer blocks, in order."""
-        return list(self.layers.values())
+        return list(self.layers.values()) + (list(self.mtp.layers) if self.mtp is not None else [])
+
+    def moe_layer_names(self) -> list[str]:
+        """The names of every MoE layer of the whole model, any stage's (`megalite.moe.step_metrics`)."""
+        s = MoESettings.from_model(self.cfg)
+        mtp = [f"mtp.layers.{k}.block" for k in range(self.mtp_depth)
+               if s is not None and s.is_moe_layer(self.cfg.num_layers + k)]
+        return [f"layers.{i}" for i in moe_layers(self.cfg)] + mtp
 
     def local_seq_len(self) -> int:
         """Tokens of each sequence this rank holds: seq_len / cp (its zigzag split) under context parallelism."""
@@ -204,11 +244,32 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         assert self.final_norm is not None and self.head is not None
+        if labels is not None and self.mtp is not None and self.training and torch.is_grad_enabled():
+            assert ids is not None, "multi-token prediction needs the token ids on the last stage"
+            depths = self.mtp.hidden(x, ids, labels, self._mtp_embed, cos, sin)
+            losses = self._head_loss([self.final_norm(x), *(h for h, _ in depths)], [labels, *(t for _, t in depths)])
+            return self.mtp.add_loss(losses[0], losses[1:], [t for _, t in depths], self.aux_scale.value)
         (logits,) = self.head(self.final_norm(x))  # [B, S, V/tp]: never gathered
         if labels is None:
             return logits
+        return self._token_loss(logits, labels)
+
+    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         b, s = labels.shape
         return self._loss(logits.reshape(b * s, -1), labels.reshape(-1)).view(b, s)
+
+    def _mtp_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding on the last stage (no dropout, no learned positions: DeepSeek-V3's MTP input)."""
+        embedding = self.embedding if self.embedding is not None else self.mtp.embedding if self.mtp else None
+        assert embedding is not None
+        return embedding(ids)
+
+    def _head_loss(self, hidden: list[torch.Tensor], labels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token losses [B, S'] of normed hidden states (the main model's and each MTP depth's) through one
+        call of the shared output head on them stacked along the batch."""
+        assert self.head is not None
+        (logits,) = self.head(torch.cat(hidden))
+        return list(self._token_loss(logits, torch.cat(labels)).chunk(len(hidden)))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel cross-entropy from the backend's ops (the logits are never gathered)."""

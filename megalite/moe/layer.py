@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from megalite.moe.dispatch import combine, dispatch
 from megalite.moe.experts import Activations, Experts
-from megalite.moe.losses import AuxScale, attach, balance_share, z_share
-from megalite.moe.router import Router
+from megalite.moe.losses import AuxScale, LossCoefficients, attach, router_losses
+from megalite.moe.router import Router, Routing
 from megalite.moe.settings import MoESettings
 from megalite.moe.stats import LayerStats
 from megalite.parallel import comm
@@ -40,7 +40,8 @@ class MoELayer(nn.Module):
                  aux_scale: AuxScale, num_moe_layers: int, mlp_cls: type[nn.Module]) -> None:
         super().__init__()
         self.s, self.state, self.aux_scale = s, state, aux_scale
-        self.num_moe_layers = max(1, num_moe_layers)
+        n = max(1, num_moe_layers)  # each loss is averaged over the model's MoE layers
+        self.coef = LossCoefficients(s.aux_loss / n, s.seq_aux_loss / n, s.z_loss / n, s.top_k)
         self.router = Router(cfg.hidden_size, s, state.sp, f"{name}.router", seed, cfg.init_std)
         self.experts = Experts(s.experts, cfg.hidden_size, s.ffn, cfg.arch == "llama", state, ops,
                                f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
@@ -66,28 +67,20 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if torch.is_grad_enabled() and self.training:
-            out = self._losses(out, routing.experts, routing.probs, routing.logits, plan.dropped)
+            out = self._losses(out, routing, b, plan.dropped)
         return out
 
-    def _losses(self, out: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor,
-                dropped: int) -> torch.Tensor:
-        st, s = self.state, self.s
-        counts = torch.bincount(experts.reshape(-1), minlength=s.experts).double()
-        # The micro-batch's assignment counts and probability sums over the ranks that split its tokens.
-        stat = torch.cat([counts, probs.detach().sum(0).double(), logits.detach().logsumexp(-1).pow(2).sum()[None].double()])
-        if st.sp:
-            comm.all_reduce(stat, st, "tp", count_as="metrics")
-        comm.all_reduce(stat, st, "cp", count_as="metrics")
-        tokens = experts.shape[0] * (st.tp if st.sp else 1) * st.cp
-        e = s.experts
-        aux_value = float(e * (stat[:e] / tokens * stat[e:2 * e] / tokens).sum())
-        z_value = float(stat[-1] / tokens)
-        self.stats.record(counts, dropped, aux_value, z_value)
-        share = out.new_zeros((), dtype=torch.float32)
-        if s.aux_loss:
-            share = share + s.aux_loss / self.num_moe_layers * balance_share(stat[:e], probs.sum(0), tokens)
-        if s.z_loss:
-            share = share + s.z_loss / self.num_moe_layers * z_share(logits, tokens)
-        if not (s.aux_loss or s.z_loss):
-            return out
-        return attach(out, share * st.cp, self.aux_scale.value)
+    def _losses(self, out: torch.Tensor, routing: Routing, sequences: int, dropped: int) -> torch.Tensor:
+        losses = router_losses(routing.experts, routing.probs, routing.logits, sequences, self.coef, self.state)
+        self.stats.record(losses, dropped)
+        return out if losses.share is None else attach(out, losses.share, self.aux_scale.value)
+
+
+def moe_layers_of(chunks: list[nn.Module]) -> list[tuple[str, MoELayer]]:
+    """(global layer name, MoELayer) of every MoE layer on this rank, in model order."""
+    out: list[tuple[str, MoELayer]] = []
+    for chunk in chunks:
+        for name, m in chunk.named_modules():
+            if isinstance(m, MoELayer):
+                out.append((name.removeprefix("0.").removesuffix(".mlp"), m))
+    return out

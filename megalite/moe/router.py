@@ -4,9 +4,12 @@ router's weights (and DeepSeek's bias) only, never of the layout: tokens are rou
   mixtral   top-k of the logits, softmax over those k (Jiang et al. 2024)
   qwen3     softmax over all experts, top-k, optionally renormalised to sum to 1 (Qwen3-MoE)
   deepseek  sigmoid scores; the top-k is chosen on score + bias (the auxiliary-loss-free balancing bias,
-            not trained by gradients but nudged each step, `stats.update_biases`), optionally within the best
-            `group_top_k` of `groups` expert groups (group score: sum of its two best); the weights are the
-            chosen *scores*, normalised and times `route_scale` (DeepSeek-V3, Liu et al. 2024, section 2.1)
+            `e_score_correction_bias` in the hub layout: no gradient, moved after each optimizer step by
+            `balance.update_router_biases`), optionally within the best `group_top_k` of `groups` expert groups
+            (group score: the sum of its two best biased scores; the other groups' experts are -inf); the weights
+            are the chosen *scores* (without the bias), normalised if `renorm` and times `route_scale`
+            (DeepSeek-V3, Liu et al. 2024, section 2.1.2; equal to transformers' DeepseekV3TopkRouter:
+            tests/test_deepseek_router.py)
 
 The logits are computed in fp32 (the routing decisions of a bf16 model must not flip on round-off).
 """

@@ -24,6 +24,7 @@ class MoESettings:
     aux_loss: float
     z_loss: float
     capacity_factor: float | None
+    seq_aux_loss: float = 0.0  # DeepSeek-V3's sequence-wise balance loss coefficient (alpha)
 
     @classmethod
     def from_model(cls, m: Any) -> MoESettings | None:
@@ -33,7 +34,8 @@ class MoESettings:
         ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
         return cls(m.moe_experts, m.moe_top_k, ffn, m.moe_shared_experts, m.moe_shared_ffn_hidden_size or ffn,
                    m.moe_first_dense, m.moe_every, m.moe_router, m.moe_renorm, m.moe_route_scale, m.moe_groups,
-                   m.moe_group_top_k, m.moe_bias_rate, m.moe_aux_loss, m.moe_z_loss, m.moe_capacity_factor)
+                   m.moe_group_top_k, m.moe_bias_rate, m.moe_aux_loss, m.moe_z_loss, m.moe_capacity_factor,
+                   m.moe_seq_aux_loss)
 
     def is_moe_layer(self, index: int) -> bool:
         """Layers first_dense, first_dense + every, ... are MoE (global layer indices)."""

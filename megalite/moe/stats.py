@@ -1,17 +1,14 @@
-"""What a step's MoE layers did, for metrics.jsonl, and DeepSeek-V3's auxiliary-loss-free bias update.
-
-Each layer records, per training micro-batch, its assignment counts per expert (this rank's tokens),
-dropped assignments, and the micro-batch's balance and z-loss values. At the end of the step
-`step_metrics.finish_step` sums them over every rank that saw other tokens (dp x cp, and tp under SP; filed under
-'metrics'), nudges each DeepSeek router's bias by bias_rate * sign(mean load - load) on the global
-counts (DeepSeek-V3 section 2.1.2: the same update on every rank), and resets.
-"""
+"""What a step's MoE layers did: per training micro-batch, each layer's assignment counts per expert (this
+rank's tokens), dropped assignments, and the micro-batch's router loss values (`losses.router_losses`
+computes them; this file only keeps them). Two readers at the end of the step, in this order: the router
+bias update (`balance.update_router_biases`, after the optimizer step) and the step's metrics
+(`step_metrics.moe_step_metrics`, which then resets the records)."""
 
 from __future__ import annotations
 
-
 import torch
 
+from megalite.moe.losses import RouterLosses
 from megalite.torch_private import in_backward
 
 
@@ -22,19 +19,20 @@ class LayerStats:
 
     def reset(self) -> None:
         self.counts = torch.zeros(self.experts, dtype=torch.float64)
-        self.dropped, self.aux, self.z, self.micro = 0, 0.0, 0.0, 0
+        self.dropped, self.aux, self.seq_aux, self.z, self.micro = 0, 0.0, 0.0, 0.0, 0
         self.a2a_rows: list[int] = []  # per forward: rows sent to + received from the other ep ranks
 
     def record_exchange(self, off_rank_rows: int) -> None:
         if not in_backward():  # not a full-recompute forward inside the backward
             self.a2a_rows.append(off_rank_rows)
 
-    def record(self, counts: torch.Tensor, dropped: int, aux: float, z: float) -> None:
+    def record(self, losses: RouterLosses, dropped: int) -> None:
         # A full-recompute forward (run again inside the backward) is not counted twice.
         if in_backward():
             return
-        self.counts += counts.detach().cpu()
+        self.counts += losses.counts.detach().cpu()
         self.dropped += dropped
-        self.aux += aux
-        self.z += z
+        self.aux += losses.aux
+        self.seq_aux += losses.seq_aux
+        self.z += losses.z
         self.micro += 1

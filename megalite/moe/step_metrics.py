@@ -1,5 +1,6 @@
-"""The end of a training step for the MoE layers: their loads and router losses summed over the ranks
-(metrics.jsonl's `moe`) and DeepSeek-V3's bias update (the per-layer records are `stats.LayerStats`).
+"""The step's MoE metrics (metrics.jsonl's `moe`): the layers' loads and router losses summed over the ranks,
+read from the per-layer records (`stats.LayerStats`), which are then reset for the next step. Reading only:
+DeepSeek-V3's bias update is `balance.update_router_biases`, which the step calls before this.
 Under pipeline parallelism every stage ends with every MoE layer's numbers, its own and the other stages'
 (`_over_stages`), so rank 0, which writes metrics.jsonl, reports all of them."""
 
@@ -10,46 +11,36 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from megalite.moe.layer import MoELayer
-from megalite.moe.settings import moe_layers
+from megalite.moe.layer import moe_layers_of
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 
-FIELDS = ("aux_loss", "z_loss", "dropped_tokens", "load_max", "load_mean", "a2a_rows", "a2a_calls")
+FIELDS = ("aux_loss", "seq_aux_loss", "z_loss", "dropped_tokens", "load_max", "load_mean", "a2a_rows", "a2a_calls")
 _COUNTS = {"dropped_tokens", "a2a_rows", "a2a_calls"}
 
 
 @runtime_checkable
-class HasModelConfig(Protocol):
-    """A model chunk that knows the whole model's config (megalite.model.gpt.GPT), so any stage can name every
-    MoE layer of the model, its own or not."""
+class NamesMoELayers(Protocol):
+    """A model chunk that names every MoE layer of the whole model (megalite.model.gpt.GPT: its layers' and its
+    MTP modules' blocks'), so any stage can report every MoE layer of the model, its own or not."""
 
-    cfg: Any
-
-
-def moe_layers_of(chunks: list[nn.Module]) -> list[tuple[str, MoELayer]]:
-    """(global layer name, MoELayer) of every MoE layer on this rank, in model order."""
-    out: list[tuple[str, MoELayer]] = []
-    for chunk in chunks:
-        for name, m in chunk.named_modules():
-            if isinstance(m, MoELayer):
-                out.append((name.removeprefix("0.").removesuffix(".mlp"), m))
-    return out
+    def moe_layer_names(self) -> list[str]: ...
 
 
 def all_moe_layer_names(chunks: list[nn.Module]) -> list[str]:
-    """The names ("layers.i") of every MoE layer of the model, on every stage (empty for a dense model)."""
+    """The names ("layers.i", "mtp.layers.k.block") of every MoE layer of the model, on every stage (empty for a
+    dense model)."""
     for chunk in chunks:
-        if isinstance(chunk, HasModelConfig):
-            return [f"layers.{i}" for i in moe_layers(chunk.cfg)]
+        if isinstance(chunk, NamesMoELayers):
+            return chunk.moe_layer_names()
     return [name for name, _ in moe_layers_of(chunks)]
 
 
-def finish_step(chunks: list[nn.Module], state: ParallelState, update_bias: bool = True) -> dict[str, Any] | None:
-    """The step's MoE metrics of every MoE layer of the model (None for a dense one), after the global bias
-    update; resets the layers' records."""
+def moe_step_metrics(chunks: list[nn.Module], state: ParallelState) -> dict[str, Any] | None:
+    """The step's MoE metrics of every MoE layer of the model (None for a dense one); resets the layers'
+    records for the next step."""
     names = all_moe_layer_names(chunks) if state.pp > 1 else []
-    local = _finish_local(chunks, state, update_bias)
+    local = _finish_local(chunks, state)
     return _over_stages(local, names, state) if names else local
 
 
@@ -66,31 +57,29 @@ def _over_stages(local: dict[str, Any] | None, names: list[str], state: Parallel
             for j, f in enumerate(FIELDS)}
 
 
-def _finish_local(chunks: list[nn.Module], state: ParallelState, update_bias: bool) -> dict[str, Any] | None:
+def _finish_local(chunks: list[nn.Module], state: ParallelState) -> dict[str, Any] | None:
     """This stage's MoE layers' metrics (None when it has none)."""
     layers = moe_layers_of(chunks)
     if not layers:
         return None
     e = layers[0][1].s.experts
-    table = torch.stack([torch.cat([m.stats.counts, torch.tensor([m.stats.dropped, m.stats.aux, m.stats.z,
-                                                                      m.stats.micro], dtype=torch.float64)])
+    table = torch.stack([torch.cat([m.stats.counts, torch.tensor([m.stats.dropped, m.stats.aux, m.stats.seq_aux,
+                                                                      m.stats.z, m.stats.micro], dtype=torch.float64)])
                          for _, m in layers]).to(state.device)
     if state.sp:
         table[:, :e + 1] = comm.all_reduce(table[:, :e + 1].contiguous(), state, "tp", count_as="metrics")
     comm.all_reduce(table, state, "dp_cp", count_as="metrics")
     out: dict[str, Any] = {f: {} for f in FIELDS}
     for (name, m), row in zip(layers, table.cpu()):
-        counts, micro = row[:e], max(1.0, float(row[e + 3]))
+        counts, micro = row[:e], max(1.0, float(row[e + 4]))
         out["aux_loss"][name] = float(row[e + 1]) / micro
-        out["z_loss"][name] = float(row[e + 2]) / micro
+        out["seq_aux_loss"][name] = float(row[e + 2]) / micro
+        out["z_loss"][name] = float(row[e + 3]) / micro
         out["dropped_tokens"][name] = int(row[e])
         out["load_max"][name] = float(counts.max())
         out["load_mean"][name] = float(counts.mean())
         # This rank's own exchange (not reduced): rows sent to + received from the other ep ranks, per forward.
         out["a2a_rows"][name] = sum(m.stats.a2a_rows)
         out["a2a_calls"][name] = len(m.stats.a2a_rows)
-        if update_bias and m.s.router == "deepseek" and m.s.bias_rate and m.training:
-            with torch.no_grad():
-                m.router.bias += m.s.bias_rate * torch.sign(counts.mean() - counts).to(m.router.bias)
         m.stats.reset()
     return out

@@ -5,6 +5,7 @@ stage holds, the last stage's logits; every term for the S/cp tokens a rank hold
 from __future__ import annotations
 
 from megalite.mla import costs as mla_costs
+from megalite.mtp.costs import mtp_activation_bytes
 from megalite.perfmodel.context import cp_held_kv_bytes
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 from megalite.perfmodel.schedules import microbatches_in_flight
@@ -64,4 +65,9 @@ def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_
         acts += per_layer("none")
     if pp_rank == layout.pp - 1:
         acts += float(b) * s * dims.padded_vocab(layout.tp) / layout.tp * 4
+        if dims.mtp_layers:  # the multi-token prediction modules (megalite/mtp/costs.py), never recomputed
+            block = per_layer("none" if layout.recompute == "full" else layout.recompute)
+            tokens = b * s // (layout.tp if layout.sp else 1)
+            acts += microbatches_in_flight(layout, pp_rank, m) * mtp_activation_bytes(
+                dims.mtp_layers, tokens, h, dims.padded_vocab(layout.tp) // layout.tp, prec.activation, block)
     return acts

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megalite.errors import ConfigError
 from megalite.mla import costs as mla_costs
 from megalite.model.params import count_params  # noqa: F401  (re-exported)
+from megalite.mtp.costs import mtp_flops_per_token, mtp_params, stage_copy_params
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
@@ -35,8 +36,18 @@ GB = 1e9
 # ---------------------------------------------------------------- parameters
 
 def dims_params(dims: ModelDims) -> int:
-    return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
+    """Every parameter of the model, its multi-token prediction modules included."""
+    return _count(dims, dims.num_layers) + mtp_params(dims.mtp_layers, dims.hidden_size, block_params(dims))
+
+
+def _count(dims: ModelDims, layers: int) -> int:
+    return count_params(dims.arch, layers, dims.hidden_size, dims.num_heads,
                         dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim, dims.mla)
+
+
+def block_params(dims: ModelDims) -> int:
+    """One transformer block's parameters."""
+    return _count(dims, 1) - _count(dims, 0)
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,10 @@ def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int) -> StageParams
         partial += dims.seq_len * h  # learned positions
     if last:
         partial += 2 * h if gpt2 else h  # final norm
-    return StageParams(total=per_stage * sharded + partial + rows, tp_replicated_partial=partial,
+    mtp = dims.mtp_layers if last else 0  # the MTP modules: a block, a replicated 2h x h eh_proj and 3 norms each
+    partial += mtp * (replicated + 2 * h * h + 3 * h)
+    rows += stage_copy_params(mtp, pp, dims.tied, emb // h, h)  # the embedding's copy they read (pp > 1, untied)
+    return StageParams(total=(per_stage + mtp) * sharded + partial + rows, tp_replicated_partial=partial,
                        embedding_shard=rows, layers=per_stage * (sharded + replicated))
 
 
@@ -222,9 +236,10 @@ def pp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
 
 
 def embedding_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int) -> float:
-    """Tied embeddings split over pipeline stages: the first and last stage all-reduce the shared
-    shard's gradient over their 2-rank 'embedding' group once per step."""
-    if not dims.tied or layout.pp == 1 or pp_rank not in (0, layout.pp - 1):
+    """Tied embeddings split over pipeline stages (or the multi-token prediction modules' copy of the embedding
+    on the last stage): the first and last stage all-reduce the shared shard's gradient over their 2-rank
+    'embedding' group once per step."""
+    if not (dims.tied or dims.mtp_layers) or layout.pp == 1 or pp_rank not in (0, layout.pp - 1):
         return 0.0
     return all_reduce_bytes(dims.padded_vocab(layout.tp) // layout.tp * dims.hidden_size
                             * prec.reduce_bytes, 2)
@@ -345,7 +360,12 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     if dims is None:
         return est
     tokens = float(m) * layout.micro_batch_size * layout.dp * dims.seq_len
-    model_per_token, hardware_per_token = flops_per_token(dims, total, layout.recompute)
+    model_per_token, hardware_per_token = flops_per_token(dims, total - mtp_params(dims.mtp_layers, dims.hidden_size,
+                                                                                   block_params(dims)),
+                                                          layout.recompute)
+    mtp_flops = mtp_flops_per_token(dims.mtp_layers, dims.hidden_size, dims.vocab_size, block_params(dims),
+                                    dims.num_heads * dims.hd, dims.seq_len)
+    model_per_token, hardware_per_token = model_per_token + mtp_flops, hardware_per_token + mtp_flops
     est.model_flops_per_step = tokens * model_per_token
     est.hardware_flops_per_step = tokens * hardware_per_token  # what recompute repeats included
     est.model_flops_causal_per_step = est.model_flops_per_step - tokens * 6.0 * dims.num_layers * dims.num_heads \

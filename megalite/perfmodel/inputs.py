@@ -28,6 +28,7 @@ class ModelDims:
     make_vocab_divisible_by: int = 1  # vocab padded to a multiple of this x tp
     head_dim: int | None = None  # None: hidden_size / num_heads (megalite's models); PaLM decouples them
     mla: MLADims | None = None  # multi-head latent attention's widths (`[mla]`, megalite/mla/costs.py); None: off
+    mtp_layers: int = 0  # multi-token prediction depth D (docs/mtp.md): D more blocks and logits on the last stage
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gpt2"):
@@ -38,6 +39,8 @@ class ModelDims:
             if value is not None and not value > 0:
                 raise ConfigError(f"model {name}={value} must be > 0; pass a positive "
                                   f"--{name.replace('_', '-')}")
+        if self.mtp_layers < 0:
+            raise ConfigError(f"mtp_layers={self.mtp_layers} must be >= 0 (0 = no multi-token prediction)")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
                               f"{self.num_heads}; pick sizes with hidden_size = num_heads x head_dim")

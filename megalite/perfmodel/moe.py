@@ -6,6 +6,7 @@ The formulas (parameters of a MoE layer, the all-to-all's bytes, the experts' FL
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -13,7 +14,9 @@ from megalite.errors import ConfigError
 from megalite.mla.costs import MLAShape
 from megalite.moe.costs import (a2a_bytes_balanced, busiest, busiest_a2a_bytes, expert_flops, expert_params,
                                 mlp_params, moe_layer_params)
+from megalite.model.spec import head_dim
 from megalite.moe.settings import MoESettings, moe_layers
+from megalite.mtp.costs import mtp_flops_per_token, mtp_params
 from megalite.perfmodel.estimate import Memory, count_params, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
 from megalite.perfmodel.inputs import Precision
@@ -160,6 +163,10 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
              f"  all-to-all (dispatch + combine, fwd + bwd, balanced routing): {est.a2a_bytes_per_layer / gb:.4g} GB "
              f"per MoE layer per micro-batch, {est.ep_bytes_per_step / gb:.4g} GB per step per rank ('ep')",
              "  (the sections above count the experts as one dense MLP; these lines replace them for the experts)"]
+    if flags.get("mtp_layers"):  # multi-token prediction modules, their blocks MoE as the model builds them
+        c = mtp_costs(m, flags["mtp_layers"])
+        lines.append(f"  multi-token prediction (D={flags['mtp_layers']}, docs/mtp.md): +{c.params / 1e9:.3f} B total, "
+                     f"+{c.active / 1e9:.3f} B active parameters, +{c.flops_per_token / 1e9:.3g} GFLOP per token")
     if flags.get("optimizer") == "muon":
         section, line = _muon_experts(m, layout, ep)
         lines.append(line)
@@ -199,3 +206,32 @@ def _muon_experts(m: Any, layout: Any, ep: int) -> tuple[dict, str]:
     return ({"muon_experts": {"ns_flops_per_rank": flops, "dp_bytes_per_rank_bound": dp_bytes}},
             f"  muon on the experts: Newton-Schulz {flops:.4e} FLOPs per step per rank, 'muon' bytes at most "
             f"{dp_bytes / 1e9:.4g} GB over edp (experts are whole on every TP rank: none over tp)")
+
+
+@dataclass(frozen=True)
+class MTPCosts:
+    """The multi-token prediction modules in the MoE-aware counts (the trainer's MFU, this tool's MoE section)."""
+
+    params: int            # the modules' own parameters
+    active: int            # those a token uses
+    flops_per_token: float  # training FLOPs per token of the modules and their logits
+    flops_per_token_causal: float  # the same with the causal-halved attention count
+
+
+def mtp_costs(m: Any, depth: int) -> MTPCosts:
+    """The D multi-token prediction modules of model config `m` (resolved; the formulas are `megalite.mtp.costs`'):
+    their blocks are global layers num_layers .. + D - 1, so a MoE model's MTP block is MoE where
+    `moe_first_dense` / `moe_every` say so, as the model builds it."""
+    if depth <= 0:
+        return MTPCosts(0, 0, 0.0, 0.0)
+    more = copy.copy(m)
+    more.num_layers = m.num_layers + depth
+    with_blocks, base = moe_param_counts(more), moe_param_counts(m)
+    blocks, blocks_active = with_blocks.total - base.total, with_blocks.active - base.active
+    h = m.hidden_size
+    attn = m.num_heads * head_dim(m)
+    total = mtp_params(depth, h, blocks // depth)
+    active = mtp_params(depth, h, blocks_active // depth)
+    flops = [mtp_flops_per_token(depth, h, m.vocab_size, blocks_active // depth, attn, m.seq_len, causal)
+             for causal in (False, True)]
+    return MTPCosts(total, active, *flops)

@@ -18,6 +18,8 @@ def render(est: Estimate, kw: dict) -> str:
     lay: Layout = kw["layout"]
     dims: ModelDims | None = kw["dims"]
     name = "custom model" if dims is None else f"{dims.arch} L={dims.num_layers} h={dims.hidden_size}"
+    if dims is not None and dims.mtp_layers:  # multi-token prediction modules, counted in every number below
+        name += f" + {dims.mtp_layers} MTP"
     prec: Precision = kw["prec"]
     bytes_each = f"{prec.param}+{prec.grad}+{prec.master}+{prec.optimizer} bytes/param"
     out = [f"{name}: {est.params / 1e9:.3f} B parameters, {kw['dtype']}, {kw['memory_layout']} memory layout "

@@ -66,7 +66,8 @@ def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
     dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
-                     make_vocab_divisible_by=m.make_vocab_divisible_by, mla=MLADims.of(cfg.mla))
+                     make_vocab_divisible_by=m.make_vocab_divisible_by, mla=MLADims.of(cfg.mla),
+                     mtp_layers=cfg.mtp.num_layers)
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,

@@ -11,7 +11,7 @@ from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
 from megalite.mla import costs as mla_costs
 from megalite.mla.costs import MLADims
-from megalite.perfmodel.moe import moe_param_counts
+from megalite.perfmodel.moe import moe_param_counts, mtp_costs
 from megalite.perfmodel.flops import mfu, model_flops_per_token, peak_flops
 from megalite.training.step import StepContext, StepResult
 
@@ -27,13 +27,15 @@ class StepReport:
         m = cfg.model
         mla = MLADims.of(cfg.mla)
         counts = moe_param_counts(m, mla)  # the dense count for a dense model
-        self.n_params, self.n_active = counts.total, counts.active
+        mtp = mtp_costs(m, cfg.mtp.num_layers)  # the multi-token prediction modules (zero when off)
+        self.n_params, self.n_active = counts.total + mtp.params, counts.active + mtp.active
         # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters);
         # MLA's attention core is at its own widths (megalite/mla/costs.py).
         width = m.hidden_size if mla is None else mla_costs.attention_width(m.num_heads, mla)
-        self.flops_per_token = model_flops_per_token(self.n_active, m.num_layers, width, m.seq_len)
-        self.flops_per_token_causal = model_flops_per_token(self.n_active, m.num_layers, width, m.seq_len,
-                                                            causal=True)
+        self.flops_per_token = model_flops_per_token(counts.active, m.num_layers, width, m.seq_len) \
+            + mtp.flops_per_token
+        self.flops_per_token_causal = model_flops_per_token(counts.active, m.num_layers, width, m.seq_len,
+                                                            causal=True) + mtp.flops_per_token_causal
         device_name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu"
         self.peak = peak_flops(device_name, DTYPE_NAMES[ctx.engine.dtype])
         self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
@@ -71,4 +73,5 @@ class StepReport:
                 "comm_convention": COMM_CONVENTION, "comm_written_bytes": written_bytes,
                 "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,
                 "loss_scale": self.ctx.scaler.scale, "spike": spike, "mem_bytes": self.optimizer.memory_bytes(),
-                "tokens_seen": step * self.tokens_per_step, **({"moe": result.moe} if result.moe else {})}
+                "tokens_seen": step * self.tokens_per_step, **({"moe": result.moe} if result.moe else {}),
+                **({"mtp_loss": result.mtp} if result.mtp else {})}

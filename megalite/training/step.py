@@ -25,7 +25,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from megalite.moe.step_metrics import finish_step as finish_moe_step
+from megalite.moe.balance import update_router_biases
+from megalite.moe.step_metrics import moe_step_metrics
+from megalite.mtp.metrics import mtp_step_metrics
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.optim.schedule import lr_at
@@ -44,6 +46,7 @@ class StepResult:
     lr: float
     skipped: bool
     moe: dict[str, Any] | None = None  # MoE layers' loads and router losses (megalite.moe.step_metrics), None if dense
+    mtp: list[float] | None = None  # each multi-token prediction depth's loss (megalite.mtp.metrics), None if off
 
 
 def single_stage_engine(model: nn.Module, state: ParallelState, dtype: torch.dtype) -> PipelineEngine:
@@ -107,10 +110,13 @@ def train_step(ctx: StepContext,
     scaler.update(found_inf=skipped)
     if not skipped:
         optimizer.step(lr, settings.clip_grad, norm)
-    moe = finish_moe_step(engine.chunks, state, update_bias=not skipped)  # DeepSeek's bias update, the loads
+        update_router_biases(engine.chunks, state)  # DeepSeek-V3's aux-loss-free balancing, outside the optimizer
+    moe = moe_step_metrics(engine.chunks, state)  # reads the step's loads and router losses
+    mtp = mtp_step_metrics(engine.chunks, state)
     if divisor is None:
         total /= len(batches)
-    return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped, moe=moe)
+    return StepResult(loss=mean_over_ranks(total, state), grad_norm=norm, lr=lr, skipped=skipped, moe=moe,
+                      mtp=mtp)
 
 
 IGNORE_INDEX = -100  # the cross entropy's ignore_index: a label the loss is not on

@@ -123,7 +123,7 @@ def build_run(cfg: config_mod.Config) -> Run:
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
                                                       par.cp_a2a if par.cp_mode == "hybrid" else 1),
-                            mla=cfg.mla)
+                            mla=cfg.mla, mtp=cfg.mtp)
     enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
     if cfg.model.compile:  # each block's forward, after FP8 swapped its linears (megalite/model/compile.py)
         compile_blocks(engine.chunks, cfg.model.compile_backend)

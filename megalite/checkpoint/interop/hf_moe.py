@@ -175,7 +175,9 @@ class _Info:
 
 
 def _settings(info: dict[str, Any]) -> MoESettings | None:
-    return MoESettings.from_model(_Info(info)) if info.get("moe_experts") else None
+    # The sequence-wise balance loss's coefficient trains the router but is not recorded in index.json (it changes
+    # no tensor): the conversion reads the routing only.
+    return MoESettings.from_model(_Info({"moe_seq_aux_loss": 0.0, **info})) if info.get("moe_experts") else None
 
 
 # ---------------------------------------------------------------------------------------- tensor names
