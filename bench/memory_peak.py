@@ -36,11 +36,16 @@ DEMO_BYTES = 1_000_000
 # step in micro-batches of 1 (4 micro-batches: every pipeline schedule fills).
 MID = ["--model.num_layers", "8", "--model.hidden_size", "384", "--model.num_heads", "6", "--model.seq_len", "256",
        "--train.micro_batch_size", "1", "--train.global_batch_size", "4"]
+# The outside check's shapes (issue 43): llama-160m's dims cut to 4 layers, 512 tokens, micro-batch 2.
+LLAMA4 = ["--model.preset", "llama-160m", "--model.num_layers", "4", "--model.seq_len", "512",
+          "--train.micro_batch_size", "2", "--train.global_batch_size", "2"]
 CASES: dict[str, tuple[int, list[str]]] = {
     "tiny": (1, ["--model.preset", "tiny"]),
     "gpt2-tiny": (1, ["--model.preset", "gpt2-tiny"]),
     "llama-160m": (1, ["--model.preset", "llama-160m", "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
                        "--model.recompute", "selective", "--data.demo_max_bytes", "3000000"]),  # 2048-token samples
+    "llama4": (1, LLAMA4),
+    "llama4-tp2-sp": (2, [*LLAMA4, "--parallel.tp", "2", "--parallel.sp", "true"]),
     "mid": (1, MID),
     "mid-full-recompute": (1, [*MID, "--model.recompute", "full"]),
     "tp2-sp": (2, [*MID, "--parallel.tp", "2", "--parallel.sp", "true"]),

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
 from megalite.moe.settings import MoESettings, moe_layers
-from megalite.perfmodel.estimate import Memory, count_params, zero_memory
+from megalite.model.params import count_model_params
+from megalite.perfmodel.estimate import Memory, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
 from megalite.perfmodel.inputs import Precision
 
@@ -40,22 +41,11 @@ def expert_params(arch: str, hidden: int, ffn: int) -> int:
 
 def moe_param_counts(m: Any) -> MoEParams:
     """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE)."""
-    tie = bool(m.tie_embeddings)
-    dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                         m.vocab_size, m.seq_len, tie)
+    total = count_model_params(m)
     s = MoESettings.from_model(m)
     if s is None:
-        return MoEParams(dense, dense, 0)
-    n = len(moe_layers(m))
-    h = m.hidden_size
-    dense_mlp = expert_params(m.arch, h, m.ffn_hidden_size) + (m.ffn_hidden_size + h if m.arch == "gpt2" else 0)
-    one = expert_params(m.arch, h, s.ffn)
-    shared = 0
-    if s.shared:
-        fs = s.shared * s.shared_ffn
-        shared = expert_params(m.arch, h, fs) + (fs + h if m.arch == "gpt2" else 0)
-    per_layer = h * s.experts + s.experts * one + shared
-    total = dense + n * (per_layer - dense_mlp)
+        return MoEParams(total, total, 0)
+    one, n = expert_params(m.arch, m.hidden_size, s.ffn), len(moe_layers(m))
     return MoEParams(total, total - n * (s.experts - s.top_k) * one, n * s.experts * one)
 
 

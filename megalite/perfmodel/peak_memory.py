@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.activations import stage_activation_bytes
-from megalite.perfmodel.estimate import stage_params, zero_memory
+from megalite.perfmodel.estimate import Memory, stage_params, zero_memory
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 from megalite.perfmodel.schedules import microbatches_in_flight
 
@@ -181,6 +181,23 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> 
     return tokens * (per_token * e + a / t * 4)  # + the attention's log-sum-exp, fp32
 
 
+def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
+    """What a MoE layer saves beyond the dense layer of `layer_activation_bytes`, per micro-batch: its MLP terms
+    (4f/t, gpt2 2f/t per token) replaced by the shared experts' (the same with n_s·F_s) and, per token the rank
+    routes (its S/cp, /t under SP), k dispatched rows each saving their input and combined output (2h) and the
+    expert's intermediates (llama 4F, gpt2 2F), plus the router's logits and probabilities (2E, fp32)."""
+    moe = dims.moe
+    if moe is None or layout.recompute == "full":
+        return 0.0
+    t, e = layout.tp, prec.activation
+    width = 4 if dims.arch == "llama" else 2
+    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
+    routed = tokens / t if layout.sp else tokens
+    per_token = width * (moe.shared * moe.shared_ffn - dims.ffn) / t
+    per_routed = moe.top_k * (2 * dims.hidden_size + width * moe.ffn)
+    return tokens * per_token * e + routed * (per_routed * e + 2 * moe.experts * 4)
+
+
 def uses_torch_checkpoint(layout: Layout) -> bool:
     """Whether the run calls torch.utils.checkpoint (so imports torch._dynamo): full recompute checkpoints every block
     (megalite/model/gpt.py); selective recompute the attention core, which cp's ring, all-gather and hybrid modes
@@ -200,10 +217,14 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     h = dims.hidden_size
     hs = h / t if layout.sp else h
     layers = dims.num_layers // p
-    psi = float(stage_params(dims, t, p, pp_rank).total)
+    sp_rank = stage_params(dims, t, p, pp_rank, layout.ep)
+    psi = float(sp_rank.total)
     opt_prec = prec if opts.optimizer_state_bytes is None else replace(prec, optimizer=int(opts.optimizer_state_bytes))
-    st = zero_memory(psi, layout.replicas, layout.zero, opt_prec)
     n = layout.replicas
+    # The routed experts' states shard over edp = dp·cp/ep (the ranks holding the same experts), the rest over dp·cp.
+    dense = zero_memory(psi - sp_rank.experts, n, layout.zero, opt_prec)
+    expert = zero_memory(float(sp_rank.experts), n // layout.ep, layout.zero, opt_prec)
+    st = Memory(*(getattr(dense, k) + getattr(expert, k) for k in ("params", "grads", "master", "optimizer")))
     zs = f"/{n}" if n > 1 else ""
     states = (
         Term("parameters", st.params, f"{prec.param} B x {psi:.0f} params" + (zs if layout.zero >= 3 else ""),
@@ -217,7 +238,9 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     )
     per_layer = layer_activation_bytes(dims, layout, prec)
     in_flight = microbatches_in_flight(layout, pp_rank, m)
-    acts = per_layer * layers * in_flight + (2 * tokens * h * e * in_flight if last else 0.0)
+    moe_here = 0 if dims.moe is None else sum(pp_rank * layers <= i < (pp_rank + 1) * layers for i in dims.moe.layers)
+    acts = ((per_layer * layers + moe_layer_extra_bytes(dims, layout, prec) * moe_here) * in_flight
+            + (2 * tokens * h * e * in_flight if last else 0.0))
     how = (f"{per_layer / MiB:.1f} MiB/layer x {layers} layers x {in_flight:g} micro-batches in flight"
            + (" + final norm in/out 2·b·s·h" if last else ""))
     if not opts.fused_attention:  # the floor's own count (Korthikanti et al. 2022, unfused), its logits included
@@ -236,7 +259,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                   f"V/t = {vocab:.0f}", "logits, z - max, exp and softmax alive together in the loss's forward")
     ce_bwd = Term("cross-entropy gradient", 2 * logits_elems * g4 if last else 0.0, "b·s·V/t x 2 x 4 B",
                   "the saved softmax turned into the logits' gradient, and its scaled copy")
-    grads_full = float(stage_params(dims, t, p, pp_rank).total) * 4.0
+    grads_full = psi * 4.0
     buckets = grads_full if layout.zero >= 2 else 0.0
     bucket_hold = Term("gradient buckets", buckets, "4 B x params (full fp32 buckets)" if buckets else "0",
                        "ZeRO-2/3 build each bucket's full fp32 gradient on its first gradient and free it after the "
@@ -246,14 +269,17 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     scatter = (staged + 1.0 / n) * grads_full if layout.zero >= 1 and n > 1 else 0.0
     reduction = Term("in-flight reduction", scatter, f"4 B x params x ({'1 + ' if staged else ''}1/N)" if scatter
                      else "0", "the reduce-scatter's 1/N output" + (" and gloo's copy of its input" if staged else ""))
-    unit = float(stage_params(dims, t, dims.num_layers, 0).layers)
+    unit = float(sp_rank.largest_layer)
     gathered = (1 + opts.zero3_prefetch) * unit * prec.param if layout.zero >= 3 and n > 1 else 0.0
     zero3 = Term("ZeRO-3 gathered blocks", gathered, f"(1 + prefetch {opts.zero3_prefetch}) x {unit:.0f} params x "
                  f"{prec.param} B" if gathered else "0", "the block computing and the one prefetched, whole")
-    layer_grads = Term("layer gradients", layer_activation_bytes(dims, replace(layout, recompute="none"), prec),
+    unrecomputed = replace(layout, recompute="none")
+    one_layer = layer_activation_bytes(dims, unrecomputed, prec) + (
+        moe_layer_extra_bytes(dims, unrecomputed, prec) if moe_here else 0.0)  # the largest block's
+    layer_grads = Term("layer gradients", one_layer,
                        "one layer's saved bytes again", "each saved tensor's gradient while its layer runs backward")
-    recompute = Term("recomputed block", layer_activation_bytes(dims, replace(layout, recompute="none"), prec)
-                     if layout.recompute == "full" else 0.0, "one layer's saved bytes (full recompute)",
+    recompute = Term("recomputed block", one_layer if layout.recompute == "full" else 0.0,
+                     "one layer's saved bytes (full recompute)",
                      "full recompute re-runs a block's forward right before its backward")
     scores = 0.0
     if layout.cp > 1 and opts.torch_ring and layout.cp_mode in ("ring", "allgather"):

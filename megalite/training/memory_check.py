@@ -22,7 +22,9 @@ from megalite.config import PRESETS, Config, ModelConfig
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
+from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
+from megalite.perfmodel.inputs import MoEDims
 from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, peak_memory
 
 GiB = 2**30
@@ -65,12 +67,21 @@ def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
     dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
-                     make_vocab_divisible_by=m.make_vocab_divisible_by)
+                     make_vocab_divisible_by=m.make_vocab_divisible_by, moe=moe_dims(m))
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
-                    document_mask=cfg.data.document_mask)
+                    document_mask=cfg.data.document_mask, ep=par.ep)
     return dims, layout
+
+
+def moe_dims(m: ModelConfig) -> MoEDims | None:
+    """The perfmodel's view of the model's experts (None for a dense model), read by `MoESettings` alone."""
+    s = MoESettings.from_model(m)
+    if s is None:
+        return None
+    return MoEDims(experts=s.experts, ffn=s.ffn, layers=tuple(moe_layers(m)), top_k=s.top_k, shared=s.shared,
+                   shared_ffn=s.shared_ffn)
 
 
 def available_bytes(device: torch.device) -> int | None:
