@@ -47,17 +47,28 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "llama4": (1, LLAMA4),
     "llama4-tp2-sp": (2, [*LLAMA4, "--parallel.tp", "2", "--parallel.sp", "true"]),
     "mid": (1, MID),
+    "mid-selective-recompute": (1, [*MID, "--model.recompute", "selective"]),
     "mid-full-recompute": (1, [*MID, "--model.recompute", "full"]),
+    "mid-fp8": (1, [*MID, "--train.fp8", "tensorwise", "--train.fp8_min_dim", "128"]),
+    "mid-muon": (1, [*MID, "--train.optimizer", "muon"]),
+    "tp2": (2, [*MID, "--parallel.tp", "2"]),
     "tp2-sp": (2, [*MID, "--parallel.tp", "2", "--parallel.sp", "true"]),
+    "pp2-gpipe": (2, [*MID, "--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
     "pp2-1f1b": (2, [*MID, "--parallel.pp", "2", "--parallel.schedule", "1f1b"]),
     "pp2-interleaved": (2, [*MID, "--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.schedule", "interleaved"]),
     "pp2-zbh1": (2, [*MID, "--parallel.pp", "2", "--parallel.schedule", "zb-h1"]),
     "pp2-zbv": (2, [*MID, "--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.schedule", "zbv"]),
+    "dp2-zero0": (2, [*MID, "--parallel.dp", "2", "--parallel.zero", "0"]),
     "dp2-zero1": (2, [*MID, "--parallel.dp", "2", "--parallel.zero", "1"]),
     "dp2-zero2": (2, [*MID, "--parallel.dp", "2", "--parallel.zero", "2"]),
     "dp2-zero3": (2, [*MID, "--parallel.dp", "2", "--parallel.zero", "3"]),
     "cp2-ring": (2, [*MID, "--parallel.cp", "2", "--parallel.cp_mode", "ring"]),
     "cp2-allgather": (2, [*MID, "--parallel.cp", "2", "--parallel.cp_mode", "allgather"]),
+    "cp2-a2a": (2, [*MID, "--parallel.cp", "2", "--parallel.cp_mode", "a2a"]),
+    "cp2-hybrid": (2, [*MID, "--parallel.cp", "2", "--parallel.cp_mode", "hybrid", "--parallel.cp_a2a", "2"]),
+    # tiny-moe's 8 experts of width 384 over ep 2 (dp 2): experts and their ZeRO states split over ep
+    "ep2-moe": (2, [*MID, "--model.preset", "tiny-moe", "--model.moe_ffn_hidden_size", "384", "--parallel.dp", "2",
+                    "--parallel.ep", "2", "--train.global_batch_size", "4"]),
 }
 
 

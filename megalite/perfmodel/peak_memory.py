@@ -169,16 +169,26 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> 
              up input h, gate and up 2f/t, silu(gate) f/t, down input f/t;  + the log-sum-exp a/t in fp32
       gpt2   the same with LayerNorm, GeLU (up output f/t, down input f/t) instead of SwiGLU
 
-    Full recompute keeps the layer input only (hs)."""
+    and in fp32: the attention's log-sum-exp a/t per token, the norms' statistics per sequence-local token (two
+    RMSNorms: a 1/rms each; two LayerNorms: a mean and a 1/std each), and (llama) RoPE's cos and sin expanded to
+    [S/cp, d] once per layer, whatever the batch and tp (megalite/model/ops.py's `apply_rope`).
+    Full recompute keeps the layer input only (hs). `tests/test_memory_terms.py` holds this equal to the bytes
+    autograd saves."""
     t, e = layout.tp, prec.activation
     h, d, a, kv = dims.hidden_size, dims.hd, dims.num_heads, dims.kv_heads
-    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
+    s_local = layout.local_seq_len(dims.seq_len)
+    tokens = layout.micro_batch_size * s_local
     hs = h / t if layout.sp else h
     if layout.recompute == "full":
         return tokens * hs * e
-    mlp = (4 if dims.arch == "llama" else 2) * dims.ffn / t
+    llama = dims.arch == "llama"
+    mlp = (4 if llama else 2) * dims.ffn / t
     per_token = 2 * hs + 2 * h + (2 * a + 2 * kv) * d / t + mlp
-    return tokens * (per_token * e + a / t * 4)  # + the attention's log-sum-exp, fp32
+    norm_stats = (2 if llama else 4) * (tokens / t if layout.sp else tokens)
+    rope = 2 * s_local * d if llama else 0
+    # Selective recompute checkpoints the attention core where it is SDPA (cp = 1 or a2a): its log-sum-exp is not kept.
+    lse = 0.0 if uses_torch_checkpoint(layout) else a / t * 4
+    return tokens * (per_token * e + lse) + (norm_stats + rope) * 4
 
 
 def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:

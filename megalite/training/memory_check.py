@@ -25,6 +25,7 @@ from megalite.errors import ConfigError
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 from megalite.perfmodel.inputs import MoEDims
+from megalite.perfmodel.muon import muon_step_bytes
 from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, peak_memory
 
 GiB = 2**30
@@ -48,8 +49,10 @@ def predicted_peak(cfg: Config) -> PeakMemory:
     the model's default; the ZeRO-3 prefetch depth and the cp ring's block path are the config's."""
     dims, layout = run_inputs(cfg)
     device = resolved_device(cfg)
+    muon = cfg.train.optimizer == "muon"  # its step's copies of the update direction (megalite.perfmodel.muon)
     opts = PeakOptions(device="cuda" if device.startswith("cuda") else "cpu",
                        zero3_prefetch=cfg.parallel.zero3_prefetch,
+                       optimizer_temp_bytes=muon_step_bytes(dims, layout) if muon else 0.0,
                        torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
     return peak_memory(dims, layout, run_precision(resolved_dtype(cfg, device)), opts)
 
