@@ -342,6 +342,13 @@ def peak_memory(dims: ModelDims, layout: Layout, prec: Precision, opts: PeakOpti
     return max((stage_peak(dims, layout, prec, r, opts) for r in {0, layout.pp - 1}), key=lambda pk: pk.total)
 
 
+def fits(peak_bytes: float, available: float, processes: int = 1) -> bool:
+    """Whether `processes` processes that each peak at `peak_bytes` (`PeakMemory.total`) fit in `available` bytes:
+    the one comparison behind the check before step 1 (processes sharing a host's RAM, or one per GPU) and
+    tools/plan.py's fit filter (one per GPU, `available` = its usable memory)."""
+    return peak_bytes * processes <= available
+
+
 # What the planner sizes: a GPU (CUDA context, caching allocator) and the estimator's activations (any kernels).
 PLANNER_PEAK = PeakOptions(device="cuda", fused_attention=False, torch_ring=False)
 

@@ -26,7 +26,7 @@ from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 from megalite.perfmodel.inputs import MoEDims
 from megalite.perfmodel.muon import muon_step_bytes
-from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, peak_memory
+from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, fits, peak_memory
 
 GiB = 2**30
 
@@ -126,9 +126,9 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
     while dp % 2 == 0 and cfg.model.seq_len % (4 * cp) == 0:
         cp, dp = 2 * cp, dp // 2
         tried.append((f"--parallel.cp {cp}", _with(cfg, "parallel", cp=cp, dp=dp)))
-    fits = [Alternative(flags, need) for flags, c in tried
-            if (need := _needed(c, processes)) is not None and need <= available]
-    if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
+    found = [Alternative(flags, need) for flags, c in tried
+             if (need := _needed(c, processes)) is not None and fits(need, available)]
+    if not found:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
             shape: dict[str, Any] = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
@@ -137,9 +137,9 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
             par = cfg.parallel
             smaller = resolve(dataclasses.replace(cfg, model=model), par.dp * par.tp * par.cp * par.pp)
             need = _needed(smaller, processes)
-            if need is not None and need <= available:
-                fits.append(Alternative(f"--model.preset {name}", need))
-    return fits[:4]
+            if need is not None and fits(need, available):
+                found.append(Alternative(f"--model.preset {name}", need))
+    return found[:4]
 
 
 def _needed(cfg: Config, processes: int) -> float | None:
@@ -191,11 +191,11 @@ def check_memory_of(cfg: Config, device: torch.device, processes: int, available
         return
     peak = predicted_peak(cfg)
     needed = peak.total * processes
-    if needed <= available:
+    if fits(peak.total, available, processes):  # the comparison tools/plan.py's fit filter makes
         return
     where = "free RAM (MemAvailable)" if device.type == "cpu" else f"free memory on {device}"
-    fits = alternatives(cfg, processes, available)
-    hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in fits) if fits
+    found = alternatives(cfg, processes, available)
+    hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in found) if found
             else "; no single change fits: use a machine with more memory or more processes (tp/pp/zero)")
     per = f" ({processes} processes x {needed / processes / GiB:.1f} GiB)" if processes > 1 else ""
     raise ConfigError(f"this run needs about {needed / GiB:.1f} GiB{per} (peak per process {peak.summary()}, as "
