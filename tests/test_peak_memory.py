@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
+from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate, stage_params
 from megalite.perfmodel.peak_memory import CPU_CHECKPOINT_IMPORTS_BYTES, PeakOptions, peak_memory, stage_peak
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_schedules_zero_stages_and_cp_move_the_right_terms() -> None:
 
     def term(pk_layout: Layout, rank: int, name: str, zero3_prefetch: int = 1, device: str = "cpu") -> float:
         pk = stage_peak(MID, pk_layout, FP32, rank, PeakOptions(device=device, zero3_prefetch=zero3_prefetch))
-        return next(t.bytes for ts in pk.phases.values() for t in ts if t.name == name)
+        return next(t.bytes for ts in (pk.states, *pk.phases.values()) for t in ts if t.name == name)
 
     one = term(lay, 0, "activations")
     assert term(lay, 1, "activations") < one  # 1F1B: stage r holds p - r micro-batches (+ the final norm's two)
@@ -51,9 +51,10 @@ def test_schedules_zero_stages_and_cp_move_the_right_terms() -> None:
     states = [peak_memory(MID, replace(dp, zero=z), FP32).model_states for z in range(4)]
     assert states == sorted(states, reverse=True) and len(set(states)) == 4
     assert term(replace(dp, zero=1), 0, "gradient buckets") == 0 < term(replace(dp, zero=2), 0, "gradient buckets")
-    assert term(replace(dp, zero=2), 0, "ZeRO-3 gathered blocks") == 0
-    assert term(replace(dp, zero=3), 0, "ZeRO-3 gathered blocks", 2) == 1.5 * term(replace(dp, zero=3), 0,
-                                                                                   "ZeRO-3 gathered blocks", 1)
+    assert term(replace(dp, zero=2), 0, "ZeRO-3 gather buffers") == 0
+    z3 = replace(dp, zero=3)
+    block = stage_params(MID, 1, 1, 0).largest_layer * 4  # one more prefetched block per step of depth, fp32
+    assert term(z3, 0, "ZeRO-3 gather buffers", 2) - term(z3, 0, "ZeRO-3 gather buffers", 1) == block
     # gloo stages a reduce-scatter's input on CPU; NCCL reduces in place.
     assert term(replace(dp, zero=1), 0, "in-flight reduction", device="cuda") < term(replace(dp, zero=1), 0,
                                                                                      "in-flight reduction")

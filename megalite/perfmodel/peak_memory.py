@@ -236,7 +236,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     expert = zero_memory(float(sp_rank.experts), n // layout.ep, layout.zero, opt_prec)
     st = Memory(*(getattr(dense, k) + getattr(expert, k) for k in ("params", "grads", "master", "optimizer")))
     zs = f"/{n}" if n > 1 else ""
-    states = (
+    states: tuple[Term, ...] = (
         Term("parameters", st.params, f"{prec.param} B x {psi:.0f} params" + (zs if layout.zero >= 3 else ""),
              "the model's weights in the run dtype (ZeRO-3: this rank's shard)"),
         Term("gradients", st.grads, f"{prec.grad} B x params" + (zs if layout.zero >= 2 else ""),
@@ -279,10 +279,12 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     scatter = (staged + 1.0 / n) * grads_full if layout.zero >= 1 and n > 1 else 0.0
     reduction = Term("in-flight reduction", scatter, f"4 B x params x ({'1 + ' if staged else ''}1/N)" if scatter
                      else "0", "the reduce-scatter's 1/N output" + (" and gloo's copy of its input" if staged else ""))
-    unit = float(sp_rank.largest_layer)
-    gathered = (1 + opts.zero3_prefetch) * unit * prec.param if layout.zero >= 3 and n > 1 else 0.0
-    zero3 = Term("ZeRO-3 gathered blocks", gathered, f"(1 + prefetch {opts.zero3_prefetch}) x {unit:.0f} params x "
-                 f"{prec.param} B" if gathered else "0", "the block computing and the one prefetched, whole")
+    unit, outer = float(sp_rank.largest_layer), psi - sp_rank.layers
+    gathered = ((1 + opts.zero3_prefetch) * unit + outer) * prec.param if layout.zero >= 3 and n > 1 else 0.0
+    zero3 = Term("ZeRO-3 gather buffers", gathered, f"((1 + prefetch {opts.zero3_prefetch}) x {unit:.0f} + "
+                 f"{outer:.0f} outer) params x {prec.param} B" if gathered else "0",
+                 "fixed buffers the gathers reuse (megalite/dp/zero3.py): the block computing, the ones prefetched "
+                 "and the outer unit (embedding, head, final norm), whole; held from the first step on")
     unrecomputed = replace(layout, recompute="none")
     one_layer = layer_activation_bytes(dims, unrecomputed, prec) + (
         moe_layer_extra_bytes(dims, unrecomputed, prec) if moe_here else 0.0)  # the largest block's
@@ -314,8 +316,9 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                "2 x b·s·h (/t with SP) x in flight" if p > 1 else "0", "received activations and sent gradients")
     step = Term("optimizer temporary", opts.optimizer_temp_bytes, "an input (0: fused AdamW updates in place)",
                 "what the optimizer's step allocates and frees")
-    phases = {"loss": (activations, logits, bucket_hold if m > 1 else replace(bucket_hold, bytes=0.0), zero3, p2p),
-              "backward": (activations, ce_bwd, bucket_hold, reduction, zero3, layer_grads, recompute, ring, mask, zb, p2p),
+    states += (zero3,)
+    phases = {"loss": (activations, logits, bucket_hold if m > 1 else replace(bucket_hold, bytes=0.0), p2p),
+              "backward": (activations, ce_bwd, bucket_hold, reduction, layer_grads, recompute, ring, mask, zb, p2p),
               "step": (step,)}
     if opts.device == "cpu":
         dynamo = CPU_CHECKPOINT_IMPORTS_BYTES if uses_torch_checkpoint(layout) else 0.0
