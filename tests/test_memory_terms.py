@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megalite.config import parse_args, resolve
+from megalite.layers.fp8 import enable_fp8, fp8_settings
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import stage_params
@@ -26,10 +27,12 @@ def _config(tp: int, sp: bool, extra: list[str]):
     return resolve(parse_args(argv), tp)
 
 
-def _measure(cfg, state: ParallelState) -> tuple[int, int]:
+def _measure(cfg, state: ParallelState) -> tuple[int, int, int]:
     """(parameter elements on this rank, bytes the first block saves for its backward: every saved tensor's
-    storage once, the model's own parameters and buffers left out)."""
+    storage once, the model's own parameters and buffers left out, the block's FP8 linears)."""
     model = GPT(cfg.model, state, seed=0)
+    chosen = enable_fp8([model], fp8_settings(cfg.train.fp8, cfg.train.fp8_min_dim), state)
+    in_block = [n for n in chosen if n.startswith(f"layers.{next(iter(model.layers))}.")]
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
@@ -44,19 +47,25 @@ def _measure(cfg, state: ParallelState) -> tuple[int, int]:
     block = next(iter(model.layers.values()))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, model.cos, model.sin, None)
-    return sum(p.numel() for p in model.parameters()), sum(saved.values())
+    return sum(p.numel() for p in model.parameters()), sum(saved.values()), len(in_block)
 
 
 def _check(cfg, state: ParallelState) -> None:
-    params, saved = _measure(cfg, state)
+    params, saved, fp8_linears = _measure(cfg, state)
     dims, lay = run_inputs(cfg)
     assert params == stage_params(dims, lay.tp, 1, 0).total  # exact: every weight, the padded vocabulary's rows
-    # exact: every saved tensor named by the formula (docs/estimator.md#peak-memory)
-    assert saved == layer_activation_bytes(dims, lay, run_precision(torch.float32))
+    fp8 = None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim)
+    expected = layer_activation_bytes(dims, lay, run_precision(torch.float32), fp8)
+    # exact: every saved tensor named by the formula (docs/estimator.md#peak-memory); a tensorwise FP8 linear also
+    # saves its input's fp32 scale (4 bytes), which the formula leaves out
+    assert saved == expected + (4 * fp8_linears if cfg.train.fp8 == "tensorwise" else 0)
+    assert cfg.train.fp8 == "none" or fp8_linears >= 3  # out, up and down are FP8 here (qkv's kv part is 64 wide)
 
 
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.num_kv_heads", "0"],
-                                   ["--model.recompute", "selective"]], ids=["llama", "gpt2", "selective"])
+                                   ["--model.recompute", "selective"], ["--train.fp8", "tensorwise"],
+                                   ["--train.fp8", "rowwise"]],
+                         ids=["llama", "gpt2", "selective", "fp8-tensorwise", "fp8-rowwise"])
 def test_one_process_terms_are_the_allocated_tensors(extra: list[str]) -> None:
     _check(_config(1, False, extra), ParallelState())
 

@@ -90,6 +90,7 @@ class PeakOptions:
     fused_attention: bool = True
     torch_ring: bool = True  # cp > 1: the ring's block pairs in torch math (scores materialised), not Triton
     slack: float | None = None  # None: the device's default above
+    fp8: tuple[str, int] | None = None  # (recipe, min_dim) of train.fp8 / train.fp8_min_dim; None: no FP8
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -161,7 +162,31 @@ def _sum(terms: tuple[Term, ...]) -> float:
     return sum(t.bytes for t in terms)
 
 
-def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
+def fp8_saved_delta(dims: ModelDims, layout: Layout, prec: Precision, fp8: tuple[str, int] | None) -> float:
+    """Bytes per token an FP8 layer saves beyond (negative: below) the run dtype's (`megalite.layers.fp8`): under
+    `tensorwise` each FP8 linear (min(in, every logical output part) >= min_dim) keeps its 1-byte quantised input
+    instead of the input itself. The qkv, up and down linears' inputs were kept for them alone (e -> 1 byte); the
+    attention's output stays saved by the attention, so the out linear's 1-byte copy is extra. `rowwise` saves the
+    input as it is (no change)."""
+    if fp8 is None or fp8[0] != "tensorwise":
+        return 0.0
+    min_dim, e, t = fp8[1], prec.activation, layout.tp
+    h, f = dims.hidden_size, dims.ffn
+    q, kv = dims.num_heads * dims.hd, dims.kv_heads * dims.hd
+    delta = 0.0
+    if min(h, q, kv) >= min_dim:
+        delta += h * (1 - e)  # qkv's (gathered) input
+    if min(q, h) >= min_dim:
+        delta += q / t  # out's own copy
+    if min(h, f) >= min_dim:
+        delta += h * (1 - e)  # up's (gathered) input
+    if min(f, h) >= min_dim:
+        delta += f / t * (1 - e)  # down's input
+    return delta
+
+
+def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
+                           fp8: tuple[str, int] | None = None) -> float:
     """Bytes one transformer layer saves for its backward per micro-batch, as megalite's block saves them, per token
     (t = tp; hs = h/t under SP, else h: the sequence-sharded tensors; column linears save their gathered input, h):
 
@@ -188,7 +213,7 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> 
     rope = 2 * s_local * d if llama else 0
     # Selective recompute checkpoints the attention core where it is SDPA (cp = 1 or a2a): its log-sum-exp is not kept.
     lse = 0.0 if uses_torch_checkpoint(layout) else a / t * 4
-    return tokens * (per_token * e + lse) + (norm_stats + rope) * 4
+    return tokens * (per_token * e + lse + fp8_saved_delta(dims, layout, prec, fp8)) + (norm_stats + rope) * 4
 
 
 def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
@@ -246,7 +271,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
         Term("optimizer states", st.optimizer, f"{opt_prec.optimizer} B x params" + (zs if layout.zero >= 1 else ""),
              "the optimizer's per-parameter state (AdamW: two fp32 moments)"),
     )
-    per_layer = layer_activation_bytes(dims, layout, prec)
+    per_layer = layer_activation_bytes(dims, layout, prec, opts.fp8)
     in_flight = microbatches_in_flight(layout, pp_rank, m)
     moe_here = 0 if dims.moe is None else sum(pp_rank * layers <= i < (pp_rank + 1) * layers for i in dims.moe.layers)
     acts = ((per_layer * layers + moe_layer_extra_bytes(dims, layout, prec) * moe_here) * in_flight
@@ -286,7 +311,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                  "fixed buffers the gathers reuse (megalite/dp/zero3.py): the block computing, the ones prefetched "
                  "and the outer unit (embedding, head, final norm), whole; held from the first step on")
     unrecomputed = replace(layout, recompute="none")
-    one_layer = layer_activation_bytes(dims, unrecomputed, prec) + (
+    one_layer = layer_activation_bytes(dims, unrecomputed, prec, opts.fp8) + (
         moe_layer_extra_bytes(dims, unrecomputed, prec) if moe_here else 0.0)  # the largest block's
     layer_grads = Term("layer gradients", one_layer,
                        "one layer's saved bytes again", "each saved tensor's gradient while its layer runs backward")

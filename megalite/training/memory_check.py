@@ -53,6 +53,7 @@ def predicted_peak(cfg: Config) -> PeakMemory:
     opts = PeakOptions(device="cuda" if device.startswith("cuda") else "cpu",
                        zero3_prefetch=cfg.parallel.zero3_prefetch,
                        optimizer_temp_bytes=muon_step_bytes(dims, layout) if muon else 0.0,
+                       fp8=None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim),
                        torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
     return peak_memory(dims, layout, run_precision(resolved_dtype(cfg, device)), opts)
 
