@@ -10,12 +10,14 @@ formula, at the moment of the step where they coincide:
   baseline        the interpreter, torch and megalite's pages (CPU; + torch._dynamo's wherever recompute runs
                   torch.utils.checkpoint, which imports it) or the CUDA context (GPU)
 
+  model states    parameters, gradients, master weights, optimizer states by ZeRO stage (a MoE model's experts
+                  over ep, their states over edp), ZeRO-3's fixed gather buffers
   loss phase      the activations in flight, the last micro-batch's logits and the cross-entropy's fp32 buffers,
-                  ZeRO-2/3's full gradient buckets (held while micro-batches accumulate), ZeRO-3's gathered blocks
-  backward phase  the activations in flight, the full gradient buckets and the reduction's staging copy, the
-                  gathered blocks, one layer's activation gradients, the recomputed block (full recompute), the cp
-                  ring's block-pair scores (torch path), the zero-bubble schedules' deferred weight gradients
-  step phase      the optimizer's temporary (0 for the fused AdamW; an input for optimizers that have one)
+                  ZeRO-2/3's full gradient buckets (held while micro-batches accumulate)
+  backward phase  the activations in flight, the full gradient buckets and the reduction's staging copy, one
+                  layer's activation gradients, the recomputed block (full recompute), the cp ring's block-pair
+                  scores (torch path), the zero-bubble schedules' deferred weight gradients
+  step phase      the optimizer's temporary (0 for the fused AdamW; Muon's copies of its update direction)
 
 Activations are megalite's own saved tensors (fused attention keeps no s x s scores: SDPA on CPU, flash on GPU),
 not the paper's unfused GPT-3 layer. Plain Python (no torch), like the rest of `megalite.perfmodel`.
@@ -29,6 +31,7 @@ from megalite.errors import ConfigError
 from megalite.perfmodel.activations import stage_activation_bytes
 from megalite.perfmodel.estimate import Memory, stage_params, zero_memory
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+from megalite.perfmodel.muon import muon_step_bytes
 from megalite.perfmodel.schedules import microbatches_in_flight
 
 MiB = 2**20
@@ -368,6 +371,16 @@ def peak_memory(dims: ModelDims, layout: Layout, prec: Precision, opts: PeakOpti
     embedding and no logits; `megalite.perfmodel.plan.worst_stage_memory`'s argument)."""
     layout = _as_estimated(layout)
     return max((stage_peak(dims, layout, prec, r, opts) for r in {0, layout.pp - 1}), key=lambda pk: pk.total)
+
+
+def run_peak(dims: ModelDims, layout: Layout, prec: Precision, device: str = "cpu", optimizer: str = "adamw",
+             fp8: tuple[str, int] | None = None, zero3_prefetch: int = 1, torch_ring: bool = True) -> PeakMemory:
+    """The peak of a megalite run (the check before step 1's and `tools/estimate.py`'s, one call): the device's
+    baseline, its optimizer's step temporary (Muon's copies of its update direction), its FP8 recipe, its ZeRO-3
+    prefetch depth and the cp ring's block path."""
+    temp = muon_step_bytes(dims, layout) if optimizer == "muon" else 0.0
+    return peak_memory(dims, layout, prec, PeakOptions(device=device, optimizer_temp_bytes=temp, fp8=fp8,
+                                                       zero3_prefetch=zero3_prefetch, torch_ring=torch_ring))
 
 
 def fits(peak_bytes: float, available: float, processes: int = 1) -> bool:

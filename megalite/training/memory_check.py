@@ -3,7 +3,7 @@
 The prediction is the peak-memory model for this run's exact layout and dtype (`megalite.perfmodel.peak_memory`,
 the one `tools/estimate.py` and `tools/plan.py` print): the interpreter + torch baseline (CPU) or CUDA context,
 model states by ZeRO stage over dp x cp, and the step's transient parts (activations in flight, the logits and
-cross-entropy buffers, gradient buckets, ZeRO-3's gathered blocks, ...) plus allocator slack, for the busiest
+cross-entropy buffers, gradient buckets, ZeRO-3's gather buffers, Muon's step copies, ...) plus allocator slack, for the busiest
 pipeline stage; `bench/memory_peak.py` holds it against measured peaks. On CPU every process of this
 machine draws on the same RAM, so their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each
 process with its device's free memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
@@ -25,8 +25,7 @@ from megalite.errors import ConfigError
 from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 from megalite.perfmodel.inputs import MoEDims
-from megalite.perfmodel.muon import muon_step_bytes
-from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, fits, peak_memory
+from megalite.perfmodel.peak_memory import PeakMemory, fits, run_peak
 
 GiB = 2**30
 
@@ -49,13 +48,11 @@ def predicted_peak(cfg: Config) -> PeakMemory:
     the model's default; the ZeRO-3 prefetch depth and the cp ring's block path are the config's."""
     dims, layout = run_inputs(cfg)
     device = resolved_device(cfg)
-    muon = cfg.train.optimizer == "muon"  # its step's copies of the update direction (megalite.perfmodel.muon)
-    opts = PeakOptions(device="cuda" if device.startswith("cuda") else "cpu",
-                       zero3_prefetch=cfg.parallel.zero3_prefetch,
-                       optimizer_temp_bytes=muon_step_bytes(dims, layout) if muon else 0.0,
-                       fp8=None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim),
-                       torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
-    return peak_memory(dims, layout, run_precision(resolved_dtype(cfg, device)), opts)
+    return run_peak(dims, layout, run_precision(resolved_dtype(cfg, device)),
+                    "cuda" if device.startswith("cuda") else "cpu", cfg.train.optimizer,
+                    None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim),
+                    cfg.parallel.zero3_prefetch,
+                    torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
 
 
 def run_estimate(cfg: Config) -> Estimate:
