@@ -1,7 +1,8 @@
 """The peak-memory model's terms against the tensors the code really allocates (no RSS, no allocator): the
 parameters a rank holds (`stage_params`, the states' Ψ) and the bytes one block saves for its backward
-(`layer_activation_bytes`, the activations' per-layer factor), counted with autograd's saved-tensor hooks on a
-small model, at one process and at tp 2 with and without sequence parallelism. What the allocator adds on top
+(`layer_activation_bytes`, + `moe_layer_extra_bytes` for a MoE block), counted with autograd's saved-tensor hooks
+on a small model: llama, gpt2, selective recompute, FP8 (both recipes), MoE (with and without shared experts) at
+one process, and tp 2 with and without sequence parallelism. What the allocator adds on top
 (the heap's extent over its live bytes) is measured, not tested: bench/memory_peak.py."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from megalite.layers.fp8 import enable_fp8, fp8_settings
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import stage_params
-from megalite.perfmodel.peak_memory import layer_activation_bytes
+from megalite.perfmodel.peak_memory import layer_activation_bytes, moe_layer_extra_bytes
 from megalite.training.memory_check import run_inputs, run_precision
 from tests.parallel_utils import layout
 
@@ -55,7 +56,8 @@ def _check(cfg, state: ParallelState) -> None:
     dims, lay = run_inputs(cfg)
     assert params == stage_params(dims, lay.tp, 1, 0).total  # exact: every weight, the padded vocabulary's rows
     fp8 = None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim)
-    expected = layer_activation_bytes(dims, lay, run_precision(torch.float32), fp8)
+    prec = run_precision(torch.float32)
+    expected = layer_activation_bytes(dims, lay, prec, fp8) + moe_layer_extra_bytes(dims, lay, prec)
     # exact: every saved tensor named by the formula (docs/estimator.md#peak-memory); a tensorwise FP8 linear also
     # saves its input's fp32 scale (4 bytes), which the formula leaves out
     assert saved == expected + (4 * fp8_linears if cfg.train.fp8 == "tensorwise" else 0)
@@ -64,8 +66,9 @@ def _check(cfg, state: ParallelState) -> None:
 
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.num_kv_heads", "0"],
                                    ["--model.recompute", "selective"], ["--train.fp8", "tensorwise"],
-                                   ["--train.fp8", "rowwise"]],
-                         ids=["llama", "gpt2", "selective", "fp8-tensorwise", "fp8-rowwise"])
+                                   ["--train.fp8", "rowwise"], ["--model.preset", "tiny-moe"],
+                                   ["--model.preset", "tiny-moe", "--model.moe_shared_experts", "1"]],
+                         ids=["llama", "gpt2", "selective", "fp8-tensorwise", "fp8-rowwise", "moe", "moe-shared"])
 def test_one_process_terms_are_the_allocated_tensors(extra: list[str]) -> None:
     _check(_config(1, False, extra), ParallelState())
 

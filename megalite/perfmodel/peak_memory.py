@@ -221,9 +221,11 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
 
 def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
     """What a MoE layer saves beyond the dense layer of `layer_activation_bytes`, per micro-batch: its MLP terms
-    (4f/t, gpt2 2f/t per token) replaced by the shared experts' (the same with n_s·F_s) and, per token the rank
-    routes (its S/cp, /t under SP), k dispatched rows each saving their input and combined output (2h) and the
-    expert's intermediates (llama 4F, gpt2 2F), plus the router's logits and probabilities (2E, fp32)."""
+    (4f/t, gpt2 2f/t per token) replaced by the shared experts' (the same with n_s·F_s), and per token the rank
+    routes (its S/cp, /t under SP) k dispatched rows, each saving its input, the expert's output and its weighted
+    copy (3h) and the expert's intermediates (llama 4F, gpt2 2F), in the run dtype, plus its routing weight (fp32)
+    and its two sort indices and top-k index (int64); per routed token the router's logits and probabilities (2E),
+    its k weights and two per-token loss statistics (fp32); per layer the experts' counts and loads (3E x 4 B)."""
     moe = dims.moe
     if moe is None or layout.recompute == "full":
         return 0.0
@@ -232,8 +234,9 @@ def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> f
     tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
     routed = tokens / t if layout.sp else tokens
     per_token = width * (moe.shared * moe.shared_ffn - dims.ffn) / t
-    per_routed = moe.top_k * (2 * dims.hidden_size + width * moe.ffn)
-    return tokens * per_token * e + routed * (per_routed * e + 2 * moe.experts * 4)
+    per_row = (3 * dims.hidden_size + width * moe.ffn) * e + 4 + 3 * 8
+    per_routed = moe.top_k * per_row + (2 * moe.experts + moe.top_k + 2) * 4
+    return tokens * per_token * e + routed * per_routed + 3 * moe.experts * 4
 
 
 def uses_torch_checkpoint(layout: Layout) -> bool:
