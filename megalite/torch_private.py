@@ -10,6 +10,10 @@ and fails if any other module reaches into torch's private names).
   Needed only with `train.fp8`, so it is checked there (`scaled_mm.check_available`), not required here.
 - `torch._grouped_mm`: every expert's GEMM in one call (`megalite.moe.grouped`). Optional: without it
   (`HAS_GROUPED_MM` False) the experts run a per-expert loop.
+- `UntypedStorage._swap_data_ptr_`: exchanges two storages' memory (pointer and size), every view of each
+  following. ZeRO-3 (`megalite.dp.zero3`) lends a unit's flat parameter storage a fixed gather buffer and takes
+  it back, instead of allocating and freeing the unit's memory at every gather (FSDP2 reuses its all-gather
+  buffers through the CUDA caching allocator; on CPU the heap would keep the churn's holes).
 - `torch._C._current_graph_task_id`: -1 outside a backward pass. The MoE layers' statistics
   (`megalite.moe.stats`) skip the forward that full recompute runs again inside the backward; torch's own
   `torch.utils.checkpoint` tells the two apart the same way.
@@ -26,6 +30,7 @@ REQUIRED = {
     "torch._fused_adamw_": lambda: torch._fused_adamw_,
     "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
     "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
+    "torch.UntypedStorage._swap_data_ptr_": lambda: torch.UntypedStorage._swap_data_ptr_,  # type: ignore[attr-defined]
 }
 
 
@@ -47,6 +52,11 @@ def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
     torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps), lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
                         maximize=False)
+
+
+def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (data pointer and size) of storages `a` and `b`; tensors viewing either follow."""
+    a._swap_data_ptr_(b)  # type: ignore[attr-defined]
 
 
 def at_end_of_backward(callback: Callable[[], None]) -> None:

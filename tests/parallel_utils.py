@@ -38,7 +38,7 @@ def tiny_model_cfg(arch: str = "llama", **overrides: object):
                 num_kv_heads=4,
                 ffn_hidden_size=64, seq_len=8, vocab_size=61, make_vocab_divisible_by=4, norm_eps=1e-5,
                 rope_theta=10000.0, dropout=0.0, tie_embeddings=arch == "gpt2", init_std=0.02,
-                kernels="torch", recompute="none")
+                kernels="torch", recompute="none", qk_norm=False, head_dim=0)
     from megalite.config.schema import ModelConfig
 
     base.update({k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k not in base})  # no scaling

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate
+from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate, stage_params
 from megalite.perfmodel.peak_memory import CPU_CHECKPOINT_IMPORTS_BYTES, PeakOptions, peak_memory, stage_peak
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_schedules_zero_stages_and_cp_move_the_right_terms() -> None:
 
     def term(pk_layout: Layout, rank: int, name: str, zero3_prefetch: int = 1, device: str = "cpu") -> float:
         pk = stage_peak(MID, pk_layout, FP32, rank, PeakOptions(device=device, zero3_prefetch=zero3_prefetch))
-        return next(t.bytes for ts in pk.phases.values() for t in ts if t.name == name)
+        return next(t.bytes for ts in (pk.states, *pk.phases.values()) for t in ts if t.name == name)
 
     one = term(lay, 0, "activations")
     assert term(lay, 1, "activations") < one  # 1F1B: stage r holds p - r micro-batches (+ the final norm's two)
@@ -51,9 +51,10 @@ def test_schedules_zero_stages_and_cp_move_the_right_terms() -> None:
     states = [peak_memory(MID, replace(dp, zero=z), FP32).model_states for z in range(4)]
     assert states == sorted(states, reverse=True) and len(set(states)) == 4
     assert term(replace(dp, zero=1), 0, "gradient buckets") == 0 < term(replace(dp, zero=2), 0, "gradient buckets")
-    assert term(replace(dp, zero=2), 0, "ZeRO-3 gathered blocks") == 0
-    assert term(replace(dp, zero=3), 0, "ZeRO-3 gathered blocks", 2) == 1.5 * term(replace(dp, zero=3), 0,
-                                                                                   "ZeRO-3 gathered blocks", 1)
+    assert term(replace(dp, zero=2), 0, "ZeRO-3 gather buffers") == 0
+    z3 = replace(dp, zero=3)
+    block = stage_params(MID, 1, 1, 0).largest_layer * 4  # one more prefetched block per step of depth, fp32
+    assert term(z3, 0, "ZeRO-3 gather buffers", 2) - term(z3, 0, "ZeRO-3 gather buffers", 1) == block
     # gloo stages a reduce-scatter's input on CPU; NCCL reduces in place.
     assert term(replace(dp, zero=1), 0, "in-flight reduction", device="cuda") < term(replace(dp, zero=1), 0,
                                                                                      "in-flight reduction")
@@ -153,3 +154,53 @@ def test_measured_peak_rss_is_predicted(demo_cache_dir: str, tmp_path: Path) -> 
         ratio = predicted[name].total / measured["peak_rss_bytes"]
         assert 0.85 <= ratio <= 1.15, (name, ratio, predicted[name].summary(8), measured)
     assert predicted["mid"].total - predicted["mid"].baseline.bytes > predicted["mid"].baseline.bytes / 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_expert_weights_are_counted_as_the_model_allocates_them(arch: str) -> None:
+    """The parameter count behind the size check, the estimator and the check before step 1 (`count_model_params`,
+    `stage_params` with `MoEDims`) equals a built MoE model's: routed experts, a router, shared experts and dense
+    first layers (issue 44: a count blind to experts let moe_ffn_hidden_size 1e9 through to the allocator)."""
+    from megalite.config import parse_args, resolve
+    from megalite.model.gpt import GPT
+    from megalite.model.params import count_model_params
+    from megalite.parallel.state import ParallelState
+    from megalite.perfmodel.estimate import stage_params
+    from megalite.training.memory_check import run_inputs
+
+    cfg = resolve(parse_args(["--model.preset", "tiny-moe", "--model.arch", arch, "--model.num_layers", "3",
+                              "--model.moe_shared_experts", "2", "--model.moe_shared_ffn_hidden_size", "96",
+                              "--model.moe_first_dense", "1", "--model.vocab_size", "256"]), 1)
+    if arch == "gpt2":
+        cfg.model.num_kv_heads, cfg.model.tie_embeddings = cfg.model.num_heads, True
+    built = sum(p.numel() for p in GPT(cfg.model, ParallelState(), seed=0).parameters())
+    dims, _ = run_inputs(cfg)
+    assert count_model_params(cfg.model) == built == stage_params(dims, 1, 1, 0).total
+    experts = stage_params(dims, 1, 1, 0).experts
+    assert experts == 2 * 8 * (3 if arch == "llama" else 2) * 128 * 128  # 2 MoE layers x 8 experts x (3|2)·h·F
+    assert stage_params(dims, 1, 1, 0, ep=2).experts == experts // 2  # split over ep
+
+
+def test_fit_checks_count_experts_and_refuse_in_one_line() -> None:
+    """Expert widths or shared-expert counts no machine holds: config validation refuses with one line (before
+    anything is built), and a size the size check lets through is priced, experts included, by the check before
+    step 1 (the same `predicted_peak` the tools print)."""
+    import torch
+
+    from megalite.config import parse_args, resolve, validate
+    from megalite.errors import ConfigError
+    from megalite.training.memory_check import check_memory_of, predicted_peak
+
+    for flag in ("--model.moe_ffn_hidden_size", "--model.moe_shared_experts"):
+        cfg = resolve(parse_args(["--model.preset", "tiny-moe", flag, "1000000000"]), 1)
+        with pytest.raises(ConfigError, match=r"parameters: its fp32 weights alone are .* TiB per rank") as err:
+            validate(cfg, 1, "cpu")
+        assert "\n" not in str(err.value)
+    small = resolve(parse_args(["--model.preset", "tiny-moe", "--model.vocab_size", "2048"]), 1)
+    wide = resolve(parse_args(["--model.preset", "tiny-moe", "--model.vocab_size", "2048",
+                               "--model.moe_ffn_hidden_size", "1000000"]), 1)
+    extra = predicted_peak(wide).model_states - predicted_peak(small).model_states
+    assert extra == pytest.approx(16 * 4 * 8 * 3 * 128 * (1_000_000 - 128))  # 16 B/param fp32 Adam, 4 layers x 8
+    with pytest.raises(ConfigError, match="this run needs about") as err:
+        check_memory_of(wide, torch.device("cpu"), 1, available=64 * 2**30)
+    assert "\n" not in str(err.value)

@@ -123,7 +123,22 @@ def _check_stage(st: ParallelState, cfg, stage: int, data: list[torch.Tensor], r
     # Evaluation (no grad) gathers and frees stage-3 units too; same round-off budget as the losses.
     got = evaluate(model, val, st, torch.float32)
     assert abs(got - ref_eval) <= 1e-5, f"zero={stage}: eval loss {got} != {ref_eval}"
+    if stage == 3:
+        _check_gather_buffers_are_reused(opt.sync.zero3)
     return mem
+
+
+def _check_gather_buffers_are_reused(z3) -> None:
+    """After the steps every unit is freed, and the gathers drew on fixed buffers: one per unit gathered at once
+    (the outer unit, the block computing and `prefetch` ahead), whatever the number of blocks and steps."""
+    assert z3 is not None and all(not z3.is_gathered(b) for b in z3.units())
+    at_once = len(z3.outer[1] if z3.outer else []) + (1 + z3.prefetch) * max(len(bs) for _, bs in z3.blocks)
+    idle = [buf for bufs in z3.buffers._idle.values() for buf in bufs]
+    assert 0 < len(idle) <= at_once, (len(idle), at_once)
+    ptrs = {buf.data_ptr() for buf in idle}
+    z3.gather_unit(z3.blocks[0][1])  # a gather takes one of them: no new allocation
+    assert z3.blocks[0][1][0].param_flat.data_ptr() in ptrs
+    z3.free_all()
 
 
 @pytest.mark.parametrize("world,tp,sp,arch", [(2, 1, False, "gpt2"), (4, 1, False, "llama"), (4, 2, True, "gpt2")])

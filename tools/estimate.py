@@ -329,13 +329,13 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
                 inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
                 fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim), fp8_peak_flops=fp8_peak,
                 hfu_convention=args.hfu_convention, dtype=dtype, memory_layout=layout_name,
-                memory_device=args.memory_device)
+                memory_device=args.memory_device, optimizer=args.optimizer)
 
 
 def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict, list[str]]:
     """The estimate, plus the answers to the question flags (largest model, training time, a measured
     or achieved throughput) as JSON sections and text lines."""
-    est_kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_layout", "memory_device")}
+    est_kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_layout", "memory_device", "optimizer")}
     lay: Layout = kw["layout"]
     dims: ModelDims | None = kw["dims"]
     sections: dict = {}

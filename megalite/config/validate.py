@@ -22,7 +22,7 @@ from megalite.config.validate_features import (compile_problems, cp_mode_problem
 from megalite.config.validate_fields import field_problems, text_problems
 from megalite.fp8.costs import FP8_CHOICES
 from megalite.mla.config import mla_problems
-from megalite.model.params import count_params
+from megalite.model.params import count_model_params
 from megalite.model.rope import RopeScaling, rope_scaling_problems
 from megalite.mtp.config import mtp_problems
 
@@ -108,10 +108,12 @@ def _finite_problems(cfg: Config) -> list[str]:
     return out
 
 
-_MAX_RANK_BYTES = 2 ** 41  # 2 TiB: more memory than any single accelerator or host offers
+# 16 TiB: more memory than any single accelerator or host offers (DeepSeek-V3's 671 B parameters, 2.4 TiB in fp32, still
+# validate on one rank for the tools; the check before step 1 prices a real run's memory).
+_MAX_RANK_BYTES = 2 ** 44
 
 
-def _size_problems(cfg: Config) -> list[str]:
+def _size_problems(cfg: Config, experts_valid: bool = True) -> list[str]:
     """Sizes no run can hold: odd RoPE head dims, and weights alone beyond any device's memory (refused
     with the numbers instead of allocating until the machine swaps or the OOM killer steps in)."""
     m, p = cfg.model, cfg.parallel
@@ -124,14 +126,14 @@ def _size_problems(cfg: Config) -> list[str]:
     elif m.arch == "llama" and head_dim % 2 and not cfg.mla.enabled:  # MLA rotates mla.qk_rope_head_dim
         out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
                    "rotary embeddings rotate pairs of dims: choose an even head dim")
-    n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
-                     max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings), m.head_dim or None,
-                     cfg.mla if cfg.mla.enabled else None)
-    weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold
+    # Experts and shared experts included (their fields once they are valid: moe_problems reports the rest).
+    n = count_model_params(m if experts_valid else dataclasses.replace(m, moe_experts=0),
+                           cfg.mla if cfg.mla.enabled else None)
+    weights = 4 * n / (p.tp * p.pp * max(1, p.ep))  # fp32 weights alone, the least a rank must hold
     if weights > _MAX_RANK_BYTES:
         out.append(f"the model has {n:.3g} parameters: its fp32 weights alone are {weights / 2**40:.3g} TiB per rank "
-                   f"(tp {p.tp} x pp {p.pp}), beyond any device's memory ({_MAX_RANK_BYTES / 2**40:g} TiB): choose "
-                   "smaller model.* dims or more tp/pp")
+                   f"(tp {p.tp} x pp {p.pp} x ep {p.ep}), beyond any device's memory ({_MAX_RANK_BYTES / 2**40:g} "
+                   "TiB): choose smaller model.* dims (moe_* widths and counts included) or more tp/pp/ep")
     return out
 
 
@@ -323,9 +325,10 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _value_problems(cfg)
     problems += _finite_problems(cfg)
     problems += _path_problems(cfg) if not texts else []
-    problems += _size_problems(cfg)
+    moe = moe_problems(cfg)
+    problems += _size_problems(cfg, experts_valid=not moe)
     problems += _layout_problems(cfg, world_size)
-    problems += moe_problems(cfg)
+    problems += moe
     problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel, cfg.data.document_mask)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")

@@ -19,6 +19,11 @@ the memory held grows by one unit per step of depth. When every parameter of a b
 gradient since the bucket was gathered (counted by the gradient sync), it is freed. A callback at the
 end of the backward (`torch_private.at_end_of_backward`) frees anything left.
 
+The gathered memory comes from fixed buffers (`GatherBuffers`), one per unit gathered at once (the block
+computing, the `prefetch` blocks ahead, the outer unit), reused across units and steps: a unit's storage
+borrows a buffer of its size at the gather and gives it back at the free (`torch_private.swap_storage_memory`),
+as FSDP2's all-gather buffers are reused, so a step allocates no parameter memory and leaves no holes in the heap.
+
 The outer unit is hooked on the model itself (not on the embedding/head separately) because GPT reads
 `self.position` directly in `embed()` and, with tied embeddings, the head reuses the embedding's
 weight: keeping the outer unit gathered over the stage's whole forward gathers it exactly once per
@@ -41,6 +46,37 @@ from megalite.parallel.state import ParallelState
 Buckets = list[Bucket]  # one unit's buckets (one per gradient group)
 
 
+class GatherBuffers:
+    """Full-unit buffers lent to the units' flat storages while they are gathered, by byte size: the pool holds
+    as many of a size as were ever gathered at once, and a step after the first allocates none."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[int, torch.device], list[torch.UntypedStorage]] = {}
+        self._lent: set[int] = set()  # storages (by id) now holding a pool buffer
+
+    def lend(self, storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> None:
+        """Give empty `storage` a buffer of `nbytes` (an idle one, or a new one)."""
+        idle = self._idle.setdefault((nbytes, device), [])
+        buffer = idle.pop() if idle else torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+        torch_private.swap_storage_memory(storage, buffer)  # `buffer` is left with the empty memory
+        self._lent.add(id(storage))
+
+    def release(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+        """Empty `storage`: a lent buffer goes back to the pool; memory of its own (the unit's first, from
+        construction) is freed."""
+        if id(storage) not in self._lent:
+            storage.resize_(0)
+            return
+        self._lent.discard(id(storage))
+        buffer = torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+        torch_private.swap_storage_memory(storage, buffer)
+        self._idle.setdefault((buffer.nbytes(), device), []).append(buffer)
+
+    def idle_bytes(self) -> int:
+        """Bytes of the buffers no unit holds now."""
+        return sum(b.nbytes() for bs in self._idle.values() for b in bs)
+
+
 class Zero3Gatherer:
     """Installs the gather/free hooks for `units` = [(module, its buckets)] in forward order."""
 
@@ -51,6 +87,7 @@ class Zero3Gatherer:
         self.outer = outer
         self.prefetch = prefetch  # units gathered ahead of the one computing
         self.in_backward = False
+        self.buffers = GatherBuffers()
         self._handles: list[Any] = []
         all_units = ([outer] if outer else []) + units
         for i, (module, buckets) in enumerate(all_units):
@@ -81,7 +118,8 @@ class Zero3Gatherer:
     def gather(self, b: Bucket, wait: bool = True) -> None:
         """All-gather the unit's full parameters into its flat buffer (async when wait=False)."""
         if not self.is_gathered(b):
-            b.param_flat.untyped_storage().resize_(b.padded * b.param_flat.element_size())
+            self.buffers.lend(b.param_flat.untyped_storage(), b.padded * b.param_flat.element_size(),
+                              b.param_flat.device)
             assert b.param_shard is not None
             b.unit_ready = 0  # its gradients of this backward are all still to come
             b.gather_work = comm.all_gather_async(b.param_flat, b.param_shard, self.state, b.group)
@@ -93,7 +131,7 @@ class Zero3Gatherer:
         if b.gather_work is not None:  # a prefetch that was never used: finish it before freeing
             b.gather_work.wait()
             b.gather_work = None
-        b.param_flat.untyped_storage().resize_(0)
+        self.buffers.release(b.param_flat.untyped_storage(), b.param_flat.device)
 
     def free_all(self) -> None:
         for b in self.units():

@@ -4,7 +4,10 @@ tests/test_flops_estimate.py holds it equal to a built model's count."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from megalite.mla.costs import MLAShape, attention_params
+from megalite.moe.settings import MoESettings, moe_layers
 
 
 def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
@@ -28,3 +31,23 @@ def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv
         layer = attn + (q + 2 * kv) + hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
         outside = 2 * hidden + vocab * hidden + seq_len * hidden
     return num_layers * layer + outside + (0 if tie else vocab * hidden)
+
+
+def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
+    """Parameters of model config `m` (resolved), its experts included: each MoE layer's dense MLP replaced by
+    a router (E x h), E routed experts (llama 3·h·F, gpt2 2·h·F: no biases) and the shared experts' fused MLP
+    (n_s·F_s wide, a gpt2 MLP with its biases). The MoE dims are read by `MoESettings.from_model` only; `mla`:
+    the attention is multi-head latent attention of these widths."""
+    dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
+                         m.ffn_hidden_size, max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings),
+                         m.head_dim or None, mla)
+    s = MoESettings.from_model(m)
+    if s is None:
+        return dense
+    h, gpt2 = m.hidden_size, m.arch == "gpt2"
+    width = 2 if gpt2 else 3
+    dense_mlp = width * h * m.ffn_hidden_size + (m.ffn_hidden_size + h if gpt2 else 0)
+    fs = s.shared * s.shared_ffn
+    shared = width * h * fs + (fs + h if gpt2 and fs else 0)
+    per_layer = h * s.experts + s.experts * width * h * s.ffn + shared
+    return dense + len(moe_layers(m)) * (per_layer - dense_mlp)

@@ -19,81 +19,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
-from megalite.mla import costs as mla_costs
 from megalite.model.params import count_params  # noqa: F401  (re-exported)
-from megalite.mtp.costs import mtp_flops_per_token, mtp_params, stage_copy_params
+from megalite.mla import costs as mla_costs
+from megalite.mtp.costs import mtp_flops_per_token, mtp_params
 from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.flops import flops_per_token, hfu_ratio
 from megalite.perfmodel.fp8 import fp8_estimate
+from megalite.perfmodel.stage_params import (StageParams, block_params, dims_params, layer_params,  # noqa: F401
+                                             stage_params)  # (re-exported: their old home)
 from megalite.perfmodel.schedules import (SCHEDULES, Schedule, bubble_overhead, microbatches_in_flight,  # noqa: F401
                                           pipeline_bubble, schedule)  # (re-exported: the public names)
 
 GB = 1e9
-
-
-# ---------------------------------------------------------------- parameters
-
-def dims_params(dims: ModelDims) -> int:
-    """Every parameter of the model, its multi-token prediction modules included."""
-    return _count(dims, dims.num_layers) + mtp_params(dims.mtp_layers, dims.hidden_size, block_params(dims))
-
-
-def _count(dims: ModelDims, layers: int) -> int:
-    return count_params(dims.arch, layers, dims.hidden_size, dims.num_heads,
-                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim, dims.mla)
-
-
-def block_params(dims: ModelDims) -> int:
-    """One transformer block's parameters."""
-    return _count(dims, 1) - _count(dims, 0)
-
-
-@dataclass(frozen=True)
-class StageParams:
-    """One (pp stage, tp rank)'s parameter elements, split by how they are synchronised."""
-
-    total: int
-    tp_replicated_partial: int  # norms, row-parallel biases, positions: grads all-reduced over TP under SP
-    embedding_shard: int  # vocab-parallel rows this rank holds (0 off the first/last stage)
-    layers: int
-
-
-def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int) -> StageParams:
-    """Exact parameters on one rank: layers split evenly over pp, weights split over tp,
-    norms (and gpt2's row-parallel biases and positions) replicated, the vocabulary padded to a
-    multiple of tp x make_vocab_divisible_by. With a tied head and pp > 1 the last stage holds
-    its own copy of the embedding shard (synchronised over the 'embedding' group, as Megatron)."""
-    h, t, hd = dims.hidden_size, tp, dims.hd
-    q, kv, f = dims.num_heads * hd, dims.kv_heads * hd, dims.ffn
-    if dims.num_heads % t or dims.kv_heads % t or f % t:
-        raise ConfigError(f"tp={t} must divide num_heads ({dims.num_heads}), num_kv_heads "
-                          f"({dims.kv_heads}) and ffn_hidden_size ({f}); pick a smaller parallel.tp")
-    gpt2 = dims.arch == "gpt2"
-    # MLA: q_b / q, kv_b, out split by heads; q_a, kv_a and the latents' norms replicated (megalite/mla/costs.py)
-    attn, whole = ((h * (q + 2 * kv) + q * h, 0) if dims.mla is None
-                   else mla_costs.attention_weights(h, dims.num_heads, dims.mla))
-    sharded = (attn + (3 if not gpt2 else 2) * h * f) // t
-    if gpt2:
-        sharded += (q + 2 * kv + f) // t  # column-parallel biases
-    replicated = 6 * h if gpt2 else 2 * h  # two norms (gpt2: weight+bias each, + out/down biases)
-    if dims.mla is not None:
-        replicated += whole + dims.mla.q_lora_rank + dims.mla.kv_lora_rank
-    per_stage = dims.num_layers // pp
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    emb = dims.padded_vocab(t) // t * h
-    rows = (emb if first else 0) + (emb if last and (not dims.tied or pp > 1) else 0)
-    partial = per_stage * replicated
-    if first and gpt2:
-        partial += dims.seq_len * h  # learned positions
-    if last:
-        partial += 2 * h if gpt2 else h  # final norm
-    mtp = dims.mtp_layers if last else 0  # the MTP modules: a block, a replicated 2h x h eh_proj and 3 norms each
-    partial += mtp * (replicated + 2 * h * h + 3 * h)
-    rows += stage_copy_params(mtp, pp, dims.tied, emb // h, h)  # the embedding's copy they read (pp > 1, untied)
-    return StageParams(total=(per_stage + mtp) * sharded + partial + rows, tp_replicated_partial=partial,
-                       embedding_shard=rows, layers=per_stage * (sharded + replicated))
 
 
 # ---------------------------------------------------------------- memory

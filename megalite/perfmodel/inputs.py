@@ -13,6 +13,28 @@ from megalite.mla.costs import MLADims
 
 
 @dataclass(frozen=True)
+class MoEDims:
+    """The expert part of a mixture-of-experts model (`megalite.moe.settings.MoESettings`, read there once):
+    each MoE layer (global index in `layers`) replaces the dense MLP by a router, `experts` routed experts of
+    width `ffn` (whole on every tp rank, split over ep) and `shared` shared experts fused into one tp-split MLP
+    of width shared x shared_ffn."""
+
+    experts: int
+    ffn: int
+    layers: tuple[int, ...]
+    top_k: int = 1
+    shared: int = 0
+    shared_ffn: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("experts", "ffn", "top_k"):
+            if not getattr(self, name) >= 1:
+                raise ConfigError(f"moe {name}={getattr(self, name)} must be >= 1")
+        if self.shared < 0 or self.shared_ffn < 0:
+            raise ConfigError(f"moe shared experts {self.shared} x width {self.shared_ffn} must be >= 0")
+
+
+@dataclass(frozen=True)
 class ModelDims:
     """A megalite GPT's shape (names as in the `model` config section)."""
 
@@ -29,6 +51,7 @@ class ModelDims:
     head_dim: int | None = None  # None: hidden_size / num_heads (megalite's models); PaLM decouples them
     mla: MLADims | None = None  # multi-head latent attention's widths (`[mla]`, megalite/mla/costs.py); None: off
     mtp_layers: int = 0  # multi-token prediction depth D (docs/mtp.md): D more blocks and logits on the last stage
+    moe: MoEDims | None = None  # None: a dense model
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gpt2"):
@@ -107,15 +130,18 @@ class Layout:
     cp_mode: str = "ring"  # ring | allgather | a2a | hybrid (megalite/context/options.py)
     cp_a2a: int = 1  # hybrid: cp ranks per all-to-all group (parallel.cp_a2a); the ring is cp / cp_a2a long
     document_mask: bool = False  # data.document_mask: under cp the token ids are all-gathered once per forward
+    ep: int = 1  # expert parallel: a MoE model's routed experts split over ep ranks of dp x cp
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
+        for name in ("tp", "pp", "dp", "cp", "vpp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, numbers.Integral) and int(value) >= 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer; pass "
                                   f"--{name.replace('_', '-')} 1 or more")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero={self.zero!r} is invalid; use 0, 1, 2 or 3")
+        if self.dp * self.cp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp}")
         if self.cp_mode not in ("ring", "allgather", "a2a", "hybrid"):
             raise ConfigError(f"cp_mode={self.cp_mode!r} is invalid; use ring, allgather, a2a or hybrid")
         if self.cp_mode == "hybrid" and (self.cp_a2a < 1 or self.cp % self.cp_a2a):

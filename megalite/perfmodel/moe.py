@@ -12,12 +12,12 @@ from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLAShape
-from megalite.moe.costs import (a2a_bytes_balanced, busiest, busiest_a2a_bytes, expert_flops, expert_params,
-                                mlp_params, moe_layer_params)
+from megalite.moe.costs import a2a_bytes_balanced, busiest, busiest_a2a_bytes, expert_flops, expert_params
 from megalite.model.spec import head_dim
 from megalite.moe.settings import MoESettings, moe_layers
+from megalite.model.params import count_model_params
 from megalite.mtp.costs import mtp_flops_per_token, mtp_params
-from megalite.perfmodel.estimate import Memory, count_params, zero_memory
+from megalite.perfmodel.estimate import Memory, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
 from megalite.perfmodel.inputs import Precision
 
@@ -32,17 +32,11 @@ class MoEParams:
 def moe_param_counts(m: Any, mla: MLAShape | None = None) -> MoEParams:
     """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE), its
     attention MLA's when `mla` is given (megalite/mla/costs.py)."""
-    tie = bool(m.tie_embeddings)
-    dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                         m.vocab_size, m.seq_len, tie, mla=mla)
+    total = count_model_params(m, mla)
     s = MoESettings.from_model(m)
     if s is None:
-        return MoEParams(dense, dense, 0)
-    n = len(moe_layers(m))
-    h = m.hidden_size
-    one = expert_params(m.arch, h, s.ffn)
-    per_layer = moe_layer_params(m.arch, h, s.experts, s.ffn, s.shared * s.shared_ffn)
-    total = dense + n * (per_layer - mlp_params(m.arch, h, m.ffn_hidden_size))
+        return MoEParams(total, total, 0)
+    one, n = expert_params(m.arch, m.hidden_size, s.ffn), len(moe_layers(m))
     return MoEParams(total, total - n * (s.experts - s.top_k) * one, n * s.experts * one)
 
 

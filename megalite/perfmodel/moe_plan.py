@@ -33,6 +33,7 @@ from megalite.parallel.state import layout_grid
 from megalite.perfmodel.activations import stage_activation_bytes
 from megalite.perfmodel.estimate import GB, Layout, ModelDims, Precision
 from megalite.perfmodel.moe import moe_estimate, moe_param_counts
+from megalite.perfmodel.peak_memory import fits
 from megalite.perfmodel.plan import RECOMPUTE, TIE_TOLERANCE, Cluster, cost, divisors
 from megalite.errors import ConfigError
 
@@ -162,7 +163,7 @@ def make_moe_plan(m: Any, cluster: Cluster, global_batch_size: int, prec: Precis
                             mem = sum(moe_memory(m, lay, ep, prec))
                             considered += 1
                             smallest = min(smallest, mem)
-                            if mem <= cluster.memory_limit:
+                            if fits(mem, cluster.memory_limit):
                                 ranked.append(moe_cost(m, lay, ep, cluster, prec))
                                 best_zero = zi
                                 break

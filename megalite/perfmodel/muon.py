@@ -79,3 +79,20 @@ def muon_report(optimizer: str, dims: ModelDims | None, lay: Layout) -> tuple[di
                         "dp_bytes_per_rank_bound": dp_bytes}}
     return section, [f"muon: Newton-Schulz {flops:.4e} FLOPs per step per rank; 'muon' bytes per rank "
                      f"{tp_bytes / 1e9:.4g} GB over tp + at most {dp_bytes / 1e9:.4g} GB over dp (docs/muon.md)"]
+
+
+# The step's fp32 copies of the Nesterov direction U (`megalite.optim.muon.ShardMuon._muon_updates`), alive together
+# at its dp scatter: the momentum step's output (dirs), the dp gather's flat buffer (its last pieces, still bound to
+# the loop variable, keep it), the owners' concatenated pieces (local), the tp gather's flat buffer (whole),
+# Newton-Schulz's scaled results, and the tp and dp scatters' flat buffers: 7 copies of the Muon elements a rank
+# handles. Measured on bench/memory_peak.py's `mid` (fp32, one rank, 48 MiB of Muon elements): glibc's in-use heap
+# rises 4 copies (198 MiB) as the step starts and peaks 336 MiB (7.0 copies) above the step's start.
+MUON_STEP_COPIES = 7
+
+
+def muon_step_bytes(dims: ModelDims, lay: Layout) -> float:
+    """Bytes Muon's step allocates and frees on one rank (`PeakOptions.optimizer_temp_bytes`): seven fp32 copies of
+    the Muon elements it handles (its 1/(tp·pp) of the matrices; at ZeRO >= 1 the 1/N its dp index owns)."""
+    n = lay.replicas if lay.zero >= 1 else 1
+    elements = sum(r * c for r, c in muon_matrices(dims)) / (lay.pp * lay.tp * n)
+    return MUON_STEP_COPIES * FP32 * elements

@@ -10,12 +10,14 @@ formula, at the moment of the step where they coincide:
   baseline        the interpreter, torch and megalite's pages (CPU; + torch._dynamo's wherever recompute runs
                   torch.utils.checkpoint, which imports it) or the CUDA context (GPU)
 
+  model states    parameters, gradients, master weights, optimizer states by ZeRO stage (a MoE model's experts
+                  over ep, their states over edp), ZeRO-3's fixed gather buffers
   loss phase      the activations in flight, the last micro-batch's logits and the cross-entropy's fp32 buffers,
-                  ZeRO-2/3's full gradient buckets (held while micro-batches accumulate), ZeRO-3's gathered blocks
-  backward phase  the activations in flight, the full gradient buckets and the reduction's staging copy, the
-                  gathered blocks, one layer's activation gradients, the recomputed block (full recompute), the cp
-                  ring's block-pair scores (torch path), the zero-bubble schedules' deferred weight gradients
-  step phase      the optimizer's temporary (0 for the fused AdamW; an input for optimizers that have one)
+                  ZeRO-2/3's full gradient buckets (held while micro-batches accumulate)
+  backward phase  the activations in flight, the full gradient buckets and the reduction's staging copy, one
+                  layer's activation gradients, the recomputed block (full recompute), the cp ring's block-pair
+                  scores (torch path), the zero-bubble schedules' deferred weight gradients
+  step phase      the optimizer's temporary (0 for the fused AdamW; Muon's copies of its update direction)
 
 Activations are megalite's own saved tensors (fused attention keeps no s x s scores: SDPA on CPU, flash on GPU),
 not the paper's unfused GPT-3 layer. Plain Python (no torch), like the rest of `megalite.perfmodel`.
@@ -27,8 +29,9 @@ from dataclasses import dataclass, field, replace
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.activations import stage_activation_bytes
-from megalite.perfmodel.estimate import stage_params, zero_memory
+from megalite.perfmodel.estimate import Memory, stage_params, zero_memory
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+from megalite.perfmodel.muon import muon_step_bytes
 from megalite.perfmodel.schedules import microbatches_in_flight
 
 MiB = 2**20
@@ -90,6 +93,7 @@ class PeakOptions:
     fused_attention: bool = True
     torch_ring: bool = True  # cp > 1: the ring's block pairs in torch math (scores materialised), not Triton
     slack: float | None = None  # None: the device's default above
+    fp8: tuple[str, int] | None = None  # (recipe, min_dim) of train.fp8 / train.fp8_min_dim; None: no FP8
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -161,7 +165,31 @@ def _sum(terms: tuple[Term, ...]) -> float:
     return sum(t.bytes for t in terms)
 
 
-def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
+def fp8_saved_delta(dims: ModelDims, layout: Layout, prec: Precision, fp8: tuple[str, int] | None) -> float:
+    """Bytes per token an FP8 layer saves beyond (negative: below) the run dtype's (`megalite.fp8.linear`): under
+    `tensorwise` each FP8 linear (min(in, every logical output part) >= min_dim) keeps its 1-byte quantised input
+    instead of the input itself. The qkv, up and down linears' inputs were kept for them alone (e -> 1 byte); the
+    attention's output stays saved by the attention, so the out linear's 1-byte copy is extra. `rowwise` saves the
+    input as it is (no change)."""
+    if fp8 is None or fp8[0] != "tensorwise":
+        return 0.0
+    min_dim, e, t = fp8[1], prec.activation, layout.tp
+    h, f = dims.hidden_size, dims.ffn
+    q, kv = dims.num_heads * dims.hd, dims.kv_heads * dims.hd
+    delta = 0.0
+    if min(h, q, kv) >= min_dim:
+        delta += h * (1 - e)  # qkv's (gathered) input
+    if min(q, h) >= min_dim:
+        delta += q / t  # out's own copy
+    if min(h, f) >= min_dim:
+        delta += h * (1 - e)  # up's (gathered) input
+    if min(f, h) >= min_dim:
+        delta += f / t * (1 - e)  # down's input
+    return delta
+
+
+def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
+                           fp8: tuple[str, int] | None = None) -> float:
     """Bytes one transformer layer saves for its backward per micro-batch, as megalite's block saves them, per token
     (t = tp; hs = h/t under SP, else h: the sequence-sharded tensors; column linears save their gathered input, h):
 
@@ -169,16 +197,46 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> 
              up input h, gate and up 2f/t, silu(gate) f/t, down input f/t;  + the log-sum-exp a/t in fp32
       gpt2   the same with LayerNorm, GeLU (up output f/t, down input f/t) instead of SwiGLU
 
-    Full recompute keeps the layer input only (hs)."""
+    and in fp32: the attention's log-sum-exp a/t per token, the norms' statistics per sequence-local token (two
+    RMSNorms: a 1/rms each; two LayerNorms: a mean and a 1/std each), and (llama) RoPE's cos and sin expanded to
+    [S/cp, d] once per layer, whatever the batch and tp (megalite/model/ops.py's `apply_rope`).
+    Full recompute keeps the layer input only (hs). `tests/test_memory_terms.py` holds this equal to the bytes
+    autograd saves."""
     t, e = layout.tp, prec.activation
     h, d, a, kv = dims.hidden_size, dims.hd, dims.num_heads, dims.kv_heads
-    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
+    s_local = layout.local_seq_len(dims.seq_len)
+    tokens = layout.micro_batch_size * s_local
     hs = h / t if layout.sp else h
     if layout.recompute == "full":
         return tokens * hs * e
-    mlp = (4 if dims.arch == "llama" else 2) * dims.ffn / t
+    llama = dims.arch == "llama"
+    mlp = (4 if llama else 2) * dims.ffn / t
     per_token = 2 * hs + 2 * h + (2 * a + 2 * kv) * d / t + mlp
-    return tokens * (per_token * e + a / t * 4)  # + the attention's log-sum-exp, fp32
+    norm_stats = (2 if llama else 4) * (tokens / t if layout.sp else tokens)
+    rope = 2 * s_local * d if llama else 0
+    # Selective recompute checkpoints the attention core where it is SDPA (cp = 1 or a2a): its log-sum-exp is not kept.
+    lse = 0.0 if uses_torch_checkpoint(layout) else a / t * 4
+    return tokens * (per_token * e + lse + fp8_saved_delta(dims, layout, prec, fp8)) + (norm_stats + rope) * 4
+
+
+def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
+    """What a MoE layer saves beyond the dense layer of `layer_activation_bytes`, per micro-batch: its MLP terms
+    (4f/t, gpt2 2f/t per token) replaced by the shared experts' (the same with n_s·F_s), and per token the rank
+    routes (its S/cp, /t under SP) k dispatched rows, each saving its input, the expert's output and its weighted
+    copy (3h) and the expert's intermediates (llama 4F, gpt2 2F), in the run dtype, plus its routing weight (fp32)
+    and its two sort indices and top-k index (int64); per routed token the router's logits and probabilities (2E),
+    its k weights and two per-token loss statistics (fp32); per layer the experts' counts and loads (3E x 4 B)."""
+    moe = dims.moe
+    if moe is None or layout.recompute == "full":
+        return 0.0
+    t, e = layout.tp, prec.activation
+    width = 4 if dims.arch == "llama" else 2
+    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
+    routed = tokens / t if layout.sp else tokens
+    per_token = width * (moe.shared * moe.shared_ffn - dims.ffn) / t
+    per_row = (3 * dims.hidden_size + width * moe.ffn) * e + 4 + 3 * 8
+    per_routed = moe.top_k * per_row + (2 * moe.experts + moe.top_k + 2) * 4
+    return tokens * per_token * e + routed * per_routed + 3 * moe.experts * 4
 
 
 def uses_torch_checkpoint(layout: Layout) -> bool:
@@ -200,12 +258,16 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     h = dims.hidden_size
     hs = h / t if layout.sp else h
     layers = dims.num_layers // p
-    psi = float(stage_params(dims, t, p, pp_rank).total)
+    sp_rank = stage_params(dims, t, p, pp_rank, layout.ep)
+    psi = float(sp_rank.total)
     opt_prec = prec if opts.optimizer_state_bytes is None else replace(prec, optimizer=int(opts.optimizer_state_bytes))
-    st = zero_memory(psi, layout.replicas, layout.zero, opt_prec)
     n = layout.replicas
+    # The routed experts' states shard over edp = dp·cp/ep (the ranks holding the same experts), the rest over dp·cp.
+    dense = zero_memory(psi - sp_rank.experts, n, layout.zero, opt_prec)
+    expert = zero_memory(float(sp_rank.experts), n // layout.ep, layout.zero, opt_prec)
+    st = Memory(*(getattr(dense, k) + getattr(expert, k) for k in ("params", "grads", "master", "optimizer")))
     zs = f"/{n}" if n > 1 else ""
-    states = (
+    states: tuple[Term, ...] = (
         Term("parameters", st.params, f"{prec.param} B x {psi:.0f} params" + (zs if layout.zero >= 3 else ""),
              "the model's weights in the run dtype (ZeRO-3: this rank's shard)"),
         Term("gradients", st.grads, f"{prec.grad} B x params" + (zs if layout.zero >= 2 else ""),
@@ -215,9 +277,11 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
         Term("optimizer states", st.optimizer, f"{opt_prec.optimizer} B x params" + (zs if layout.zero >= 1 else ""),
              "the optimizer's per-parameter state (AdamW: two fp32 moments)"),
     )
-    per_layer = layer_activation_bytes(dims, layout, prec)
+    per_layer = layer_activation_bytes(dims, layout, prec, opts.fp8)
     in_flight = microbatches_in_flight(layout, pp_rank, m)
-    acts = per_layer * layers * in_flight + (2 * tokens * h * e * in_flight if last else 0.0)
+    moe_here = 0 if dims.moe is None else sum(pp_rank * layers <= i < (pp_rank + 1) * layers for i in dims.moe.layers)
+    acts = ((per_layer * layers + moe_layer_extra_bytes(dims, layout, prec) * moe_here) * in_flight
+            + (2 * tokens * h * e * in_flight if last else 0.0))
     how = (f"{per_layer / MiB:.1f} MiB/layer x {layers} layers x {in_flight:g} micro-batches in flight"
            + (" + final norm in/out 2·b·s·h" if last else ""))
     if not opts.fused_attention:  # the floor's own count (Korthikanti et al. 2022, unfused), its logits included
@@ -236,7 +300,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                   f"V/t = {vocab:.0f}", "logits, z - max, exp and softmax alive together in the loss's forward")
     ce_bwd = Term("cross-entropy gradient", 2 * logits_elems * g4 if last else 0.0, "b·s·V/t x 2 x 4 B",
                   "the saved softmax turned into the logits' gradient, and its scaled copy")
-    grads_full = float(stage_params(dims, t, p, pp_rank).total) * 4.0
+    grads_full = psi * 4.0
     buckets = grads_full if layout.zero >= 2 else 0.0
     bucket_hold = Term("gradient buckets", buckets, "4 B x params (full fp32 buckets)" if buckets else "0",
                        "ZeRO-2/3 build each bucket's full fp32 gradient on its first gradient and free it after the "
@@ -246,14 +310,19 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     scatter = (staged + 1.0 / n) * grads_full if layout.zero >= 1 and n > 1 else 0.0
     reduction = Term("in-flight reduction", scatter, f"4 B x params x ({'1 + ' if staged else ''}1/N)" if scatter
                      else "0", "the reduce-scatter's 1/N output" + (" and gloo's copy of its input" if staged else ""))
-    unit = float(stage_params(dims, t, dims.num_layers, 0).layers)
-    gathered = (1 + opts.zero3_prefetch) * unit * prec.param if layout.zero >= 3 and n > 1 else 0.0
-    zero3 = Term("ZeRO-3 gathered blocks", gathered, f"(1 + prefetch {opts.zero3_prefetch}) x {unit:.0f} params x "
-                 f"{prec.param} B" if gathered else "0", "the block computing and the one prefetched, whole")
-    layer_grads = Term("layer gradients", layer_activation_bytes(dims, replace(layout, recompute="none"), prec),
+    unit, outer = float(sp_rank.largest_layer), psi - sp_rank.layers
+    gathered = ((1 + opts.zero3_prefetch) * unit + outer) * prec.param if layout.zero >= 3 and n > 1 else 0.0
+    zero3 = Term("ZeRO-3 gather buffers", gathered, f"((1 + prefetch {opts.zero3_prefetch}) x {unit:.0f} + "
+                 f"{outer:.0f} outer) params x {prec.param} B" if gathered else "0",
+                 "fixed buffers the gathers reuse (megalite/dp/zero3.py): the block computing, the ones prefetched "
+                 "and the outer unit (embedding, head, final norm), whole; held from the first step on")
+    unrecomputed = replace(layout, recompute="none")
+    one_layer = layer_activation_bytes(dims, unrecomputed, prec, opts.fp8) + (
+        moe_layer_extra_bytes(dims, unrecomputed, prec) if moe_here else 0.0)  # the largest block's
+    layer_grads = Term("layer gradients", one_layer,
                        "one layer's saved bytes again", "each saved tensor's gradient while its layer runs backward")
-    recompute = Term("recomputed block", layer_activation_bytes(dims, replace(layout, recompute="none"), prec)
-                     if layout.recompute == "full" else 0.0, "one layer's saved bytes (full recompute)",
+    recompute = Term("recomputed block", one_layer if layout.recompute == "full" else 0.0,
+                     "one layer's saved bytes (full recompute)",
                      "full recompute re-runs a block's forward right before its backward")
     scores = 0.0
     if layout.cp > 1 and opts.torch_ring and layout.cp_mode in ("ring", "allgather"):
@@ -278,8 +347,9 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                "2 x b·s·h (/t with SP) x in flight" if p > 1 else "0", "received activations and sent gradients")
     step = Term("optimizer temporary", opts.optimizer_temp_bytes, "an input (0: fused AdamW updates in place)",
                 "what the optimizer's step allocates and frees")
-    phases = {"loss": (activations, logits, bucket_hold if m > 1 else replace(bucket_hold, bytes=0.0), zero3, p2p),
-              "backward": (activations, ce_bwd, bucket_hold, reduction, zero3, layer_grads, recompute, ring, mask, zb, p2p),
+    states += (zero3,)
+    phases = {"loss": (activations, logits, bucket_hold if m > 1 else replace(bucket_hold, bytes=0.0), p2p),
+              "backward": (activations, ce_bwd, bucket_hold, reduction, layer_grads, recompute, ring, mask, zb, p2p),
               "step": (step,)}
     if opts.device == "cpu":
         dynamo = CPU_CHECKPOINT_IMPORTS_BYTES if uses_torch_checkpoint(layout) else 0.0
@@ -304,6 +374,23 @@ def peak_memory(dims: ModelDims, layout: Layout, prec: Precision, opts: PeakOpti
     embedding and no logits; `megalite.perfmodel.plan.worst_stage_memory`'s argument)."""
     layout = _as_estimated(layout)
     return max((stage_peak(dims, layout, prec, r, opts) for r in {0, layout.pp - 1}), key=lambda pk: pk.total)
+
+
+def run_peak(dims: ModelDims, layout: Layout, prec: Precision, device: str = "cpu", optimizer: str = "adamw",
+             fp8: tuple[str, int] | None = None, zero3_prefetch: int = 1, torch_ring: bool = True) -> PeakMemory:
+    """The peak of a megalite run (the check before step 1's and `tools/estimate.py`'s, one call): the device's
+    baseline, its optimizer's step temporary (Muon's copies of its update direction), its FP8 recipe, its ZeRO-3
+    prefetch depth and the cp ring's block path."""
+    temp = muon_step_bytes(dims, layout) if optimizer == "muon" else 0.0
+    return peak_memory(dims, layout, prec, PeakOptions(device=device, optimizer_temp_bytes=temp, fp8=fp8,
+                                                       zero3_prefetch=zero3_prefetch, torch_ring=torch_ring))
+
+
+def fits(peak_bytes: float, available: float, processes: int = 1) -> bool:
+    """Whether `processes` processes that each peak at `peak_bytes` (`PeakMemory.total`) fit in `available` bytes:
+    the one comparison behind the check before step 1 (processes sharing a host's RAM, or one per GPU) and
+    tools/plan.py's fit filter (one per GPU, `available` = its usable memory)."""
+    return peak_bytes * processes <= available
 
 
 # What the planner sizes: a GPU (CUDA context, caching allocator) and the estimator's activations (any kernels).

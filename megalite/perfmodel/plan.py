@@ -34,7 +34,7 @@ from typing import Callable, Protocol
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate
-from megalite.perfmodel.peak_memory import PLANNER_PEAK, peak_memory
+from megalite.perfmodel.peak_memory import PLANNER_PEAK, fits, peak_memory
 
 
 class Explained(Protocol):
@@ -292,7 +292,7 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
                         considered += 1
                         if smallest is None or mem < smallest[0]:
                             smallest = (mem, lay)
-                        if mem <= cluster.memory_limit:
+                        if fits(mem, cluster.memory_limit):
                             ranked.append(cost(dims, lay, cluster, prec))
                             best_zero = zi
                             break

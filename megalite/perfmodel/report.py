@@ -6,7 +6,7 @@ from __future__ import annotations
 from megalite.fp8.costs import is_block_recipe
 from megalite.mla import costs as mla_costs
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
-from megalite.perfmodel.peak_memory import PeakOptions, peak_memory
+from megalite.perfmodel.peak_memory import PeakMemory, run_peak
 
 
 def _gb(x: float) -> str:
@@ -37,7 +37,7 @@ def render(est: Estimate, kw: dict) -> str:
                          ("total", mem.total)):
         out.append(f"  {label:<22}{_gb(value)}")
     if dims is not None:
-        peak = peak_memory(dims, lay, prec, PeakOptions(device=kw.get("memory_device", "cuda")))
+        peak = _peak(kw)
         out.append(f"  {'peak (docs/estimator.md)':<22}{_gb(peak.total)}   {peak.peak_phase} phase, stage {peak.pp_rank}:")
         out += [f"    {t.name:<28}{_gb(t.bytes)}   {t.formula}" for t in peak.terms() if t.bytes > 0]
     header = "communication per step per rank (wire bytes), GB"
@@ -102,4 +102,10 @@ def peak_of(kw: dict) -> dict | None:
     """The peak-memory model's terms for the JSON output (None without a model shape)."""
     if kw["dims"] is None:
         return None
-    return peak_memory(kw["dims"], kw["layout"], kw["prec"], PeakOptions(device=kw.get("memory_device", "cuda"))).to_dict()
+    return _peak(kw).to_dict()
+
+
+def _peak(kw: dict) -> PeakMemory:
+    """The run's peak as the check before step 1 predicts it (`run_peak`), for the tool's flags."""
+    return run_peak(kw["dims"], kw["layout"], kw["prec"], kw.get("memory_device", "cuda"),
+                    kw.get("optimizer", "adamw"), kw.get("fp8"))

@@ -3,7 +3,7 @@
 The prediction is the peak-memory model for this run's exact layout and dtype (`megalite.perfmodel.peak_memory`,
 the one `tools/estimate.py` and `tools/plan.py` print): the interpreter + torch baseline (CPU) or CUDA context,
 model states by ZeRO stage over dp x cp, and the step's transient parts (activations in flight, the logits and
-cross-entropy buffers, gradient buckets, ZeRO-3's gathered blocks, ...) plus allocator slack, for the busiest
+cross-entropy buffers, gradient buckets, ZeRO-3's gather buffers, Muon's step copies, ...) plus allocator slack, for the busiest
 pipeline stage; `bench/memory_peak.py` holds it against measured peaks. On CPU every process of this
 machine draws on the same RAM, so their sum is compared with `MemAvailable` (/proc/meminfo); on GPU each
 process with its device's free memory. A refusal names the numbers and the flags that would fit; `train.memory_check=false` skips it.
@@ -23,8 +23,10 @@ from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
+from megalite.moe.settings import MoESettings, moe_layers
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
-from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, peak_memory
+from megalite.perfmodel.inputs import MoEDims
+from megalite.perfmodel.peak_memory import PeakMemory, fits, run_peak
 
 GiB = 2**30
 
@@ -47,10 +49,11 @@ def predicted_peak(cfg: Config) -> PeakMemory:
     the model's default; the ZeRO-3 prefetch depth and the cp ring's block path are the config's."""
     dims, layout = run_inputs(cfg)
     device = resolved_device(cfg)
-    opts = PeakOptions(device="cuda" if device.startswith("cuda") else "cpu",
-                       zero3_prefetch=cfg.parallel.zero3_prefetch,
-                       torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
-    return peak_memory(dims, layout, run_precision(resolved_dtype(cfg, device)), opts)
+    return run_peak(dims, layout, run_precision(resolved_dtype(cfg, device)),
+                    "cuda" if device.startswith("cuda") else "cpu", cfg.train.optimizer,
+                    None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim),
+                    cfg.parallel.zero3_prefetch,
+                    torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
 
 
 def run_estimate(cfg: Config) -> Estimate:
@@ -67,12 +70,21 @@ def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
                      make_vocab_divisible_by=m.make_vocab_divisible_by, mla=MLADims.of(cfg.mla),
-                     mtp_layers=cfg.mtp.num_layers)
+                     mtp_layers=cfg.mtp.num_layers, moe=moe_dims(m))
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
-                    document_mask=cfg.data.document_mask)
+                    document_mask=cfg.data.document_mask, ep=par.ep)
     return dims, layout
+
+
+def moe_dims(m: ModelConfig) -> MoEDims | None:
+    """The perfmodel's view of the model's experts (None for a dense model), read by `MoESettings` alone."""
+    s = MoESettings.from_model(m)
+    if s is None:
+        return None
+    return MoEDims(experts=s.experts, ffn=s.ffn, layers=tuple(moe_layers(m)), top_k=s.top_k, shared=s.shared,
+                   shared_ffn=s.shared_ffn)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -114,9 +126,9 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
     while dp % 2 == 0 and cfg.model.seq_len % (4 * cp) == 0:
         cp, dp = 2 * cp, dp // 2
         tried.append((f"--parallel.cp {cp}", _with(cfg, "parallel", cp=cp, dp=dp)))
-    fits = [Alternative(flags, need) for flags, c in tried
-            if (need := _needed(c, processes)) is not None and need <= available]
-    if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
+    found = [Alternative(flags, need) for flags, c in tried
+             if (need := _needed(c, processes)) is not None and fits(need, available)]
+    if not found:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
             shape: dict[str, Any] = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
@@ -125,9 +137,9 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
             par = cfg.parallel
             smaller = resolve(dataclasses.replace(cfg, model=model), par.dp * par.tp * par.cp * par.pp)
             need = _needed(smaller, processes)
-            if need is not None and need <= available:
-                fits.append(Alternative(f"--model.preset {name}", need))
-    return fits[:4]
+            if need is not None and fits(need, available):
+                found.append(Alternative(f"--model.preset {name}", need))
+    return found[:4]
 
 
 def _needed(cfg: Config, processes: int) -> float | None:
@@ -179,11 +191,11 @@ def check_memory_of(cfg: Config, device: torch.device, processes: int, available
         return
     peak = predicted_peak(cfg)
     needed = peak.total * processes
-    if needed <= available:
+    if fits(peak.total, available, processes):  # the comparison tools/plan.py's fit filter makes
         return
     where = "free RAM (MemAvailable)" if device.type == "cpu" else f"free memory on {device}"
-    fits = alternatives(cfg, processes, available)
-    hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in fits) if fits
+    found = alternatives(cfg, processes, available)
+    hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in found) if found
             else "; no single change fits: use a machine with more memory or more processes (tp/pp/zero)")
     per = f" ({processes} processes x {needed / processes / GiB:.1f} GiB)" if processes > 1 else ""
     raise ConfigError(f"this run needs about {needed / GiB:.1f} GiB{per} (peak per process {peak.summary()}, as "

@@ -1,0 +1,85 @@
+"""The peak-memory model's terms against the tensors the code really allocates (no RSS, no allocator): the
+parameters a rank holds (`stage_params`, the states' Ψ) and the bytes one block saves for its backward
+(`layer_activation_bytes`, + `moe_layer_extra_bytes` for a MoE block), counted with autograd's saved-tensor hooks
+on a small model: llama, gpt2, selective recompute, FP8 (both recipes), MoE (with and without shared experts) at
+one process, and tp 2 with and without sequence parallelism. What the allocator adds on top
+(the heap's extent over its live bytes) is measured, not tested: bench/memory_peak.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.config import parse_args, resolve
+from megalite.fp8.enable import enable_fp8, fp8_settings
+from megalite.model.gpt import GPT
+from megalite.parallel.state import ParallelState
+from megalite.perfmodel.estimate import stage_params
+from megalite.perfmodel.peak_memory import layer_activation_bytes, moe_layer_extra_bytes
+from megalite.training.memory_check import run_inputs, run_precision
+from tests.parallel_utils import layout
+
+SMALL = ["--model.preset", "tiny", "--model.vocab_size", "250", "--model.seq_len", "64",
+         "--train.micro_batch_size", "2"]
+
+
+def _config(tp: int, sp: bool, extra: list[str]):
+    argv = [*SMALL, "--parallel.tp", str(tp), "--parallel.sp", str(sp).lower(), *extra]
+    return resolve(parse_args(argv), tp)
+
+
+def _measure(cfg, state: ParallelState) -> tuple[int, int, int]:
+    """(parameter elements on this rank, bytes the first block saves for its backward: every saved tensor's
+    storage once, the model's own parameters and buffers left out, the block's FP8 linears)."""
+    model = GPT(cfg.model, state, seed=0)
+    chosen = enable_fp8([model], fp8_settings(cfg.train.fp8, cfg.train.fp8_min_dim), state)
+    in_block = [n for n in chosen if n.startswith(f"layers.{next(iter(model.layers))}.")]
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in owned:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_len // (state.tp if state.sp else 1)
+    x = torch.randn(b, s, cfg.model.hidden_size, requires_grad=True)
+    block = next(iter(model.layers.values()))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, model.cos, model.sin, None)
+    return sum(p.numel() for p in model.parameters()), sum(saved.values()), len(in_block)
+
+
+def _check(cfg, state: ParallelState) -> None:
+    params, saved, fp8_linears = _measure(cfg, state)
+    dims, lay = run_inputs(cfg)
+    assert params == stage_params(dims, lay.tp, 1, 0).total  # exact: every weight, the padded vocabulary's rows
+    fp8 = None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim)
+    prec = run_precision(torch.float32)
+    expected = layer_activation_bytes(dims, lay, prec, fp8) + moe_layer_extra_bytes(dims, lay, prec)
+    # exact: every saved tensor named by the formula (docs/estimator.md#peak-memory); a tensorwise FP8 linear also
+    # saves its input's fp32 scale (4 bytes), which the formula leaves out
+    assert saved == expected + (4 * fp8_linears if cfg.train.fp8 == "tensorwise" else 0)
+    assert cfg.train.fp8 == "none" or fp8_linears >= 3  # out, up and down are FP8 here (qkv's kv part is 64 wide)
+
+
+@pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.num_kv_heads", "0"],
+                                   ["--model.recompute", "selective"], ["--train.fp8", "tensorwise"],
+                                   ["--train.fp8", "rowwise"], ["--model.preset", "tiny-moe"],
+                                   ["--model.preset", "tiny-moe", "--model.moe_shared_experts", "1"]],
+                         ids=["llama", "gpt2", "selective", "fp8-tensorwise", "fp8-rowwise", "moe", "moe-shared"])
+def test_one_process_terms_are_the_allocated_tensors(extra: list[str]) -> None:
+    _check(_config(1, False, extra), ParallelState())
+
+
+def _tp_rank(rank: int, sp: bool, extra: list[str]) -> None:
+    _check(_config(2, sp, extra), layout(2, sp=sp))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_terms_are_the_allocated_tensors(dist_world, sp: bool) -> None:
+    """What tp divides and what it does not (the norms' weights, RoPE's tables, the gathered inputs of the
+    column-parallel linears, under SP the sequence-local norms): each rank's own tensors."""
+    dist_world(2).run(_tp_rank, sp, [])
+    dist_world(2).run(_tp_rank, sp, ["--model.arch", "gpt2", "--model.num_kv_heads", "0"])
