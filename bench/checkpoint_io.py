@@ -55,7 +55,8 @@ TITLES = {"single": "1 process", "tp2": "2 ranks, tp=2", "dp2": "2 ranks, dp=2 (
 
 
 def _model_cfg(model: dict[str, Any], world: int) -> Any:
-    return config_mod.resolve(config_mod.config_from_dict({"model": model}), world).model
+    cfg = config_mod.resolve(config_mod.config_from_dict({"model": model}), world)
+    return config_mod.ModelArgs.of(cfg.model, cfg.moe)
 
 
 def _barrier(state: ParallelState) -> None:

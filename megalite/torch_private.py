@@ -7,7 +7,7 @@ and fails if any other module reaches into torch's private names).
 - the autograd engine's `queue_callback`: runs a function when the current backward pass ends. ZeRO-3
   (`megalite.dp.zero3`) frees every gathered unit there; torch's FSDP does the same.
 - `torch._scaled_mm`: the FP8 GEMM (`megalite.layers.scaled_mm` says which modes this torch supports).
-  Needed only with `train.fp8`, so it is checked there (`scaled_mm.check_available`), not required here.
+  Needed only with `fp8.recipe`, so it is checked there (`scaled_mm.check_available`), not required here.
 - `torch._grouped_mm`: every expert's GEMM in one call (`megalite.moe.grouped`). Optional: without it
   (`HAS_GROUPED_MM` False) the experts run a per-expert loop.
 - `torch._C._current_graph_task_id`: -1 outside a backward pass. The MoE layers' statistics

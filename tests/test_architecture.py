@@ -19,7 +19,7 @@ PACKAGE = REPO / "megalite"
 # (docs/architecture.md); everything after them uses the core and the core never uses it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megalite", "errors", "torch_private", "kernels"),  # base: root, error kinds, private torch calls, Triton
-    ("atomic", "untrusted"),                      # base: link-safe atomic writes; bounded JSON/TOML reading
+    ("atomic", "untrusted", "section"),           # base: atomic writes; bounded JSON/TOML reading; config fields
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("moe",),                                     # core: mixture-of-experts layers (routers, experts, dispatch)

@@ -38,8 +38,9 @@ from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import evaluate, train_step
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+from tests.parallel_utils import (layout, micro_batches, random_steps, reference_optimizer,
                                   step_context, tiny_model_cfg, tiny_train_cfg)
+from tests.parallel_utils import ADAMW
 from tests.test_zero import _padded_size, expected_dp_bytes, expected_memory
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
@@ -101,7 +102,7 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
                             context=context)
     chunks = engine.chunks
     model = chunks[0] if vpp == 1 else nn.ModuleList(chunks)
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     tcfg = tiny_train_cfg(STEPS)
     st.counter.reset()
     results = [train_step(step_context(engine, st, torch.float32, tcfg, schedule), opt,

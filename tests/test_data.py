@@ -367,7 +367,7 @@ def _cfg(**data: object) -> types.SimpleNamespace:
              demo_vocab_size=DEMO_VOCAB)
     d.update(data)
     return types.SimpleNamespace(data=types.SimpleNamespace(**d), model=types.SimpleNamespace(seq_len=16),
-                                 train=types.SimpleNamespace(seed=1))
+                                 train=types.SimpleNamespace(seed=1, micro_batch_size=1))
 
 
 def test_build_data(demo: tuple[str, str], demo_dir: Path, tmp_path: Path) -> None:

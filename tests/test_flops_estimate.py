@@ -249,8 +249,9 @@ def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
         d = PRESETS["tiny"]
         return types.SimpleNamespace(
             model=types.SimpleNamespace(**vars(d), recompute="none"),
-            parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True),
-            train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16"))
+            parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True, ep=1),
+            train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16"),
+            moe=types.SimpleNamespace(experts=0))
 
     import megalite.config as real  # the stand-in keeps the presets the MoE report looks names up in
 

@@ -9,6 +9,7 @@ by the same fp32 GEMM; the emulation below computes its scales independently (fl
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from megalite.config import Config, validate
 from megalite.errors import ConfigError
 from megalite.layers import scaled_mm as smm
 from megalite.layers.fp8 import Fp8Gemm, Splits, fp8_filter
+from megalite.layers.fp8_config import FP8Config
 from megalite.layers.scaled_mm import pow2_scale
 from megalite.layers.linear_fn import part_blocks
 from megalite.parallel.state import ParallelState
@@ -105,18 +107,17 @@ def test_filter_keeps_the_head_and_small_gemms_in_the_run_dtype() -> None:
     assert not fp8_filter("layers.0.attn.qkv", 128, [128, 64, 64], 128)  # a 64-row part is below 128
 
 
-def _cfg(**train: object) -> Config:
-    cfg = Config()
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
+def _cfg(dtype: str = "auto", **fp8: Any) -> Config:
+    cfg = Config(fp8=FP8Config(**fp8))  # an unknown field is a TypeError, not an attribute nothing reads
+    cfg.train.dtype = dtype
     return cfg
 
 
 def test_fp8_config_errors_are_one_line() -> None:
-    validate(_cfg(fp8="rowwise", dtype="bf16"), 1)
-    for kw, text in ((dict(fp8="delayed"), "train.fp8: 'delayed' is not one of"),
-                     (dict(fp8="tensorwise", dtype="fp16"), "fp16"),
-                     (dict(fp8="rowwise", fp8_min_dim=0), "train.fp8_min_dim must be >= 1")):
+    validate(_cfg(recipe="rowwise", dtype="bf16"), 1)
+    for kw, text in ((dict(recipe="delayed"), "fp8.recipe: 'delayed' is not one of"),
+                     (dict(recipe="tensorwise", dtype="fp16"), "fp16"),
+                     (dict(recipe="rowwise", min_dim=0), "fp8.min_dim must be >= 1")):
         with pytest.raises(ConfigError, match=text):
             validate(_cfg(**kw), 1)
 
@@ -126,7 +127,7 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match="compute capability >= 8.9"):
-        validate(_cfg(fp8="rowwise", device="auto"), 1, device_type="cuda")
+        validate(_cfg(recipe="rowwise"), 1, device_type="cuda")
 
 
 DIMS = ModelDims(num_layers=16, hidden_size=2048, num_heads=32, vocab_size=128256, seq_len=2048, num_kv_heads=8,

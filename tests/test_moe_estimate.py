@@ -4,19 +4,15 @@ the measured-routing formula, and tools/estimate.py's MoE section. (Measured 'ep
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 
-from megalite.config import PRESETS, ModelConfig
-from megalite.config.derive import resolve
-from megalite.config.schema import Config
 from megalite.perfmodel.inputs import Precision
-from megalite.perfmodel.moe import a2a_bytes_balanced, a2a_bytes_measured, moe_estimate, moe_param_counts
+from megalite.perfmodel.moe import (a2a_bytes_balanced, a2a_bytes_measured, moe_estimate, moe_param_counts,
+                                    moe_preset_model)
 
 
 def _model(preset: str):
-    return resolve(Config(model=ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset]})), 1).model
+    return moe_preset_model(preset)
 
 
 def test_mixtral_8x7b_counts_match_the_published_46_7b_total_12_9b_active() -> None:

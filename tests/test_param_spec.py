@@ -17,7 +17,7 @@ from megalite.optim import build_distributed_optimizer
 from megalite.parallel.param_spec import (EXPERT_PARALLEL, REPLICATED, ROW, VOCAB, MatrixStack, ParamSpec, Tied,
                                           TPLayout, column, named_param_specs, spec_table)
 from megalite.parallel.state import ParallelState
-from tests.parallel_utils import reference_optimizer, tiny_model_cfg
+from tests.parallel_utils import ADAMW, reference_optimizer, tiny_model_cfg
 
 HYPER = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
@@ -105,7 +105,7 @@ def _with_extra_parameter() -> GPT:
 
 def test_building_an_optimizer_names_a_parameter_without_spec() -> None:
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale .*no ParamSpec"):
-        build_distributed_optimizer(_with_extra_parameter(), ParallelState(), 0, dtype=torch.float32, **HYPER)
+        build_distributed_optimizer(_with_extra_parameter(), ParallelState(), 0, dtype=torch.float32, optimizer=ADAMW)
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale"):
         reference_optimizer(_with_extra_parameter(), ParallelState())
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale"):

@@ -134,11 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per device")
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
     h.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
-                   help="train.fp8: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
+                   help="fp8.recipe: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
                         "all-reduces (docs/fp8.md; a MoE preset's expert GEMMs: its MoE section); MFU: bf16 peak")
     h.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
-                   help="train.optimizer: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
-    h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="train.fp8_min_dim (the FP8 filter)")
+                   help="optimizer.name: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
+    h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="fp8.min_dim (the FP8 filter)")
     h.add_argument("--hfu-convention", choices=list(HFU_CONVENTIONS), default="executed",
                    help="selective recompute's HFU: executed (the re-run attention core, default) or korthikanti "
                         "(Korthikanti et al. 2022 Table 5's 72BLsh^2(1 + s/3h + V/12hL))")

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.presets import PRESETS
-from megalite.config.validate_features import (compile_problems, cp_mode_problems, fp8_problems, moe_problems,
-                                              muon_problems)
+from megalite.config.validate_features import compile_problems, cp_mode_problems
 from megalite.config.validate_fields import field_problems, text_problems
+from megalite.layers import fp8_config
 from megalite.model.params import count_params
+from megalite.moe import config as moe_config
+from megalite.optim import config as optim_config
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -35,8 +37,6 @@ _CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "parallel.cp_mode": ("ring", "allgather", "a2a", "hybrid"),
     "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
-    "train.fp8": ("none", "tensorwise", "rowwise"),
-    "train.optimizer": ("adamw", "muon"),
 })
 
 
@@ -58,11 +58,11 @@ def _value_problems(cfg: Config) -> list[str]:
                   "data.demo_max_bytes", "data.demo_vocab_size"]
     out += [f"{k} must be >= 1, got {_get(cfg, k)}" for k in at_least_1 if _get(cfg, k) < 1]
     at_least_0 = ["model.vocab_size", "train.warmup_steps", "train.eval_interval", "train.eval_steps",
-                  "train.max_skipped_steps", "checkpoint.interval", "train.weight_decay", "train.clip_grad",
+                  "train.max_skipped_steps", "checkpoint.interval", "train.clip_grad",
                   "train.min_lr", "train.spike_factor", "train.watchdog_factor", "train.watchdog_min_s",
                   "parallel.zero3_prefetch"]
     out += [f"{k} must be >= 0, got {_get(cfg, k)}" for k in at_least_0 if _get(cfg, k) < 0]
-    positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "train.adam_eps", "parallel.timeout_s",
+    positive = ["model.norm_eps", "model.rope_theta", "model.init_std", "parallel.timeout_s",
                 "parallel.bucket_mb", "parallel.first_bucket_mb"]
     out += [f"{k} must be > 0, got {_get(cfg, k)}" for k in positive if not _get(cfg, k) > 0]
     if cfg.parallel.zero not in (0, 1, 2, 3):
@@ -73,9 +73,6 @@ def _value_problems(cfg: Config) -> list[str]:
         out.append(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if not 0 <= cfg.data.valid_fraction < 1:
         out.append(f"data.valid_fraction must be in [0, 1), got {cfg.data.valid_fraction}")
-    for k in ("train.beta1", "train.beta2"):
-        if not 0 <= _get(cfg, k) < 1:
-            out.append(f"{k} must be in [0, 1), got {_get(cfg, k)}")
     if not cfg.train.lr > 0:
         out.append(f"train.lr must be > 0, got {cfg.train.lr}")
     elif cfg.train.min_lr > cfg.train.lr:
@@ -320,13 +317,14 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _path_problems(cfg) if not texts else []
     problems += _size_problems(cfg)
     problems += _layout_problems(cfg, world_size)
-    problems += moe_problems(cfg)
+    m, p = cfg.model, cfg.parallel
+    problems += moe_config.problems(cfg.moe, m.num_layers, m.ffn_hidden_size, p.tp, p.dp, p.cp, p.ep)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
-    problems += muon_problems(cfg)
+    problems += optim_config.problems(cfg.optimizer, cfg.muon)
     problems += _environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (validate_fields.py)
-    problems += fp8_problems(cfg, device_type)
+    problems += fp8_config.problems(cfg.fp8, cfg.train.dtype, device_type)
     problems += compile_problems(cfg, device_type)
     cli.raise_if(problems, "invalid config")
 

@@ -1,5 +1,5 @@
-"""The rules of the features that came after the core layout rules: context-parallel modes, FP8,
-mixture of experts and Muon, one function each, called by `validate.validate` with the others (one line per problem)."""
+"""The rules of the features that came after the core layout rules: context-parallel modes and torch.compile,
+one function each, called by `validate.validate` with the others (one line per problem)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,6 @@ import math
 import os
 import shutil
 from typing import TYPE_CHECKING
-
-import torch
-
-from megalite.errors import ConfigError
-from megalite.layers import scaled_mm
 
 if TYPE_CHECKING:
     from megalite.config.schema import Config
@@ -35,94 +30,6 @@ def cp_mode_problems(cfg: Config) -> list[str]:
     return [f"parallel.cp_mode={p.cp_mode} splits each tp rank's {heads} query and {kv} kv heads (num_heads "
             f"{m.num_heads}, num_kv_heads {m.num_kv_heads} over tp {p.tp}) into {name} = {degree} equal groups: both "
             f"must be divisible by {name}; use cp_mode=ring or allgather{other}"]
-
-
-def fp8_problems(cfg: Config, device_type: str) -> list[str]:
-    """train.fp8 against the torch, the device and the dtype it would run with (docs/fp8.md)."""
-    tr = cfg.train
-    if tr.fp8 == "none":
-        return []
-    out: list[str] = []
-    if tr.fp8_min_dim < 1:
-        out.append(f"train.fp8_min_dim must be >= 1, got {tr.fp8_min_dim}")
-    try:
-        scaled_mm.check_available()
-    except ConfigError as e:
-        out.append(str(e))
-    if tr.dtype == "fp16":
-        out.append(f"train.fp8={tr.fp8} with train.dtype=fp16 is not supported (fp16 loss scaling would scale the "
-                   "gradients FP8 re-scales anyway): use train.dtype=bf16 (or fp32)")
-    if device_type == "cuda" and torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        if cap < scaled_mm.MIN_CUDA_CAPABILITY:
-            out.append(f"train.fp8={tr.fp8} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
-                       f"newer) but {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}: set train.fp8=none")
-    return out
-
-
-def moe_problems(cfg: Config) -> list[str]:
-    """Mixture-of-experts fields and expert parallelism (megalite/moe, docs/moe.md)."""
-    m, p = cfg.model, cfg.parallel
-    out: list[str] = []
-    if m.moe_experts < 0:
-        out.append(f"model.moe_experts must be >= 0 (0 = dense), got {m.moe_experts}")
-    if p.ep < 1:
-        out.append(f"parallel.ep must be >= 1, got {p.ep}")
-        return out
-    if m.moe_experts <= 0:
-        if p.ep > 1:
-            out.append(f"parallel.ep={p.ep} needs a mixture-of-experts model: set model.moe_experts > 0 or ep=1")
-        return out
-    if m.moe_router not in ("mixtral", "qwen3", "deepseek"):
-        out.append(f"model.moe_router: {m.moe_router!r} is not one of mixtral, qwen3, deepseek")
-    if not 1 <= m.moe_top_k <= m.moe_experts:
-        out.append(f"model.moe_top_k {m.moe_top_k} must be between 1 and model.moe_experts {m.moe_experts}")
-    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
-        out.append(f"model.moe_capacity_factor must be > 0 (or unset for dropless), got {m.moe_capacity_factor}")
-    for key in ("moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size", "moe_first_dense"):
-        if getattr(m, key) < 0:
-            out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
-    if m.moe_every < 1:
-        out.append(f"model.moe_every must be >= 1, got {m.moe_every}")
-    elif m.num_layers > 0 and m.moe_first_dense >= m.num_layers:  # would train a dense model, silently
-        out.append(f"model.moe_first_dense {m.moe_first_dense} leaves no MoE layer among the {m.num_layers} layers: "
-                   "lower it, or set model.moe_experts=0 for a dense model")
-    if not m.moe_route_scale > 0:
-        out.append(f"model.moe_route_scale must be > 0 (it multiplies the routing weights), got {m.moe_route_scale}")
-    for key in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
-        if not getattr(m, key) >= 0:
-            out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
-    if m.moe_groups < 1 or m.moe_experts % m.moe_groups:
-        out.append(f"model.moe_groups {m.moe_groups} must divide model.moe_experts {m.moe_experts}")
-    elif m.moe_groups > 1 and (not 1 <= m.moe_group_top_k <= m.moe_groups  # groups 1: group routing off
-                               or m.moe_top_k > m.moe_group_top_k * (m.moe_experts // m.moe_groups)):
-        out.append(f"model.moe_group_top_k {m.moe_group_top_k} must be in 1..moe_groups {m.moe_groups} and leave "
-                   f"at least moe_top_k {m.moe_top_k} experts")
-    if m.moe_experts % p.ep:
-        out.append(f"model.moe_experts {m.moe_experts} is not divisible by parallel.ep {p.ep}: each expert-parallel "
-                   "rank needs an equal share of the experts")
-    if p.dp >= 1 and p.cp >= 1 and (p.dp * p.cp) % p.ep:
-        out.append(f"parallel.ep {p.ep} does not divide dp x cp = {p.dp} x {p.cp} = {p.dp * p.cp}: expert "
-                   "parallelism takes its ranks from the data- and context-parallel ones")
-    shared = m.moe_shared_experts * (m.moe_shared_ffn_hidden_size or m.moe_ffn_hidden_size or m.ffn_hidden_size)
-    if shared and shared % p.tp:
-        out.append(f"the shared experts' width {shared} is not divisible by parallel.tp {p.tp}")
-    return out
-
-
-def muon_problems(cfg: Config) -> list[str]:
-    """train.optimizer=muon's fields (megalite/optim/muon.py, docs/muon.md)."""
-    tr = cfg.train
-    if tr.optimizer != "muon":
-        return []
-    out: list[str] = []
-    if not 0 <= tr.muon_momentum < 1:
-        out.append(f"train.muon_momentum must be in [0, 1), got {tr.muon_momentum}")
-    if tr.muon_ns_steps < 1:
-        out.append(f"train.muon_ns_steps must be >= 1 (Newton-Schulz steps), got {tr.muon_ns_steps}")
-    if not tr.muon_rms > 0:
-        out.append(f"train.muon_rms must be > 0, got {tr.muon_rms}")
-    return out
 
 
 def compile_problems(cfg: Config, device_type: str) -> list[str]:

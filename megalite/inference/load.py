@@ -14,19 +14,21 @@ from typing import Any
 
 import torch
 
+from megalite.checkpoint.layout import moe_from_info
 from megalite.checkpoint.sharded import find, load_sharded, read_index
-from megalite.config.schema import DataConfig, ModelConfig
+from megalite.config.schema import DataConfig, ModelArgs
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import CheckpointError, DataError
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 
 
-def model_config_from_info(info: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig with the checkpoint's recorded dims (torch kernels: generation runs the torch ops)."""
-    cfg = ModelConfig()
+def model_config_from_info(info: dict[str, Any]) -> ModelArgs:
+    """The model a checkpoint's recorded dims describe, its `[moe]` section included (torch kernels: generation
+    runs the torch ops)."""
+    cfg = ModelArgs(moe=moe_from_info(info))
     for key, value in info.items():
-        if hasattr(cfg, key):
+        if hasattr(cfg, key) and key != "moe":
             setattr(cfg, key, value)
     cfg.kernels, cfg.dropout, cfg.recompute = "torch", 0.0, "none"
     return cfg

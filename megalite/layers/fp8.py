@@ -1,6 +1,6 @@
 """FP8 linears with current (just-in-time) scaling, the same numbers at every parallel layout.
 
-`train.fp8` = tensorwise | rowwise turns the column- and row-parallel linears chosen by the filter
+`fp8.recipe` = tensorwise | rowwise turns the column- and row-parallel linears chosen by the filter
 (`fp8_filter`) into FP8 GEMMs (`megalite.layers.scaled_mm`). docs/fp8.md has the whole recipe; in short,
 for one linear y = x W^T with x [T, in] (T tokens), W [out, in], g = dL/dy [T, out]:
 
@@ -174,7 +174,7 @@ def amax_reductions(recipe: Recipe, splits: Splits, tokens: int, in_local: int, 
 
 @dataclass(frozen=True)
 class Fp8Settings:
-    """`train.fp8` and its filter: a linear runs in FP8 when it is not the output layer and
+    """`fp8.recipe` and its filter: a linear runs in FP8 when it is not the output layer and
     min(in_features, every output part) >= min_dim, on the logical (unsharded) shape so that every
     layout makes the same choice."""
 
@@ -183,7 +183,7 @@ class Fp8Settings:
 
 
 def fp8_settings(recipe: str, min_dim: int) -> Fp8Settings | None:
-    """`train.fp8` / `train.fp8_min_dim` as settings (None for "none"); validation has checked the name."""
+    """`fp8.recipe` / `fp8.min_dim` as settings (None for "none"); validation has checked the name."""
     if recipe == "none":
         return None
     if recipe not in ("tensorwise", "rowwise"):

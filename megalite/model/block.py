@@ -24,9 +24,9 @@ from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops, apply_rope, masked_attention
 from megalite.model.spec import ModelSpec, head_dim
+from megalite.moe.config import MoEConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.losses import AuxScale
-from megalite.moe.settings import MoESettings
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
@@ -34,9 +34,10 @@ from megalite.parallel.state import ParallelState
 
 @dataclass(frozen=True)
 class MoEContext:
-    """What a block needs to build a MoE FFN: the settings, the model's shared aux-loss scale, the MoE layer count."""
+    """What a block needs to build a MoE FFN: the resolved `[moe]` section (`MoEConfig.resolved`), the model's shared
+    aux-loss scale, the MoE layer count."""
 
-    settings: MoESettings
+    settings: MoEConfig
     aux_scale: AuxScale
     num_layers: int
 
@@ -107,7 +108,7 @@ class Attention(nn.Module):
                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
         self.q_norm: HeadNorm | None = None
         self.k_norm: HeadNorm | None = None
-        if getattr(cfg, "qk_norm", False):  # model.qk_norm (Qwen3); absent from older configs
+        if cfg.qk_norm:  # model.qk_norm (Qwen3)
             self.q_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
             self.k_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
 

@@ -24,7 +24,6 @@ from megalite.model.block import Block, MoEContext, Norm
 from megalite.model.ops import get_ops, resolve_kernels
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.losses import AuxScale
-from megalite.moe.settings import MoESettings, moe_layers
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
 from megalite.parallel.random import RNGStreams
@@ -63,9 +62,10 @@ class GPT(nn.Module):
                                                     name="embedding", seed=seed, std=cfg.init_std)
             if cfg.arch == "gpt2":
                 self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
-        moe_settings = MoESettings.from_model(cfg)
+        moe_settings = cfg.moe.resolved(cfg.ffn_hidden_size)
         self.aux_scale = AuxScale()
-        moe = (MoEContext(moe_settings, self.aux_scale, len(moe_layers(cfg))) if moe_settings is not None else None)
+        moe = (MoEContext(moe_settings, self.aux_scale, len(cfg.moe.layers(cfg.num_layers)))
+               if moe_settings is not None else None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe)
                                      for i in self.layer_ids})
         self.final_norm: Norm | None = None

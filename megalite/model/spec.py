@@ -1,15 +1,19 @@
 """What the model reads of its configuration: a Protocol, so the model (a core layer) does not depend on the
-config package above it. `megalite.config.ModelConfig` satisfies it once resolved (`config.derive`: vocab
-size from the tokenizer, num_kv_heads / ffn_hidden_size / tie_embeddings filled in)."""
+config package above it. `megalite.config.ModelArgs` (the `[model]` and `[moe]` sections) satisfies it once
+resolved (`config.derive`: vocab size from the tokenizer, num_kv_heads / ffn_hidden_size / tie_embeddings filled
+in). Every field is read as is: configs written before a field existed are mapped when loaded
+(`megalite.config.aliases`), not guessed here."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from megalite.moe.config import MoEConfig
+
 
 def head_dim(cfg: ModelSpec) -> int:
     """The attention head width: `head_dim` where a config sets it (model.head_dim, Qwen3), else hidden / heads."""
-    return getattr(cfg, "head_dim", 0) or cfg.hidden_size // cfg.num_heads
+    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
 
 
 class ModelSpec(Protocol):
@@ -45,3 +49,9 @@ class ModelSpec(Protocol):
     def kernels(self) -> str: ...  # auto | torch | triton
     @property
     def recompute(self) -> str: ...  # none | selective | full
+    @property
+    def qk_norm(self) -> bool: ...  # Qwen3's per-head RMSNorm of q and k
+    @property
+    def head_dim(self) -> int: ...  # 0 = hidden_size / num_heads
+    @property
+    def moe(self) -> MoEConfig: ...  # the [moe] section; experts = 0 is a dense model

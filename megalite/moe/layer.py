@@ -18,7 +18,7 @@ from megalite.moe.dispatch import combine, dispatch
 from megalite.moe.experts import Activations, Experts
 from megalite.moe.losses import AuxScale, attach, balance_share, z_share
 from megalite.moe.router import Router
-from megalite.moe.settings import MoESettings
+from megalite.moe.config import MoEConfig
 from megalite.moe.stats import LayerStats
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -36,18 +36,18 @@ def _eager_under_compile(forward: Callable[..., torch.Tensor]) -> Callable[..., 
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg, s: MoESettings, state: ParallelState, ops: Activations, name: str, seed: int,
+    def __init__(self, cfg, s: MoEConfig, state: ParallelState, ops: Activations, name: str, seed: int,
                  aux_scale: AuxScale, num_moe_layers: int, mlp_cls: type[nn.Module]) -> None:
         super().__init__()
         self.s, self.state, self.aux_scale = s, state, aux_scale
         self.num_moe_layers = max(1, num_moe_layers)
         self.router = Router(cfg.hidden_size, s, state.sp, f"{name}.router", seed, cfg.init_std)
-        self.experts = Experts(s.experts, cfg.hidden_size, s.ffn, cfg.arch == "llama", state, ops,
+        self.experts = Experts(s.experts, cfg.hidden_size, s.ffn_hidden_size, cfg.arch == "llama", state, ops,
                                f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
         self.shared: nn.Module | None = None
-        if s.shared:
+        if s.shared_experts:
             shared_cfg = copy.copy(cfg)  # the model config with the shared experts' fused width
-            shared_cfg.ffn_hidden_size = s.shared * s.shared_ffn
+            shared_cfg.ffn_hidden_size = s.shared_experts * s.shared_ffn_hidden_size
             self.shared = mlp_cls(shared_cfg, state, ops, f"{name}.shared", seed)
         self.stats = LayerStats(s.experts)
 

@@ -1,4 +1,4 @@
-"""What `train.fp8` changes in the estimate: which GEMMs run in FP8 under the filter, their share of the
+"""What `fp8.recipe` changes in the estimate: which GEMMs run in FP8 under the filter, their share of the
 matmul FLOPs, the amax all-reduce traffic, the transient FP8 weight copies, and the FP8 peak.
 
 The filter and the amax reductions are megalite/layers/fp8.py's own (`fp8_filter`, `amax_reductions`), so

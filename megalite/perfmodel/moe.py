@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megalite.errors import ConfigError
-from megalite.moe.settings import MoESettings, moe_layers
+from megalite.model.spec import ModelSpec
+from megalite.moe.settings import moe_layers, moe_settings
 from megalite.perfmodel.estimate import Memory, count_params, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
 from megalite.perfmodel.inputs import Precision
@@ -38,21 +39,21 @@ def expert_params(arch: str, hidden: int, ffn: int) -> int:
     return (3 if arch == "llama" else 2) * hidden * ffn
 
 
-def moe_param_counts(m: Any) -> MoEParams:
+def moe_param_counts(m: ModelSpec) -> MoEParams:
     """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE)."""
     tie = bool(m.tie_embeddings)
     dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
                          m.vocab_size, m.seq_len, tie)
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     if s is None:
         return MoEParams(dense, dense, 0)
     n = len(moe_layers(m))
     h = m.hidden_size
     dense_mlp = expert_params(m.arch, h, m.ffn_hidden_size) + (m.ffn_hidden_size + h if m.arch == "gpt2" else 0)
-    one = expert_params(m.arch, h, s.ffn)
+    one = expert_params(m.arch, h, s.ffn_hidden_size)
     shared = 0
-    if s.shared:
-        fs = s.shared * s.shared_ffn
+    if s.shared_experts:
+        fs = s.shared_experts * s.shared_ffn_hidden_size
         shared = expert_params(m.arch, h, fs) + (fs + h if m.arch == "gpt2" else 0)
     per_layer = h * s.experts + s.experts * one + shared
     total = dense + n * (per_layer - dense_mlp)
@@ -107,7 +108,7 @@ def busiest(load_max_over_mean: float | None, ep: int) -> float:
     return min(load_max_over_mean, float(ep))
 
 
-def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, micro_batch_size: int,
+def moe_estimate(m: ModelSpec, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, micro_batch_size: int,
                  num_microbatches: int, sp: bool, prec: Precision = Precision(),
                  load_max_over_mean: float | None = None) -> MoEEstimate:
     """What the estimator adds for a MoE model config `m` (resolved) at a layout (module doc for the bytes).
@@ -116,15 +117,15 @@ def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int,
     of the model is as dense (split over tp, states over dp x cp). Experts are replicated over tp (megalite
     does not split an expert over tp), so tp does not divide them. The stage with the most MoE layers."""
     counts = moe_param_counts(m)
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     if s is None:
-        raise ValueError("moe_estimate needs a MoE model (moe_experts > 0)")
+        raise ValueError("moe_estimate needs a MoE model (moe.experts > 0)")
     if (dp * cp) % ep or s.experts % ep:
         raise ConfigError(f"ep={ep} must divide dp x cp = {dp * cp} and the {s.experts} experts")
     layers = moe_layers(m)
     per_stage = -(-m.num_layers // pp)  # uneven splits (DeepSeek-V3's 61 layers over 16): the larger stages
     most = max(sum(1 for i in layers if r * per_stage <= i < (r + 1) * per_stage) for r in range(pp))
-    one = expert_params(m.arch, m.hidden_size, s.ffn)
+    one = expert_params(m.arch, m.hidden_size, s.ffn_hidden_size)
     experts_rank = float(most * s.experts // ep * one)
     dense_rank = (counts.total - counts.experts) / (tp * pp)
     edp = dp * cp // ep
@@ -153,39 +154,38 @@ def moe_preset_model(preset: str | None, overrides: Mapping[str, Any] | None = N
     """The resolved model config of a config preset with experts (None for a dense or unknown one), with the
     tools' explicit model flags (`overrides`: --num-layers, --seq-len ...; None = not given) applied, as they
     are to the dense sections."""
-    from dataclasses import asdict
+    from megalite.config import PRESETS, config_from_dict
 
-    from megalite.config import PRESETS, ModelConfig
-
-    if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe_experts"):
+    if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe"):
         return None
     flags = {k: v for k, v in (overrides or {}).items() if k in _DIM_FLAGS and v is not None}
-    return _resolved(ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset], **flags}))
+    return _resolved(config_from_dict({"model": {"preset": preset, **flags}}))
 
 
-def _resolved(model: Any) -> Any:
+def _resolved(cfg: Any) -> Any:
+    from megalite.config import ModelArgs
     from megalite.config.derive import resolve
-    from megalite.config.schema import Config
 
-    m = resolve(Config(model=model), 1).model
+    r = resolve(cfg, 1)
+    m = ModelArgs.of(r.model, r.moe)
     m.vocab_size = m.vocab_size or 2048
     return m
 
 
 def moe_model_for(preset: str | None, overrides: Mapping[str, Any], config_argv: Sequence[str]) -> tuple[Any, int]:
     """(the MoE model config to price or None, the config's parallel.ep): from --preset, else from a pretrain
-    config (`--config FILE`, `--model.preset tiny-moe`, `--model.moe_experts 8`, ...), with the model flags
+    config (`--config FILE`, `--model.preset tiny-moe`, `--moe.experts 8`, ...), with the model flags
     applied to either."""
     from dataclasses import replace
 
     from megalite.config import parse_args
 
     cfg = parse_args(list(config_argv)) if config_argv else None
-    ep = getattr(cfg.parallel, "ep", 1) if cfg is not None else 1
+    ep = cfg.parallel.ep if cfg is not None else 1
     if preset is not None or cfg is None:  # --preset wins over a config's model, as for the dense sections
         return moe_preset_model(preset, overrides), ep
     flags = {k: v for k, v in overrides.items() if k in _DIM_FLAGS and v is not None}
-    return (_resolved(replace(cfg.model, **flags)) if getattr(cfg.model, "moe_experts", 0) else None), ep
+    return (_resolved(replace(cfg, model=replace(cfg.model, **flags))) if cfg.moe.experts else None), ep
 
 
 def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_argv: Sequence[str] = (),
@@ -199,7 +199,7 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
     if m is None:
         if ep > 1:
             raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (a MoE preset such as tiny-moe or "
-                              "mixtral-8x7b, or a config with model.moe_experts > 0)")
+                              "mixtral-8x7b, or a config with moe.experts > 0)")
         return {}, []
     from dataclasses import asdict
 
@@ -232,15 +232,15 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
     return result, lines
 
 
-def _muon_experts(m: Any, layout: Any, ep: int) -> tuple[dict, str]:
+def _muon_experts(m: ModelSpec, layout: Any, ep: int) -> tuple[dict, str]:
     """Muon on the experts (`megalite.parallel.param_spec.MatrixStack`): each expert's logical matrices
     orthogonalised on one owner over edp (ZeRO >= 1; every edp rank at ZeRO 0) and by every TP rank alike
     (experts are whole there: no tp bytes); the dp part's bytes bounded as `muon.muon_dp_bytes_bound`."""
     from megalite.perfmodel.muon import muon_dp_bytes_bound, ns_flops
 
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     assert s is not None
-    h, f = m.hidden_size, s.ffn
+    h, f = m.hidden_size, s.ffn_hidden_size
     per_expert = [(f, h), (f, h), (h, f)] if m.arch == "llama" else [(f, h), (h, f)]
     per_stage = -(-m.num_layers // layout.pp)
     most = max(sum(1 for i in moe_layers(m) if r * per_stage <= i < (r + 1) * per_stage) for r in range(layout.pp))

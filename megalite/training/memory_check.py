@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from megalite.config import PRESETS, Config, ModelConfig
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
+from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 from megalite.perfmodel.peak_memory import PeakMemory, PeakOptions, peak_memory
 
@@ -116,12 +118,15 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
             if (need := _needed(c, processes)) is not None and need <= available]
     if not fits:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
-            shape: dict[str, Any] = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
+            # The tokenizer's vocab_size stays; a MoE preset's `moe` table is its [moe] section.
+            shape: dict[str, Any] = {k: v for k, v in values.items() if k not in ("vocab_size", "moe")}
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
                                         recompute=cfg.model.recompute,
                                         make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
+            table = values.get("moe", {})
+            moe = MoEConfig(**table) if isinstance(table, Mapping) else MoEConfig()
             par = cfg.parallel
-            smaller = resolve(dataclasses.replace(cfg, model=model), par.dp * par.tp * par.cp * par.pp)
+            smaller = resolve(dataclasses.replace(cfg, model=model, moe=moe), par.dp * par.tp * par.cp * par.pp)
             need = _needed(smaller, processes)
             if need is not None and need <= available:
                 fits.append(Alternative(f"--model.preset {name}", need))

@@ -56,13 +56,13 @@ def _take_int(argv: list[str], flag: str, default: int) -> int:
 
 def with_checkpoint(cfg: config_mod.Config, argv: list[str] | None) -> config_mod.Config:
     """`cfg` with the model shape of the checkpoint it resumes; a flag contradicting that shape, or another
-    `train.optimizer` than the checkpoint's, is one line here: before any process group starts, and the same
+    `optimizer.name` than the checkpoint's, is one line here: before any process group starts, and the same
     in `--check-config` as in the workers."""
     check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
     cfg = apply_checkpoint_shape(cfg, argv)  # model dims from the checkpoint it loads; contradicting flags refused
     path = sharded.find(cfg.checkpoint.load, cfg.checkpoint.dir)
     if path is not None:
-        check_same_optimizer(sharded.read_index(path), {"train": {"optimizer": cfg.train.optimizer}}, path)
+        check_same_optimizer(sharded.read_index(path), cfg.optimizer.name, path)
     return cfg
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.config import Config
+from megalite.config import Config, ModelArgs
 from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.counter import COMM_CONVENTION
@@ -23,7 +23,7 @@ class StepReport:
                  optimizer: DistributedOptimizer, data_note: str) -> None:
         self.cfg, self.state, self.ctx, self.optimizer, self.data_note = cfg, state, ctx, optimizer, data_note
         m = cfg.model
-        counts = moe_param_counts(m)  # the dense count for a dense model
+        counts = moe_param_counts(ModelArgs.of(m, cfg.moe))  # the dense count for a dense model
         self.n_params, self.n_active = counts.total, counts.active
         # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters).
         self.flops_per_token = model_flops_per_token(self.n_active, m.num_layers, m.hidden_size, m.seq_len)

@@ -23,7 +23,7 @@ from megalite.checkpoint.init_from import resolve_init_from
 from megalite.context import ContextOptions
 from megalite.data import DataBundle, build_data
 from megalite.data.tokenizer import Tokenizer
-from megalite.dp import mib_to_bytes
+from megalite.dp import OverlapSettings, mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.layers.fp8 import enable_fp8, fp8_settings
@@ -32,7 +32,7 @@ from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
-from megalite.optim import MuonSettings, build_distributed_optimizer
+from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
@@ -119,23 +119,19 @@ def build_run(cfg: config_mod.Config) -> Run:
     _check_sample_prompt(cfg, data.tokenizer)
     pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
-    engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
+    model_args = config_mod.ModelArgs.of(cfg.model, cfg.moe)
+    engine = build_pipeline(model_args, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
                             pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
                                                       par.cp_a2a if par.cp_mode == "hybrid" else 1))
-    enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
+    enable_fp8(engine.chunks, fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
     if cfg.model.compile:  # each block's forward, after FP8 swapped its linears (megalite/model/compile.py)
         compile_blocks(engine.chunks, cfg.model.compile_backend)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
-    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
-                                            (tr.beta1, tr.beta2), tr.adam_eps, dtype,
-                                            bucket_bytes=mib_to_bytes(par.bucket_mb),
-                                            first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
-                                            overlap_param_gather=par.overlap_param_gather,
-                                            zero3_prefetch=par.zero3_prefetch, optimizer=tr.optimizer,
-                                            muon=MuonSettings(tr.muon_momentum, tr.muon_nesterov,
-                                                              tr.muon_ns_steps, tr.muon_rms),
-                                            fold_weight_grads=not cfg.model.compile)
+    overlap = OverlapSettings(mib_to_bytes(par.bucket_mb), mib_to_bytes(par.first_bucket_mb), par.overlap_param_gather,
+                              par.zero3_prefetch)
+    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, dtype, cfg.optimizer, cfg.muon,
+                                            SyncOptions(overlap, fold_weight_grads=not cfg.model.compile))
     scaler = LossScaler(enabled=dtype == torch.float16)
     batches = build_batches(cfg, data, state)
     checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, batches, scaler,
