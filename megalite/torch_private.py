@@ -40,12 +40,14 @@ def missing() -> list[str]:
     return out
 
 
-def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], lr: float, beta1: float,
-                 beta2: float, weight_decay: float, eps: float) -> None:
-    """AdamW (decoupled decay, no amsgrad) in place on lists of equally shaped fp32 tensors."""
+def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 moments: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], steps: Sequence[torch.Tensor],
+                 lr: float, betas: tuple[float, float], weight_decay: float, eps: float) -> None:
+    """AdamW (decoupled decay, no amsgrad) in place on lists of equally shaped fp32 tensors; `moments` are
+    (exp_avgs, exp_avg_sqs)."""
+    exp_avgs, exp_avg_sqs = moments
     torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps), lr=lr,
-                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                        beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
                         maximize=False)
 
 

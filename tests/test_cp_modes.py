@@ -22,7 +22,7 @@ from megalite.context import a2a_attention, cp_attention_bytes, hybrid_attention
 from megalite.errors import ConfigError
 from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.estimate import PRESETS, Layout, Precision, estimate
+from megalite.perfmodel.estimate import PRESETS, Hardware, Layout, Precision, estimate
 from tests.test_context_parallel import TOL, _problem, _reference
 from tests.test_cp_training import problems
 
@@ -137,8 +137,8 @@ def test_estimator_cp_bytes_are_each_modes_closed_form(mode: str) -> None:
 
 def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -> None:
     dims = replace(PRESETS["llama-7b"], seq_len=32768)
-    kw = dict(peak_flops=989e12, inter_bytes_per_s=25e9, intra_bytes_per_s=450e9)
-    ring, gather, a2a = (estimate(dims, Layout(tp=8, cp=4, sp=True, global_batch_size=2, cp_mode=m), **kw)
+    kw = Hardware(peak_flops=989e12, inter_bytes_per_s=25e9, intra_bytes_per_s=450e9)
+    ring, gather, a2a = (estimate(dims, Layout(tp=8, cp=4, sp=True, global_batch_size=2, cp_mode=m), hw=kw)
                          for m in ("ring", "allgather", "a2a"))
     kv = 2 * 8192 * (32 // 8) * 128 * 2  # this rank's K/V bytes per layer (bf16, 4 kv heads per tp rank)
     assert gather.memory.activations - ring.memory.activations == pytest.approx(3 * kv * 32, rel=1e-12)

@@ -22,7 +22,7 @@ from megalite.layers.fp8_config import FP8Config
 from megalite.layers.scaled_mm import pow2_scale
 from megalite.layers.linear_fn import part_blocks
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.estimate import Layout, estimate
+from megalite.perfmodel.estimate import Hardware, Layout, estimate
 from megalite.perfmodel.flops import flops_per_token, hfu_ratio, peak_flops
 from megalite.perfmodel.inputs import ModelDims
 
@@ -138,8 +138,9 @@ def test_fp8_peaks_and_the_estimate() -> None:
     assert peak_flops("NVIDIA H100 80GB HBM3", "fp8") == 1979e12 and peak_flops("NVIDIA H200", "fp8") == 1979e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None
     lay = Layout(tp=2, sp=True, micro_batch_size=1, global_batch_size=4)
-    base = estimate(DIMS, lay, peak_flops=989e12, intra_bytes_per_s=300e9)
-    est = estimate(DIMS, lay, peak_flops=989e12, intra_bytes_per_s=300e9, fp8=("rowwise", 128), fp8_peak_flops=1979e12)
+    base = estimate(DIMS, lay, hw=Hardware(peak_flops=989e12, intra_bytes_per_s=300e9))
+    est = estimate(DIMS, lay, hw=Hardware(peak_flops=989e12, intra_bytes_per_s=300e9, fp8_peak_flops=1979e12),
+                   fp8=("rowwise", 128))
     assert est.fp8 is not None and all(g["fp8"] for g in est.fp8["gemms"])
     layer_weights = sum(g["in_features"] * sum(g["out_parts"]) for g in est.fp8["gemms"]) * DIMS.num_layers
     assert est.fp8["fp8_flops_fraction"] == pytest.approx(6 * layer_weights / flops_per_token(DIMS, 0, "none")[1])
@@ -152,7 +153,7 @@ def test_fp8_peaks_and_the_estimate() -> None:
 
 def test_mfu_conventions_and_one_flop_count() -> None:
     for rc in ("none", "selective", "full"):
-        est = estimate(DIMS, Layout(recompute=rc, micro_batch_size=1), peak_flops=989e12, intra_bytes_per_s=1e11)
+        est = estimate(DIMS, Layout(recompute=rc, micro_batch_size=1), hw=Hardware(peak_flops=989e12, intra_bytes_per_s=1e11))
         assert est.predicted_hfu >= est.predicted_mfu > est.predicted_mfu_causal  # type: ignore[operator]
         if rc == "none":
             assert est.predicted_hfu == est.predicted_mfu
@@ -190,7 +191,7 @@ def test_korthikanti_convention_reproduces_table5_hfu(row: str) -> None:
     # One FLOP count in the estimator: HFU = MFU x the ratio, so HFU >= MFU in every mode and convention.
     for rc in ("none", "selective", "full"):
         for conv in ("executed", "korthikanti"):
-            est = estimate(dims, Layout(recompute=rc, micro_batch_size=1), peak_flops=312e12, intra_bytes_per_s=1e11,
-                           hfu_convention=conv)
+            est = estimate(dims, Layout(recompute=rc, micro_batch_size=1),
+                           hw=Hardware(peak_flops=312e12, intra_bytes_per_s=1e11), hfu_convention=conv)
             assert est.predicted_hfu >= est.predicted_mfu, (rc, conv)  # type: ignore[operator]
             assert est.predicted_hfu == pytest.approx(est.predicted_mfu * hfu_ratio(dims, rc, conv), rel=1e-12)  # type: ignore[operator]

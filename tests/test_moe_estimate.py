@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.perfmodel.inputs import Precision
+from megalite.perfmodel.inputs import Layout, Precision
 from megalite.perfmodel.moe import (a2a_bytes_balanced, a2a_bytes_measured, moe_estimate, moe_param_counts,
                                     moe_preset_model)
 
@@ -29,8 +29,8 @@ def test_balanced_bytes_equal_the_measured_formula_at_balanced_routing() -> None
 
 def test_experts_and_their_states_split_over_ep_and_edp() -> None:
     m = _model("mixtral-8x7b")
-    one = moe_estimate(m, 1, 1, 8, 1, 1, 1, 1, 1, False, Precision())
-    eight = moe_estimate(m, 1, 1, 8, 1, 8, 1, 1, 1, False, Precision())
+    one = moe_estimate(m, Layout(dp=8, zero=1), 1, Precision())
+    eight = moe_estimate(m, Layout(dp=8, zero=1), 8, Precision())
     assert eight.expert_params_per_rank * 8 == one.expert_params_per_rank
     assert eight.memory.params < one.memory.params and one.ep_bytes_per_step == 0 < eight.ep_bytes_per_step
 

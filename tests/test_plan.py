@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from megalite.errors import ConfigError
-from megalite.perfmodel.estimate import GB, PRESETS, Layout, Precision, estimate
+from megalite.perfmodel.estimate import GB, PRESETS, Hardware, Layout, Precision, estimate
 from megalite.perfmodel.compare import compare
 from megalite.perfmodel.peak_memory import PLANNER_PEAK, _as_estimated, stage_peak
 from megalite.perfmodel.plan import (RULES, TIE_TOLERANCE, Cluster, _rules_key, auto_cp_sizes, differences,
@@ -29,8 +29,7 @@ def test_175b_on_1024_gpus_keeps_tp_in_a_node_and_fits() -> None:
     assert best.tp <= 8 and 8 % best.tp == 0
     assert best.world == 1024
     # Re-cost the winner independently: its worst stage fits in the usable memory.
-    est = estimate(PRESETS["gpt3-175b"], best, peak_flops=989e12, inter_bytes_per_s=25 * GB,
-                   intra_bytes_per_s=450 * GB)
+    est = estimate(PRESETS["gpt3-175b"], best, hw=Hardware(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB))
     assert est.memory.total <= cluster.memory_limit <= 80 * GB
     assert best.tp * best.pp > 1  # 2.8 TB of model states cannot be plain data parallel
     assert all(c.est.memory.total <= cluster.memory_limit for c in plan.ranked)
@@ -82,7 +81,7 @@ def test_pruning_loses_nothing_against_brute_force() -> None:
             continue
         lay = Layout(tp=tp, pp=pp, dp=dp, zero=zero, sp=tp > 1, vpp=vpp, micro_batch_size=mbs,
                      global_batch_size=gbs, recompute=rc, schedule="interleaved" if vpp > 1 else "1f1b")
-        est = estimate(dims, lay, peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB)
+        est = estimate(dims, lay, hw=Hardware(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB))
         if est.memory.total <= cluster.memory_limit:
             fastest = min(fastest, est.step_seconds_overlapped)
     assert fastest < float("inf")

@@ -32,7 +32,8 @@ from megalite.errors import ConfigError, MegaliteError, entry_point, report  # n
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
-from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
+from megalite.perfmodel.estimate import (GB, PRESETS, Estimate, Hardware, Layout, ModelDims, Precision,  # noqa: E402
+                                         estimate)
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
 from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_params, training_time,  # noqa: E402
@@ -299,9 +300,10 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
         if args.device and fp8_peak is None:
             raise ConfigError(f"--fp8 {args.fp8}: device {args.device!r} has no FP8 tensor cores (or no known FP8 "
                               "peak): use --fp8 none, or an H100/H200-class device")
-    return dict(dims=dims, layout=layout, prec=prec, params=args.params, peak_flops=peak,
-                inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
-                fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim), fp8_peak_flops=fp8_peak,
+    hw = Hardware(peak_flops=peak, inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
+                  fp8_peak_flops=fp8_peak)
+    return dict(dims=dims, layout=layout, prec=prec, params=args.params, hw=hw,
+                fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim),
                 hfu_convention=args.hfu_convention, dtype=dtype, memory_layout=layout_name,
                 memory_device=args.memory_device)
 
@@ -333,7 +335,7 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
                          f"activations, worst stage): {ans.num_layers} layers, {ans.params / 1e9:.3f} B parameters")
         sections["largest_model"] = ans.to_dict()
     est = estimate(**est_kw)
-    peak = kw["peak_flops"]
+    peak = kw["hw"].peak_flops
     if args.step_seconds:
         if not peak:
             raise ConfigError("--step-seconds needs a peak: pass --peak-tflops or --device")
@@ -388,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         lay = kw["layout"]
         inputs = {"layout": vars(lay), "dtype": kw["dtype"], "memory_layout": kw["memory_layout"],
                   "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else vars(kw["dims"]),
-                  "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
-                  "peak_flops": kw["peak_flops"]}
+                  "inter_bytes_per_s": kw["hw"].inter_bytes_per_s, "intra_bytes_per_s": kw["hw"].intra_bytes_per_s,
+                  "peak_flops": kw["hw"].peak_flops}
         print(json.dumps({"inputs": inputs, **est.to_dict(), "peak_memory": peak_of(kw), **sections}, indent=2))
     else:
         print("\n".join([render(est, kw)] + (["", *lines] if lines else [])))

@@ -25,7 +25,7 @@ from megalite.model.spec import ModelSpec
 from megalite.moe.settings import moe_layers, moe_settings
 from megalite.perfmodel.estimate import Memory, count_params, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
-from megalite.perfmodel.inputs import Precision
+from megalite.perfmodel.inputs import Layout, Precision
 
 
 @dataclass(frozen=True)
@@ -108,14 +108,15 @@ def busiest(load_max_over_mean: float | None, ep: int) -> float:
     return min(load_max_over_mean, float(ep))
 
 
-def moe_estimate(m: ModelSpec, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, micro_batch_size: int,
-                 num_microbatches: int, sp: bool, prec: Precision = Precision(),
+def moe_estimate(m: ModelSpec, layout: Layout, ep: int, prec: Precision = Precision(),
                  load_max_over_mean: float | None = None) -> MoEEstimate:
-    """What the estimator adds for a MoE model config `m` (resolved) at a layout (module doc for the bytes).
+    """What the estimator adds for a MoE model config `m` (resolved) at `layout` with `ep` (module doc for the bytes).
 
     Memory: the routed experts are split over ep and their ZeRO states over edp = dp x cp / ep; the rest
     of the model is as dense (split over tp, states over dp x cp). Experts are replicated over tp (megalite
     does not split an expert over tp), so tp does not divide them. The stage with the most MoE layers."""
+    tp, pp, dp, cp, zero, sp = layout.tp, layout.pp, layout.dp, layout.cp, layout.zero, layout.sp
+    micro_batch_size, num_microbatches = layout.micro_batch_size, layout.num_microbatches
     counts = moe_param_counts(m)
     s = moe_settings(m)
     if s is None:
@@ -203,9 +204,7 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
         return {}, []
     from dataclasses import asdict
 
-    mb = layout.num_microbatches
-    est = moe_estimate(m, layout.tp, layout.pp, layout.dp, layout.cp, ep, layout.zero, layout.micro_batch_size, mb,
-                       layout.sp, prec, load_imbalance)
+    est = moe_estimate(m, layout, ep, prec, load_imbalance)
     gb = 1e9
     lines = [f"mixture of experts (ep={ep}, edp={layout.dp * layout.cp // ep}): {est.params_total / 1e9:.3f} B total, "
              f"{est.params_active / 1e9:.3f} B active parameters per token",

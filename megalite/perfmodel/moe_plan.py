@@ -63,8 +63,7 @@ def moe_memory(m: ModelSpec, lay: Layout, ep: int, prec: Precision) -> tuple[flo
     layers (the worst stage holds ceil(L / pp) of them, as DeepSeek-V3's 61 layers over 16 stages)."""
     s = moe_settings(m)
     assert s is not None
-    states = moe_estimate(m, lay.tp, lay.pp, lay.dp, lay.cp, ep, lay.zero, lay.micro_batch_size,
-                          lay.num_microbatches, lay.sp, prec).memory.model_states
+    states = moe_estimate(m, lay, ep, prec).memory.model_states
     dims = active_dims(m)
     dims = replace(dims, num_layers=math.ceil(dims.num_layers / lay.pp) * lay.pp)
     acts = stage_activation_bytes(dims, lay, prec, 0, lay.num_microbatches)
@@ -103,8 +102,7 @@ class MoECandidate:
 def moe_cost(m: ModelSpec, lay: Layout, ep: int, cluster: Cluster, prec: Precision) -> MoECandidate:
     states, acts = moe_memory(m, lay, ep, prec)
     dense = cost(active_dims(m), lay, cluster, prec).step_seconds
-    a2a = moe_estimate(m, lay.tp, lay.pp, lay.dp, lay.cp, ep, lay.zero, lay.micro_batch_size,
-                       lay.num_microbatches, lay.sp, prec).ep_bytes_per_step  # balanced routing, `moe` module doc
+    a2a = moe_estimate(m, lay, ep, prec).ep_bytes_per_step  # balanced routing, `moe` module doc
     crosses = ep > 1 and ep_crosses_nodes(lay, ep, cluster.gpus_per_node)
     bw = cluster.inter_bytes_per_s if crosses else cluster.intra_bytes_per_s
     return MoECandidate(lay, ep, states, acts, dense, a2a, a2a / bw, crosses)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
 from megalite.errors import ConfigError
-from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate
+from megalite.perfmodel.estimate import GB, Estimate, Hardware, Layout, ModelDims, Precision, dims_params, estimate
 from megalite.perfmodel.peak_memory import PLANNER_PEAK, peak_memory
 
 
@@ -319,9 +319,9 @@ def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -> Can
     that fits in a node, too)."""
     inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
     ring = cluster.intra_bytes_per_s if cluster.gpus_per_node % (lay.tp * lay.cp) == 0 else inter
-    est = estimate(dims, lay, prec, peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
-                   intra_bytes_per_s=cluster.intra_bytes_per_s, efficiency=cluster.efficiency,
-                   cp_bytes_per_s=ring)
+    est = estimate(dims, lay, prec, hw=Hardware(peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
+                                              intra_bytes_per_s=cluster.intra_bytes_per_s,
+                                              efficiency=cluster.efficiency, cp_bytes_per_s=ring))
     return Candidate(lay, est, cluster.peak_flops)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from megalite.checkpoint.offline import write_checkpoint
+from megalite.checkpoint.offline import Carried, Target, write_checkpoint
 from megalite.checkpoint.sharded import read_index
 from megalite.checkpoint.storage import SlabReader
 
@@ -48,7 +48,7 @@ def to_megalite(source: Source, out: Path, tp: int = 1, pp: int = 1, vpp: int = 
                 pp_layers: list[int] | None = None, show_progress: bool = True) -> Path:
     """Write `source` as a megalite checkpoint laid out for (tp, pp, vpp)."""
     try:
-        return write_checkpoint(out, source.shapes, source.fetch, source.info, tp, pp, vpp, pp_layers, source.extra,
-                                source.step, source.optimizer_step, show_progress)
+        return write_checkpoint(out, source.shapes, source.fetch, source.info, Target(tp, pp, vpp, pp_layers),
+                                Carried(source.extra, source.step, source.optimizer_step), show_progress)
     finally:
         source.close()
