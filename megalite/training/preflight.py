@@ -22,7 +22,7 @@ import torch
 from megalite import config as config_mod
 from megalite.checkpoint import sharded
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
-from megalite.config.validate_fields import check_text_fields
+from megalite.config.values import check_text_fields
 from megalite.errors import ConfigError
 from megalite.training.checkpointing import check_same_optimizer
 from megalite.training.memory_check import check_memory_of, tokenizer_vocab_size
