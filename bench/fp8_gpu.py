@@ -38,7 +38,7 @@ from megalite.optim import build_distributed_optimizer  # noqa: E402
 from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.perfmodel.estimate import count_params  # noqa: E402
+from megalite.perfmodel.estimate import ParamShape, count_params  # noqa: E402
 from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 
@@ -102,8 +102,8 @@ def bench_model(device: torch.device, smoke: bool, mbs: int, steps: int) -> dict
     model = GPT(cfg, state, seed=1234).to(device)
     dtype = torch.bfloat16
     opt = build_distributed_optimizer(model, state, 0, dtype, OptimizerConfig())
-    n = count_params(cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size,
-                     cfg.vocab_size, cfg.seq_len, bool(cfg.tie_embeddings))
+    n = count_params(ParamShape(cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                cfg.ffn_hidden_size, cfg.vocab_size, cfg.seq_len, bool(cfg.tie_embeddings)))
     fpt = model_flops_per_token(n, cfg.num_layers, cfg.hidden_size, cfg.seq_len)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak, fp8_peak = peak_flops(name, "bf16"), peak_flops(name, "fp8")

@@ -49,7 +49,7 @@ from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.optim.zero import ZeroOptimizer  # noqa: E402
-from megalite.pipeline import PipelineEngine, build_pipeline  # noqa: E402
+from megalite.pipeline import PipelineEngine, StagePlan, build_pipeline  # noqa: E402
 from megalite.pipeline.simulate import simulate  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 
@@ -71,7 +71,8 @@ def megalite_pipeline(cfg: ModelArgs, state: ParallelState, schedule: str, micro
                       seed: int = 1234) -> tuple[PipelineEngine, ZeroOptimizer]:
     """megalite's engine for `schedule` on this rank's stage(s) and its optimizer (zero=0, fp32), as pretrain.py
     builds them (also used by bench/dist_compare.py against torch.distributed.pipelining)."""
-    engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32, vpp=_vpp(schedule), schedule=schedule)
+    engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32,
+                            stages=StagePlan(vpp=_vpp(schedule), schedule=schedule))
     model = engine.chunks[0] if len(engine.chunks) == 1 else torch.nn.ModuleList(engine.chunks)
     return engine, build_distributed_optimizer(model, state, 0, torch.float32, OptimizerConfig())
 
@@ -99,7 +100,8 @@ class TorchPeer:
 
     def __init__(self, schedule: str, cfg: ModelArgs, state: ParallelState, micro_batch: int, num_micro: int,
                  seed: int, lr: float, clip: float) -> None:
-        engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32, vpp=_vpp(schedule), schedule=schedule)
+        engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32,
+                                stages=StagePlan(vpp=_vpp(schedule), schedule=schedule))
         self.state, self.clip = state, clip
         self.first = 0 in engine.chunk_stages
         self.last = engine.num_stages - 1 in engine.chunk_stages

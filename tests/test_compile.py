@@ -47,7 +47,7 @@ from megalite.parallel.comm import OUTSIDE_GRAPH
 from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import train_step
 from megalite.training.trainer import main
 from tests.moe_utils import moe_layout, tiny_moe_cfg
@@ -153,8 +153,8 @@ def _check_case(c: Case) -> None:
         data = [torch.where(d % 5 == 0, EOD, d) for d in data]
     context = ContextOptions.of("ring", EOD if c.documents else None)
     ref, ref_results = _reference(cfg, data, context, c.fp8)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=c.vpp,
-                            schedule=c.schedule, context=context)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(vpp=c.vpp, schedule=c.schedule), context=context)
     chunks = list(engine.chunks)
     enable_fp8(chunks, fp8_settings(c.fp8 or "none", FP8_MIN_DIM), st)
     assert compile_blocks(chunks, "aot_eager") == sum(len(chunk.layers) for chunk in chunks)

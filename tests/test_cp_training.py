@@ -36,7 +36,7 @@ from megalite.optim import build_distributed_optimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import evaluate, train_step
 from tests.parallel_utils import (layout, micro_batches, random_steps, reference_optimizer,
                                   step_context, tiny_model_cfg, tiny_train_cfg)
@@ -98,8 +98,8 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
         data = [torch.where(d % 5 == 0, eod, d) for d in data]
     context = ContextOptions.of(mode, eod)
     ref, ref_results = reference_run(cfg, data, context)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule,
-                            context=context)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(vpp=vpp, schedule=schedule), context=context)
     chunks = engine.chunks
     model = chunks[0] if vpp == 1 else nn.ModuleList(chunks)
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)

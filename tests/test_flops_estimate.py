@@ -17,7 +17,7 @@ import pytest
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import (
     PRESETS, Layout, ModelDims, Precision, activation_bytes_per_layer, bubble_overhead,
-    count_params, dims_params, dp_comm_bytes, estimate, microbatches_in_flight, pipeline_bubble,
+    ParamShape, count_params, dims_params, dp_comm_bytes, estimate, microbatches_in_flight, pipeline_bubble,
     pp_comm_bytes, stage_params, tp_comm_bytes, zero_memory,
 )
 from megalite.perfmodel.flops import (
@@ -116,9 +116,9 @@ def test_count_params_tiny_llama_by_hand() -> None:
     layer = q_o + k_v + mlp + norms  # 196864
     expected = 4 * layer + 128 + 2048 * 128 * 2  # + final norm + embedding + head
     assert expected == 1_311_872
-    assert count_params("llama", 4, 128, 4, 2, 384, 2048, 256, False) == expected
+    assert count_params(ParamShape("llama", 4, 128, 4, 2, 384, 2048, 256, False)) == expected
     assert dims_params(PRESETS["tiny"]) == expected
-    assert count_params("llama", 4, 128, 4, 2, 384, 2048, 256, True) == expected - 2048 * 128
+    assert count_params(ParamShape("llama", 4, 128, 4, 2, 384, 2048, 256, True)) == expected - 2048 * 128
 
 
 def test_count_params_published_models() -> None:
@@ -276,7 +276,7 @@ def test_cli_reads_a_real_config(tmp_path: Path, capsys: pytest.CaptureFixture[s
     cfg.write_text('[model]\npreset = "tiny"\nseq_len = 64\n\n[parallel]\nzero = 2\n')
     out = _cli_json(["--config", str(cfg), "--model.num_layers", "2", "--dp", "4"], capsys)
     # tiny: h 128, 4 heads, 2 kv heads, ffn round_up(int(8h/3), 64) = 384, demo vocab 2048, untied.
-    assert out["params"] == count_params("llama", 2, 128, 4, 2, 384, 2048, 64, False)
+    assert out["params"] == count_params(ParamShape("llama", 2, 128, 4, 2, 384, 2048, 64, False))
     assert out["inputs"]["layout"]["zero"] == 2 and out["inputs"]["layout"]["dp"] == 4
     # A pretrain config is estimated as pretrain.py runs it: megalite's memory layout (fp32 main grads)
     # and dtype auto resolved as the trainer does (bf16 on CUDA, fp32 on CPU).

@@ -27,7 +27,7 @@ from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.moe import a2a_bytes_measured
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import StepContext, train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
 from tests.parallel_utils import ADAMW, HYPER, micro_batches, random_steps, tiny_train_cfg
@@ -69,7 +69,8 @@ def _check(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, ep: int, r
     cfg = tiny_moe_cfg(arch, seq_len=SEQ, num_layers=2 * pp, moe_router=router, recompute=recompute, **moe)
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
     ref, ref_results = _reference(cfg, data, bias)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, schedule=schedule)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(schedule=schedule))
     model = engine.chunks[0]
     _biased(model, bias)
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)

@@ -35,7 +35,7 @@ from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.inputs import Layout, ModelDims
 from megalite.perfmodel.muon import exchange_bytes, muon_matrices, muon_report, muon_tp_bytes_total
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from tests.parallel_utils import (ADAMW, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
                                   tiny_train_cfg)
 from megalite.training.step import train_step
@@ -174,8 +174,8 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
             references[key] = _megalite_run(cfg, data)
         want_losses, want, ref_opt = references[key]
         schedule = "interleaved" if vpp > 1 else "1f1b"
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp,
-                                schedule=schedule)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                                stages=StagePlan(vpp=vpp, schedule=schedule))
         opt = _muon(engine.chunks, st, zero)
         ctx = step_context(engine, st, torch.float32, tiny_train_cfg(LAYOUT_STEPS), schedule)
         st.counter.reset()

@@ -254,7 +254,7 @@ def _check_pipeline(rank: int, stages: list[int], arch: str) -> None:
                   for i, d in enumerate(data)]
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for stage in stages:
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=1)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
         # One chunk per rank (vpp=1): hand the optimizer the stage's GPT itself, as the trainer does.
         opt = build_distributed_optimizer(engine.chunks[0], st, stage, dtype=torch.float32, optimizer=ADAMW)
         losses = [train_step(step_context(engine, st, torch.float32, tcfg, "1f1b"), opt,

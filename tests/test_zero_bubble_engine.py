@@ -21,7 +21,7 @@ from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.model.gpt import GPT
 from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.pipeline import engine as engine_mod
 from megalite.pipeline.engine import run_weight_grads
 from megalite.pipeline.schedules import build_schedule
@@ -143,8 +143,8 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
     mine = [micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO) for d in data]
     params, timing = {}, []
     for sched in ([schedule, "1f1b"] if schedule == "zb-h1" else [schedule]):
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp,
-                                schedule=sched)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                                stages=StagePlan(vpp=vpp, schedule=sched))
         model = engine.chunks[0] if vpp == 1 else nn.ModuleList(engine.chunks)
         opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, optimizer=ADAMW,
                                       sync=SyncOptions(OverlapSettings(bucket_bytes=8192)))

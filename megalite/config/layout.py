@@ -9,7 +9,7 @@ import math
 
 from megalite.config.schema import Config
 from megalite.config.values import value_of
-from megalite.model.params import count_params
+from megalite.model.params import ParamShape, count_params
 
 
 _MAX_RANK_BYTES = 2 ** 41  # 2 TiB: more memory than any single accelerator or host offers
@@ -28,8 +28,9 @@ def size_problems(cfg: Config) -> list[str]:
     elif m.arch == "llama" and head_dim % 2:
         out.append(f"model.hidden_size {m.hidden_size} / num_heads {m.num_heads} = head dim {head_dim} is odd; "
                    "rotary embeddings rotate pairs of dims: choose an even head dim")
-    n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads), m.ffn_hidden_size,
-                     max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings), m.head_dim or None)
+    n = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
+                                m.ffn_hidden_size, max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings),
+                                m.head_dim or None))
     weights = 4 * n / (p.tp * p.pp)  # fp32 weights alone, the least a rank must hold
     if weights > _MAX_RANK_BYTES:
         out.append(f"the model has {n:.3g} parameters: its fp32 weights alone are {weights / 2**40:.3g} TiB per rank "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
-from megalite.model.params import count_params  # noqa: F401  (re-exported)
+from megalite.model.params import ParamShape, count_params  # noqa: F401  (re-exported)
 from megalite.perfmodel.inputs import PRESETS, Hardware, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
@@ -34,8 +34,8 @@ GB = 1e9
 # ---------------------------------------------------------------- parameters
 
 def dims_params(dims: ModelDims) -> int:
-    return count_params(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads,
-                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim)
+    return count_params(ParamShape(dims.arch, dims.num_layers, dims.hidden_size, dims.num_heads, dims.kv_heads,
+                                   dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim))
 
 
 @dataclass(frozen=True)

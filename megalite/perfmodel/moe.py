@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from megalite.errors import ConfigError
 from megalite.model.spec import ModelSpec
 from megalite.moe.settings import moe_layers, moe_settings
-from megalite.perfmodel.estimate import Memory, count_params, zero_memory
+from megalite.perfmodel.estimate import Memory, ParamShape, count_params, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
 from megalite.perfmodel.inputs import Layout, Precision
 
@@ -42,8 +42,8 @@ def expert_params(arch: str, hidden: int, ffn: int) -> int:
 def moe_param_counts(m: ModelSpec) -> MoEParams:
     """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE)."""
     tie = bool(m.tie_embeddings)
-    dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                         m.vocab_size, m.seq_len, tie)
+    dense = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads,
+                                    m.ffn_hidden_size, m.vocab_size, m.seq_len, tie))
     s = moe_settings(m)
     if s is None:
         return MoEParams(dense, dense, 0)

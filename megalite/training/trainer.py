@@ -37,7 +37,7 @@ from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
 from megalite.runtime.threads import configure_threads, local_processes
@@ -106,8 +106,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
     joined = dist.is_available() and dist.is_initialized()  # init_distributed keeps a group that exists
-    state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
-                             timeout_s=par.timeout_s, cp=par.cp, ep=par.ep)
+    layout = ParallelState(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, sp=par.sp)
+    state = init_distributed(layout, backend=par.backend, device=device, timeout_s=par.timeout_s)
     torch.manual_seed(tr.seed)
     data = build_data(cfg)
     tok_vocab = data.tokenizer.vocab_size
@@ -120,8 +120,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
     model_args = config_mod.ModelArgs.of(cfg.model, cfg.moe)
-    engine = build_pipeline(model_args, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
-                            pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
+    engine = build_pipeline(model_args, state, tr.seed, tr.micro_batch_size, dtype,
+                            StagePlan(par.vpp, par.pp_layers or None, par.schedule), rng=rng,
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
                                                       par.cp_a2a if par.cp_mode == "hybrid" else 1))
     enable_fp8(engine.chunks, fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
