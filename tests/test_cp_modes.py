@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.context import a2a_attention, cp_attention_bytes, hybrid_attention, zigzag_split
+from megalite.context import ContextOptions, a2a_attention, cp_attention_bytes, hybrid_attention, zigzag_split
 from megalite.errors import ConfigError
 from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState
@@ -43,7 +43,7 @@ def _a2a_rank_fn(rank: int, cp: int, tp: int, heads: int, kv_heads: int) -> tupl
     for name, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [t.grad for t in local],
                           _reference(q, k, v, d_out)):
         torch.testing.assert_close(a, zigzag_split(b, cp, st.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
-    want = cp_attention_bytes("a2a", batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4)
+    want = cp_attention_bytes(ContextOptions.of("a2a"), batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4)
     assert (fwd, bwd) == (want.forward, want.backward), (fwd, bwd, want)
     return float(fwd), float(bwd)
 
@@ -85,7 +85,8 @@ def _hybrid_rank_fn(rank: int, a2a: int, eod: int | None) -> tuple[float, float]
         want_all = [ref_out.detach()] + [t.grad for t in ref]
     for name, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [t.grad for t in local], want_all):
         torch.testing.assert_close(a, zigzag_split(b, cp, st.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
-    want = cp_attention_bytes("hybrid", batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4, a2a=a2a)
+    want = cp_attention_bytes(ContextOptions.of("hybrid", a2a_degree=a2a), batch, SEQ_TOKENS, heads, kv_heads, d, cp,
+                              4)
     assert (fwd, bwd) == (want.forward, want.backward), (fwd, bwd, want)
     return float(fwd), float(bwd)
 
@@ -129,8 +130,8 @@ def test_estimator_cp_bytes_are_each_modes_closed_form(mode: str) -> None:
                        cp_a2a=2)):
         prec = Precision.megalite("bf16")
         est = estimate(dims, lay, prec)
-        call = cp_attention_bytes(mode, lay.micro_batch_size, dims.seq_len, dims.num_heads // lay.tp,
-                                  dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation, a2a=lay.cp_a2a)
+        call = cp_attention_bytes(ContextOptions.of(mode, a2a_degree=lay.cp_a2a), lay.micro_batch_size, dims.seq_len,
+                                  dims.num_heads // lay.tp, dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation)
         per_layer = call.total + (call.forward if lay.recompute == "full" else 0)
         assert est.comm_bytes["cp"] == per_layer * dims.num_layers // lay.pp * est.num_microbatches, lay
 

@@ -116,7 +116,7 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
     assert_params_match(opt, st, chunks, ref, what)
     # 'cp' is exactly the mode's attention traffic: each layer of this stage, each micro-batch, each step (full
     # recompute runs each block's forward, and so its ring / gather / all-to-all, twice).
-    ring = cp_attention_bytes(mode, MICRO, SEQ, cfg.num_heads // tp, cfg.num_kv_heads // tp,
+    ring = cp_attention_bytes(ContextOptions.of(mode), MICRO, SEQ, cfg.num_heads // tp, cfg.num_kv_heads // tp,
                               cfg.hidden_size // cfg.num_heads, cp, 4)
     per_call = ring.total + (ring.forward if recompute == "full" else 0)
     layers = sum(len(c.layers) for c in chunks)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megalite.context import ContextOptions
 from megalite.context.costs import cp_attention_bytes, ring_attention_bytes
 from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.estimate import (GB, PRESETS, Hardware, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
@@ -246,7 +247,8 @@ def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path, capsys:
             assert p[kind] == pytest.approx(one[kind] / r["cp"] + held, rel=1e-12), kind
         assert p["model_states"] == one["model_states"]
         a2a = 2 if r["mode"] == "hybrid" else 1
-        assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4, a2a=a2a).total  # 512/8 = 64
+        options = ContextOptions.of(r["mode"], a2a_degree=a2a)
+        assert p["cp_bytes"] == 4 * cp_attention_bytes(options, 1, 4096, 8, 4, 64, r["cp"], 4).total  # 512/8 = 64
     assert "| 4 | a2a | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
     # The refusals: argparse's exit 2 with one "error:" line.
     for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"], ["--modes", "x"]):

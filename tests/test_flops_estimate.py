@@ -182,7 +182,7 @@ def test_tp_comm_matches_megalite_accounting(arch: str, tp: int, sp: bool) -> No
     dims = ModelDims(2, 32, 8 if arch == "llama" else 4, 61, 8, arch, 4, 64, arch == "gpt2", 4)
     lay = Layout(tp=tp, sp=sp, micro_batch_size=2)
     mine = tp_comm_bytes(dims, lay, Precision.for_dtype("fp32"), 0, 3)
-    theirs = accounting.tp_bytes_per_step(arch, 2, 32, 2, 8, tp, sp, micro_batches=3, act_bytes=4)
+    theirs = accounting.tp_bytes_per_step(arch, 2, 32, 8, lay, micro_batches=3, act_bytes=4)
     assert mine == pytest.approx(float(theirs), rel=REL)
 
 

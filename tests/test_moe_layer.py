@@ -18,7 +18,7 @@ from megalite.model.gpt import GPT, count_parameters
 from megalite.model.ops import TORCH_OPS
 from megalite.moe.dispatch import capacity, dispatch
 from megalite.moe.grouped import HAS_GROUPED_MM, can_group, grouped_mm, grouped_mm_loop
-from megalite.moe.layer import MoELayer
+from megalite.moe.layer import MoEContext, MoELayer
 from megalite.moe.losses import AuxScale
 from megalite.moe.router import Router
 from megalite.moe.config import MoEConfig
@@ -113,7 +113,7 @@ def _layer(**kw) -> MoELayer:
     cfg = tiny_moe_cfg(**kw)
     s = moe_settings(cfg)
     from megalite.model.block import MLP
-    return MoELayer(cfg, s, ParallelState(), TORCH_OPS, "layers.0.mlp", 3, AuxScale(), 1, MLP)
+    return MoELayer(cfg, MoEContext(s, AuxScale(), 1), ParallelState(), TORCH_OPS, "layers.0.mlp", 3, MLP)
 
 
 def test_layer_equals_token_by_token_reference() -> None:

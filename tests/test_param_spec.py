@@ -49,12 +49,12 @@ def test_expert_weights_say_what_they_are() -> None:
     """MoE experts declare their weights as stacks of whole per-expert matrices, reduced as expert-parallel
     weights; Muon's planner and the FP8 filter derive what they need from that (no method on the module)."""
     from megalite.layers.fp8 import stacked_dims
-    from megalite.moe.experts import Experts
+    from megalite.moe.experts import Experts, ExpertShape
 
     h, f = 16, 24
     for gated, up_rows in ((True, (f, f)), (False, (f,))):
-        experts = Experts(4, h, f, gated, ParallelState(), ops=None, name="e", seed=1, std=0.02,  # type: ignore[arg-type]
-                          num_layers=2)
+        experts = Experts(ExpertShape(4, h, f, gated), ParallelState(), ops=None,  # type: ignore[arg-type]
+                          name="e", seed=1, std=0.02, num_layers=2)
         specs = named_param_specs(experts, ConfigError)
         assert specs["up"] == ParamSpec(REPLICATED, grads=EXPERT_PARALLEL, stack=MatrixStack(up_rows))
         assert specs["down"] == ParamSpec(REPLICATED, grads=EXPERT_PARALLEL, stack=MatrixStack((h,)))

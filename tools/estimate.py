@@ -36,8 +36,8 @@ from megalite.perfmodel.estimate import (GB, PRESETS, Estimate, Hardware, Layout
                                          estimate)
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
-from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_params, training_time,  # noqa: E402
-                                          utilizations)
+from megalite.perfmodel.questions import (DAY, Throughput, largest_num_layers, largest_params,  # noqa: E402
+                                          training_time, utilizations)
 
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "seq_len", "head_dim")
@@ -366,7 +366,7 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
         lines.append(f"MFU {args.mfu:.1%} is HFU {hfu:.1%} with recompute={lay.recompute} "
                      f"(hardware / model FLOPs = {hfu / args.mfu:.4f})")
     if args.train_tokens:
-        tt = training_time(args.train_tokens, lay.world, est.params, est, dims, lay, x, args.mfu, peak)
+        tt = training_time(args.train_tokens, lay.world, est.params, est, dims, lay, Throughput(x, args.mfu, peak))
         sections["training_time"] = tt.to_dict()
         lines.append(f"training on {tt.tokens:.4g} tokens with {tt.devices} devices:")
         lines += [f"  {method:<18}{sec / DAY:8.1f} days   ({formula})" for method, formula, sec in tt.rows]

@@ -12,7 +12,6 @@ residuals and dropout run on a 1/tp slice of the sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,22 +23,10 @@ from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.model.ops import Ops, apply_rope, masked_attention
 from megalite.model.spec import ModelSpec, head_dim
-from megalite.moe.config import MoEConfig
-from megalite.moe.layer import MoELayer
-from megalite.moe.losses import AuxScale
+from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
-
-
-@dataclass(frozen=True)
-class MoEContext:
-    """What a block needs to build a MoE FFN: the resolved `[moe]` section (`MoEConfig.resolved`), the model's shared
-    aux-loss scale, the MoE layer count."""
-
-    settings: MoEConfig
-    aux_scale: AuxScale
-    num_layers: int
 
 
 class Norm(nn.Module):
@@ -137,7 +124,7 @@ class Attention(nn.Module):
             # no per-document positions); attention by the flash kernel's segment ids where the backend has it.
             q, k, v = self.project(x, cos, sin, rope=apply_rope)
             if self.state.cp > 1:  # ring / allgather blocks in torch math: the flash blocks take no such mask yet
-                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs, self._core)
+                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs)
             elif self.ops.document_attention is not None:
                 o = self._run(self.ops.document_attention, q, k, v, docs.local)
             else:
@@ -195,7 +182,7 @@ class Block(nn.Module):
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.mlp: nn.Module
         if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
-            self.mlp = MoELayer(cfg, moe.settings, state, ops, f"{name}.mlp", seed, moe.aux_scale, moe.num_layers, MLP)
+            self.mlp = MoELayer(cfg, moe, state, ops, f"{name}.mlp", seed, MLP)
         else:
             self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
         self.dropout, self.rng, self.sp = cfg.dropout, rng, state.sp

@@ -20,9 +20,10 @@ from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
-from megalite.model.block import Block, MoEContext, Norm
+from megalite.model.block import Block, Norm
 from megalite.model.ops import get_ops, resolve_kernels
 from megalite.model.spec import ModelSpec, head_dim
+from megalite.moe.layer import MoEContext
 from megalite.moe.losses import AuxScale
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, Tied, children_specs, spec_table
