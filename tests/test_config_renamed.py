@@ -14,7 +14,7 @@ import tomli_w
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.checkpoint.sharded import save_sharded
 from megalite.config import Config, load_config, parse_args
-from megalite.config.aliases import RENAMED
+from megalite.config.aliases import RENAMED, saved_config
 from megalite.errors import CheckpointError
 from megalite.inference.load import load_model
 from megalite.model.gpt import GPT
@@ -84,6 +84,14 @@ def test_a_saved_config_of_before_loads_silently(tmp_path: Path, capsys: pytest.
     path.write_text(tomli_w.dumps(OLD_CONFIG))
     _check_new_places(load_config(path))
     assert capsys.readouterr().err == ""
+
+
+def test_a_saved_run_config_of_before_reads_in_the_new_sections() -> None:
+    """What the exporters (DCP, torchtitan) and the optimizer check read of a checkpoint's saved run config."""
+    new = saved_config({"config": OLD_CONFIG})
+    assert new["optimizer"] == {"name": "muon", "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9, "adam_eps": 1e-6}
+    assert new["train"] == {"lr": 1e-3} and new["moe"]["router"] == "deepseek" and new["fp8"]["min_dim"] == 64
+    assert saved_config({}) == {} and saved_config({"config": "junk"}) == {}
 
 
 def test_a_checkpoint_of_before_loads(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
 from megalite.checkpoint.interop.source import Source
+from megalite.config.aliases import saved_config
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file, loads_json
 
@@ -228,10 +229,11 @@ def to_dcp(source: Source, out: Path) -> Path:
     step = torch.tensor(float(source.optimizer_step or 0.0))
     state = {name: {**{kind: full[f"{kind}/{name}"] for kind in _STATES}, "step": step.clone()}
              for name in model if f"exp_avg/{name}" in full}
-    train = source.extra.get("config", {}).get("train", {})
+    config = saved_config(source.extra)
+    train, opt = config.get("train", {}), config.get("optimizer", {})
     group = {"params": list(model), "lr": float(train.get("lr", 0.0)),
-             "betas": (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95))),
-             "eps": float(train.get("adam_eps", 1e-8)), "weight_decay": float(train.get("weight_decay", 0.0))}
+             "betas": (float(opt.get("beta1", 0.9)), float(opt.get("beta2", 0.95))),
+             "eps": float(opt.get("adam_eps", 1e-8)), "weight_decay": float(opt.get("weight_decay", 0.0))}
     meta = {"format": "megalite-dcp-1", "model": source.info, "step": source.step,
             "optimizer_step": source.optimizer_step, "extra": source.extra}
     return save_dcp(out, {"model": model, "optimizer": {"state": state, "param_groups": [group]},

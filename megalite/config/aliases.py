@@ -54,6 +54,13 @@ def upgrade(d: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, found
 
 
+def saved_config(extra: Any) -> dict[str, Any]:
+    """The run config a checkpoint's extra state holds (`extra["config"]`), old names moved to their sections;
+    {} when there is none (an imported model)."""
+    config = extra.get("config") if isinstance(extra, Mapping) else None
+    return upgrade(config)[0] if isinstance(config, Mapping) else {}
+
+
 def note_renamed(old_names: Iterable[str]) -> None:
     """One stderr line per old name used, naming the new one; on rank 0 only (every rank parses the same argv)."""
     if os.environ.get("RANK", "0") != "0":

@@ -36,11 +36,10 @@ def check_same_optimizer(index: dict, mine: str, path: Path) -> None:
     """Refuse to resume with another `optimizer.name` (`mine`) than the checkpoint's: AdamW's first moment and
     Muon's momentum share the "exp_avg" slot but are different things (docs/muon.md). A checkpoint with no
     run config (an imported model) carries no optimizer state and may start either."""
-    extra = index.get("extra")
-    saved_config = extra.get("config") if isinstance(extra, dict) else None
-    if not isinstance(saved_config, dict):  # no run config (or an unreadable one: the loader reports that)
+    config = aliases.saved_config(index.get("extra"))  # saved before [optimizer]: its train.optimizer
+    if not config:  # no run config (or an unreadable one: the loader reports that)
         return
-    section = aliases.upgrade(saved_config)[0].get("optimizer")  # saved before [optimizer]: its train.optimizer
+    section = config.get("optimizer")
     saved = section.get("name", "adamw") if isinstance(section, dict) else "adamw"  # from before Muon: AdamW
     if saved != mine:
         raise CheckpointError(f"checkpoint {path} was trained with optimizer.name={saved}, this run has "
