@@ -116,3 +116,14 @@ def test_a_checkpoint_of_before_loads(tmp_path: Path) -> None:
     check_same_optimizer(index, "muon", path)  # the saved train.optimizer read as optimizer.name
     with pytest.raises(CheckpointError, match="trained with optimizer.name=muon"):
         check_same_optimizer(index, "adamw", path)
+
+
+def test_the_config_and_its_feature_sections_import_without_torch() -> None:
+    """The sections live with their features (moe, optim, layers), whose other modules need torch: importing the
+    config must not pull it in (`megalite/optim/__init__.py` exports its torch parts lazily for that)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megalite.config, megalite.moe.config, megalite.optim.config, megalite.layers.fp8_config; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
