@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite import config as config_mod  # noqa: E402
 from megalite.checkpoint.sharded import load_sharded, save_sharded  # noqa: E402
-from megalite.perfmodel.estimate import count_params  # noqa: E402
+from megalite.perfmodel.estimate import ParamShape, count_params  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim.reference import ReferenceOptimizer  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
@@ -55,7 +55,8 @@ TITLES = {"single": "1 process", "tp2": "2 ranks, tp=2", "dp2": "2 ranks, dp=2 (
 
 
 def _model_cfg(model: dict[str, Any], world: int) -> Any:
-    return config_mod.resolve(config_mod.config_from_dict({"model": model}), world).model
+    cfg = config_mod.resolve(config_mod.config_from_dict({"model": model}), world)
+    return config_mod.ModelArgs.of(cfg.model, cfg.moe)
 
 
 def _barrier(state: ParallelState) -> None:
@@ -161,8 +162,8 @@ def _cpu_name() -> str:
 def describe(model: dict[str, Any]) -> tuple[str, int]:
     """A one-line description of the model and its parameter count (the real, unpadded vocabulary)."""
     m = _model_cfg(model, 1)
-    n = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                     m.vocab_size, m.seq_len, bool(m.tie_embeddings))
+    n = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
+                                m.vocab_size, m.seq_len, bool(m.tie_embeddings)))
     return (f"{model['preset']} dims ({m.arch}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads, "
             f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, untied={not m.tie_embeddings}), {n / 1e6:.1f}M params"), n
 

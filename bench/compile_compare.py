@@ -43,7 +43,7 @@ GPU_MODEL = ["--model.num_layers", "4", "--model.hidden_size", "1024", "--model.
 SMOKE_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.seq_len", "32"]
 DATA = ["--data.demo_max_bytes", "300000", "--data.demo_vocab_size", "512", "--train.warmup_steps", "1",
         "--logging.interval", "1", "--train.eval_interval", "0", "--train.micro_batch_size", "8"]
-MOE = ["--model.moe_experts", "4", "--model.moe_top_k", "2", "--model.moe_aux_loss", "0.01", "--model.moe_z_loss",
+MOE = ["--moe.experts", "4", "--moe.top_k", "2", "--moe.aux_loss", "0.01", "--moe.z_loss",
        "0.001"]  # every FFN routed over 4 experts, both router losses
 LAYOUTS = {  # name: pretrain flags at 2 ranks
     "tp2": ["--parallel.tp", "2"], "tp2+sp": ["--parallel.tp", "2", "--parallel.sp", "true"],
@@ -57,8 +57,8 @@ LAYOUTS = {  # name: pretrain flags at 2 ranks
     "dp2 document mask": ["--data.document_mask", "true"],
     "cp2 document mask": ["--parallel.cp", "2", "--data.document_mask", "true"],
     "dp2 moe": MOE, "ep2 moe": [*MOE, "--parallel.ep", "2"],
-    "dp2 fp8 tensorwise": ["--train.fp8", "tensorwise", "--train.fp8_min_dim", "16"],
-    "tp2 fp8 rowwise": ["--parallel.tp", "2", "--train.fp8", "rowwise", "--train.fp8_min_dim", "16"],
+    "dp2 fp8 tensorwise": ["--fp8.recipe", "tensorwise", "--fp8.min_dim", "16"],
+    "tp2 fp8 rowwise": ["--parallel.tp", "2", "--fp8.recipe", "rowwise", "--fp8.min_dim", "16"],
 }
 
 

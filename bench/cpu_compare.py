@@ -37,11 +37,12 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench.results_io import spread, write_results  # noqa: E402
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import ModelArgs  # noqa: E402
 from megalite.model.compile import compile_blocks  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
+from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
-from megalite.optim import build_distributed_optimizer  # noqa: E402
+from megalite.optim import SyncOptions, build_distributed_optimizer  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.runtime.malloc import tune_malloc  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
@@ -155,13 +156,14 @@ def build_megalite(d: Dims, arch: str, compile_backend: str | None = None) -> St
     """megalite's real step (`train_step`: schedule, grad sync, global norm, clip, AdamW) at tp=pp=dp=1;
     `compile_backend` compiles each block as `model.compile` does (bench/limit.py)."""
     state = ParallelState()
-    cfg = ModelConfig(arch=arch, num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
+    cfg = ModelArgs(arch=arch, num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
                       num_kv_heads=d.kv_heads if arch == "llama" else d.heads,
                       ffn_hidden_size=d.ffn if arch == "llama" else 4 * d.hidden, seq_len=d.seq,
                       vocab_size=d.vocab, tie_embeddings=arch == "gpt2", kernels="torch")
     model = GPT(cfg, state, seed=1234)
-    opt = build_distributed_optimizer(model, state, 0, LR, WD, BETAS, EPS, torch.float32,  # what pretrain.py uses
-                                      fold_weight_grads=compile_backend is None)
+    opt = build_distributed_optimizer(model, state, 0, torch.float32,  # what pretrain.py uses
+                                      OptimizerConfig(weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], adam_eps=EPS),
+                                      sync=SyncOptions(fold_weight_grads=compile_backend is None))
     if compile_backend is not None:
         compile_blocks([model], compile_backend)
     tcfg = SimpleNamespace(lr=LR, min_lr=LR, warmup_steps=0, steps=10**9, clip_grad=CLIP)

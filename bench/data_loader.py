@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from bench.results_io import write_results  # noqa: E402
-from megalite.config.presets import PRESETS  # noqa: E402
-from megalite.config.schema import Config  # noqa: E402
+from megalite.config import config_from_dict  # noqa: E402
+from megalite.config.schema import Config, ModelArgs  # noqa: E402
 from megalite.data.demo import stdlib_documents  # noqa: E402
 from megalite.data.loader import RankSlice, StreamLoader  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
@@ -79,15 +79,13 @@ def step_rate(seq_len: int, steps: int, preset: str) -> tuple[float, float]:
     from megalite.parallel.state import ParallelState
     from megalite.training.step import StepContext, train_step
 
-    cfg = Config()
-    for k, v in PRESETS[preset].items():
-        setattr(cfg.model, k, v)
+    cfg = config_from_dict({"model": {"preset": preset}})
     cfg.model.seq_len, cfg.model.vocab_size, cfg.model.kernels = seq_len, 32000, "torch"
     cfg.model.num_kv_heads = cfg.model.num_kv_heads or cfg.model.num_heads
     cfg.model.ffn_hidden_size = cfg.model.ffn_hidden_size or 2048
     cfg.model.tie_embeddings = False
     state = ParallelState()
-    model = GPT(cfg.model, state, seed=1)
+    model = GPT(ModelArgs.of(cfg.model, cfg.moe), state, seed=1)
     n_params = sum(p.numel() for p in model.parameters())
     opt = ReferenceOptimizer(model, state, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
     ctx = StepContext.build(model, state, torch.float32, SimpleNamespace(lr=1e-4, min_lr=1e-4, warmup_steps=0,

@@ -43,10 +43,11 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from bench import dist_peers as peers  # noqa: E402
 from bench.pipeline_compare import megalite_pipeline  # noqa: E402
 from bench.results_io import spread, write_results  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import ModelArgs  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.observability.wire import process_written_bytes  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
+from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.runtime.malloc import tune_malloc  # noqa: E402
@@ -85,8 +86,8 @@ LAYOUTS = [Layout("ddp", "DDP", dp=2), Layout("zero1", "ZeroRedundancyOptimizer"
 BY_NAME = {lay.name: lay for lay in LAYOUTS}
 
 
-def model_config(d: peers.Dims) -> ModelConfig:
-    return ModelConfig(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
+def model_config(d: peers.Dims) -> ModelArgs:
+    return ModelArgs(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
                        num_kv_heads=d.kv_heads, ffn_hidden_size=d.ffn, seq_len=d.seq, vocab_size=d.vocab,
                        tie_embeddings=False, kernels="torch")
 
@@ -114,8 +115,9 @@ def build_megalite(d: peers.Dims, lay: Layout, rank: int) -> tuple[peers.StepFn,
         engine, opt = megalite_pipeline(cfg, state, lay.schedule, micro_batch=1, lr=peers.LR, seed=SEED)
     else:
         engine = GPT(cfg, state, seed=SEED)
-        opt = build_distributed_optimizer(engine, state, lay.zero, peers.LR, peers.WD, peers.BETAS, peers.EPS,
-                                          torch.float32)
+        opt = build_distributed_optimizer(engine, state, lay.zero, torch.float32,
+                                          OptimizerConfig(weight_decay=peers.WD, beta1=peers.BETAS[0],
+                                                          beta2=peers.BETAS[1], adam_eps=peers.EPS))
     settings = SimpleNamespace(lr=peers.LR, min_lr=peers.LR, warmup_steps=0, steps=10**9, clip_grad=peers.CLIP)
     ctx = StepContext.build(engine, state, torch.float32, settings, LossScaler(False), lay.schedule)
     step = iter(range(10**9))

@@ -1,4 +1,4 @@
-"""FP8 against BF16 on the demo: the loss curves of train.fp8 = none | tensorwise | rowwise, same seed and data
+"""FP8 against BF16 on the demo: the loss curves of fp8.recipe = none | tensorwise | rowwise, same seed and data
 (`--variants none blockwise mxfp8`: the block recipes instead, written as fp8_curve_blocks*).
 
 Each variant is a `pretrain.py` run (bf16 run dtype, logging every step, no evaluation), all three started
@@ -40,7 +40,7 @@ VARIANTS = ("none", "tensorwise", "rowwise")
 
 def launch(variant: str, args: argparse.Namespace, run_dir: Path) -> subprocess.Popen:
     argv = ["--model.preset", args.preset, "--train.steps", str(args.steps),
-            "--train.dtype", "bf16", "--train.fp8", variant, "--train.fp8_min_dim", str(args.min_dim),
+            "--train.dtype", "bf16", "--fp8.recipe", variant, "--fp8.min_dim", str(args.min_dim),
             "--train.eval_interval", "0", "--logging.interval", "1", "--logging.dir", str(run_dir),
             "--train.memory_check", "false"]
     if args.micro_batch:
@@ -95,11 +95,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--micro-batch", type=int, default=0, help="0: the preset's / demo's default")
-    ap.add_argument("--min-dim", type=int, default=128, help="train.fp8_min_dim")
+    ap.add_argument("--min-dim", type=int, default=128, help="fp8.min_dim")
     ap.add_argument("--tail", type=int, default=20, help="steps the final gap is averaged over")
     ap.add_argument("--threads", type=int, default=1, help="threads per run (three runs at once)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=FP8_CHOICES,
-                    help="train.fp8 values to run together; the first is the baseline the others are compared to")
+                    help="fp8.recipe values to run together; the first is the baseline the others are compared to")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
     args = ap.parse_args()

@@ -1,5 +1,5 @@
 """FP8 on one GPU (bench/gpu.sh's fp8 section): bf16 vs tensorwise vs rowwise FP8 tokens/s and MFU of the
-llama-1b preset (megalite's train_step), and the speedup of each GEMM shape, so that `train.fp8_min_dim` is
+llama-1b preset (megalite's train_step), and the speedup of each GEMM shape, so that `fp8.min_dim` is
 set from measurements.
 
 Per shape [M tokens, K in] x [K, N out]: the bf16 matmul, `_scaled_mm` alone (operands already in FP8) and
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_results  # noqa: E402
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import ModelArgs  # noqa: E402
 from megalite.config.presets import PRESETS  # noqa: E402
 from megalite.fp8 import scaled_mm as smm  # noqa: E402
 from megalite.fp8.costs import Splits  # noqa: E402
@@ -37,9 +37,10 @@ from megalite.fp8.experts import Fp8Experts  # noqa: E402
 from megalite.layers.linear_fn import TakesGemms  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
+from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.perfmodel.estimate import count_params  # noqa: E402
+from megalite.perfmodel.estimate import ParamShape, count_params  # noqa: E402
 from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 
@@ -98,13 +99,13 @@ def bench_model(device: torch.device, smoke: bool, mbs: int, steps: int) -> dict
     if smoke:
         preset.update(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_hidden_size=256, seq_len=64,
                       vocab_size=512)
-    cfg = ModelConfig(**preset, kernels="torch")
+    cfg = ModelArgs(**preset, kernels="torch")
     state = ParallelState(device=device)
     model = GPT(cfg, state, seed=1234).to(device)
     dtype = torch.bfloat16
-    opt = build_distributed_optimizer(model, state, 0, 3e-4, 0.1, (0.9, 0.95), 1e-8, dtype)
-    n = count_params(cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size,
-                     cfg.vocab_size, cfg.seq_len, bool(cfg.tie_embeddings))
+    opt = build_distributed_optimizer(model, state, 0, dtype, OptimizerConfig())
+    n = count_params(ParamShape(cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                cfg.ffn_hidden_size, cfg.vocab_size, cfg.seq_len, bool(cfg.tie_embeddings)))
     fpt = model_flops_per_token(n, cfg.num_layers, cfg.hidden_size, cfg.seq_len)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak, fp8_peak = peak_flops(name, "bf16"), peak_flops(name, "fp8")

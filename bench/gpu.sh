@@ -11,7 +11,7 @@
 #   5. long-sequence attention (bench/long_seq_gpu.py: SDPA, Triton flash and document-masked SDPA at
 #      S = 8K-32K, ms and peak memory of forward + backward). At most 50 more seconds;
 #   6. FP8 (bench/fp8_gpu.py): bf16 vs tensorwise vs rowwise tokens/s and MFU of llama-1b, and each GEMM
-#      shape's FP8 speedup (sets train.fp8_min_dim from measurements). At most 60 more seconds.
+#      shape's FP8 speedup (sets fp8.min_dim from measurements). At most 60 more seconds.
 #   7. MoE expert GEMMs (bench/moe_gpu.py): torch._grouped_mm vs a loop of matmuls at the MoE presets' expert
 #      shapes (qwen3-30b-a3b, mixtral-8x7b), bf16 forward + backward, tokens/s. At most 40 more seconds.
 #   8. model.compile vs eager through pretrain.py (bench/compile_compare.py --gpu: 4 x 1024, seq 1024, bf16,

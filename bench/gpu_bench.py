@@ -37,7 +37,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from megalite.config import PRESETS, ModelConfig  # noqa: E402
+from megalite.config import PRESETS, ModelArgs  # noqa: E402
+from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.perfmodel.flops import model_flops_per_token, peak_flops  # noqa: E402
 from megalite.model.gpt import GPT, count_parameters  # noqa: E402
 from megalite.model.ops import attention as sdpa_attention  # noqa: E402
@@ -113,13 +114,13 @@ def bench_model(rep: Report, smoke: bool, device: torch.device, dtype: torch.dty
     if smoke:
         preset.update(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, seq_len=64,
                       vocab_size=512)
-    cfg = ModelConfig(**{k: v for k, v in preset.items()}, kernels="torch")
+    cfg = ModelArgs(**{k: v for k, v in preset.items()}, kernels="torch")
     state = ParallelState(device=device)
     t0 = time.perf_counter()
     model = GPT(cfg, state, seed=1234).to(device)
     # pretrain.py's optimizer: params in `dtype`, fp32 main grads (linear weight grads added in place),
     # fp32 master + Adam, torch's fused AdamW on the flat buffers.
-    opt = build_distributed_optimizer(model, state, 0, 3e-4, 0.1, (0.9, 0.95), 1e-8, dtype)
+    opt = build_distributed_optimizer(model, state, 0, dtype, OptimizerConfig())
     n_params = count_parameters(model, state)
     fpt = model_flops_per_token(n_params, cfg.num_layers, cfg.hidden_size, cfg.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device), "bf16") if device.type == "cuda" else None

@@ -36,7 +36,7 @@ from bench.cpu_compare import (Dims, StepFn, build_hf, build_megalite, build_min
                                make_batches, time_steps)
 from bench.results_io import spread, write_results  # noqa: E402
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import ModelArgs  # noqa: E402
 from megalite.model.gpt import GPT, count_parameters  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.perfmodel.flops import model_flops_per_token  # noqa: E402
@@ -60,7 +60,7 @@ def matmul_limit(sizes: tuple[int, ...] = (1024, 2048), reps: int = 5) -> float:
 
 def step_flops(d: Dims) -> float:
     """megalite's FLOPs of one training step of these dims (the count every implementation is credited with)."""
-    cfg = ModelConfig(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
+    cfg = ModelArgs(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
                       num_kv_heads=d.kv_heads, ffn_hidden_size=d.ffn, seq_len=d.seq, vocab_size=d.vocab,
                       tie_embeddings=False, kernels="torch")
     n = count_parameters(GPT(cfg, ParallelState(), seed=0), ParallelState())

@@ -49,8 +49,8 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "mid": (1, MID),
     "mid-selective-recompute": (1, [*MID, "--model.recompute", "selective"]),
     "mid-full-recompute": (1, [*MID, "--model.recompute", "full"]),
-    "mid-fp8": (1, [*MID, "--train.fp8", "tensorwise", "--train.fp8_min_dim", "128"]),
-    "mid-muon": (1, [*MID, "--train.optimizer", "muon"]),
+    "mid-fp8": (1, [*MID, "--fp8.recipe", "tensorwise", "--fp8.min_dim", "128"]),
+    "mid-muon": (1, [*MID, "--optimizer.name", "muon"]),
     "tp2": (2, [*MID, "--parallel.tp", "2"]),
     "tp2-sp": (2, [*MID, "--parallel.tp", "2", "--parallel.sp", "true"]),
     "pp2-gpipe": (2, [*MID, "--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
@@ -67,7 +67,7 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "cp2-a2a": (2, [*MID, "--parallel.cp", "2", "--parallel.cp_mode", "a2a"]),
     "cp2-hybrid": (2, [*MID, "--parallel.cp", "2", "--parallel.cp_mode", "hybrid", "--parallel.cp_a2a", "2"]),
     # tiny-moe's 8 experts of width 384 over ep 2 (dp 2): experts and their ZeRO states split over ep
-    "ep2-moe": (2, [*MID, "--model.preset", "tiny-moe", "--model.moe_ffn_hidden_size", "384", "--parallel.dp", "2",
+    "ep2-moe": (2, [*MID, "--model.preset", "tiny-moe", "--moe.ffn_hidden_size", "384", "--parallel.dp", "2",
                     "--parallel.ep", "2", "--train.global_batch_size", "4"]),
 }
 

@@ -42,6 +42,9 @@ from bench.results_io import spread, write_results  # noqa: E402
 
 from megalite.config.schema import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
+from megalite.mla.config import MLAConfig  # noqa: E402
+from megalite.moe.config import MoEConfig  # noqa: E402
+from megalite.mtp.config import MTPConfig  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 
 BF16_RTOL = 3e-2  # bf16 has 8 mantissa bits: ~4e-3 per rounding, a few roundings through two GEMMs + SwiGLU
@@ -51,11 +54,9 @@ def megalite_layer(h: int, f: int, experts: int, k: int, seq: int) -> nn.Module:
     cfg = SimpleNamespace(arch="llama", num_layers=1, hidden_size=h, num_heads=4, num_kv_heads=4,
                           ffn_hidden_size=f, seq_len=seq, vocab_size=64, make_vocab_divisible_by=1, norm_eps=1e-5,
                           rope_theta=10000.0, dropout=0.0, tie_embeddings=False, init_std=0.02, kernels="torch",
-                          recompute="none", moe_experts=experts, moe_top_k=k, moe_ffn_hidden_size=f,
-                          moe_shared_experts=0, moe_shared_ffn_hidden_size=0, moe_first_dense=0, moe_every=1,
-                          moe_router="qwen3", moe_renorm=True, moe_route_scale=1.0, moe_groups=1,
-                          moe_group_top_k=1, moe_bias_rate=0.0, moe_aux_loss=0.0, moe_z_loss=0.0,
-                          moe_capacity_factor=None, moe_seq_aux_loss=0.0,
+                          recompute="none", qk_norm=False, head_dim=0,
+                          moe=MoEConfig(experts=experts, top_k=k, ffn_hidden_size=f, router="qwen3", bias_rate=0.0),
+                          mla=MLAConfig(), mtp=MTPConfig(),
                           **{k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k != "rope_theta"})
     return GPT(cfg, ParallelState(), seed=7).layers["0"].mlp
 

@@ -1,6 +1,6 @@
 """Muon against AdamW: the loss after the same tokens and the step-time overhead, same seed and data.
 
-For each workload, two `pretrain.py` runs (train.optimizer = adamw | muon; everything else, learning rate
+For each workload, two `pretrain.py` runs (optimizer.name = adamw | muon; everything else, learning rate
 and weight decay included, the same: Liu et al.'s RMS matching is what lets Muon reuse AdamW's) started
 together, one thread each, so a loaded machine slows both alike. Figures: the training loss averaged over
 the last `--tail` logged steps, the final validation loss, and the step-time overhead as the ratio of the
@@ -42,7 +42,7 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def launch(opt: str, steps: int, extra: list[str], run_dir: Path, smoke: bool) -> subprocess.Popen:
-    argv = ["--train.optimizer", opt, "--train.steps", str(steps), "--train.eval_interval", str(steps),
+    argv = ["--optimizer.name", opt, "--train.steps", str(steps), "--train.eval_interval", str(steps),
             "--logging.interval", "1", "--logging.dir", str(run_dir), "--train.memory_check", "false", *extra]
     return start_pretrain(argv + (["--data.demo_max_bytes", "20000"] if smoke else []), run_dir, 1)
 

@@ -36,23 +36,24 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from bench.launch import spawn_ranks  # noqa: E402
 from bench.results_io import spread, write_results  # noqa: E402
 
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.dp.overlap import MiB  # noqa: E402
+from megalite.config import ModelArgs  # noqa: E402
+from megalite.dp.overlap import MiB, OverlapSettings  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
-from megalite.optim import build_distributed_optimizer  # noqa: E402
+from megalite.optim import SyncOptions, build_distributed_optimizer  # noqa: E402
+from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 
-# name -> build_distributed_optimizer settings (the rest at their defaults: 1 MiB first bucket, 25 MiB
+# name -> zero and the OverlapSettings (the rest at their defaults: 1 MiB first bucket, 25 MiB
 # buckets, gathers overlapped, ZeRO-3 prefetch 1).
 VARIANTS: dict[str, dict[str, Any]] = {
     "z0 one bucket": dict(zero=0, first_bucket_bytes=25 * MiB),  # the reduction waits for the last gradient
     "z0 first 1 MiB": dict(zero=0),                               # the defaults
     "z0 1+4 MiB": dict(zero=0, bucket_bytes=4 * MiB),
-    "z1 gathers waited": dict(zero=1, bucket_bytes=4 * MiB, overlap_param_gather=False),
+    "z1 gathers waited": dict(zero=1, bucket_bytes=4 * MiB, param_gather=False),
     "z1 gathers overlapped": dict(zero=1, bucket_bytes=4 * MiB),
-    "z2 gathers waited": dict(zero=2, bucket_bytes=4 * MiB, overlap_param_gather=False),
+    "z2 gathers waited": dict(zero=2, bucket_bytes=4 * MiB, param_gather=False),
     "z2 gathers overlapped": dict(zero=2, bucket_bytes=4 * MiB),
     "z3 prefetch 0": dict(zero=3, zero3_prefetch=0),
     "z3 prefetch 1": dict(zero=3, zero3_prefetch=1),
@@ -84,7 +85,7 @@ def measure_on_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
     state = ParallelState(tp=1, pp=1, dp=world, rank=rank, device=device)
     create_groups(state)
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = ModelConfig(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
+    cfg = ModelArgs(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads,
                       num_kv_heads=d.heads, ffn_hidden_size=-(-int(8 * d.hidden / 3) // 64) * 64, seq_len=d.seq,
                       vocab_size=d.vocab, tie_embeddings=False, kernels="torch")
     tcfg = SimpleNamespace(lr=3e-4, min_lr=3e-4, warmup_steps=0, steps=10**9, clip_grad=1.0)
@@ -97,7 +98,8 @@ def measure_on_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
     for name, v in VARIANTS.items():
         model = GPT(cfg, state, seed=1234).to(device)
         settings = {k: x for k, x in v.items() if k != "zero"}
-        opt = build_distributed_optimizer(model, state, v["zero"], 3e-4, 0.1, (0.9, 0.95), 1e-8, dtype, **settings)
+        opt = build_distributed_optimizer(model, state, v["zero"], dtype, OptimizerConfig(),
+                                          sync=SyncOptions(OverlapSettings(**settings)))
         runs[name] = (StepContext.build(model, state, dtype, tcfg, LossScaler(False)), opt, len(opt.sync.buckets))
     step = iter(range(10**9))
 

@@ -43,12 +43,13 @@ from bench.results_io import spread, write_results  # noqa: E402
 
 from torch.distributed import pipelining  # noqa: E402
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import ModelArgs  # noqa: E402
 from megalite.optim import build_distributed_optimizer  # noqa: E402
+from megalite.optim.config import OptimizerConfig  # noqa: E402
 from megalite.optim.loss_scale import LossScaler  # noqa: E402
 from megalite.parallel.state import ParallelState, create_groups  # noqa: E402
 from megalite.optim.zero import ZeroOptimizer  # noqa: E402
-from megalite.pipeline import PipelineEngine, build_pipeline  # noqa: E402
+from megalite.pipeline import PipelineEngine, StagePlan, build_pipeline  # noqa: E402
 from megalite.pipeline.simulate import simulate  # noqa: E402
 from megalite.training.step import StepContext, train_step  # noqa: E402
 
@@ -66,13 +67,14 @@ def _vpp(schedule: str) -> int:
     return 2 if schedule in ("interleaved", "zbv") else 1
 
 
-def megalite_pipeline(cfg: ModelConfig, state: ParallelState, schedule: str, micro_batch: int, lr: float = 3e-4,
+def megalite_pipeline(cfg: ModelArgs, state: ParallelState, schedule: str, micro_batch: int, lr: float = 3e-4,
                       seed: int = 1234) -> tuple[PipelineEngine, ZeroOptimizer]:
     """megalite's engine for `schedule` on this rank's stage(s) and its optimizer (zero=0, fp32), as pretrain.py
     builds them (also used by bench/dist_compare.py against torch.distributed.pipelining)."""
-    engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32, vpp=_vpp(schedule), schedule=schedule)
+    engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32,
+                            stages=StagePlan(vpp=_vpp(schedule), schedule=schedule))
     model = engine.chunks[0] if len(engine.chunks) == 1 else torch.nn.ModuleList(engine.chunks)
-    return engine, build_distributed_optimizer(model, state, 0, lr, 0.1, (0.9, 0.95), 1e-8, torch.float32)
+    return engine, build_distributed_optimizer(model, state, 0, torch.float32, OptimizerConfig())
 
 
 class _PeerStage(torch.nn.Module):
@@ -96,9 +98,10 @@ class TorchPeer:
     with torch's fused AdamW (megalite's decay rule: matrices only) and megalite's clipping: the global
     gradient norm over every stage, clipped to `clip`. One `step` = one optimizer step over M micro-batches."""
 
-    def __init__(self, schedule: str, cfg: ModelConfig, state: ParallelState, micro_batch: int, num_micro: int,
+    def __init__(self, schedule: str, cfg: ModelArgs, state: ParallelState, micro_batch: int, num_micro: int,
                  seed: int, lr: float, clip: float) -> None:
-        engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32, vpp=_vpp(schedule), schedule=schedule)
+        engine = build_pipeline(cfg, state, seed, micro_batch, torch.float32,
+                                stages=StagePlan(vpp=_vpp(schedule), schedule=schedule))
         self.state, self.clip = state, clip
         self.first = 0 in engine.chunk_stages
         self.last = engine.num_stages - 1 in engine.chunk_stages
@@ -164,7 +167,7 @@ def rank_results(rank: int, world: int, args: dict) -> dict | None:
     state = ParallelState(tp=1, pp=world, dp=1, rank=rank)
     create_groups(state)
     d = SimpleNamespace(**args)
-    cfg = ModelConfig(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads, num_kv_heads=d.heads,
+    cfg = ModelArgs(arch="llama", num_layers=d.layers, hidden_size=d.hidden, num_heads=d.heads, num_kv_heads=d.heads,
                       ffn_hidden_size=4 * d.hidden, seq_len=d.seq, vocab_size=d.vocab, tie_embeddings=False,
                       kernels="torch")
     tcfg = SimpleNamespace(lr=3e-4, min_lr=3e-4, warmup_steps=0, steps=10**9, clip_grad=1.0)

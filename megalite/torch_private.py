@@ -7,7 +7,7 @@ and fails if any other module reaches into torch's private names).
 - the autograd engine's `queue_callback`: runs a function when the current backward pass ends. ZeRO-3
   (`megalite.dp.zero3`) frees every gathered unit there; torch's FSDP does the same.
 - `torch._scaled_mm`: the FP8 GEMM (`megalite.fp8.scaled_mm` says which modes this torch supports).
-  Needed only with `train.fp8`, so it is checked there (`scaled_mm.check_available`), not required here.
+  Needed only with `fp8.recipe`, so it is checked there (`scaled_mm.check_available`), not required here.
 - `torch._grouped_mm`: every expert's GEMM in one call (`megalite.moe.grouped`). Optional: without it
   (`HAS_GROUPED_MM` False) the experts run a per-expert loop.
 - `UntypedStorage._swap_data_ptr_`: exchanges two storages' memory (pointer and size), every view of each
@@ -45,12 +45,14 @@ def missing() -> list[str]:
     return out
 
 
-def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], lr: float, beta1: float,
-                 beta2: float, weight_decay: float, eps: float) -> None:
-    """AdamW (decoupled decay, no amsgrad) in place on lists of equally shaped fp32 tensors."""
+def fused_adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 moments: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], steps: Sequence[torch.Tensor],
+                 lr: float, betas: tuple[float, float], weight_decay: float, eps: float) -> None:
+    """AdamW (decoupled decay, no amsgrad) in place on lists of equally shaped fp32 tensors; `moments` are
+    (exp_avgs, exp_avg_sqs)."""
+    exp_avgs, exp_avg_sqs = moments
     torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps), lr=lr,
-                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                        beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
                         maximize=False)
 
 

@@ -19,7 +19,8 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
-from tests.parallel_utils import HYPER, micro_batches, random_steps, reference_optimizer, tiny_train_cfg, train_steps
+from tests.parallel_utils import (ADAMW, micro_batches, random_steps, reference_optimizer, tiny_train_cfg,
+                                  train_steps)
 
 STEPS, MICRO = 2, 2
 LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-4  # explained in tests/test_hf_moe_train.py's doc
@@ -36,7 +37,7 @@ def _megalite_ep2(rank: int, ckpt: str, data: list[torch.Tensor]) -> list[tuple[
     cfg = model_config_from_info(read_index(Path(ckpt))["model"])
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
     load_sharded(ckpt, engine.chunks, None, st)
-    opt = build_distributed_optimizer(engine.chunks[0], st, 0, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(engine.chunks[0], st, 0, dtype=torch.float32, optimizer=ADAMW)
     ctx = StepContext.build(engine, st, torch.float32, tiny_train_cfg(STEPS), LossScaler(False), "1f1b")
     out = []
     for i, d in enumerate(data):

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from megalite.moe.config import MoEConfig
 from megalite.parallel.counter import CommCounter
 from megalite.parallel.state import ParallelState, create_groups
 from tests.parallel_utils import tiny_model_cfg
@@ -25,14 +26,14 @@ def moe_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = Fa
     return replace(_GROUPS[key], sp=sp, counter=CommCounter())
 
 
-MOE_DEFAULTS = dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_shared_experts=0,
-                    moe_shared_ffn_hidden_size=0, moe_first_dense=0, moe_every=1, moe_router="qwen3",
-                    moe_renorm=True, moe_route_scale=1.0, moe_groups=1, moe_group_top_k=1, moe_bias_rate=0.0,
-                    moe_aux_loss=0.01, moe_z_loss=0.001, moe_capacity_factor=None, moe_seq_aux_loss=0.0)
+MOE_DEFAULTS = dict(experts=4, top_k=2, ffn_hidden_size=32, shared_experts=0, shared_ffn_hidden_size=0,
+                    first_dense=0, every=1, router="qwen3", renorm=True, route_scale=1.0, groups=1, group_top_k=1,
+                    bias_rate=0.0, aux_loss=0.01, z_loss=0.001, capacity_factor=None)
 
 
 def tiny_moe_cfg(arch: str = "llama", **overrides: object):
-    """tests.parallel_utils' tiny model with every MoE layer routed over 4 experts (top-2)."""
-    moe = {**MOE_DEFAULTS, **{k: v for k, v in overrides.items() if k.startswith("moe_")}}
+    """tests.parallel_utils' tiny model with every MoE layer routed over 4 experts (top-2); an override
+    `moe_X=v` sets the `[moe]` section's `X`, the others the model's fields."""
+    moe = {**MOE_DEFAULTS, **{k.removeprefix("moe_"): v for k, v in overrides.items() if k.startswith("moe_")}}
     rest = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
-    return tiny_model_cfg(arch, **rest, **moe)
+    return tiny_model_cfg(arch, **rest, moe=MoEConfig(**moe))  # type: ignore[arg-type]

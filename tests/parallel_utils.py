@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megalite.optim.config import OptimizerConfig
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.counter import CommCounter
@@ -31,19 +32,35 @@ def layout(tp: int, pp: int = 1, dp: int | None = None, sp: bool = False, cp: in
 
 
 def tiny_model_cfg(arch: str = "llama", **overrides: object):
-    """A small model config (attribute access only, like megalite.config.ModelConfig)."""
+    """A small dense model config (attribute access only, like megalite.config.ModelArgs)."""
     from types import SimpleNamespace
+
+    from megalite.mla.config import MLAConfig
+    from megalite.moe.config import MoEConfig
+    from megalite.mtp.config import MTPConfig
 
     base = dict(arch=arch, num_layers=2, hidden_size=32, num_heads=8 if arch == "llama" else 4,
                 num_kv_heads=4,
                 ffn_hidden_size=64, seq_len=8, vocab_size=61, make_vocab_divisible_by=4, norm_eps=1e-5,
                 rope_theta=10000.0, dropout=0.0, tie_embeddings=arch == "gpt2", init_std=0.02,
-                kernels="torch", recompute="none", qk_norm=False, head_dim=0)
+                kernels="torch", recompute="none", qk_norm=False, head_dim=0, moe=MoEConfig(), mla=MLAConfig(),
+                mtp=MTPConfig())
     from megalite.config.schema import ModelConfig
 
     base.update({k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k not in base})  # no scaling
     base.update(overrides)
     return SimpleNamespace(**base)
+
+
+def with_sections(cfg: Any, **sections: object) -> Any:
+    """A copy of model config `cfg` (a `tiny_model_cfg` namespace or a `ModelArgs`) with these sections replaced
+    (`mla=`, `mtp=`, `moe=`): what the model reads of them comes from its config, as in a run."""
+    from dataclasses import is_dataclass
+    from types import SimpleNamespace
+
+    if is_dataclass(cfg):
+        return replace(cfg, **sections)  # type: ignore[type-var]
+    return SimpleNamespace(**{**vars(cfg), **sections})
 
 
 def tiny_train_cfg(steps: int = 3, lr: float = 1e-2, clip_grad: float = 1.0):
@@ -54,6 +71,8 @@ def tiny_train_cfg(steps: int = 3, lr: float = 1e-2, clip_grad: float = 1.0):
 
 # Adam hyper-parameters the optimizer parity tests share (the reference and the ZeRO optimizer alike).
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+# The same as the [optimizer] section `build_distributed_optimizer` takes (its learning rate comes per step).
+ADAMW = OptimizerConfig(weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8)
 
 
 def reference_optimizer(model: torch.nn.Module, state: ParallelState, **hyper: Any) -> ReferenceOptimizer:

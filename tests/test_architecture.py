@@ -19,7 +19,7 @@ PACKAGE = REPO / "megalite"
 # (docs/architecture.md); everything after them uses the core and the core never uses it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megalite", "errors", "torch_private", "kernels"),  # base: root, error kinds, private torch calls, Triton
-    ("atomic", "untrusted"),                      # base: link-safe atomic writes; bounded JSON/TOML reading
+    ("atomic", "untrusted", "section"),           # base: atomic writes; bounded JSON/TOML reading; config fields
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("fp8",),                                     # core: FP8 GEMMs of the linears and the expert GEMMs
@@ -189,6 +189,37 @@ def test_the_cost_formulas_load_without_torch() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+# At most 8 parameters (self/cls not counted): a reader holds about seven things at once (Miller 1956), and a
+# call beyond that is read by looking each argument up, not at a glance; the 16-parameter optimizer builder
+# this replaced let a swapped pair of floats pass unnoticed. Past 8, the arguments that belong together go into
+# the dataclass that names them (a config section, a layout, a shape). Triton kernels (kernels/) are exempt:
+# a JIT kernel takes every pointer, stride and block size as a parameter.
+MAX_PARAMETERS = 8
+
+
+def _too_many_parameters(source: str, where: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+            if count > MAX_PARAMETERS:
+                out.append(f"{where}:{node.lineno} {node.name} takes {count}")
+    return out
+
+
+def test_no_function_takes_more_than_8_parameters() -> None:
+    paths = [p for folder in ("megalite", "tools") for p in (REPO / folder).rglob("*.py")]
+    found = [f for p in paths for f in _too_many_parameters(p.read_text(encoding="utf-8"), str(p.relative_to(REPO)))]
+    assert found == [], found
+
+
+def test_the_parameter_check_can_fail() -> None:
+    nine = "def f(a, b, c, d, e, f, g, h, i): pass\nclass C:\n    def m(self, a, b, c, d, e, f, g, h): pass\n"
+    assert _too_many_parameters(nine, "x.py") == ["x.py:1 f takes 9"]  # self is not counted: m takes 8
 
 
 def test_the_read_order_counts_are_this_trees() -> None:

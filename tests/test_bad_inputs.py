@@ -161,7 +161,7 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     # values that pass every comparison but cannot be meant: NaN/inf, negative seeds, absurd sizes
     "lr NaN": (["--train.lr", "nan"], CONFIG, "train.lr must be a finite number"),
     "min_lr inf": (["--train.min_lr", "inf"], CONFIG, "train.min_lr must be a finite number"),
-    "weight_decay NaN": (["--train.weight_decay", "nan"], CONFIG, "train.weight_decay must be a finite"),
+    "weight_decay NaN": (["--optimizer.weight_decay", "nan"], CONFIG, "optimizer.weight_decay must be a finite"),
     "init_std inf": (["--model.init_std", "inf"], CONFIG, "model.init_std must be a finite"),
     "clip_grad NaN": (["--train.clip_grad", "nan"], CONFIG, "train.clip_grad must be a finite"),
     "blend weight NaN": (["--data.weights", "nan"], CONFIG, "data.weights must be a finite"),

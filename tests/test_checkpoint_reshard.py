@@ -24,7 +24,7 @@ from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import Tied, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import train_step
 from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
 
@@ -38,7 +38,7 @@ LOSS_ATOL = 1e-5
 def _setup(lay: tuple[int, int, int, bool], cfg, seed: int):
     tp, pp, vpp, sp = lay
     st = layout(tp, pp, sp=sp)
-    engine = build_pipeline(cfg, st, seed=seed, micro_batch_size=1, dtype=torch.float32, vpp=vpp)
+    engine = build_pipeline(cfg, st, seed=seed, micro_batch_size=1, dtype=torch.float32, stages=StagePlan(vpp=vpp))
     model = nn.ModuleList(engine.chunks)
     info = model_info(cfg)
     for chunk in engine.chunks:  # the offline tool's name rules agree with the real model

@@ -40,17 +40,18 @@ from megalite.fp8.enable import enable_fp8, fp8_settings
 from megalite.model.compile import compile_blocks, cpu_compiler
 from megalite.model.gpt import GPT
 from megalite.moe.layer import ROUTED_SHAPES
-from megalite.optim import build_distributed_optimizer
+from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.parallel.comm import OUTSIDE_GRAPH
 from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import train_step
 from megalite.training.trainer import main
 from tests.moe_utils import moe_layout, tiny_moe_cfg
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer, step_context,
+from tests.parallel_utils import (layout, micro_batches, random_steps, reference_optimizer, step_context,
                                   tiny_model_cfg, tiny_train_cfg)
+from tests.parallel_utils import ADAMW
 from tests.test_cp_training import LOSS_ATOL, MICRO, M, PARAM_ATOL, SEQ, STEPS, local_batches, problems
 from tests.test_fp8_training import GRAD_RTOL as FP8_GRAD_RTOL
 from tests.test_fp8_training import MIN_DIM as FP8_MIN_DIM
@@ -74,7 +75,7 @@ class Case(NamedTuple):
     schedule: str = "1f1b"
     vpp: int = 1
     moe_ep: int = 0          # 0: dense MLPs; else every FFN a MoE layer (4 experts, top-2, aux + z losses) at ep
-    fp8: str | None = None   # train.fp8's recipe
+    fp8: str | None = None   # fp8.recipe's recipe
     documents: bool = False  # data.document_mask: attention within documents, positions restarting
     steps: int = STEPS
 
@@ -150,13 +151,14 @@ def _check_case(c: Case) -> None:
         data = [torch.where(d % 5 == 0, EOD, d) for d in data]
     context = ContextOptions.of("ring", EOD if c.documents else None)
     ref, ref_results = _reference(cfg, data, context, c.fp8)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=c.vpp,
-                            schedule=c.schedule, context=context)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(vpp=c.vpp, schedule=c.schedule), context=context)
     chunks = list(engine.chunks)
     enable_fp8(chunks, fp8_settings(c.fp8 or "none", FP8_MIN_DIM), st)
     assert compile_blocks(chunks, "aot_eager") == sum(len(chunk.layers) for chunk in chunks)
     model = chunks[0] if c.vpp == 1 else nn.ModuleList(chunks)
-    opt = build_distributed_optimizer(model, st, c.zero, dtype=torch.float32, fold_weight_grads=False, **HYPER)
+    opt = build_distributed_optimizer(model, st, c.zero, dtype=torch.float32, optimizer=ADAMW,
+                                      sync=SyncOptions(fold_weight_grads=False))
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(c.steps), c.schedule)
     results = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
     for i, (got, (loss, norm)) in enumerate(zip(results, ref_results)):

@@ -344,7 +344,7 @@ def _problems(cfg: Config, world_size: int = 1, device_type: str = "cpu") -> str
     ({"train__lr": 0.0}, 1, "train.lr must be > 0, got 0.0"),
     ({"train__min_lr": 0.004}, 1, "train.min_lr 0.004 is above train.lr 0.003"),
     ({"parallel__backend": "nccl"}, 1, "parallel.backend=nccl needs CUDA"),
-    ({"train__beta2": 1.0}, 1, "train.beta2 must be in [0, 1)"),
+    ({"optimizer__beta2": 1.0}, 1, "optimizer.beta2 must be in [0, 1)"),
 ])
 def test_validation_rules(overrides: dict[str, Any], world_size: int, message: str) -> None:
     assert message in _problems(_cfg(**overrides), world_size)

@@ -78,7 +78,7 @@ def test_two_blocks_merge_and_backward_with_global_lse(other: str) -> None:
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for r, kk, mask in blocks:
         dq_blk, dk_blk, dv_blk = block_backward(q[:, :, :, r], k[:, :, kk], v[:, :, kk], d_out[:, :, :, r],
-                                                lse[:, :, :, r], delta[:, :, :, r], scale, mask, backend="triton")
+                                                (lse[:, :, :, r], delta[:, :, :, r]), scale, mask, backend="triton")
         dq[:, :, :, r] += dq_blk
         dk[:, :, kk] += dk_blk
         dv[:, :, kk] += dv_blk

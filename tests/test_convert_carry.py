@@ -17,11 +17,14 @@ import torch.distributed.checkpoint as dcp
 
 from megalite.checkpoint.interop.source import from_megalite
 from megalite.checkpoint.sharded import find, save_sharded
-from megalite.optim import MuonSettings, build_distributed_optimizer
+from megalite.optim import build_distributed_optimizer
+from megalite.optim.config import MuonConfig, OptimizerConfig
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import train_step
 from tests.moe_utils import tiny_moe_cfg
+
+MUON = OptimizerConfig(name="muon", weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8)
 from tests.parallel_utils import micro_batches, random_steps, step_context, tiny_train_cfg
 from tests.test_interop_dcp import _all
 from tools.convert_checkpoint import main as convert
@@ -32,8 +35,8 @@ def muon_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = tiny_moe_cfg("llama", moe_router="deepseek", moe_bias_rate=1e-3, num_layers=2)
     st = ParallelState()
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=1, dtype=torch.float32)
-    opt = build_distributed_optimizer(engine.chunks, st, 0, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
-                                      dtype=torch.float32, optimizer="muon", muon=MuonSettings(momentum=0.95))
+    opt = build_distributed_optimizer(engine.chunks, st, 0, dtype=torch.float32, optimizer=MUON,
+                                      muon=MuonConfig(momentum=0.95))
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(2))
     for i, d in enumerate(random_steps(cfg, 2, 2)):
         train_step(ctx, opt, micro_batches(d, 1), i)
@@ -94,8 +97,8 @@ def test_muon_state_into_torchtitans_adamw_is_refused_unless_weights_only(tmp_pa
     cfg = tiny_model_cfg("llama", num_layers=2)
     st = ParallelState()
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=1, dtype=torch.float32)
-    opt = build_distributed_optimizer(engine.chunks, st, 0, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
-                                      dtype=torch.float32, optimizer="muon", muon=MuonSettings(momentum=0.95))
+    opt = build_distributed_optimizer(engine.chunks, st, 0, dtype=torch.float32, optimizer=MUON,
+                                      muon=MuonConfig(momentum=0.95))
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(1))
     train_step(ctx, opt, micro_batches(random_steps(cfg, 1, 2)[0], 1), 0)
     save_sharded(tmp_path / "ck", 1, engine.chunks, opt, {"config": {"train": {"optimizer": "muon"}}}, st, keep=1)

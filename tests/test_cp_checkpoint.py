@@ -16,8 +16,9 @@ from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.state import ParallelState
 from megalite.training.step import StepResult, train_step
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+from tests.parallel_utils import (layout, micro_batches, random_steps, step_context, tiny_model_cfg,
                                   tiny_train_cfg)
+from tests.parallel_utils import ADAMW
 from tests.test_cp_training import MICRO, SEQ, local_batches
 
 STEPS = 3
@@ -38,7 +39,7 @@ def _saved_at_cp_loaded_alone(rank: int, root: str) -> None:
     cfg = tiny_model_cfg("llama", seq_len=SEQ)
     data = random_steps(cfg, STEPS, 2 * MICRO * st.dp)
     model = GPT(cfg, st, seed=5)
-    opt = build_distributed_optimizer(model, st, 1, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, 1, dtype=torch.float32, optimizer=ADAMW)
     for i in range(STEPS - 1):
         _step(model, st, opt, local_batches(data[i], st), i)
     path = save_sharded(root, STEPS - 1, model, opt, {}, st, keep=1)
@@ -48,7 +49,7 @@ def _saved_at_cp_loaded_alone(rank: int, root: str) -> None:
         return
     one = ParallelState()
     alone = GPT(cfg, one, seed=77)  # another init: everything must come from the checkpoint
-    alone_opt = build_distributed_optimizer(alone, one, 0, dtype=torch.float32, **HYPER)
+    alone_opt = build_distributed_optimizer(alone, one, 0, dtype=torch.float32, optimizer=ADAMW)
     load_sharded(path, alone, alone_opt, one)
     real = {"head.weight": cfg.vocab_size, "embedding.weight": cfg.vocab_size}  # rows past it: padding, not stored
     for name, value in alone_opt.full_parameters().items():
@@ -65,7 +66,7 @@ def _saved_alone_loaded_at_cp(rank: int, root: str) -> None:
     data = random_steps(cfg, STEPS, 2 * MICRO)
     one = ParallelState()
     alone = GPT(cfg, one, seed=5)
-    alone_opt = build_distributed_optimizer(alone, one, 0, dtype=torch.float32, **HYPER)
+    alone_opt = build_distributed_optimizer(alone, one, 0, dtype=torch.float32, optimizer=ADAMW)
     for i in range(STEPS - 1):
         _step(alone, one, alone_opt, micro_batches(data[i], MICRO), i)
     if rank == 0:
@@ -74,7 +75,7 @@ def _saved_alone_loaded_at_cp(rank: int, root: str) -> None:
     next_one = _step(alone, one, alone_opt, micro_batches(data[-1], MICRO), STEPS - 1)
     st = layout(2, sp=True, cp=2)  # tp = 2 x cp = 2, dp = 1: ZeRO-3 shards over the 2 cp ranks
     model = GPT(cfg, st, seed=77)
-    opt = build_distributed_optimizer(model, st, 3, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, 3, dtype=torch.float32, optimizer=ADAMW)
     with opt.gathered():
         load_sharded(f"{root}/step_{STEPS - 1:08d}", model, opt, st)
     next_cp = _step(model, st, opt, local_batches(data[-1], st), STEPS - 1)

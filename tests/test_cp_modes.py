@@ -21,11 +21,12 @@ import torch
 from megalite.context.a2a import a2a_attention
 from megalite.context.costs import cp_attention_bytes
 from megalite.context.hybrid import hybrid_attention
+from megalite.context.options import ContextOptions
 from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError
 from megalite.model.ops import attention
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.estimate import PRESETS, Layout, Precision, estimate
+from megalite.perfmodel.estimate import PRESETS, Hardware, Layout, Precision, estimate
 from tests.test_context_parallel import TOL, _problem, _reference
 from tests.test_cp_training import problems
 
@@ -46,7 +47,7 @@ def _a2a_rank_fn(rank: int, cp: int, tp: int, heads: int, kv_heads: int) -> tupl
     for name, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [t.grad for t in local],
                           _reference(q, k, v, d_out)):
         torch.testing.assert_close(a, zigzag_split(b, cp, st.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
-    want = cp_attention_bytes("a2a", batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4)
+    want = cp_attention_bytes(ContextOptions.of("a2a"), batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4)
     assert (fwd, bwd) == (want.forward, want.backward), (fwd, bwd, want)
     return float(fwd), float(bwd)
 
@@ -88,7 +89,8 @@ def _hybrid_rank_fn(rank: int, a2a: int, eod: int | None) -> tuple[float, float]
         want_all = [ref_out.detach()] + [t.grad for t in ref]
     for name, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [t.grad for t in local], want_all):
         torch.testing.assert_close(a, zigzag_split(b, cp, st.cp_rank).float(), **TOL, msg=lambda m: f"{name}: {m}")
-    want = cp_attention_bytes("hybrid", batch, SEQ_TOKENS, heads, kv_heads, d, cp, 4, a2a=a2a)
+    want = cp_attention_bytes(ContextOptions.of("hybrid", a2a_degree=a2a), batch, SEQ_TOKENS, heads, kv_heads, d, cp,
+                              4)
     assert (fwd, bwd) == (want.forward, want.backward), (fwd, bwd, want)
     return float(fwd), float(bwd)
 
@@ -132,16 +134,16 @@ def test_estimator_cp_bytes_are_each_modes_closed_form(mode: str) -> None:
                        cp_a2a=2)):
         prec = Precision.megalite("bf16")
         est = estimate(dims, lay, prec)
-        call = cp_attention_bytes(mode, lay.micro_batch_size, dims.seq_len, dims.num_heads // lay.tp,
-                                  dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation, a2a=lay.cp_a2a)
+        call = cp_attention_bytes(ContextOptions.of(mode, a2a_degree=lay.cp_a2a), lay.micro_batch_size, dims.seq_len,
+                                  dims.num_heads // lay.tp, dims.kv_heads // lay.tp, dims.hd, lay.cp, prec.activation)
         per_layer = call.total + (call.forward if lay.recompute == "full" else 0)
         assert est.comm_bytes["cp"] == per_layer * dims.num_layers // lay.pp * est.num_microbatches, lay
 
 
 def test_estimator_allgather_holds_the_gathered_kv_and_exposes_its_transfers() -> None:
     dims = replace(PRESETS["llama-7b"], seq_len=32768)
-    kw = dict(peak_flops=989e12, inter_bytes_per_s=25e9, intra_bytes_per_s=450e9)
-    ring, gather, a2a = (estimate(dims, Layout(tp=8, cp=4, sp=True, global_batch_size=2, cp_mode=m), **kw)
+    kw = Hardware(peak_flops=989e12, inter_bytes_per_s=25e9, intra_bytes_per_s=450e9)
+    ring, gather, a2a = (estimate(dims, Layout(tp=8, cp=4, sp=True, global_batch_size=2, cp_mode=m), hw=kw)
                          for m in ("ring", "allgather", "a2a"))
     kv = 2 * 8192 * (32 // 8) * 128 * 2  # this rank's K/V bytes per layer (bf16, 4 kv heads per tp rank)
     assert gather.memory.activations - ring.memory.activations == pytest.approx(3 * kv * 32, rel=1e-12)

@@ -37,10 +37,11 @@ from megalite.optim import build_distributed_optimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import evaluate, train_step
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+from tests.parallel_utils import (layout, micro_batches, random_steps, reference_optimizer,
                                   step_context, tiny_model_cfg, tiny_train_cfg)
+from tests.parallel_utils import ADAMW
 from tests.test_zero import _padded_size, expected_dp_bytes, expected_memory
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16  # 3 optimizer steps of M micro-batches of MICRO sequences of SEQ tokens
@@ -98,11 +99,11 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
         data = [torch.where(d % 5 == 0, eod, d) for d in data]
     context = ContextOptions.of(mode, eod)
     ref, ref_results = reference_run(cfg, data, context)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule,
-                            context=context)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(vpp=vpp, schedule=schedule), context=context)
     chunks = engine.chunks
     model = chunks[0] if vpp == 1 else nn.ModuleList(chunks)
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     tcfg = tiny_train_cfg(STEPS)
     st.counter.reset()
     results = [train_step(step_context(engine, st, torch.float32, tcfg, schedule), opt,
@@ -116,7 +117,7 @@ def _check_cp_training(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int
     assert_params_match(opt, st, chunks, ref, what)
     # 'cp' is exactly the mode's attention traffic: each layer of this stage, each micro-batch, each step (full
     # recompute runs each block's forward, and so its ring / gather / all-to-all, twice).
-    ring = cp_attention_bytes(mode, MICRO, SEQ, cfg.num_heads // tp, cfg.num_kv_heads // tp,
+    ring = cp_attention_bytes(ContextOptions.of(mode), MICRO, SEQ, cfg.num_heads // tp, cfg.num_kv_heads // tp,
                               cfg.hidden_size // cfg.num_heads, cp, 4)
     per_call = ring.total + (ring.forward if recompute == "full" else 0)
     layers = sum(len(c.layers) for c in chunks)

@@ -21,6 +21,7 @@ from megalite.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDa
                            build_data, load_tokenizer, prepare_demo_data, preprocess, split_documents,
                            train_tokenizer)
 from megalite.data.indexed import HEADER_SIZE
+from megalite.data.preprocess import ReadOptions
 from megalite.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,19 +152,19 @@ def test_preprocess_jsonl_and_paragraphs(tmp_path: Path, tokenizer_path: str, to
     jl.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(CORPUS)) + "\n\n")
     # One process: JSON lines are read in the parent whatever the worker count (the pool path is
     # test_preprocess_round_trip_and_workers'; its error path is the json_key="body" case below).
-    ds = IndexedDataset(preprocess([str(jl)], tokenizer_path, str(tmp_path / "j"), json_key="text",
+    ds = IndexedDataset(preprocess([str(jl)], tokenizer_path, str(tmp_path / "j"), ReadOptions(json_key="text"),
                                    show_progress=False))
     assert [tok.decode(ds[i][:-1].tolist()) for i in range(len(ds))] == CORPUS
     para = tmp_path / "p.txt"
     para.write_text("first para\nline two\n\n  indented second\n \t\n\n\nthird\n")
-    ds = IndexedDataset(preprocess([str(para)], tokenizer_path, str(tmp_path / "p"), split_paragraphs=True,
+    ds = IndexedDataset(preprocess([str(para)], tokenizer_path, str(tmp_path / "p"), ReadOptions(split_paragraphs=True),
                                    show_progress=False))
     assert [tok.decode(ds[i][:-1].tolist()) for i in range(len(ds))] == \
         ["first para\nline two", "  indented second", "third"]
     with pytest.raises(DataError, match="pass --json-key"):
         preprocess([str(jl)], tokenizer_path, str(tmp_path / "x"), show_progress=False)
     with pytest.raises(DataError, match=r"c\.jsonl:1: no key 'body'"):
-        preprocess([str(jl)], tokenizer_path, str(tmp_path / "x"), json_key="body", workers=2,
+        preprocess([str(jl)], tokenizer_path, str(tmp_path / "x"), ReadOptions(json_key="body"), workers=2,
                    show_progress=False)
     assert not list(tmp_path.glob("x.*")), "a failed run must leave no output or temp files"
 
@@ -367,7 +368,7 @@ def _cfg(**data: object) -> types.SimpleNamespace:
              demo_vocab_size=DEMO_VOCAB)
     d.update(data)
     return types.SimpleNamespace(data=types.SimpleNamespace(**d), model=types.SimpleNamespace(seq_len=16),
-                                 train=types.SimpleNamespace(seed=1))
+                                 train=types.SimpleNamespace(seed=1, micro_batch_size=1))
 
 
 def test_build_data(demo: tuple[str, str], demo_dir: Path, tmp_path: Path) -> None:

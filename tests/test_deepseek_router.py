@@ -18,7 +18,8 @@ from megalite.model.ops import TORCH_OPS
 from megalite.moe.balance import update_router_biases
 from megalite.moe.layer import MoELayer
 from megalite.moe.losses import AuxScale
-from megalite.moe.settings import MoESettings
+from megalite.moe.layer import MoEContext
+from megalite.moe.settings import moe_settings
 from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.training.step import train_step
@@ -33,9 +34,9 @@ def _ours(**kw: object) -> MoELayer:
     cfg = tiny_moe_cfg(hidden_size=H, moe_experts=E, moe_top_k=K, moe_ffn_hidden_size=F, moe_shared_experts=1,
                        moe_router="deepseek", moe_groups=GROUPS, moe_group_top_k=TOPK_GROUPS,
                        moe_route_scale=SCALE, moe_renorm=True, moe_aux_loss=0.0, moe_z_loss=0.0, **kw)
-    s = MoESettings.from_model(cfg)
+    s = moe_settings(cfg)
     assert s is not None
-    return MoELayer(cfg, s, ParallelState(), TORCH_OPS, "layers.0.mlp", 3, AuxScale(), 1, MLP)
+    return MoELayer(cfg, MoEContext(s, AuxScale(), 1), ParallelState(), TORCH_OPS, "layers.0.mlp", 3, MLP)
 
 
 def _theirs(ours: MoELayer):

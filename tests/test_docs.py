@@ -17,6 +17,17 @@ def test_config_reference_documents_every_config_field() -> None:
             assert f"--{section.name}.{f.name} " in readme, f"docs/config.md lacks {section.name}.{f.name}"
 
 
+def test_config_reference_is_the_help_text_and_lists_every_old_name() -> None:
+    from megalite.config import help_text
+    from megalite.config.aliases import RENAMED
+
+    doc = (REPO / "docs" / "config.md").read_text()
+    block = doc[doc.index("```text\n") + len("```text\n"):doc.index("```", doc.index("```text\n") + 3)]
+    text = help_text()
+    assert block == text[text.index("[model]"):], "docs/config.md is stale: paste `python pretrain.py --help` there"
+    assert all(f"| `{old}` | `{new}` |" in doc for old, new in RENAMED.items()), "docs/config.md: renamed fields"
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()

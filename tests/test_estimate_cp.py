@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from megalite.context import ContextOptions
 from megalite.context.costs import cp_attention_bytes, ring_attention_bytes
 from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
-from megalite.perfmodel.estimate import (GB, PRESETS, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
+from megalite.perfmodel.estimate import (GB, PRESETS, Hardware, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
                                          tp_comm_bytes)
 from tests.conftest import SMALL_RUN
 from tests.pool_pretrain import run_pretrain_in_pool
 from tools.estimate import main as estimate_main
 
-H100 = dict(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB)
+H100 = Hardware(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB)
 LONG_7B = replace(PRESETS["llama-7b"], seq_len=32768)
 GQA_70B = replace(PRESETS["llama2-70b"], seq_len=16384)  # 8 kv heads of 64
 
@@ -92,14 +93,14 @@ def test_ring_transfers_hide_behind_attention_compute_step_by_step() -> None:
     """Per ring step the time is max(transfer, compute): at H100 speeds a 32K sequence's ring is hidden; on a
     slow link exactly the excess is exposed, and the overlapped step time adds only that."""
     lay = Layout(tp=8, cp=4, sp=True, micro_batch_size=1, global_batch_size=2)
-    est = estimate(LONG_7B, lay, **H100)
+    est = estimate(LONG_7B, lay, hw=H100)
     assert est.comm_bytes["cp"] > 0 and est.cp_exposed_seconds == 0.0
     others = sum(sec for g, sec in est.comm_seconds.items() if g not in ("dp", "cp"))
     assert est.step_seconds_overlapped == pytest.approx(max(est.compute_seconds, est.comm_seconds["dp"]) + others)
     assert est.step_seconds == pytest.approx(est.compute_seconds + sum(est.comm_seconds.values()))
 
     slow = 1e9  # 1 GB/s for the ring: the transfers dominate
-    est = estimate(LONG_7B, lay, cp_bytes_per_s=slow, **H100)
+    est = estimate(LONG_7B, lay, hw=replace(H100, cp_bytes_per_s=slow))
     # By hand: one ring step, per layer and micro-batch (S/cp = 8192 tokens, 4 local kv heads of 128).
     s, kv = 8192, 2 * 8192 * 4 * 128
     block = 2.0 * s * s * 4 * 128 / 989e12  # half a (S/cp)² block, 32/8 = 4 query heads, forward
@@ -141,7 +142,7 @@ _BEFORE_CP = [
 def test_cp_1_is_the_estimate_from_before_cp(case: tuple) -> None:
     name, kw, prec_name, total, acts, comm, step, overlapped = case
     prec = Precision.megalite("bf16") if prec_name == "megalite" else Precision()
-    est = estimate(PRESETS[name], Layout(**kw, cp=1), prec, **H100)
+    est = estimate(PRESETS[name], Layout(**kw, cp=1), prec, hw=H100)
     assert (est.memory.total, est.memory.activations, est.comm_bytes) == (total, acts, comm)
     assert (est.step_seconds, est.step_seconds_overlapped) == (step, overlapped)
     assert est.cp_exposed_seconds is None
@@ -246,7 +247,8 @@ def test_cp_memory_bench_estimate_half_and_its_arguments(tmp_path: Path, capsys:
             assert p[kind] == pytest.approx(one[kind] / r["cp"] + held, rel=1e-12), kind
         assert p["model_states"] == one["model_states"]
         a2a = 2 if r["mode"] == "hybrid" else 1
-        assert p["cp_bytes"] == 4 * cp_attention_bytes(r["mode"], 1, 4096, 8, 4, 64, r["cp"], 4, a2a=a2a).total  # 512/8 = 64
+        options = ContextOptions.of(r["mode"], a2a_degree=a2a)
+        assert p["cp_bytes"] == 4 * cp_attention_bytes(options, 1, 4096, 8, 4, 64, r["cp"], 4).total  # 512/8 = 64
     assert "| 4 | a2a | 1024 | estimate only |" in (tmp_path / "cp_memory_estimate.md").read_text()
     # The refusals: argparse's exit 2 with one "error:" line.
     for bad in (["--cp", "3"], ["--cp", "0"], ["--max-memory-gb", "0"], ["--seq", "100"], ["--modes", "x"]):

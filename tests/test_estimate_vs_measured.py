@@ -16,7 +16,7 @@ from megalite.perfmodel.estimate import Layout, ModelDims, Precision, estimate, 
 from megalite.optim import build_distributed_optimizer
 from megalite.pipeline import build_pipeline
 from megalite.training.step import train_step
-from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import ADAMW, layout, step_context, tiny_model_cfg, tiny_train_cfg
 
 MICRO, M = 2, 4  # micro-batch size, micro-batches per step and dp rank
 
@@ -31,7 +31,7 @@ def _measure(rank: int, tp: int, pp: int, sp: bool, zero: int, dtype_name: str =
     cfg = tiny_model_cfg("llama", num_layers=4, recompute=recompute)
     engine = build_pipeline(cfg, st, seed=1, micro_batch_size=MICRO, dtype=dtype)
     model = engine.chunks[0] if len(engine.chunks) == 1 else nn.ModuleList(engine.chunks)
-    opt = build_distributed_optimizer(model, st, zero, 1e-2, 0.1, (0.9, 0.95), 1e-8, dtype)
+    opt = build_distributed_optimizer(model, st, zero, dtype, optimizer=ADAMW)
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(0, cfg.vocab_size, (MICRO * M, cfg.seq_len + 1), generator=gen)
     batches = [(data[i:i + MICRO, :-1], data[i:i + MICRO, 1:]) for i in range(0, MICRO * M, MICRO)]

@@ -17,7 +17,7 @@ import pytest
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import (
     PRESETS, Layout, ModelDims, Precision, activation_bytes_per_layer, bubble_overhead,
-    count_params, dims_params, dp_comm_bytes, estimate, microbatches_in_flight, pipeline_bubble,
+    ParamShape, count_params, dims_params, dp_comm_bytes, estimate, microbatches_in_flight, pipeline_bubble,
     pp_comm_bytes, stage_params, tp_comm_bytes, zero_memory,
 )
 from megalite.perfmodel.flops import (
@@ -116,9 +116,9 @@ def test_count_params_tiny_llama_by_hand() -> None:
     layer = q_o + k_v + mlp + norms  # 196864
     expected = 4 * layer + 128 + 2048 * 128 * 2  # + final norm + embedding + head
     assert expected == 1_311_872
-    assert count_params("llama", 4, 128, 4, 2, 384, 2048, 256, False) == expected
+    assert count_params(ParamShape("llama", 4, 128, 4, 2, 384, 2048, 256, False)) == expected
     assert dims_params(PRESETS["tiny"]) == expected
-    assert count_params("llama", 4, 128, 4, 2, 384, 2048, 256, True) == expected - 2048 * 128
+    assert count_params(ParamShape("llama", 4, 128, 4, 2, 384, 2048, 256, True)) == expected - 2048 * 128
 
 
 def test_count_params_published_models() -> None:
@@ -182,7 +182,7 @@ def test_tp_comm_matches_megalite_accounting(arch: str, tp: int, sp: bool) -> No
     dims = ModelDims(2, 32, 8 if arch == "llama" else 4, 61, 8, arch, 4, 64, arch == "gpt2", 4)
     lay = Layout(tp=tp, sp=sp, micro_batch_size=2)
     mine = tp_comm_bytes(dims, lay, Precision.for_dtype("fp32"), 0, 3)
-    theirs = accounting.tp_bytes_per_step(arch, 2, 32, 2, 8, tp, sp, micro_batches=3, act_bytes=4)
+    theirs = accounting.tp_bytes_per_step(arch, 2, 32, 8, lay, micro_batches=3, act_bytes=4)
     assert mine == pytest.approx(float(theirs), rel=REL)
 
 
@@ -249,8 +249,9 @@ def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
         d = PRESETS["tiny"]
         return types.SimpleNamespace(
             model=types.SimpleNamespace(**vars(d), recompute="none"),
-            parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True),
-            train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16"))
+            parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True, ep=1),
+            train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16"),
+            moe=types.SimpleNamespace(experts=0))
 
     import megalite.config as real  # the stand-in keeps the presets the MoE report looks names up in
 
@@ -275,7 +276,7 @@ def test_cli_reads_a_real_config(tmp_path: Path, capsys: pytest.CaptureFixture[s
     cfg.write_text('[model]\npreset = "tiny"\nseq_len = 64\n\n[parallel]\nzero = 2\n')
     out = _cli_json(["--config", str(cfg), "--model.num_layers", "2", "--dp", "4"], capsys)
     # tiny: h 128, 4 heads, 2 kv heads, ffn round_up(int(8h/3), 64) = 384, demo vocab 2048, untied.
-    assert out["params"] == count_params("llama", 2, 128, 4, 2, 384, 2048, 64, False)
+    assert out["params"] == count_params(ParamShape("llama", 2, 128, 4, 2, 384, 2048, 64, False))
     assert out["inputs"]["layout"]["zero"] == 2 and out["inputs"]["layout"]["dp"] == 4
     # A pretrain config is estimated as pretrain.py runs it: megalite's memory layout (fp32 main grads)
     # and dtype auto resolved as the trainer does (bf16 on CUDA, fp32 on CPU).

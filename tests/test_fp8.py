@@ -9,6 +9,7 @@ by the same fp32 GEMM; the emulation below computes its scales independently (fl
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -16,12 +17,13 @@ import torch
 from megalite.config import Config, validate
 from megalite.errors import ConfigError
 from megalite.fp8 import scaled_mm as smm
+from megalite.fp8.config import FP8Config
 from megalite.fp8.costs import Splits, fp8_filter
 from megalite.fp8.linear import Fp8Gemm
 from megalite.fp8.scaled_mm import pow2_scale
 from megalite.layers.linear_fn import part_blocks
 from megalite.parallel.state import ParallelState
-from megalite.perfmodel.estimate import Layout, estimate
+from megalite.perfmodel.estimate import Hardware, Layout, estimate
 from megalite.perfmodel.flops import flops_per_token, hfu_ratio, peak_flops
 from megalite.perfmodel.inputs import ModelDims
 
@@ -106,18 +108,17 @@ def test_filter_keeps_the_head_and_small_gemms_in_the_run_dtype() -> None:
     assert not fp8_filter("layers.0.attn.qkv", 128, [128, 64, 64], 128)  # a 64-row part is below 128
 
 
-def _cfg(**train: object) -> Config:
-    cfg = Config()
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
+def _cfg(dtype: str = "auto", **fp8: Any) -> Config:
+    cfg = Config(fp8=FP8Config(**fp8))  # an unknown field is a TypeError, not an attribute nothing reads
+    cfg.train.dtype = dtype
     return cfg
 
 
 def test_fp8_config_errors_are_one_line() -> None:
-    validate(_cfg(fp8="rowwise", dtype="bf16"), 1)
-    for kw, text in ((dict(fp8="delayed"), "train.fp8: 'delayed' is not one of"),
-                     (dict(fp8="tensorwise", dtype="fp16"), "fp16"),
-                     (dict(fp8="rowwise", fp8_min_dim=0), "train.fp8_min_dim must be >= 1")):
+    validate(_cfg(recipe="rowwise", dtype="bf16"), 1)
+    for kw, text in ((dict(recipe="delayed"), "fp8.recipe: 'delayed' is not one of"),
+                     (dict(recipe="tensorwise", dtype="fp16"), "fp16"),
+                     (dict(recipe="rowwise", min_dim=0), "fp8.min_dim must be >= 1")):
         with pytest.raises(ConfigError, match=text):
             validate(_cfg(**kw), 1)
 
@@ -127,7 +128,7 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match="compute capability >= 8.9"):
-        validate(_cfg(fp8="rowwise", device="auto"), 1, device_type="cuda")
+        validate(_cfg(recipe="rowwise"), 1, device_type="cuda")
 
 
 DIMS = ModelDims(num_layers=16, hidden_size=2048, num_heads=32, vocab_size=128256, seq_len=2048, num_kv_heads=8,
@@ -138,8 +139,9 @@ def test_fp8_peaks_and_the_estimate() -> None:
     assert peak_flops("NVIDIA H100 80GB HBM3", "fp8") == 1979e12 and peak_flops("NVIDIA H200", "fp8") == 1979e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None
     lay = Layout(tp=2, sp=True, micro_batch_size=1, global_batch_size=4)
-    base = estimate(DIMS, lay, peak_flops=989e12, intra_bytes_per_s=300e9)
-    est = estimate(DIMS, lay, peak_flops=989e12, intra_bytes_per_s=300e9, fp8=("rowwise", 128), fp8_peak_flops=1979e12)
+    base = estimate(DIMS, lay, hw=Hardware(peak_flops=989e12, intra_bytes_per_s=300e9))
+    est = estimate(DIMS, lay, hw=Hardware(peak_flops=989e12, intra_bytes_per_s=300e9, fp8_peak_flops=1979e12),
+                   fp8=("rowwise", 128))
     assert est.fp8 is not None and all(g["fp8"] for g in est.fp8["gemms"])
     layer_weights = sum(g["in_features"] * sum(g["out_parts"]) for g in est.fp8["gemms"]) * DIMS.num_layers
     assert est.fp8["fp8_flops_fraction"] == pytest.approx(6 * layer_weights / flops_per_token(DIMS, 0, "none")[1])
@@ -152,7 +154,7 @@ def test_fp8_peaks_and_the_estimate() -> None:
 
 def test_mfu_conventions_and_one_flop_count() -> None:
     for rc in ("none", "selective", "full"):
-        est = estimate(DIMS, Layout(recompute=rc, micro_batch_size=1), peak_flops=989e12, intra_bytes_per_s=1e11)
+        est = estimate(DIMS, Layout(recompute=rc, micro_batch_size=1), hw=Hardware(peak_flops=989e12, intra_bytes_per_s=1e11))
         assert est.predicted_hfu >= est.predicted_mfu > est.predicted_mfu_causal  # type: ignore[operator]
         if rc == "none":
             assert est.predicted_hfu == est.predicted_mfu
@@ -190,7 +192,7 @@ def test_korthikanti_convention_reproduces_table5_hfu(row: str) -> None:
     # One FLOP count in the estimator: HFU = MFU x the ratio, so HFU >= MFU in every mode and convention.
     for rc in ("none", "selective", "full"):
         for conv in ("executed", "korthikanti"):
-            est = estimate(dims, Layout(recompute=rc, micro_batch_size=1), peak_flops=312e12, intra_bytes_per_s=1e11,
-                           hfu_convention=conv)
+            est = estimate(dims, Layout(recompute=rc, micro_batch_size=1),
+                           hw=Hardware(peak_flops=312e12, intra_bytes_per_s=1e11), hfu_convention=conv)
             assert est.predicted_hfu >= est.predicted_mfu, (rc, conv)  # type: ignore[operator]
             assert est.predicted_hfu == pytest.approx(est.predicted_mfu * hfu_ratio(dims, rc, conv), rel=1e-12)  # type: ignore[operator]

@@ -18,7 +18,7 @@ from megalite.fp8.linear import Fp8Gemm
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import Layout, estimate
 from megalite.perfmodel.fp8 import layer_gemms
-from megalite.perfmodel.inputs import ModelDims
+from megalite.perfmodel.inputs import Hardware, ModelDims
 
 torchao_blockwise = pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
@@ -165,7 +165,7 @@ def test_scale_elements_count_the_blocks() -> None:
 
 def _block_cfg(recipe: str, tp: int, cp: int, seq_len: int, hidden: int, heads: int = 0) -> Config:
     cfg = Config()
-    cfg.train.fp8, cfg.train.fp8_min_dim = recipe, 16
+    cfg.fp8.recipe, cfg.fp8.min_dim = recipe, 16
     cfg.model.hidden_size, cfg.model.num_heads, cfg.model.num_kv_heads = hidden, heads or hidden // 32, heads or hidden // 32
     cfg.model.ffn_hidden_size, cfg.model.seq_len = 2 * hidden, seq_len
     cfg.parallel.tp, cfg.parallel.cp = tp, cp
@@ -186,7 +186,8 @@ def test_the_estimate_counts_block_scales_and_no_amax_traffic() -> None:
     dims = ModelDims(num_layers=4, hidden_size=1024, num_heads=8, vocab_size=32000, seq_len=1024, ffn_hidden_size=4096)
     lay = Layout(tp=2, cp=2, sp=True, micro_batch_size=1, global_batch_size=4)
     for recipe in BLOCK:
-        est = estimate(dims, lay, peak_flops=989e12, intra_bytes_per_s=300e9, fp8=(recipe, 128), fp8_peak_flops=1979e12)
+        est = estimate(dims, lay, hw=Hardware(peak_flops=989e12, intra_bytes_per_s=300e9, fp8_peak_flops=1979e12),
+                       fp8=(recipe, 128))
         assert est.fp8 is not None and est.fp8["amax_bytes"] == {}
         tokens = 1024 // 2  # one micro-batch's tokens on a cp rank
         want = sum(scale_bytes(recipe, tokens, *local_sizes(g, 2)) for g in layer_gemms(dims, 128))

@@ -45,7 +45,7 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
-from tests.parallel_utils import HYPER, micro_batches, random_steps, tiny_train_cfg
+from tests.parallel_utils import ADAMW, micro_batches, random_steps, tiny_train_cfg
 from tests.test_fp8 import E4M3, _emulate_q
 from tests.test_fp8_training import MIN_DIM
 from tests.test_moe_ep import MICRO, SEQ, STEPS, _local_batches
@@ -127,13 +127,13 @@ def _run_ep2(rank: int, recipes: tuple[str, ...]) -> None:
         settings = Fp8Settings(recipe, MIN_DIM)  # type: ignore[arg-type]
         ref = GPT(cfg, ParallelState(), seed=5)
         assert sum(n.endswith("experts") for n in enable_fp8([ref], settings, ParallelState())) == cfg.num_layers
-        ref_opt = build_distributed_optimizer(ref, ParallelState(), 0, dtype=torch.float32, **HYPER)
+        ref_opt = build_distributed_optimizer(ref, ParallelState(), 0, dtype=torch.float32, optimizer=ADAMW)
         ref_ctx = StepContext.build(ref, ParallelState(), torch.float32, train, LossScaler(False))
         want = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i) for i, d in enumerate(every_step)]
         engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
         enable_fp8(engine.chunks, settings, st)
         model = engine.chunks[0]
-        opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+        opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW)
         ctx = StepContext.build(engine, st, torch.float32, train, LossScaler(False))
         got = [train_step(ctx, opt, _local_batches(d, st), i) for i, d in enumerate(every_step)]
         for i, (a, b) in enumerate(zip(got, want)):

@@ -36,7 +36,7 @@ from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import ADAMW, HYPER, layout, micro_batches, random_steps, tiny_model_cfg, tiny_train_cfg
 from tests.test_cp_training import LOSS_ATOL, MICRO, M, SEQ, STEPS, local_batches
 
 GRAD_RTOL = 1e-3  # after the first step (module doc); the first step's norm: 1e-5
@@ -76,7 +76,7 @@ def _check_run(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, recipe
         ref, ref_results = _reference(cfg, data, recipe)
         engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
         enable_fp8(engine.chunks, Fp8Settings(recipe, MIN_DIM), st)  # type: ignore[arg-type]
-        opt = build_distributed_optimizer(engine.chunks[0], st, zero, dtype=torch.float32, **HYPER)
+        opt = build_distributed_optimizer(engine.chunks[0], st, zero, dtype=torch.float32, optimizer=ADAMW)
         ctx = StepContext.build(engine, st, torch.float32, tiny_train_cfg(STEPS), LossScaler(False))
         results = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
         for i, (got, (loss, norm)) in enumerate(zip(results, ref_results)):

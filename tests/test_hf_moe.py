@@ -111,13 +111,14 @@ def _pretrain_takes_the_moe_shape(ckpt: Path) -> None:
 
     cfg = Config()
     cfg.checkpoint.load = str(ckpt)
-    m = apply_checkpoint_shape(cfg, []).model
-    assert (m.moe_experts, m.moe_top_k, m.moe_ffn_hidden_size, m.moe_router, m.qk_norm, m.moe_first_dense) == \
+    cfg = apply_checkpoint_shape(cfg, [])
+    m, moe = cfg.model, cfg.moe
+    assert (moe.experts, moe.top_k, moe.ffn_hidden_size, moe.router, m.qk_norm, moe.first_dense) == \
         (4, 2, 24, "qwen3", True, 1)
     cfg = Config()
-    cfg.checkpoint.load, cfg.model.moe_router = str(ckpt), "mixtral"
-    with pytest.raises(CheckpointError, match="model.moe_router='mixtral' but the checkpoint has 'qwen3'"):
-        apply_checkpoint_shape(cfg, ["--model.moe_router", "mixtral"])
+    cfg.checkpoint.load, cfg.moe.router = str(ckpt), "mixtral"
+    with pytest.raises(CheckpointError, match="moe.router='mixtral' but the checkpoint has 'qwen3'"):
+        apply_checkpoint_shape(cfg, ["--moe.router", "mixtral"])
 
 
 def test_megalite_moe_exports_as_mixtral_and_qwen3_moe(tmp_path: Path) -> None:
@@ -179,9 +180,10 @@ def test_export_refuses_what_no_hf_architecture_computes(tmp_path: Path, capsys:
     from megalite.checkpoint.sharded import save_sharded
 
     for i, (over, words) in enumerate([
-            (dict(moe_router="deepseek"), "this one has moe_router=deepseek"),
+            (dict(moe_router="deepseek"), "this one has moe.router=deepseek"),
             (dict(moe_router="mixtral", moe_shared_experts=1), "shared experts"),
-            (dict(moe_router="qwen3", moe_renorm=False, qk_norm=False), "moe_router=qwen3, moe_renorm=False and qk_norm=False"),
+            (dict(moe_router="qwen3", moe_renorm=False, qk_norm=False),
+             "moe.router=qwen3, moe.renorm=False and qk_norm=False"),
             (dict(moe_router="mixtral", moe_first_dense=1), "dense layers (Mixtral's layers are all MoE)")]):
         st = ParallelState()
         cfg = tiny_moe_cfg(seq_len=16, **{"moe_z_loss": 0.0, **over})

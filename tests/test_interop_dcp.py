@@ -35,7 +35,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     st, model, opt, ctx = _tiny()
     _step(ctx, opt, 0)
     _step(ctx, opt, 1)
-    extra = {"sampler": {"consumed_samples": 4}, "config": {"train": {"lr": 0.01, "beta1": 0.9, "beta2": 0.95}}}
+    config = {"train": {"lr": 0.01}, "optimizer": {"beta1": 0.8, "beta2": 0.9}}
+    extra = {"sampler": {"consumed_samples": 4}, "config": config}
     save_sharded(root / "ckpt", 2, model, opt, extra, st, keep=1)
     return find("latest", str(root / "ckpt"))  # type: ignore[return-value]
 
@@ -55,7 +56,8 @@ def test_plain_dcp_readers_load_model_and_optimizer(saved: Path, tmp_path: Path)
         assert torch.equal(state[n]["exp_avg"], want[f"exp_avg/{n}"]) and torch.equal(state[n]["exp_avg_sq"],
                                                                                       want[f"exp_avg_sq/{n}"])
         assert float(state[n]["step"]) == 2.0
-    assert full["optimizer"]["param_groups"][0]["params"] == names and full["optimizer"]["param_groups"][0]["lr"] == 0.01
+    group = full["optimizer"]["param_groups"][0]
+    assert group["params"] == names and group["lr"] == 0.01 and list(group["betas"]) == [0.8, 0.9]
 
 
 def test_dcp_back_to_megalite_at_another_layout_is_bit_exact(saved: Path, tmp_path: Path) -> None:

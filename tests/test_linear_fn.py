@@ -19,7 +19,7 @@ from megalite.layers.linear_fn import linear, linear_parts, part_blocks
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.state import ParallelState
-from tests.parallel_utils import tiny_model_cfg
+from tests.parallel_utils import ADAMW, tiny_model_cfg
 
 SIZES = [(7,), (6, 3, 3), (5, 5)]
 
@@ -111,8 +111,7 @@ def test_fold_survives_activation_checkpointing() -> None:
 def test_zero_optimizer_refuses_a_grad_that_skipped_the_fold() -> None:
     st = ParallelState()
     model = GPT(tiny_model_cfg("llama"), st, seed=1)
-    build_distributed_optimizer(model, st, 0, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
-                                dtype=torch.float32)
+    build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW)
     w = model.layers["0"].mlp.down.weight
     with pytest.raises(RuntimeError, match="got a .grad"):
         (F.linear(torch.randn(2, w.shape[1]), w).sum()).backward()  # plain F.linear: no fold
@@ -129,8 +128,7 @@ def test_zero_optimizer_folds_only_weights_of_one_linear() -> None:
     st = ParallelState()
     for arch in ("llama", "gpt2"):
         model = GPT(tiny_model_cfg(arch), st, seed=1)
-        build_distributed_optimizer(model, st, 0, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
-                                    dtype=torch.float32)
+        build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW)
         folded = {f"{n}.weight" for n, m in model.named_modules()
                   if isinstance(m, FoldsWeightGrad) and m.wgrad_fold is not None}
         linears = {n for n, _ in model.named_parameters()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.config import parse_args, resolve
+from megalite.config import ModelArgs, parse_args, resolve
 from megalite.fp8.enable import enable_fp8, fp8_settings
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
@@ -31,8 +31,8 @@ def _config(tp: int, sp: bool, extra: list[str]):
 def _measure(cfg, state: ParallelState) -> tuple[int, int, int]:
     """(parameter elements on this rank, bytes the first block saves for its backward: every saved tensor's
     storage once, the model's own parameters and buffers left out, the block's FP8 linears)."""
-    model = GPT(cfg.model, state, seed=0)
-    chosen = enable_fp8([model], fp8_settings(cfg.train.fp8, cfg.train.fp8_min_dim), state)
+    model = GPT(ModelArgs.from_config(cfg), state, seed=0)
+    chosen = enable_fp8([model], fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
     in_block = [n for n in chosen if n.startswith(f"layers.{next(iter(model.layers))}.")]
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
@@ -55,19 +55,19 @@ def _check(cfg, state: ParallelState) -> None:
     params, saved, fp8_linears = _measure(cfg, state)
     dims, lay = run_inputs(cfg)
     assert params == stage_params(dims, lay.tp, 1, 0).total  # exact: every weight, the padded vocabulary's rows
-    fp8 = None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim)
+    fp8 = None if cfg.fp8.recipe == "none" else (cfg.fp8.recipe, cfg.fp8.min_dim)
     prec = run_precision(torch.float32)
     expected = layer_activation_bytes(dims, lay, prec, fp8) + moe_layer_extra_bytes(dims, lay, prec)
     # exact: every saved tensor named by the formula (docs/estimator.md#peak-memory); a tensorwise FP8 linear also
     # saves its input's fp32 scale (4 bytes), which the formula leaves out
-    assert saved == expected + (4 * fp8_linears if cfg.train.fp8 == "tensorwise" else 0)
-    assert cfg.train.fp8 == "none" or fp8_linears >= 3  # out, up and down are FP8 here (qkv's kv part is 64 wide)
+    assert saved == expected + (4 * fp8_linears if cfg.fp8.recipe == "tensorwise" else 0)
+    assert cfg.fp8.recipe == "none" or fp8_linears >= 3  # out, up and down are FP8 here (qkv's kv part is 64 wide)
 
 
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.num_kv_heads", "0"],
-                                   ["--model.recompute", "selective"], ["--train.fp8", "tensorwise"],
-                                   ["--train.fp8", "rowwise"], ["--model.preset", "tiny-moe"],
-                                   ["--model.preset", "tiny-moe", "--model.moe_shared_experts", "1"]],
+                                   ["--model.recompute", "selective"], ["--fp8.recipe", "tensorwise"],
+                                   ["--fp8.recipe", "rowwise"], ["--model.preset", "tiny-moe"],
+                                   ["--model.preset", "tiny-moe", "--moe.shared_experts", "1"]],
                          ids=["llama", "gpt2", "selective", "fp8-tensorwise", "fp8-rowwise", "moe", "moe-shared"])
 def test_one_process_terms_are_the_allocated_tensors(extra: list[str]) -> None:
     _check(_config(1, False, extra), ParallelState())

@@ -117,8 +117,8 @@ def test_mla_costs_by_hand() -> None:
     """The tiny shape by hand: h 64, H 4, r_q 32, r_kv 16, d_n 16, d_r 8 (d 24), d_v 12, 2 layers."""
     from megalite.mla import costs
     from megalite.model.gpt import GPT, count_parameters
-    from megalite.model.params import count_params
-    from tests.parallel_utils import tiny_model_cfg
+    from megalite.model.params import ParamShape, count_params
+    from tests.parallel_utils import tiny_model_cfg, with_sections
 
     m = MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
     # q_b 32x96, kv_b 16x(4x28), out 48x64; q_a 64x32, kv_a 64x(16+8); norms 32 + 16.
@@ -133,12 +133,12 @@ def test_mla_costs_by_hand() -> None:
     # + heads sb·4·(6·24 + 2·12) + scores 5·4·16·16·2.
     sb = 16 * 2
     want = 26 * sb * 64 + sb * (128 + 48 + 32) + sb * 4 * (144 + 24) + 5 * 4 * 16 * 16 * 2
-    assert costs.activation_bytes_per_layer(16, 2, 64, 4, m) == want
+    assert costs.activation_bytes_per_layer(16 * 2, 64, 4, m, kv_len=16) == want
     for q_lora in (32, 0):  # the formula equals the built model's count, with and without the low-rank query
         mla = MLAConfig(kv_lora_rank=16, q_lora_rank=q_lora, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
         cfg = tiny_model_cfg(hidden_size=64, num_heads=4, num_kv_heads=4, make_vocab_divisible_by=1)
-        built = count_parameters(GPT(cfg, ParallelState(), seed=0, mla=mla), ParallelState())
-        assert built == count_params("llama", 2, 64, 4, 4, 64, 61, 8, False, mla=mla)
+        built = count_parameters(GPT(with_sections(cfg, mla=mla), ParallelState(), seed=0), ParallelState())
+        assert built == count_params(ParamShape("llama", 2, 64, 4, 4, 64, 61, 8, False, mla=mla))
 
 
 def test_estimator_prices_mla() -> None:
@@ -164,21 +164,21 @@ def test_estimator_prices_mla() -> None:
 
 
 def test_mla_under_fp8() -> None:
-    """train.fp8: q_b / q, kv_b and out (the parallel linears) run in FP8, q_a and kv_a (replicated, partial
+    """fp8.recipe: q_b / q, kv_b and out (the parallel linears) run in FP8, q_a and kv_a (replicated, partial
     gradients) stay in the run dtype; a training step's loss stays within FP8's error of the fp32 one (e4m3's
     2^-4 relative steps through a few GEMMs: ~1e-2 on a loss of ~4; a broken FP8 path is O(1) or NaN)."""
     from megalite.fp8.enable import Fp8Settings, enable_fp8
     from megalite.model.gpt import GPT
     from megalite.training.step import train_step
-    from tests.parallel_utils import reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
+    from tests.parallel_utils import reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg, with_sections
 
     cfg = tiny_model_cfg(hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=1, seq_len=8)
     d = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     losses = []
     for recipe in (None, "tensorwise"):
         st = ParallelState()
-        model = GPT(cfg, st, seed=2, mla=MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                                                    qk_nope_head_dim=16, v_head_dim=12))
+        model = GPT(with_sections(cfg, mla=MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                                    qk_nope_head_dim=16, v_head_dim=12)), st, seed=2)
         if recipe is not None:
             names = enable_fp8([model], Fp8Settings(recipe, 8), st)
             assert sorted(n for n in names if ".attn." in n) == ["layers.0.attn.kv_b", "layers.0.attn.out",
@@ -190,7 +190,7 @@ def test_mla_under_fp8() -> None:
 
 def test_estimate_tool_reads_the_mla_section(tmp_path, capsys) -> None:
     """tools/estimate.py --config with an [mla] section prices MLA (its parameter count) and reports the cache."""
-    from megalite.model.params import count_params
+    from megalite.model.params import ParamShape, count_params
     from tools.estimate import main as estimate_main
 
     (tmp_path / "c.toml").write_text("[model]\nnum_kv_heads = 4\nvocab_size = 256\n[train]\ndtype = \"fp32\"\n[mla]\nkv_lora_rank = 32\n"
@@ -201,7 +201,7 @@ def test_estimate_tool_reads_the_mla_section(tmp_path, capsys) -> None:
     got = json.loads(capsys.readouterr().out)
     mla = MLAConfig(kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
     m = ModelConfig()
-    assert got["params"] == count_params("llama", m.num_layers, 128, 4, 4, 384, 256, 128, False, mla=mla)
+    assert got["params"] == count_params(ParamShape("llama", m.num_layers, 128, 4, 4, 384, 256, 128, False, mla=mla))
     assert estimate_main(["--config", str(tmp_path / "c.toml")]) == 0
     assert "MLA KV cache for generation: 0.75 KiB per token" in capsys.readouterr().out  # 4 layers x 48 x 4 bytes
 
@@ -231,7 +231,7 @@ def test_dense_deepseek_v3_logits(tmp_path) -> None:
     the "mtp" engineer's) and YaRN: megalite's GPT with MLA computes its logits from the same weights. The attention
     by checkpoint/interop/hf_mla.py, the rest by Llama's names (the full import is tools/import_hf.py's, later)."""
     from megalite.model.gpt import GPT
-    from tests.parallel_utils import tiny_model_cfg
+    from tests.parallel_utils import tiny_model_cfg, with_sections
 
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=67, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -250,7 +250,7 @@ def test_dense_deepseek_v3_logits(tmp_path) -> None:
                          make_vocab_divisible_by=1, norm_eps=1e-6, rope_scaling="yarn", rope_factor=4.0,
                          rope_original_max_positions=8, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.707,
                          rope_mscale_all_dim=1.0)
-    ours = GPT(cfg, ParallelState(), seed=0, mla=mla).eval()
+    ours = GPT(with_sections(cfg, mla=mla), ParallelState(), seed=0).eval()
     sd = hf.state_dict()
     mine = {"embedding.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"],
             "head.weight": sd["lm_head.weight"]}

@@ -17,7 +17,7 @@ from megalite.inference.load import load_model
 from megalite.mla.config import MLAConfig
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
-from tests.parallel_utils import tiny_model_cfg
+from tests.parallel_utils import tiny_model_cfg, with_sections
 
 SEQ, VOCAB = 24, 97
 MLA = MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
@@ -27,7 +27,7 @@ YARN = dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_positions=8,
 
 def test_mla_decodes_from_the_compressed_cache(tmp_path: Path) -> None:
     cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, **YARN)
-    model = GPT(cfg, ParallelState(), seed=3, mla=MLA).eval()
+    model = GPT(with_sections(cfg, mla=MLA), ParallelState(), seed=3).eval()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # sharpen the distribution: a random init at std 0.02 is near-uniform (ties)
         for p in model.parameters():
@@ -57,7 +57,7 @@ def test_checkpoint_of_another_mla_shape_is_refused(tmp_path: Path) -> None:
     from megalite.errors import CheckpointError
 
     cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4)
-    ckpt = save_sharded(tmp_path / "c", 1, GPT(cfg, ParallelState(), seed=3, mla=MLA), None, {}, ParallelState(),
+    ckpt = save_sharded(tmp_path / "c", 1, GPT(with_sections(cfg, mla=MLA), ParallelState(), seed=3), None, {}, ParallelState(),
                         keep=0)
     with pytest.raises(CheckpointError, match="mla"):
         load_sharded(ckpt, GPT(cfg, ParallelState(), seed=3), None, ParallelState())
@@ -69,8 +69,8 @@ def _tp_generation(rank: int) -> list[int]:
     # init_std 0.5: sharp logits, so the tp run's different fp32 summation order cannot flip an argmax.
     cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, init_std=0.5,
                          **YARN)
-    model = GPT(cfg, layout(2), seed=3, mla=MLA).eval()
-    reference = GPT(cfg, ParallelState(), seed=3, mla=MLA).eval()  # the same weights: init is layout-invariant
+    model = GPT(with_sections(cfg, mla=MLA), layout(2), seed=3).eval()
+    reference = GPT(with_sections(cfg, mla=MLA), ParallelState(), seed=3).eval()  # the same weights: init is layout-invariant
     got = list(generate_ids(model, [5, 17, 3], SamplingConfig(12)))
     assert got == list(generate_ids(reference, [5, 17, 3], SamplingConfig(12), use_cache=False)), rank
     return got
@@ -92,7 +92,7 @@ def test_offline_reshard_of_an_mla_checkpoint(tmp_path: Path) -> None:
     from megalite.parallel.param_spec import named_param_specs
 
     cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4)
-    model = GPT(cfg, ParallelState(), seed=3, mla=MLA)
+    model = GPT(with_sections(cfg, mla=MLA), ParallelState(), seed=3)
     info = model_info(cfg, MLA)
     specs = named_param_specs(model, ConfigError)
     assert {n: layout_for(n, info) for n in specs} == {n: layout_of(n, s.layout) for n, s in specs.items()}
@@ -116,7 +116,7 @@ def test_resume_takes_mla_and_rope_scaling_from_the_checkpoint(tmp_path: Path) -
     from megalite.errors import CheckpointError
 
     cfg = tiny_model_cfg(vocab_size=VOCAB, seq_len=SEQ, hidden_size=64, num_heads=4, num_kv_heads=4, **YARN)
-    save_sharded(tmp_path, 1, GPT(cfg, ParallelState(), seed=3, mla=MLA), None, {}, ParallelState(), keep=0)
+    save_sharded(tmp_path, 1, GPT(with_sections(cfg, mla=MLA), ParallelState(), seed=3), None, {}, ParallelState(), keep=0)
     run = Config()
     run.checkpoint.dir = str(tmp_path)
     run = apply_checkpoint_shape(run, [])

@@ -18,7 +18,8 @@ from megalite.mla.config import MLAConfig  # noqa: E402
 from megalite.model.gpt import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.step import train_step  # noqa: E402
-from tests.parallel_utils import reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg  # noqa: E402
+from tests.parallel_utils import (reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg,  # noqa: E402
+                                  with_sections)
 from tests.test_model_kernels import count_calls  # noqa: E402
 
 if not kernels.available():
@@ -31,7 +32,7 @@ def _losses(kind: str, eod: int | None = None) -> list[float]:
     cfg = tiny_model_cfg(kernels=kind, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=1,
                          seq_len=8 if eod is None else 16)
     state = ParallelState()
-    model = GPT(cfg, state, seed=3, mla=MLA, context=ContextOptions(document_eod=eod))
+    model = GPT(with_sections(cfg, mla=MLA), state, seed=3, context=ContextOptions(document_eod=eod))
     opt = reference_optimizer(model, state)
     gen = torch.Generator().manual_seed(4)
     out = []
@@ -68,6 +69,6 @@ def test_wide_heads_run_torch_attention_said_once(caplog) -> None:
     wide = MLAConfig(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=FLASH_MAX_HEAD_DIM, v_head_dim=12)
     cfg = tiny_model_cfg(kernels="triton", hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=3, seq_len=8)
     with caplog.at_level("WARNING", logger="megalite.mla.attention"):
-        model = GPT(cfg, ParallelState(), seed=3, mla=wide)
+        model = GPT(with_sections(cfg, mla=wide), ParallelState(), seed=3)
     assert all(block.attn.ops is TORCH_OPS for block in model.layers.values())
     assert sum("exceeds the Triton flash kernel" in r.message for r in caplog.records) == 1

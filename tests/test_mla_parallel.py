@@ -23,9 +23,9 @@ from megalite.perfmodel.estimate import Layout, ModelDims, Precision, tp_comm_by
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import train_step
-from tests.parallel_utils import HYPER, layout, micro_batches, random_steps, reference_optimizer, step_context
+from tests.parallel_utils import ADAMW, HYPER, with_sections, layout, micro_batches, random_steps, reference_optimizer, step_context
 from tests.parallel_utils import tiny_model_cfg, tiny_train_cfg
 from tests.test_cp_training import PARAM_ATOL, assert_params_match, local_batches
 
@@ -54,14 +54,14 @@ def _check(tp: int, cp: int, pp: int, sp: bool, mode: str, eod: int | None, q_lo
         data = [torch.where(d % 5 == 0, eod, d) for d in data]
     context = ContextOptions.of(mode, eod, a2a)
     ref_state = ParallelState()
-    ref = GPT(cfg, ref_state, seed=5, context=context, mla=mla)
+    ref = GPT(with_sections(cfg, mla=mla), ref_state, seed=5, context=context)
     ref_opt = reference_optimizer(ref, ref_state)
     want = [train_step(step_context(ref, ref_state, torch.float32, tiny_train_cfg(STEPS)), ref_opt,
                        micro_batches(d, MICRO), i) for i, d in enumerate(data)]
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, context=context, mla=mla,
-                            schedule=schedule)
+    engine = build_pipeline(with_sections(cfg, mla=mla), st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            context=context, stages=StagePlan(schedule=schedule))
     model: nn.Module = engine.chunks[0]
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS), schedule)
     st.counter.reset()
     got = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]

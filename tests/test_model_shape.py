@@ -10,7 +10,7 @@ import pytest
 from megalite.checkpoint.interop.hf import import_hf
 from megalite.checkpoint.model_shape import SHAPE_FIELDS
 from megalite.checkpoint.sharded import save_sharded
-from megalite.config import ModelConfig, resolve
+from megalite.config import ModelArgs, resolve
 from megalite.errors import CheckpointError
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
@@ -24,7 +24,7 @@ SHAPE = dict(arch="llama", num_layers=3, hidden_size=48, num_heads=6, num_kv_hea
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = ModelConfig(**SHAPE, kernels="torch")
+    cfg = ModelArgs(**SHAPE, kernels="torch")
     path = tmp_path_factory.mktemp("shape") / "ckpt"
     save_sharded(path, 1, GPT(cfg, ParallelState(), seed=1), None, {}, ParallelState(), keep=1)
     return path

@@ -21,7 +21,7 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline import build_pipeline
 from megalite.training.step import StepContext, train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
-from tests.parallel_utils import HYPER, random_steps, tiny_train_cfg
+from tests.parallel_utils import ADAMW, random_steps, tiny_train_cfg
 from tests.test_moe_ep import MICRO, M, SEQ, _local_batches, _reference
 from tools.reshard_checkpoint import main as reshard_main
 
@@ -41,7 +41,7 @@ def _data(dp_max: int = 4) -> list[torch.Tensor]:
 def _build(st: ParallelState, zero: int):
     engine = build_pipeline(_cfg(), st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
     model = engine.chunks[0]
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     ctx = StepContext.build(engine, st, torch.float32, tiny_train_cfg(STEPS), LossScaler(False))
     return model, opt, ctx
 

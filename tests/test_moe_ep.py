@@ -27,10 +27,11 @@ from megalite.optim.reference import ReferenceOptimizer
 from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.moe.costs import a2a_bytes_measured
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import StepContext, train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
-from tests.parallel_utils import HYPER, micro_batches, random_steps, tiny_train_cfg
+from tests.parallel_utils import ADAMW, HYPER, micro_batches, random_steps, tiny_train_cfg
 
 STEPS, MICRO, M, SEQ = 3, 2, 2, 16
 LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-4
@@ -69,10 +70,11 @@ def _check(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, ep: int, r
     cfg = tiny_moe_cfg(arch, seq_len=SEQ, num_layers=2 * pp, moe_router=router, recompute=recompute, **moe)
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
     ref, ref_results = _reference(cfg, data, bias)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, schedule=schedule)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(schedule=schedule))
     model = engine.chunks[0]
     _biased(model, bias)
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     ctx = StepContext.build(engine, st, torch.float32, tiny_train_cfg(STEPS), LossScaler(False), schedule)
     st.counter.reset()
     results = [train_step(ctx, opt, _local_batches(d, st), i) for i, d in enumerate(data)]
@@ -106,7 +108,7 @@ def _check(rank: int, tp: int, cp: int, pp: int, sp: bool, zero: int, ep: int, r
     mine = {name for name, _ in moe_layers_of([model])}  # this stage's layers: the exchanges this rank ran
     rows = sum(v for r in results if r.moe for n, v in r.moe["a2a_rows"].items() if n in mine)
     calls = sum(v for r in results if r.moe for n, v in r.moe["a2a_calls"].items() if n in mine)
-    expected = a2a_bytes_measured(rows, calls, ep, cfg.moe_experts, cfg.hidden_size, 4,
+    expected = a2a_bytes_measured(rows, calls, ep, cfg.moe.experts, cfg.hidden_size, 4,
                                   2 if recompute == "full" else 1)
     got_bytes = st.counter.exact_bytes("ep")
     assert got_bytes == expected, f"{what}: ep bytes {got_bytes} != estimate {expected}"

@@ -4,20 +4,15 @@ the measured-routing formula, and tools/estimate.py's MoE section. (Measured 'ep
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 
-from megalite.config import PRESETS, ModelConfig
-from megalite.config.derive import resolve
-from megalite.config.schema import Config
 from megalite.moe.costs import a2a_bytes_balanced, a2a_bytes_measured
-from megalite.perfmodel.inputs import Precision
-from megalite.perfmodel.moe import moe_estimate, moe_param_counts
+from megalite.perfmodel.inputs import Layout, Precision
+from megalite.perfmodel.moe import moe_estimate, moe_param_counts, moe_preset_model
 
 
 def _model(preset: str):
-    return resolve(Config(model=ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset]})), 1).model
+    return moe_preset_model(preset)
 
 
 def test_mixtral_8x7b_counts_match_the_published_46_7b_total_12_9b_active() -> None:
@@ -34,8 +29,8 @@ def test_balanced_bytes_equal_the_measured_formula_at_balanced_routing() -> None
 
 def test_experts_and_their_states_split_over_ep_and_edp() -> None:
     m = _model("mixtral-8x7b")
-    one = moe_estimate(m, 1, 1, 8, 1, 1, 1, 1, 1, False, Precision())
-    eight = moe_estimate(m, 1, 1, 8, 1, 8, 1, 1, 1, False, Precision())
+    one = moe_estimate(m, Layout(dp=8, zero=1), 1, Precision())
+    eight = moe_estimate(m, Layout(dp=8, zero=1), 8, Precision())
     assert eight.expert_params_per_rank * 8 == one.expert_params_per_rank
     assert eight.memory.params < one.memory.params and one.ep_bytes_per_step == 0 < eight.ep_bytes_per_step
 

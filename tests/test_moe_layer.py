@@ -18,10 +18,11 @@ from megalite.model.gpt import GPT, count_parameters
 from megalite.model.ops import TORCH_OPS
 from megalite.moe.dispatch import capacity, dispatch
 from megalite.moe.grouped import HAS_GROUPED_MM, can_group, grouped_mm, grouped_mm_loop
-from megalite.moe.layer import MoELayer
+from megalite.moe.layer import MoEContext, MoELayer
 from megalite.moe.losses import AuxScale
 from megalite.moe.router import Router
-from megalite.moe.settings import MoESettings
+from megalite.moe.config import MoEConfig
+from megalite.moe.settings import moe_settings
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.moe import moe_param_counts
 from tests.moe_utils import tiny_moe_cfg
@@ -54,9 +55,9 @@ def test_grouped_mm_equals_loop_forward_and_backward(counts: list[int]) -> None:
     assert all(outs[1][2][e].abs().sum() == 0 for e, c in enumerate(counts) if c == 0)
 
 
-def _settings(**kw) -> MoESettings:
+def _settings(**kw) -> MoEConfig:
     cfg = tiny_moe_cfg(**kw)
-    s = MoESettings.from_model(cfg)
+    s = moe_settings(cfg)
     assert s is not None
     return s
 
@@ -110,9 +111,9 @@ def test_deepseek_bias_and_group_limit_choose_but_do_not_weigh() -> None:
 
 def _layer(**kw) -> MoELayer:
     cfg = tiny_moe_cfg(**kw)
-    s = MoESettings.from_model(cfg)
+    s = moe_settings(cfg)
     from megalite.model.block import MLP
-    return MoELayer(cfg, s, ParallelState(), TORCH_OPS, "layers.0.mlp", 3, AuxScale(), 1, MLP)
+    return MoELayer(cfg, MoEContext(s, AuxScale(), 1), ParallelState(), TORCH_OPS, "layers.0.mlp", 3, MLP)
 
 
 def test_layer_equals_token_by_token_reference() -> None:
@@ -189,12 +190,12 @@ def test_bad_moe_input_is_one_line() -> None:
     base = ["--model.preset", "tiny-moe"]
     assert _problems(1, *base) == ""
     assert _problems(4, *base, "--parallel.ep", "2", "--parallel.tp", "2") == ""
-    top_k = _problems(1, *base, "--model.moe_top_k", "9")
-    assert "moe_top_k 9 must be between 1 and model.moe_experts 8" in top_k and "group" not in top_k  # one problem
-    assert "leaves no MoE layer among the 4" in _problems(1, *base, "--model.moe_first_dense", "4")
-    assert "moe_route_scale must be > 0" in _problems(1, *base, "--model.moe_route_scale", "0")
+    top_k = _problems(1, *base, "--moe.top_k", "9")
+    assert "moe.top_k 9 must be between 1 and moe.experts 8" in top_k and "group" not in top_k  # one problem
+    assert "leaves no MoE layer among the 4" in _problems(1, *base, "--moe.first_dense", "4")
+    assert "moe.route_scale must be > 0" in _problems(1, *base, "--moe.route_scale", "0")
     assert "does not divide dp x cp" in _problems(3, *base, "--parallel.ep", "2")
-    assert "moe_experts 8 is not divisible by parallel.ep 3" in _problems(3, *base, "--parallel.ep", "3")
-    assert "moe_capacity_factor must be > 0" in _problems(1, *base, "--model.moe_capacity_factor", "0")
+    assert "moe.experts 8 is not divisible by parallel.ep 3" in _problems(3, *base, "--parallel.ep", "3")
+    assert "moe.capacity_factor must be > 0" in _problems(1, *base, "--moe.capacity_factor", "0")
     assert "needs a mixture-of-experts model" in _problems(2, "--parallel.ep", "2")
-    assert "not one of mixtral, qwen3, deepseek" in _problems(1, *base, "--model.moe_router", "switch")
+    assert "not one of mixtral, qwen3, deepseek" in _problems(1, *base, "--moe.router", "switch")

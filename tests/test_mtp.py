@@ -26,9 +26,9 @@ from megalite.optim import build_distributed_optimizer
 from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from tests.moe_utils import moe_layout, tiny_moe_cfg
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer, step_context,
+from tests.parallel_utils import (ADAMW, HYPER, with_sections, layout, micro_batches, random_steps, reference_optimizer, step_context,
                                   tiny_model_cfg, train_steps)
 
 SEQ, D, LAMBDA = 16, 2, 0.3
@@ -67,7 +67,7 @@ def _reference_loss(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> tupl
 
 def test_mtp_equals_the_papers_formulas() -> None:
     cfg = tiny_model_cfg(seq_len=SEQ)
-    model = GPT(cfg, ParallelState(), seed=3, mtp=MTP).train()
+    model = GPT(with_sections(cfg, mtp=MTP), ParallelState(), seed=3).train()
     ref = copy.deepcopy(model)
     ids, labels = micro_batches(random_steps(cfg, 1, 3)[0], 3)[0]
     model(ids, labels).mean().backward()   # the MTP losses reach the backward attached to the main loss
@@ -121,7 +121,7 @@ def test_estimator_prices_the_mtp_modules() -> None:
 
     for cfg in (tiny_model_cfg(seq_len=SEQ), tiny_moe_cfg(seq_len=SEQ, moe_first_dense=1, moe_shared_experts=1)):
         st = ParallelState()
-        extra = count_parameters(GPT(cfg, st, seed=1, mtp=MTP), st) - count_parameters(GPT(cfg, st, seed=1), st)
+        extra = count_parameters(GPT(with_sections(cfg, mtp=MTP), st, seed=1), st) - count_parameters(GPT(cfg, st, seed=1), st)
         costs = mtp_costs(cfg, D)
         assert costs.params == extra
         h, v, s = cfg.hidden_size, cfg.vocab_size, cfg.seq_len
@@ -140,8 +140,8 @@ def test_estimate_counts_the_mtp_modules_per_stage() -> None:
     cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2, vocab_size=64)
     dims = ModelDims(2, 32, 8, 64, SEQ, "llama", 4, 64, False, 4, mtp_layers=D)
     st = ParallelState()
-    assert dims_params(dims) == count_parameters(GPT(cfg, st, seed=1, mtp=MTP), st)
-    last = GPT(cfg, st, seed=1, layers=range(1, 2), pre_process=False, post_process=True, mtp=MTP)
+    assert dims_params(dims) == count_parameters(GPT(with_sections(cfg, mtp=MTP), st, seed=1), st)
+    last = GPT(with_sections(cfg, mtp=MTP), st, seed=1, layers=range(1, 2), pre_process=False, post_process=True)
     assert stage_params(dims, 1, 2, 1).total == sum(p.numel() for p in last.parameters())
     plain, with_mtp = (estimate(ModelDims(2, 32, 8, 64, SEQ, "llama", 4, 64, False, 4, mtp_layers=n),
                                 Layout(tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=4)) for n in (0, D))
@@ -171,13 +171,13 @@ def _check(rank: int, case: str) -> None:
         # pp2-tied: the last stage's tied head is the embedding copy the MTP modules read (one parameter)
         cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2, tie_embeddings=case == "pp2-tied")
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
-    ref = GPT(cfg, ParallelState(), seed=5, mtp=MTP)
+    ref = GPT(with_sections(cfg, mtp=MTP), ParallelState(), seed=5)
     ref_results = train_steps(ref, ParallelState(), reference_optimizer(ref, ParallelState()),
                               [micro_batches(d, MICRO) for d in data], tiny_train_cfg_for())
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP, context=context,
-                            schedule=schedule)
+    engine = build_pipeline(with_sections(cfg, mtp=MTP), st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            context=context, stages=StagePlan(schedule=schedule))
     model = engine.chunks[0]
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     ctx = step_context(engine, st, settings=tiny_train_cfg_for(), schedule=schedule)
     from megalite.training.step import train_step
 
@@ -239,8 +239,8 @@ def _save_at_pp2(rank: int, root: str) -> str:
 
     st = layout(1, pp=2)
     cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mtp=MTP)
-    opt = build_distributed_optimizer(engine.chunks[0], st, 0, dtype=torch.float32, **HYPER)
+    engine = build_pipeline(with_sections(cfg, mtp=MTP), st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
+    opt = build_distributed_optimizer(engine.chunks[0], st, 0, dtype=torch.float32, optimizer=ADAMW)
     data = random_steps(cfg, 2, MICRO * M)
     train_steps(engine, st, opt, [micro_batches(data[0], MICRO)], tiny_train_cfg_for())
     return str(save_sharded(root, 1, engine.chunks, opt, {}, st, keep=2))
@@ -256,11 +256,11 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1(dist_world, tmp_path) -> None:
     cfg = tiny_model_cfg(seq_len=SEQ, num_layers=2)
     data = random_steps(cfg, 2, MICRO * M)
     st = ParallelState()
-    ref = GPT(cfg, st, seed=5, mtp=MTP)
+    ref = GPT(with_sections(cfg, mtp=MTP), st, seed=5)
     want = train_steps(ref, st, reference_optimizer(ref, st), [micro_batches(d, MICRO) for d in data],
                        tiny_train_cfg_for())
-    model = GPT(cfg, st, seed=9, mtp=MTP)  # another seed: every value must come from the checkpoint
-    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    model = GPT(with_sections(cfg, mtp=MTP), st, seed=9)  # another seed: every value must come from the checkpoint
+    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW)
     load_sharded(step_dir, [model], opt, st)
     got = train_steps(model, st, opt, [micro_batches(data[1], MICRO)], tiny_train_cfg_for(), start=1)
     assert abs(got[0].loss - want[1].loss) <= 1e-5 and got[0].mtp is not None and want[1].mtp is not None
@@ -278,13 +278,13 @@ def test_resuming_without_the_checkpoints_mtp_modules_is_refused(tmp_path) -> No
 
     cfg = tiny_model_cfg(seq_len=SEQ)
     st = ParallelState()
-    model = GPT(cfg, st, seed=1, mtp=MTP)
-    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    model = GPT(with_sections(cfg, mtp=MTP), st, seed=1)
+    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW)
     step_dir = save_sharded(tmp_path, 1, [model], opt, {}, st, keep=1)
     assert read_index(step_dir)["model"]["mtp_layers"] == D
     plain = GPT(cfg, st, seed=1)
     with pytest.raises(CheckpointError, match="trained with mtp.num_layers=2 but this run has 0"):
-        load_sharded(step_dir, [plain], build_distributed_optimizer(plain, st, 0, dtype=torch.float32, **HYPER), st)
+        load_sharded(step_dir, [plain], build_distributed_optimizer(plain, st, 0, dtype=torch.float32, optimizer=ADAMW), st)
     load_sharded(step_dir, [plain], None, st)  # generation: the main model alone
     v = cfg.vocab_size  # the padded rows are not saved
     torch.testing.assert_close(plain.head.weight[:v], model.head.weight[:v], atol=0, rtol=0)

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,14 +28,16 @@ import torch.nn as nn
 
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
-from megalite.optim import MuonSettings, build_distributed_optimizer
+from megalite.optim import build_distributed_optimizer
+from megalite.optim.config import MuonConfig
 from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.inputs import Layout, ModelDims
 from megalite.perfmodel.muon import exchange_bytes, muon_matrices, muon_report, muon_tp_bytes_total
-from megalite.pipeline import build_pipeline
-from tests.parallel_utils import layout, micro_batches, random_steps, step_context, tiny_model_cfg, tiny_train_cfg
+from megalite.pipeline import StagePlan, build_pipeline
+from tests.parallel_utils import (ADAMW, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+                                  tiny_train_cfg)
 from megalite.training.step import train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
 from tests.test_cp_training import local_batches
@@ -48,8 +51,8 @@ MU = 0.95
 
 
 def _muon(model: nn.Module | list[nn.Module], st: ParallelState, zero: int):
-    return build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer="muon",
-                                       muon=MuonSettings(momentum=MU), **HYPER)  # type: ignore[arg-type]
+    return build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=replace(ADAMW, name="muon"),
+                                       muon=MuonConfig(momentum=MU))
 
 
 # ---------------------------------------------------------------- the plain reference (paper pseudo-code)
@@ -72,7 +75,7 @@ def _plain_muon_run(cfg, data: list[torch.Tensor]) -> tuple[list[float], dict[st
     params = dict(model.named_parameters())
     muon = {n for n, p in params.items()  # the blocks' linears: not the output layer (a column linear too)
             if n.startswith("layers.") and p.dim() == 2 and specs[n].layout.kind in ("column", "row")}
-    ffn = getattr(cfg, "moe_ffn_hidden_size", 0)
+    ffn = cfg.moe.ffn_hidden_size
     experts = {n: ((ffn, ffn) if cfg.arch == "llama" else (ffn,)) if n.endswith(".up") else (cfg.hidden_size,)
                for n in params if n.endswith((".experts.up", ".experts.down"))}  # [E, rows, cols]: each expert
     muon |= set(experts)
@@ -171,8 +174,8 @@ def _check_layouts(rank: int, cases: list[dict]) -> list[str]:
             references[key] = _megalite_run(cfg, data)
         want_losses, want, ref_opt = references[key]
         schedule = "interleaved" if vpp > 1 else "1f1b"
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp,
-                                schedule=schedule)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                                stages=StagePlan(vpp=vpp, schedule=schedule))
         opt = _muon(engine.chunks, st, zero)
         ctx = step_context(engine, st, torch.float32, tiny_train_cfg(LAYOUT_STEPS), schedule)
         st.counter.reset()

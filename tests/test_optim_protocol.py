@@ -24,7 +24,7 @@ from megalite.parallel.state import ParallelState
 from megalite.parallel.units import MadeOfUnits
 from megalite.pipeline.engine import BackwardSync, PipelineEngine
 from megalite.training.step import train_step
-from tests.parallel_utils import reference_optimizer, tiny_model_cfg
+from tests.parallel_utils import ADAMW, reference_optimizer, tiny_model_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = sorted(n for n in vars(DistributedOptimizer) if not n.startswith("_"))
@@ -33,8 +33,7 @@ MEMBERS = sorted(n for n in vars(DistributedOptimizer) if not n.startswith("_"))
 def _optimizers() -> list[object]:
     st = ParallelState()
     ref = reference_optimizer(GPT(tiny_model_cfg("gpt2"), st, seed=1), st, lr=1e-3)
-    zero = build_distributed_optimizer(GPT(tiny_model_cfg("llama"), st, seed=1), st, 0, 1e-3, 0.1, (0.9, 0.95),
-                                       1e-8, torch.float32)
+    zero = build_distributed_optimizer(GPT(tiny_model_cfg("llama"), st, seed=1), st, 0, torch.float32, optimizer=ADAMW)
     return [ref, zero]
 
 
@@ -102,7 +101,7 @@ def test_zero3_refuses_a_model_that_names_no_units() -> None:
                             GPT(tiny_model_cfg("llama"), st, seed=1, layers=range(1, 2), pre_process=False)])
     assert not isinstance(chunks, MadeOfUnits)
     with pytest.raises(ConfigError, match="several model chunks"):
-        build_distributed_optimizer(chunks, st, 3, 1e-3, 0.1, (0.9, 0.95), 1e-8, torch.float32)
+        build_distributed_optimizer(chunks, st, 3, torch.float32, optimizer=ADAMW)
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:

@@ -29,13 +29,15 @@ import torch.nn as nn
 from megalite.config import parse_args, validate
 from megalite.dp import OverlapEvent
 from megalite.dp.buckets import split_by_size
+from megalite.dp.overlap import OverlapSettings
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
-from megalite.optim import build_distributed_optimizer
+from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.training.step import train_step
 from tests.conftest import free_port
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+from tests.parallel_utils import (layout, micro_batches, random_steps, step_context, tiny_model_cfg,
                                   tiny_train_cfg)
+from tests.parallel_utils import ADAMW
 from tests.pool_pretrain import run_pretrain_in_pool
 from tests.test_pretrain import _args
 
@@ -81,8 +83,9 @@ def _train(rank: int, stage: int, options: dict[str, Any], clip: float, num_laye
     model = GPT(cfg, st, seed=5)
     events: list[tuple] = []
     _record_model_events(model, events)
-    opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, **options,
-                                      on_event=lambda e: events.append((e.kind, e.bucket)), **HYPER)
+    opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, optimizer=ADAMW, 
+                                      sync=SyncOptions(OverlapSettings(**options),
+                                                       on_event=lambda e: events.append((e.kind, e.bucket))))
     tcfg = SimpleNamespace(**{**vars(tiny_train_cfg(STEPS)), "clip_grad": clip})
     per_rank = MICRO * M
     data = random_steps(cfg, STEPS, per_rank * st.dp)
@@ -152,7 +155,7 @@ def test_first_bucket_reduction_starts_before_the_backward_ends(dist_world, stag
 @pytest.mark.parametrize("stage", [1, 2])
 def test_param_gathers_are_waited_on_inside_the_next_forward(dist_world, stage: int) -> None:
     on = dist_world(2).run(_train, stage, SMALL, 1.0)[0]
-    off = dist_world(2).run(_train, stage, {**SMALL, "overlap_param_gather": False}, 1.0)[0]
+    off = dist_world(2).run(_train, stage, {**SMALL, "param_gather": False}, 1.0)[0]
     _assert_same_training(on, off, f"zero={stage} overlapped vs waited gathers")
     n = on["n_buckets"]
     ev = on["events"]
@@ -186,7 +189,8 @@ def _gathered_at_each_forward(rank: int, depth: int) -> list[int]:
     st = layout(1)
     cfg = tiny_model_cfg("llama", num_layers=4)
     model = GPT(cfg, st, seed=5)
-    opt = build_distributed_optimizer(model, st, 3, dtype=torch.float32, zero3_prefetch=depth, **HYPER)
+    opt = build_distributed_optimizer(model, st, 3, dtype=torch.float32, optimizer=ADAMW,
+                                      sync=SyncOptions(OverlapSettings(zero3_prefetch=depth)))
     assert opt.sync.zero3 is not None
     zero3 = opt.sync.zero3
     counts: list[int] = []

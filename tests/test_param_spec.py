@@ -17,7 +17,7 @@ from megalite.optim import build_distributed_optimizer
 from megalite.parallel.param_spec import (EXPERT_PARALLEL, REPLICATED, ROW, VOCAB, MatrixStack, ParamSpec, Tied,
                                           TPLayout, column, named_param_specs, spec_table)
 from megalite.parallel.state import ParallelState
-from tests.parallel_utils import reference_optimizer, tiny_model_cfg
+from tests.parallel_utils import ADAMW, reference_optimizer, tiny_model_cfg
 
 HYPER = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
@@ -49,12 +49,12 @@ def test_expert_weights_say_what_they_are() -> None:
     """MoE experts declare their weights as stacks of whole per-expert matrices, reduced as expert-parallel
     weights; Muon's planner and the FP8 filter derive what they need from that (no method on the module)."""
     from megalite.fp8.enable import stacked_dims
-    from megalite.moe.experts import Experts
+    from megalite.moe.experts import Experts, ExpertShape
 
     h, f = 16, 24
     for gated, up_rows in ((True, (f, f)), (False, (f,))):
-        experts = Experts(4, h, f, gated, ParallelState(), ops=None, name="e", seed=1, std=0.02,  # type: ignore[arg-type]
-                          num_layers=2)
+        experts = Experts(ExpertShape(4, h, f, gated), ParallelState(), ops=None,  # type: ignore[arg-type]
+                          name="e", seed=1, std=0.02, num_layers=2)
         specs = named_param_specs(experts, ConfigError)
         assert specs["up"] == ParamSpec(REPLICATED, grads=EXPERT_PARALLEL, stack=MatrixStack(up_rows))
         assert specs["down"] == ParamSpec(REPLICATED, grads=EXPERT_PARALLEL, stack=MatrixStack((h,)))
@@ -105,7 +105,7 @@ def _with_extra_parameter() -> GPT:
 
 def test_building_an_optimizer_names_a_parameter_without_spec() -> None:
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale .*no ParamSpec"):
-        build_distributed_optimizer(_with_extra_parameter(), ParallelState(), 0, dtype=torch.float32, **HYPER)
+        build_distributed_optimizer(_with_extra_parameter(), ParallelState(), 0, dtype=torch.float32, optimizer=ADAMW)
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale"):
         reference_optimizer(_with_extra_parameter(), ParallelState())
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.scale"):

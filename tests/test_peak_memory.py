@@ -161,7 +161,7 @@ def test_expert_weights_are_counted_as_the_model_allocates_them(arch: str) -> No
     """The parameter count behind the size check, the estimator and the check before step 1 (`count_model_params`,
     `stage_params` with `MoEDims`) equals a built MoE model's: routed experts, a router, shared experts and dense
     first layers (issue 44: a count blind to experts let moe_ffn_hidden_size 1e9 through to the allocator)."""
-    from megalite.config import parse_args, resolve
+    from megalite.config import ModelArgs, parse_args, resolve
     from megalite.model.gpt import GPT
     from megalite.model.params import count_model_params
     from megalite.parallel.state import ParallelState
@@ -169,13 +169,13 @@ def test_expert_weights_are_counted_as_the_model_allocates_them(arch: str) -> No
     from megalite.training.memory_check import run_inputs
 
     cfg = resolve(parse_args(["--model.preset", "tiny-moe", "--model.arch", arch, "--model.num_layers", "3",
-                              "--model.moe_shared_experts", "2", "--model.moe_shared_ffn_hidden_size", "96",
-                              "--model.moe_first_dense", "1", "--model.vocab_size", "256"]), 1)
+                              "--moe.shared_experts", "2", "--moe.shared_ffn_hidden_size", "96",
+                              "--moe.first_dense", "1", "--model.vocab_size", "256"]), 1)
     if arch == "gpt2":
         cfg.model.num_kv_heads, cfg.model.tie_embeddings = cfg.model.num_heads, True
-    built = sum(p.numel() for p in GPT(cfg.model, ParallelState(), seed=0).parameters())
+    built = sum(p.numel() for p in GPT(ModelArgs.from_config(cfg), ParallelState(), seed=0).parameters())
     dims, _ = run_inputs(cfg)
-    assert count_model_params(cfg.model) == built == stage_params(dims, 1, 1, 0).total
+    assert count_model_params(ModelArgs.from_config(cfg)) == built == stage_params(dims, 1, 1, 0).total
     experts = stage_params(dims, 1, 1, 0).experts
     assert experts == 2 * 8 * (3 if arch == "llama" else 2) * 128 * 128  # 2 MoE layers x 8 experts x (3|2)·h·F
     assert stage_params(dims, 1, 1, 0, ep=2).experts == experts // 2  # split over ep
@@ -191,14 +191,14 @@ def test_fit_checks_count_experts_and_refuse_in_one_line() -> None:
     from megalite.errors import ConfigError
     from megalite.training.memory_check import check_memory_of, predicted_peak
 
-    for flag in ("--model.moe_ffn_hidden_size", "--model.moe_shared_experts"):
+    for flag in ("--moe.ffn_hidden_size", "--moe.shared_experts"):
         cfg = resolve(parse_args(["--model.preset", "tiny-moe", flag, "1000000000"]), 1)
         with pytest.raises(ConfigError, match=r"parameters: its fp32 weights alone are .* TiB per rank") as err:
             validate(cfg, 1, "cpu")
         assert "\n" not in str(err.value)
     small = resolve(parse_args(["--model.preset", "tiny-moe", "--model.vocab_size", "2048"]), 1)
     wide = resolve(parse_args(["--model.preset", "tiny-moe", "--model.vocab_size", "2048",
-                               "--model.moe_ffn_hidden_size", "1000000"]), 1)
+                               "--moe.ffn_hidden_size", "1000000"]), 1)
     extra = predicted_peak(wide).model_states - predicted_peak(small).model_states
     assert extra == pytest.approx(16 * 4 * 8 * 3 * 128 * (1_000_000 - 128))  # 16 B/param fp32 Adam, 4 layers x 8
     with pytest.raises(ConfigError, match="this run needs about") as err:

@@ -17,7 +17,7 @@ import torch.nn as nn
 from megalite.model.gpt import GPT
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline, build_schedule, max_in_flight
+from megalite.pipeline import StagePlan, build_pipeline, build_schedule, max_in_flight
 from megalite.pipeline.partition import virtual_stage_layers
 from megalite.training.step import evaluate, train_step
 from tests.parallel_utils import layout, reference_optimizer, step_context, tiny_model_cfg, tiny_train_cfg
@@ -83,7 +83,8 @@ def _check_pipeline(rank: int, tp: int, pp: int, sp: bool, arch: str, schedule: 
     per_rank = MICRO * micro_batches
     data = _data(arch, per_rank * st.dp)
     tcfg = tiny_train_cfg(STEPS)
-    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp, schedule=schedule)
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                            stages=StagePlan(vpp=vpp, schedule=schedule))
     engine.p2p_depth = p2p_depth  # receives posted ahead (tests/test_pipeline_p2p.py varies it)
     opt = reference_optimizer(nn.ModuleList(engine.chunks), st)
     mine = _batches(data, st.dp_rank * per_rank, (st.dp_rank + 1) * per_rank)

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 
 from megalite.errors import ConfigError
-from megalite.perfmodel.estimate import GB, PRESETS, Layout, Precision, estimate
+from megalite.perfmodel.estimate import GB, PRESETS, Hardware, Layout, Precision, estimate
 from megalite.perfmodel.compare import compare
 from megalite.perfmodel.peak_memory import PLANNER_PEAK, _as_estimated, stage_peak
-from megalite.perfmodel.plan import (RULES, TIE_TOLERANCE, Cluster, _rules_key, auto_cp_sizes, differences,
+from megalite.perfmodel.plan import (RULES, TIE_TOLERANCE, Cluster, Search, _rules_key, auto_cp_sizes, differences,
                                      make_plan, worst_stage_memory)
 from tools.plan import main as plan_main
 
@@ -29,8 +29,8 @@ def test_175b_on_1024_gpus_keeps_tp_in_a_node_and_fits() -> None:
     assert best.tp <= 8 and 8 % best.tp == 0
     assert best.world == 1024
     # Re-cost the winner independently: its worst stage fits in the usable memory.
-    est = estimate(PRESETS["gpt3-175b"], best, peak_flops=989e12, inter_bytes_per_s=25 * GB,
-                   intra_bytes_per_s=450 * GB)
+    est = estimate(PRESETS["gpt3-175b"], best,
+                   hw=Hardware(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB))
     assert est.memory.total <= cluster.memory_limit <= 80 * GB
     assert best.tp * best.pp > 1  # 2.8 TB of model states cannot be plain data parallel
     assert all(c.est.memory.total <= cluster.memory_limit for c in plan.ranked)
@@ -82,7 +82,7 @@ def test_pruning_loses_nothing_against_brute_force() -> None:
             continue
         lay = Layout(tp=tp, pp=pp, dp=dp, zero=zero, sp=tp > 1, vpp=vpp, micro_batch_size=mbs,
                      global_batch_size=gbs, recompute=rc, schedule="interleaved" if vpp > 1 else "1f1b")
-        est = estimate(dims, lay, peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB)
+        est = estimate(dims, lay, hw=Hardware(peak_flops=989e12, inter_bytes_per_s=25 * GB, intra_bytes_per_s=450 * GB))
         if est.memory.total <= cluster.memory_limit:
             fastest = min(fastest, est.step_seconds_overlapped)
     assert fastest < float("inf")
@@ -226,7 +226,8 @@ def test_zero_bubble_schedules_are_ranked_when_asked(capsys: pytest.CaptureFixtu
     cluster = Cluster(nodes=4, **H100_NODE)
     default = make_plan(dims, cluster, global_batch_size=64)
     assert {c.layout.schedule for c in default.ranked} <= {"1f1b", "interleaved"}
-    plan = make_plan(dims, cluster, global_batch_size=64, schedules=("1f1b", "interleaved", "zb-h1", "zbv"))
+    plan = make_plan(dims, cluster, global_batch_size=64,
+                     search=Search(schedules=("1f1b", "interleaved", "zb-h1", "zbv")))
     by_layout = {replace(c.layout, schedule="1f1b"): c for c in plan.ranked if c.layout.schedule == "1f1b"}
     zb = [c for c in plan.ranked if c.layout.schedule == "zb-h1"]
     assert zb and any(c.layout.schedule == "zbv" for c in plan.ranked)
@@ -237,7 +238,7 @@ def test_zero_bubble_schedules_are_ranked_when_asked(capsys: pytest.CaptureFixtu
             # Every rank holds P micro-batches (1F1B: P - r), so the worst stage holds at least 1F1B's.
             assert c.est.memory.total >= twin.est.memory.total
     gpt2 = make_plan(replace(dims, arch="gpt2", tie_embeddings=True), cluster, global_batch_size=64,
-                     schedules=("1f1b", "zbv"))
+                     search=Search(schedules=("1f1b", "zbv")))
     assert all(c.layout.schedule != "zbv" for c in gpt2.ranked)
     assert plan_main(["--preset", "llama-7b", "--nodes", "4", "--global-batch-size", "64",
                       "--schedules", "1f1b,zb-h1", "--json"]) == 0
@@ -256,7 +257,7 @@ def test_cp_is_ranked_when_asked_and_only_then() -> None:
     the estimator's; a 128K-token 7B sequence needs cp, so every fitting layout has cp > 1. cp = 1 alone:
     the same sequence fits nowhere, and the error says so."""
     cluster = Cluster(nodes=2, **H100_NODE)
-    plan = make_plan(LONG, cluster, global_batch_size=8, cp_sizes=(1, 2, 4))
+    plan = make_plan(LONG, cluster, global_batch_size=8, search=Search(cp_sizes=(1, 2, 4)))
     assert plan.ranked and {c.layout.cp for c in plan.ranked} <= {2, 4}
     for c in plan.ranked[:20]:
         lay = c.layout
@@ -264,7 +265,7 @@ def test_cp_is_ranked_when_asked_and_only_then() -> None:
         assert c.est.comm_bytes["cp"] > 0
         assert worst_stage_memory(LONG, lay, Precision()) > c.est.memory.total  # the peak is above the floor
     with pytest.raises(ConfigError, match="fits on no layout of 16 GPUs"):
-        make_plan(LONG, cluster, global_batch_size=8, cp_sizes=(1,))
+        make_plan(LONG, cluster, global_batch_size=8, search=Search(cp_sizes=(1,)))
     short = make_plan(PRESETS["llama-7b"], cluster, global_batch_size=64)  # 4K tokens fit: cp is never tried
     assert {c.layout.cp for c in short.ranked} == {1} and "context parallelism" not in short.why
 
@@ -274,7 +275,7 @@ def test_cp_is_tried_automatically_when_a_sequence_fits_nowhere(capsys: pytest.C
     plan = make_plan(LONG, cluster, global_batch_size=8)  # cp_sizes=None: automatic
     assert auto_cp_sizes(LONG, cluster) == (2, 4, 8, 16)
     assert plan.why.startswith("no layout fits at cp = 1, so context parallelism was tried (cp = 2, 4, 8, 16)")
-    asked = make_plan(LONG, cluster, global_batch_size=8, cp_sizes=(2, 4, 8, 16))
+    asked = make_plan(LONG, cluster, global_batch_size=8, search=Search(cp_sizes=(2, 4, 8, 16)))
     assert [c.layout for c in plan.ranked] == [c.layout for c in asked.ranked]
     assert "cp=" in plan.why  # describe() names cp when it is > 1
     args = ["--preset", "llama-7b", "--seq-len", "131072", "--nodes", "2", "--global-batch-size", "8", "--top", "3"]
@@ -289,7 +290,7 @@ def test_cp_is_tried_automatically_when_a_sequence_fits_nowhere(capsys: pytest.C
 def test_a_ring_beyond_a_node_uses_the_network() -> None:
     """tp x cp ranks within a node: the ring runs at NVLink speed; across nodes, at the network's."""
     cluster = Cluster(nodes=2, **H100_NODE)
-    plan = make_plan(replace(LONG, seq_len=65536), cluster, global_batch_size=8, cp_sizes=(2, 4))
+    plan = make_plan(replace(LONG, seq_len=65536), cluster, global_batch_size=8, search=Search(cp_sizes=(2, 4)))
     inside = next(c for c in plan.ranked if c.layout.tp * c.layout.cp <= 8)
     across = next(c for c in plan.ranked if c.layout.tp * c.layout.cp > 8)
     for c, speed in ((inside, H100_NODE["intra_bytes_per_s"]), (across, H100_NODE["inter_bytes_per_s"])):

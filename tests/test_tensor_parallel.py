@@ -21,6 +21,7 @@ from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.model.gpt import GPT
 from megalite.parallel import comm
 from megalite.perfmodel.accounting import tp_bytes_per_step
+from megalite.perfmodel.inputs import Layout
 from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.training.step import train_step
@@ -164,8 +165,8 @@ def _check_model_parity(rank: int, tp: int, sp: bool, arch: str) -> dict[str, fl
             h = cfg.hidden_size
             value, expected = torch.cat([value[:h], value[-h:]]), torch.cat([expected[:h], expected[-h:]])
         _close(value, expected, f"parameter {name} after {steps} steps", atol=PARAM_ATOL)
-    expected_tp = tp_bytes_per_step(arch, cfg.num_layers, cfg.hidden_size, micro, cfg.seq_len, tp, sp,
-                                    micro_batches=2, act_bytes=4) * steps
+    expected_tp = tp_bytes_per_step(arch, cfg.num_layers, cfg.hidden_size, cfg.seq_len,
+                                    Layout(tp=tp, sp=sp, micro_batch_size=micro), micro_batches=2, act_bytes=4) * steps
     assert measured_tp == expected_tp, f"measured tp bytes {measured_tp} != analytic {expected_tp}"
     return comm_bytes
 

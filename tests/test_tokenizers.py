@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megalite.data import IndexedDataset, Tokenizer, document_ids, load_tokenizer, preprocess, train_tokenizer
+from megalite.data.preprocess import ReadOptions
 from megalite.data.indexed import HEADER_SIZE, MAGIC
 from megalite.errors import DataError
 from tests.tokenizer_utils import TEXTS, train_hf_bpe, write_tiktoken
@@ -103,8 +104,8 @@ def test_preprocess_jsonl_with_tokenizer_json(tokenizers_dir: Path, tmp_path: Pa
     # One process: a worker encodes through the same load_tokenizer/document_ids, whatever the tokenizer's
     # kind; the pool path (byte-identical output for 1 and 2 workers) is tests/test_data.py's.
     for bos in (None, False):
-        prefix = preprocess([str(jsonl)], tok_path, str(tmp_path / f"d{bos}"), json_key="text",
-                            show_progress=False, add_bos=bos)
+        prefix = preprocess([str(jsonl)], tok_path, str(tmp_path / f"d{bos}"), ReadOptions(json_key="text"),
+                                show_progress=False, add_bos=bos)
         ds = IndexedDataset(prefix, vocab_size=tok.vocab_size)
         assert ds.dtype is np.uint16 and len(ds) == len(TEXTS)
         for i, text in enumerate(TEXTS):

@@ -28,7 +28,7 @@ from megalite.observability.wire import (GLOO_FRAMING_BYTES_PER_CALL, WrittenByt
                                          process_written_bytes)
 from megalite.parallel import comm
 from megalite.parallel.counter import COMM_CONVENTION
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
+from tests.parallel_utils import (ADAMW, layout, micro_batches, random_steps, step_context, tiny_model_cfg,
                                   tiny_train_cfg)
 
 PAYLOAD = 1 << 20  # bytes: large against the framing (see the module doc)
@@ -111,7 +111,7 @@ def _one_step(rank: int, tp: int, sp: bool, zero: int) -> tuple[int, float, floa
     # payloads large against the per-call framing, so the reduce-scatter's extra bytes stand out.
     cfg = tiny_model_cfg("llama", hidden_size=256, ffn_hidden_size=512, num_layers=2, seq_len=64, vocab_size=512)
     model = GPT(cfg, st, seed=5)
-    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, optimizer=ADAMW)
     ctx = step_context(model, st, torch.float32, tiny_train_cfg())
     batches = micro_batches(random_steps(cfg, 1, 4)[0], 2)  # the data does not change the bytes
     train_step(ctx, opt, batches, 0)  # warm-up: lazy buffers, first-use handshakes

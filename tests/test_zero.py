@@ -21,14 +21,15 @@ from fractions import Fraction
 import pytest
 import torch
 
+from megalite.dp.overlap import OverlapSettings
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPT
-from megalite.optim import build_distributed_optimizer
+from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.training.step import evaluate, train_step
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+from tests.parallel_utils import (ADAMW, layout, micro_batches, random_steps, reference_optimizer,
                                   step_context, tiny_model_cfg, tiny_train_cfg)
 
 # 3 optimizer steps (losses compared before the first update and after the first and the second) of M
@@ -94,7 +95,7 @@ def _check_stage(st: ParallelState, cfg, stage: int, data: list[torch.Tensor], r
     tcfg = tiny_train_cfg(STEPS)
     global_batch = MICRO * M * st.dp
     model = GPT(cfg, st, seed=5)
-    opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, optimizer=ADAMW)
     per_rank = global_batch // st.dp
     st.counter.reset()
     losses = [train_step(step_context(model, st, torch.float32, tcfg),
@@ -162,7 +163,7 @@ def _check_mixed_precision_accounting(rank: int, dtype: torch.dtype) -> None:
     data = random_steps(cfg, 1, MICRO * M)
     for stage in range(4):
         model = GPT(cfg, st, seed=5)
-        opt = build_distributed_optimizer(model, st, stage, dtype=dtype, **HYPER)
+        opt = build_distributed_optimizer(model, st, stage, dtype=dtype, optimizer=ADAMW)
         assert all(p.dtype == dtype for p in model.parameters()) or stage == 3
         st.counter.reset()
         res = train_step(step_context(model, st, dtype, tiny_train_cfg(1)),
@@ -185,7 +186,8 @@ def _check_reductions_only_in_last_micro_batch(rank: int, stage: int) -> list[in
     st = layout(1)
     cfg = tiny_model_cfg("gpt2")
     model = GPT(cfg, st, seed=5)
-    opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, bucket_bytes=8192, **HYPER)
+    opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, optimizer=ADAMW,
+                                      sync=SyncOptions(OverlapSettings(bucket_bytes=8192)))
     batches = micro_batches(random_steps(cfg, 1, 4 * MICRO)[0], MICRO)
     opt.zero_grad()
     st.counter.reset()
@@ -213,7 +215,7 @@ def _check_dp1_fallback(rank: int) -> None:
     st = ParallelState()
     model = GPT(tiny_model_cfg("llama"), st, seed=5)
     with pytest.warns(UserWarning, match="nothing to shard"):
-        opt = build_distributed_optimizer(model, st, 2, dtype=torch.float32, **HYPER)
+        opt = build_distributed_optimizer(model, st, 2, dtype=torch.float32, optimizer=ADAMW)
     assert opt.stage == 0
 
 
@@ -233,7 +235,7 @@ def _check_state_roundtrip(rank: int, stage: int) -> None:
     models, opts = [], []
     for _ in range(2):
         models.append(GPT(cfg, st, seed=5))
-        opts.append(build_distributed_optimizer(models[-1], st, stage, dtype=torch.bfloat16, **HYPER))
+        opts.append(build_distributed_optimizer(models[-1], st, stage, dtype=torch.bfloat16, optimizer=ADAMW))
     for i in range(2):
         train_step(step_context(models[0], st, torch.bfloat16, tcfg), opts[0], mine[i], i)
     opts[1].load_param_states(opts[0].param_states())
@@ -267,9 +269,9 @@ def _check_pipeline(rank: int, stages: list[int], arch: str) -> None:
                   for i, d in enumerate(data)]
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for stage in stages:
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=1)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32)
         # One chunk per rank (vpp=1): hand the optimizer the stage's GPT itself, as the trainer does.
-        opt = build_distributed_optimizer(engine.chunks[0], st, stage, dtype=torch.float32, **HYPER)
+        opt = build_distributed_optimizer(engine.chunks[0], st, stage, dtype=torch.float32, optimizer=ADAMW)
         losses = [train_step(step_context(engine, st, torch.float32, tcfg, "1f1b"), opt,
                              micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO), i).loss
                   for i, d in enumerate(data)]

@@ -16,16 +16,17 @@ import pytest
 import torch
 import torch.nn as nn
 
+from megalite.dp.overlap import OverlapSettings
 from megalite.layers.linear_fn import DeferredWeightGrads
 from megalite.model.gpt import GPT
-from megalite.optim import build_distributed_optimizer
+from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.parallel.state import ParallelState
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.pipeline import engine as engine_mod
 from megalite.pipeline.engine import run_weight_grads
 from megalite.pipeline.schedules import build_schedule
 from megalite.training.step import single_stage_engine, train_step
-from tests.parallel_utils import (HYPER, layout, micro_batches, random_steps, reference_optimizer,
+from tests.parallel_utils import (ADAMW, layout, micro_batches, random_steps, reference_optimizer,
                                   step_context, tiny_model_cfg, tiny_train_cfg)
 
 MICRO, STEPS = 2, 3
@@ -49,10 +50,10 @@ def test_deferred_w_is_a_plain_call_that_completes_the_gradients() -> None:
     st = ParallelState()
     ids = torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     ref = GPT(cfg, st, seed=5)
-    ref_opt = build_distributed_optimizer(ref, st, 0, dtype=torch.float32, **HYPER)
+    ref_opt = build_distributed_optimizer(ref, st, 0, dtype=torch.float32, optimizer=ADAMW)
     ref(ids, ids).mean().backward()
     model = GPT(cfg, st, seed=5)
-    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER)
+    opt = build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW)
     store = DeferredWeightGrads()
     with opt.defer_weight_grads(store):
         model(ids, ids).mean().backward()
@@ -89,7 +90,7 @@ def test_split_backward_is_bitwise_the_whole_backward(arch: str, recompute: str,
     grads = []
     for actions in (WHOLE, SPLIT):
         model = GPT(cfg, st, seed=5)
-        opt = (build_distributed_optimizer(model, st, 0, dtype=torch.float32, **HYPER) if zero
+        opt = (build_distributed_optimizer(model, st, 0, dtype=torch.float32, optimizer=ADAMW) if zero
                else reference_optimizer(model, st))
         opt.zero_grad()
         engine = single_stage_engine(model, st, torch.float32)
@@ -142,10 +143,11 @@ def _check_zero_pipeline(rank: int, pp: int, stage: int, arch: str, schedule: st
     mine = [micro_batches(d[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank], MICRO) for d in data]
     params, timing = {}, []
     for sched in ([schedule, "1f1b"] if schedule == "zb-h1" else [schedule]):
-        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, vpp=vpp,
-                                schedule=sched)
+        engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
+                                stages=StagePlan(vpp=vpp, schedule=sched))
         model = engine.chunks[0] if vpp == 1 else nn.ModuleList(engine.chunks)
-        opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, bucket_bytes=8192, **HYPER)
+        opt = build_distributed_optimizer(model, st, stage, dtype=torch.float32, optimizer=ADAMW,
+                                      sync=SyncOptions(OverlapSettings(bucket_bytes=8192)))
         real_w = engine_mod.run_weight_grads
 
         def watched_w(store):  # which W's start a DP reduction

@@ -14,7 +14,7 @@ from megalite.checkpoint import sharded
 from megalite.model.gpt import GPT
 from megalite.optim import build_distributed_optimizer
 from megalite.training.step import train_step
-from tests.parallel_utils import layout, step_context, tiny_model_cfg, tiny_train_cfg
+from tests.parallel_utils import ADAMW, layout, step_context, tiny_model_cfg, tiny_train_cfg
 
 
 def _batches(step: int, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -27,13 +27,13 @@ def _check(rank: int, root: str, src: int, dst: int) -> None:
     cfg = tiny_model_cfg("llama")
     tcfg = tiny_train_cfg(5)
     model = GPT(cfg, st, seed=1)
-    opt = build_distributed_optimizer(model, st, src, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.float32)
+    opt = build_distributed_optimizer(model, st, src, torch.float32, optimizer=ADAMW)
     mine = lambda s: _batches(s, cfg)[st.dp_rank:st.dp_rank + 1]  # noqa: E731
     for s in range(2):
         train_step(step_context(model, st, torch.float32, tcfg), opt, mine(s), s)
     path = sharded.save_sharded(root, 2, model, opt, {}, st, keep=2)
     model2 = GPT(cfg, st, seed=77)  # different init: everything must come from the checkpoint
-    opt2 = build_distributed_optimizer(model2, st, dst, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.float32)
+    opt2 = build_distributed_optimizer(model2, st, dst, torch.float32, optimizer=ADAMW)
     with opt2.gathered():
         sharded.load_sharded(path, model2, opt2, st)
     a, b = opt.full_parameters(), opt2.full_parameters()

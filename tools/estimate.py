@@ -35,11 +35,12 @@ from megalite.mla.costs import MLADims  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
-from megalite.perfmodel.estimate import GB, PRESETS, Estimate, Layout, ModelDims, Precision, estimate  # noqa: E402
+from megalite.perfmodel.estimate import (GB, PRESETS, Estimate, Hardware, Layout, ModelDims, Precision,  # noqa: E402
+                                         estimate)
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
-from megalite.perfmodel.questions import (DAY, largest_num_layers, largest_params, training_time,  # noqa: E402
-                                          utilizations)
+from megalite.perfmodel.questions import (DAY, Throughput, largest_num_layers, largest_params,  # noqa: E402
+                                          training_time, utilizations)
 
 _MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "seq_len", "head_dim", "mtp_layers")
@@ -157,12 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per device")
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
     h.add_argument("--fp8", choices=list(FP8_CHOICES), default="none",
-                   help="train.fp8: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
+                   help="fp8.recipe: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
                         "all-reduces and scale tensors (docs/fp8.md; a MoE preset's expert GEMMs: its MoE section); "
                         "MFU: bf16 peak")
     h.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
-                   help="train.optimizer: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
-    h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="train.fp8_min_dim (the FP8 filter)")
+                   help="optimizer.name: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
+    h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="fp8.min_dim (the FP8 filter)")
     h.add_argument("--hfu-convention", choices=list(HFU_CONVENTIONS), default="executed",
                    help="selective recompute's HFU: executed (the re-run attention core, default) or korthikanti "
                         "(Korthikanti et al. 2022 Table 5's 72BLsh^2(1 + s/3h + V/12hL))")
@@ -325,9 +326,10 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
         if args.device and fp8_peak is None:
             raise ConfigError(f"--fp8 {args.fp8}: device {args.device!r} has no FP8 tensor cores (or no known FP8 "
                               "peak): use --fp8 none, or an H100/H200-class device")
-    return dict(dims=dims, layout=layout, prec=prec, params=args.params, peak_flops=peak,
-                inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
-                fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim), fp8_peak_flops=fp8_peak,
+    hw = Hardware(peak_flops=peak, inter_bytes_per_s=inter, intra_bytes_per_s=intra, efficiency=args.efficiency,
+                  fp8_peak_flops=fp8_peak)
+    return dict(dims=dims, layout=layout, prec=prec, params=args.params, hw=hw,
+                fp8=None if args.fp8 == "none" else (args.fp8, args.fp8_min_dim),
                 hfu_convention=args.hfu_convention, dtype=dtype, memory_layout=layout_name,
                 memory_device=args.memory_device, optimizer=args.optimizer)
 
@@ -359,7 +361,7 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
                          f"activations, worst stage): {ans.num_layers} layers, {ans.params / 1e9:.3f} B parameters")
         sections["largest_model"] = ans.to_dict()
     est = estimate(**est_kw)
-    peak = kw["peak_flops"]
+    peak = kw["hw"].peak_flops
     if args.step_seconds:
         if not peak:
             raise ConfigError("--step-seconds needs a peak: pass --peak-tflops or --device")
@@ -390,7 +392,7 @@ def answer_questions(args: argparse.Namespace, kw: dict) -> tuple[Estimate, dict
         lines.append(f"MFU {args.mfu:.1%} is HFU {hfu:.1%} with recompute={lay.recompute} "
                      f"(hardware / model FLOPs = {hfu / args.mfu:.4f})")
     if args.train_tokens:
-        tt = training_time(args.train_tokens, lay.world, est.params, est, dims, lay, x, args.mfu, peak)
+        tt = training_time(args.train_tokens, lay.world, est.params, est, dims, lay, Throughput(x, args.mfu, peak))
         sections["training_time"] = tt.to_dict()
         lines.append(f"training on {tt.tokens:.4g} tokens with {tt.devices} devices:")
         lines += [f"  {method:<18}{sec / DAY:8.1f} days   ({formula})" for method, formula, sec in tt.rows]
@@ -414,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         lay = kw["layout"]
         inputs = {"layout": vars(lay), "dtype": kw["dtype"], "memory_layout": kw["memory_layout"],
                   "precision": vars(kw["prec"]), "model": None if kw["dims"] is None else asdict(kw["dims"]),
-                  "inter_bytes_per_s": kw["inter_bytes_per_s"], "intra_bytes_per_s": kw["intra_bytes_per_s"],
-                  "peak_flops": kw["peak_flops"]}
+                  "inter_bytes_per_s": kw["hw"].inter_bytes_per_s, "intra_bytes_per_s": kw["hw"].intra_bytes_per_s,
+                  "peak_flops": kw["hw"].peak_flops}
         print(json.dumps({"inputs": inputs, **est.to_dict(), "peak_memory": peak_of(kw), **sections}, indent=2))
     else:
         print("\n".join([render(est, kw)] + (["", *lines] if lines else [])))

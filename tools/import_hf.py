@@ -7,7 +7,8 @@ Qwen3ForCausalLM directory as a megalite checkpoint.
 The checkpoint is at step 0 with no optimizer state (the optimizer starts fresh) and loads under any
 layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"): pretrain.py takes
 them from there (no model flags needed), and refuses model flags that contradict them, naming each. A MoE
-model's routing (model.moe_*, docs/moe.md) and Qwen3's q/k norm (model.qk_norm) are recorded there too.
+model's routing (the [moe] section, as moe_* keys; docs/moe.md) and Qwen3's q/k norm (model.qk_norm) are
+recorded there too.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from megalite.perfmodel.cp_plan import rank_cp_modes  # noqa: E402
 from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
-from megalite.perfmodel.plan import Cluster, Plan, make_plan, worst_stage_memory  # noqa: E402
+from megalite.perfmodel.plan import Cluster, Plan, Search, make_plan, worst_stage_memory  # noqa: E402
 from megalite.perfmodel.moe import moe_preset_model  # noqa: E402
 from megalite.perfmodel.moe_plan import make_moe_plan, render_moe  # noqa: E402
 from tools.estimate import (OneLineParser, add_model_args, fraction, mla_from_flags, positive_float,  # noqa: E402
@@ -183,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(mplan.to_dict(args.top), indent=2) if args.json else render_moe(mplan, args.top))
             return 0
         dims = resolve_dims(args)
+        search = Search(args.max_micro_batch, args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules),
+                        _cp_sizes(args.cp))
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
-                         _precision(args.memory_layout, normalize_dtype(args.dtype)), args.max_micro_batch,
-                         args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules),
-                         _cp_sizes(args.cp))
+                         _precision(args.memory_layout, normalize_dtype(args.dtype)), search)
         plan.comparisons.extend(compare(plan, spec) for spec in args.compare)
         if plan.ranked[0].layout.cp > 1:  # the winner's cp mode: ring vs allgather vs a2a vs hybrid, and why
             plan.comparisons.append(rank_cp_modes(dims, plan.ranked[0].layout, plan.cluster, plan.prec))

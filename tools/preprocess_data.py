@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
 
 from megalite.data.documents import Replacements  # noqa: E402
 from megalite.data.indexed import strip_suffix  # noqa: E402
-from megalite.data.preprocess import preprocess  # noqa: E402
+from megalite.data.preprocess import ReadOptions, preprocess  # noqa: E402
 from megalite.runtime.threads import available_cores  # noqa: E402
 from megalite.errors import ConfigError, entry_point, one_line_arguments  # noqa: E402
 
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--output-prefix {args.output_prefix!r} names a directory, not a file prefix: give "
                           f"e.g. {os.path.join(args.output_prefix, 'mine')!r} (writes mine.bin and mine.idx)")
     replaced = Replacements()
-    prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
-                        workers=args.workers, split_paragraphs=args.split_paragraphs, show_progress=not args.quiet,
-                        add_bos=args.add_bos, replaced=replaced)
+    read = ReadOptions(args.json_key, args.split_paragraphs)
+    prefix = preprocess(args.input, args.tokenizer, args.output_prefix, read,
+                        workers=args.workers, show_progress=not args.quiet, add_bos=args.add_bos, replaced=replaced)
     if replaced.note():
         print(replaced.note(), file=sys.stderr)
     print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)

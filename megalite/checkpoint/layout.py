@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from megalite.errors import CheckpointError
 from megalite.layers.embedding import padded_vocab_size
 from megalite.mla.config import MLAConfig
+from megalite.model.spec import ModelSpec
+from megalite.moe.config import MoEConfig
 from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column, logical_name
 
 VOCAB_TENSORS = ("embedding.weight", "head.weight")
@@ -96,31 +98,37 @@ def shard_map(name: str, local_shape: tuple[int, ...], tp_layout: TPLayout, tp: 
 
 
 # ----------------------------------------------------------------------------- planning without a model
-def model_info(cfg: Any, mla: MLAConfig | None = None) -> dict[str, Any]:
-    """The model dimensions a checkpoint records (and checks on load), from a model config object and, for
-    multi-head latent attention, its `[mla]` section (recorded as `mla`, only when on)."""
+def model_info(cfg: ModelSpec | Any, mla: MLAConfig | None = None) -> dict[str, Any]:
+    """The model dimensions a checkpoint records (and checks on load), from a model spec (`ModelArgs`; `Any`: a GPT
+    chunk's `cfg`) and, for multi-head latent attention, its `[mla]` section (recorded as `mla`, only when on)."""
     keys = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "seq_len", "make_vocab_divisible_by", "tie_embeddings", "norm_eps", "rope_theta")
-    info = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+    info = {k: getattr(cfg, k) for k in keys}
     # A MoE model's routing and a q/k-normed attention change the computation too; recorded only when on,
     # so a dense model's index.json is as before.
-    if getattr(cfg, "moe_experts", 0):
-        info.update({k: getattr(cfg, k) for k in MOE_INFO_KEYS if hasattr(cfg, k)})
-    if getattr(cfg, "qk_norm", False):
+    if cfg.moe.experts:
+        info.update({f"moe_{f.name}": getattr(cfg.moe, f.name) for f in fields(MoEConfig)})
+    if cfg.qk_norm:
         info["qk_norm"] = True
-    if getattr(cfg, "head_dim", 0):
+    if cfg.head_dim:
         info["head_dim"] = cfg.head_dim
-    if getattr(cfg, "rope_scaling", "none") != "none":  # YaRN / llama3 (megalite/model/rope.py): all its fields
+    if cfg.rope_scaling != "none":  # YaRN / llama3 (megalite/model/rope.py): all its fields
         info.update({k: getattr(cfg, k) for k in ROPE_INFO_KEYS})
     if mla is not None and mla.enabled:
         info["mla"] = dataclasses.asdict(mla)
     return info
 
 
-# The model.moe_* fields a checkpoint records for a MoE model (docs/moe.md).
-MOE_INFO_KEYS = ("moe_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
-                 "moe_first_dense", "moe_every", "moe_router", "moe_renorm", "moe_route_scale", "moe_groups",
-                 "moe_group_top_k", "moe_bias_rate", "moe_aux_loss", "moe_z_loss", "moe_capacity_factor")
+# The `[moe]` fields a checkpoint records for a MoE model (docs/moe.md), flat in index.json's "model" as
+# "moe_" + field: the names they had as model.moe_* fields, so checkpoints of every megalite version read alike.
+MOE_INFO_KEYS = tuple(f"moe_{f.name}" for f in fields(MoEConfig))
+
+
+def moe_from_info(info: dict[str, Any]) -> MoEConfig:
+    """The `[moe]` section a checkpoint's model info records (the defaults, i.e. dense, for a dense model)."""
+    return MoEConfig(**{k.removeprefix("moe_"): info[k] for k in MOE_INFO_KEYS if k in info})
+
+
 ROPE_INFO_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow",
                   "rope_mscale", "rope_mscale_all_dim", "rope_low_freq_factor", "rope_high_freq_factor")
 

@@ -11,6 +11,7 @@ under any layout, and under the target layout each rank reads exactly one file.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,11 +27,29 @@ from megalite.parallel.state import layout_grid
 from megalite.observability.progress import Progress
 
 
+@dataclass(frozen=True)
+class Target:
+    """The layout a checkpoint is written for: one file per (tp rank, pipeline rank) of dp group 0."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    pp_layers: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Carried:
+    """What a written checkpoint holds besides its tensors: the extra state, the step, the optimizer's step."""
+
+    extra: dict[str, Any] | None = None
+    step: int = 0
+    optimizer_step: float | None = None
+
+
 def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],
-                     info: dict[str, Any], tp: int = 1, pp: int = 1, vpp: int = 1,
-                     pp_layers: list[int] | None = None, extra: dict[str, Any] | None = None, step: int = 0,
-                     optimizer_step: float | None = None, show_progress: bool = True) -> Path:
-    """Write logical tensors `shapes` ("param/<name>", "exp_avg/<name>", ...) as a (tp, pp, vpp) checkpoint.
+                     info: dict[str, Any], target: Target = Target(), carried: Carried = Carried(),
+                     show_progress: bool = True) -> Path:
+    """Write logical tensors `shapes` ("param/<name>", "exp_avg/<name>", ...) as a `target` layout checkpoint.
 
     The directory is built under this process's own temporary name next to `out` (`.out.tmp-<pid>`) and
     renamed to `out` when complete; on any error only that temporary directory is removed (an existing
@@ -47,8 +66,7 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
         raise CheckpointError(f"cannot create output {out} ({e.strerror or e}): choose a writable location "
                               "that is not under a file") from e
     try:
-        _write_into(tmp, out, shapes, fetch, info, tp, pp, vpp, pp_layers, extra, step, optimizer_step,
-                    show_progress)
+        _write_into(tmp, out, shapes, fetch, info, target, carried, show_progress)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # only what this call created
         raise
@@ -56,8 +74,8 @@ def write_checkpoint(out: Path, shapes: dict[str, tuple[int, ...]], fetch: Calla
 
 
 def _write_into(tmp: Path, out: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],
-                info: dict[str, Any], tp: int, pp: int, vpp: int, pp_layers: list[int] | None,
-                extra: dict[str, Any] | None, step: int, optimizer_step: float | None, show_progress: bool) -> None:
+                info: dict[str, Any], target: Target, carried: Carried, show_progress: bool) -> None:
+    tp, pp, vpp, pp_layers = target.tp, target.pp, target.vpp, target.pp_layers
     plan: dict[str, list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]] = {}  # key -> (file, slab, glob, shape)
     files: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for r in range(tp * pp):
@@ -89,9 +107,10 @@ def _write_into(tmp: Path, out: Path, shapes: dict[str, tuple[int, ...]], fetch:
             bar.update()
     for w in writers.values():
         w.close()
-    index = {"format": FORMAT, "step": step, "layout": {"tp": tp, "pp": pp, "dp": None, "sp": None, "vpp": vpp},
-             "model": info, "extra": extra or {}, "files": {f: sha256(tmp / f) for f in files},
-             "rng_files": {}, "rng_keys": [], "optimizer_step": optimizer_step,
+    index = {"format": FORMAT, "step": carried.step,
+             "layout": {"tp": tp, "pp": pp, "dp": None, "sp": None, "vpp": vpp},
+             "model": info, "extra": carried.extra or {}, "files": {f: sha256(tmp / f) for f in files},
+             "rng_files": {}, "rng_keys": [], "optimizer_step": carried.optimizer_step,
              "tensors": {key: {"shape": list(shapes[key]), "dtype": "float32",
                                "slabs": [{"file": f, "key": s, "offset": list(g), "shape": list(n)}
                                          for f, s, g, n in plan[key]]} for key in shapes}}
@@ -111,7 +130,7 @@ def reshard(src: Path, out: Path, tp: int = 1, pp: int = 1, vpp: int = 1, pp_lay
     shapes = {k: tuple(v["shape"]) for k, v in index["tensors"].items()}
     try:
         return write_checkpoint(out, shapes, lambda k: reader.read_region(k, (0,) * len(shapes[k]), shapes[k]),
-                                index["model"], tp, pp, vpp, pp_layers, index.get("extra"), index["step"],
-                                index.get("optimizer_step"), show_progress)
+                                index["model"], Target(tp, pp, vpp, pp_layers),
+                                Carried(index.get("extra"), index["step"], index.get("optimizer_step")), show_progress)
     finally:
         reader.close()

@@ -19,12 +19,12 @@ Each field's one-line doc lives in its `metadata["doc"]`, which `--help` prints.
 from megalite.config.derive import micro_batches_per_step, resolve, resolved_device, resolved_dtype
 from megalite.config.parse import config_from_dict, config_to_dict, help_text, load_config, parse_args, save_config
 from megalite.config.presets import PRESETS
-from megalite.config.schema import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
+from megalite.config.schema import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelArgs, ModelConfig,
                                     ParallelConfig, TrainConfig)
 from megalite.config.validate import validate
 
 __all__ = [
-    "PRESETS", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ModelConfig",
+    "PRESETS", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ModelArgs", "ModelConfig",
     "ParallelConfig", "TrainConfig", "config_from_dict", "config_to_dict", "help_text", "load_config",
     "micro_batches_per_step", "parse_args", "resolve", "resolved_device", "resolved_dtype",
     "save_config", "validate",

@@ -245,6 +245,8 @@ def build(config_cls: type, presets: Mapping[str, Mapping[str, Any]], entries: l
           errors: list[str]) -> Any:
     """defaults < preset < entries, in order; every unknown key or bad value is appended to `errors`.
 
+    A preset holds model fields, and other sections' fields as tables (`moe={...}`).
+
     The preset is the last `model.preset` among the entries (the CLI's come after the file's), so
     `--model.preset llama-1b` replaces the model defaults *under* the file's explicit model values.
     """
@@ -255,7 +257,11 @@ def build(config_cls: type, presets: Mapping[str, Mapping[str, Any]], entries: l
             chosen = value
     try:
         for k, v in presets[check_preset(chosen, presets)].items():
-            setattr(cfg.model, k, v)
+            if isinstance(v, Mapping):  # another section's values ({"moe": {"experts": 8, ...}})
+                for name, value in v.items():
+                    setattr(getattr(cfg, k), name, value)
+            else:
+                setattr(cfg.model, k, v)
     except ConfigError as exc:
         errors.append(str(exc))
     sections = sections_of(config_cls)

@@ -13,7 +13,7 @@ from typing import Any
 
 import tomli_w
 
-from megalite.config import cli
+from megalite.config import aliases, cli
 from megalite.config.presets import PRESETS
 from megalite.config.schema import Config
 
@@ -22,12 +22,18 @@ def _sections() -> dict[str, type]:
     return cli.sections_of(Config)
 
 
+def bool_keys() -> set[str]:
+    """The keys that may be given as bare flags (`--parallel.sp` = true), their old names included."""
+    keys = {f"{s}.{n}" for s, c in _sections().items() for n, t in cli.field_types(c).items()
+            if "bool" in cli.type_name(t)}
+    return keys | {old for old, new in aliases.RENAMED.items() if new in keys}
 
 
 def config_from_dict(d: dict[str, Any]) -> Config:
-    """A Config from a nested dict as read from TOML: defaults < d's preset < d's values."""
+    """A Config from a nested dict as read from TOML: defaults < d's preset < d's values. Old field names
+    (`aliases.RENAMED`: a config.toml saved before the feature sections) are mapped silently."""
     errors: list[str] = []
-    entries = cli.flatten(d, _sections(), "the config", errors)
+    entries = cli.flatten(aliases.upgrade(d)[0], _sections(), "the config", errors)
     cfg = cli.build(Config, PRESETS, entries, errors)
     cli.raise_if(errors, "bad config")
     return cfg
@@ -49,23 +55,25 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
     Precedence: defaults < preset (model.preset from the CLI, else the file, else "tiny") < file
     < CLI. Every unknown key and bad value is reported in one ConfigError. `--help` prints
-    `help_text()` and exits 0.
+    `help_text()` and exits 0. An old field name (`aliases.RENAMED`) works, with one note naming the new one.
     """
     args = sys.argv[1:] if argv is None else list(argv)
     sections = _sections()
-    bool_keys = {f"{s}.{n}" for s, c in sections.items() for n, t in cli.field_types(c).items()
-                 if "bool" in cli.type_name(t)}
-    parsed = cli.split_argv(args, bool_keys)
+    parsed = cli.split_argv(args, bool_keys())
     if parsed.want_help:
         print(help_text(), end="")
         raise SystemExit(0)
     errors: list[str] = []
     entries: list[cli.Entry] = []
+    old: list[str] = []
     if parsed.config_file is not None:
-        entries += cli.flatten(cli.read_toml(parsed.config_file), sections, parsed.config_file, errors)
-    entries += [(k, v, True) for k, v in parsed.overrides]
+        table, old = aliases.upgrade(cli.read_toml(parsed.config_file))
+        entries += cli.flatten(table, sections, parsed.config_file, errors)
+    old += [k for k, _ in parsed.overrides if k in aliases.RENAMED]
+    entries += [(aliases.new_name(k), v, True) for k, v in parsed.overrides]
     cfg = cli.build(Config, PRESETS, entries, errors)
     cli.raise_if(errors, "bad config")
+    aliases.note_renamed(old)
     return cfg
 
 

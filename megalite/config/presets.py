@@ -1,4 +1,5 @@
-"""Named model sizes: the `model` section values that `model.preset` applies before the file and flags."""
+"""Named model sizes: the `model` section values that `model.preset` applies before the file and flags
+(and, for a mixture of experts, the `moe` section's, as the table `moe`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Mapping
 
 
 def _frozen(d: dict[str, dict[str, object]]) -> Mapping[str, Mapping[str, object]]:
-    return types.MappingProxyType({k: types.MappingProxyType(v) for k, v in d.items()})
+    return types.MappingProxyType({k: types.MappingProxyType({f: types.MappingProxyType(v) if isinstance(v, dict)
+                                                               else v for f, v in fields.items()})
+                                   for k, fields in d.items()})
 
 
 # Model-section values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
@@ -31,16 +34,15 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
     # DeepSeek-V3: Liu et al. 2024, without its multi-head latent attention and multi-token prediction:
     # plain GQA attention of the same width stands in for MLA here).
     "tiny-moe": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128,
-                     moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_router="qwen3", moe_aux_loss=0.01,
-                     moe_z_loss=0.001),
+                     moe=dict(experts=8, top_k=2, ffn_hidden_size=128, router="qwen3", aux_loss=0.01, z_loss=0.001)),
     "mixtral-8x7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                         ffn_hidden_size=14336, seq_len=4096, vocab_size=32000, rope_theta=1e6, moe_experts=8,
-                         moe_top_k=2, moe_router="mixtral", moe_aux_loss=0.02),
+                         ffn_hidden_size=14336, seq_len=4096, vocab_size=32000, rope_theta=1e6,
+                         moe=dict(experts=8, top_k=2, router="mixtral", aux_loss=0.02)),
     "qwen3-30b-a3b": dict(arch="llama", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
-                          ffn_hidden_size=6144, seq_len=4096, vocab_size=151936, rope_theta=1e6, moe_experts=128,
-                          moe_top_k=8, moe_ffn_hidden_size=768, moe_router="qwen3", moe_aux_loss=0.001),
+                          ffn_hidden_size=6144, seq_len=4096, vocab_size=151936, rope_theta=1e6,
+                          moe=dict(experts=128, top_k=8, ffn_hidden_size=768, router="qwen3", aux_loss=0.001)),
     "deepseek-v3": dict(arch="llama", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
-                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280, moe_experts=256, moe_top_k=8,
-                        moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="deepseek",
-                        moe_route_scale=2.5, moe_groups=8, moe_group_top_k=4),
+                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280,
+                        moe=dict(experts=256, top_k=8, ffn_hidden_size=2048, shared_experts=1, first_dense=3,
+                                 router="deepseek", route_scale=2.5, groups=8, group_top_k=4)),
 })

@@ -1,26 +1,25 @@
 """The run configuration's schema: one dataclass per section, each field with its `--help` doc.
 
+A feature's section lives in the feature's folder (`[moe]`: megalite/moe/config.py, `[optimizer]` and `[muon]`:
+megalite/optim/config.py, `[fp8]`: megalite/fp8/config.py) and is listed in `Config` below; the names
+these fields had before they got their own sections are answered by `aliases.py`.
+
 Precedence and parsing live in `parse.py`, derived values in `derive.py`, the rules in `validate.py`.
 Each field's one-line doc lives in its `metadata["doc"]`, which `--help` prints.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from megalite.fp8.config import FP8Config
 from megalite.mla.config import MLAConfig
+from megalite.moe.config import MoEConfig
 from megalite.mtp.config import MTPConfig
-
-
-def _f(default: Any, doc: str) -> Any:
-    """A dataclass field with its one-line `--help` doc."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def _lf(doc: str) -> Any:
-    """A list field (empty by default) with its `--help` doc."""
-    return field(default_factory=list, metadata={"doc": doc})
+from megalite.optim.config import MuonConfig, OptimizerConfig
+from megalite.section import doc_field as _f
+from megalite.section import doc_list as _lf
 
 
 @dataclass
@@ -52,27 +51,6 @@ class ModelConfig:
     init_std: float = _f(0.02, "std of the normal weight init")
     kernels: str = _f("auto", "auto | torch | triton (auto = triton on CUDA, torch elsewhere)")
     recompute: str = _f("none", "activation recompute: none | selective (attention core) | full (whole block)")
-    # Mixture of experts (megalite/moe, docs/moe.md); moe_experts = 0 is a dense model.
-    moe_experts: int = _f(0, "routed experts per MoE layer; 0 = dense MLP everywhere")
-    moe_top_k: int = _f(2, "experts each token is routed to")
-    moe_ffn_hidden_size: int = _f(0, "each routed expert's FFN width; 0 = ffn_hidden_size")
-    moe_shared_experts: int = _f(0, "shared experts every token goes through (DeepSeek), fused in one MLP")
-    moe_shared_ffn_hidden_size: int = _f(0, "each shared expert's FFN width; 0 = moe_ffn_hidden_size")
-    moe_first_dense: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek's first_k_dense)")
-    moe_every: int = _f(1, "after moe_first_dense, every n-th layer is MoE (1 = all of them)")
-    moe_router: str = _f("mixtral", "mixtral (softmax over the top-k logits) | qwen3 (softmax over all, top-k) | "
-                                    "deepseek (sigmoid scores, aux-loss-free bias)")
-    moe_renorm: bool = _f(True, "qwen3/deepseek: renormalise the top-k weights to sum to 1")
-    moe_route_scale: float = _f(1.0, "deepseek: factor on the routing weights (routed_scaling_factor)")
-    moe_groups: int = _f(1, "deepseek group-limited routing: expert groups (1 = off)")
-    moe_group_top_k: int = _f(1, "deepseek group-limited routing: groups each token may use")
-    moe_bias_rate: float = _f(0.001, "deepseek: aux-loss-free bias update per step (0 = no bias update)")
-    moe_aux_loss: float = _f(0.0, "load-balancing loss coefficient (Switch/GShard form, mean over MoE layers)")
-    moe_seq_aux_loss: float = _f(0.0, "DeepSeek-V3's sequence-wise balance loss coefficient alpha (per sequence, "
-                                      "mean over MoE layers; 0 = off)")
-    moe_z_loss: float = _f(0.0, "router z-loss coefficient (ST-MoE)")
-    moe_capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
-                                                 "unset = dropless")
     # Qwen3's per-head RMSNorm of q and k before RoPE (q_norm / k_norm, one [head_dim] weight each, llama arch).
     qk_norm: bool = _f(False, "RMSNorm each attention head's q and k before RoPE (Qwen3); llama arch only")
     head_dim: int = _f(0, "attention head width; 0 = hidden_size / num_heads (Qwen3 sets it apart); llama arch only")
@@ -80,6 +58,28 @@ class ModelConfig:
     compile: bool = _f(False, "torch.compile each transformer block (inductor needs a C++ compiler on CPU)")
     compile_backend: str = _f("inductor", "torch.compile backend: inductor | aot_eager | eager (the last two only "
                                           "trace: for checks)")
+
+
+@dataclass
+class ModelArgs(ModelConfig):
+    """What the model is built from (`megalite.model.spec.ModelSpec`): the `[model]` section with the sections of
+    the features that change the model's shape: `[moe]`, `[mla]` and `[mtp]`."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+
+    @classmethod
+    def of(cls, model: ModelConfig, moe: MoEConfig, mla: MLAConfig | None = None,
+           mtp: MTPConfig | None = None) -> ModelArgs:
+        """The sections as one (fields copied by name: a reordering cannot mix them up)."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(ModelConfig)}, moe=moe,
+                   mla=mla if mla is not None else MLAConfig(), mtp=mtp if mtp is not None else MTPConfig())
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ModelArgs:
+        """A whole run config's model: `[model]`, `[moe]`, `[mla]` and `[mtp]`."""
+        return cls.of(cfg.model, cfg.moe, cfg.mla, cfg.mtp)
 
 
 @dataclass
@@ -117,19 +117,11 @@ class TrainConfig:
     seed: int = _f(1234, "random seed (init, dropout, data order)")
     dtype: str = _f("auto", "auto | fp32 | bf16 | fp16 (auto = bf16 on CUDA, fp32 on CPU)")
     device: str = _f("auto", "auto | cpu | cuda")
-    fp8: str = _f("none", "FP8 matmuls in the block linears and expert GEMMs, current scaling: "
-                          "none | tensorwise | rowwise | blockwise | mxfp8 (docs/fp8.md)")
-    fp8_min_dim: int = _f(128, "FP8 filter: a linear stays in the run dtype when its smallest logical dimension "
-                               "is below this (the output layer always does)")
     tune_malloc: bool = _f(True, "glibc: keep freed host memory for the next step instead of returning it to the "
                                  "OS (no page-fault storm on CPU; see megalite/runtime/malloc.py)")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = _f(20, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
-    beta1: float = _f(0.9, "Adam beta1")
-    beta2: float = _f(0.95, "Adam beta2")
-    adam_eps: float = _f(1e-8, "Adam epsilon")
     clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = no clipping")
     eval_interval: int = _f(100, "steps between validation runs; 0 = never")
     eval_steps: int = _f(4, "validation batches per evaluation")
@@ -139,12 +131,6 @@ class TrainConfig:
     watchdog_min_s: float = _f(60.0, "never call a step a hang before it has run this many seconds")
     memory_check: bool = _f(True, "refuse before step 1 when the predicted peak memory exceeds the free RAM "
                                   "(CPU) or device memory (GPU)")
-    # Muon (docs/muon.md): the block linears' matrices; AdamW (the fields above) keeps everything else.
-    optimizer: str = _f("adamw", "adamw | muon (Muon for the blocks' 2-D weights, AdamW for the rest; docs/muon.md)")
-    muon_momentum: float = _f(0.95, "Muon momentum mu (M = mu M + G)")
-    muon_nesterov: bool = _f(True, "Muon: orthogonalise G + mu M (Nesterov) instead of M")
-    muon_ns_steps: int = _f(5, "Muon: Newton-Schulz steps (quintic, coefficients 3.4445, -4.7750, 2.0315)")
-    muon_rms: float = _f(0.2, "Muon: update RMS to match (Liu et al. 2025): lr x muon_rms x sqrt(max(rows, cols))")
     init_from: str = _f("", "start from these weights (a megalite checkpoint of any layout, or a Hugging Face model "
                             "directory) with a fresh optimizer, schedule and data position; ignored when resuming")
 
@@ -210,10 +196,14 @@ def _section(cls: type, doc: str) -> Any:
 @dataclass
 class Config:
     model: ModelConfig = _section(ModelConfig, "model shape and kernels")
+    moe: MoEConfig = _section(MoEConfig, "mixture of experts (megalite/moe, docs/moe.md); moe.experts = 0 is dense")
+    mla: MLAConfig = _section(MLAConfig, "multi-head latent attention (DeepSeek-V2/V3; docs/mla.md)")
+    mtp: MTPConfig = _section(MTPConfig, "multi-token prediction (DeepSeek-V3; docs/mtp.md)")
     parallel: ParallelConfig = _section(ParallelConfig, "3D parallel layout and ZeRO")
-    train: TrainConfig = _section(TrainConfig, "optimization and precision")
+    train: TrainConfig = _section(TrainConfig, "steps, batches, learning rate and precision")
+    optimizer: OptimizerConfig = _section(OptimizerConfig, "the optimizer and its AdamW settings (megalite/optim)")
+    muon: MuonConfig = _section(MuonConfig, "Muon, when optimizer.name=muon (megalite/optim/muon.py, docs/muon.md)")
+    fp8: FP8Config = _section(FP8Config, "FP8 matmuls (megalite/layers/fp8.py, docs/fp8.md)")
     data: DataConfig = _section(DataConfig, "datasets and tokenizer")
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
     logging: LoggingConfig = _section(LoggingConfig, "metrics, JSONL and wandb")
-    mla: MLAConfig = _section(MLAConfig, "multi-head latent attention (DeepSeek-V2/V3; docs/mla.md)")
-    mtp: MTPConfig = _section(MTPConfig, "multi-token prediction (DeepSeek-V3; docs/mtp.md)")

@@ -66,7 +66,7 @@ class _AllGatherAttention(torch.autograd.Function):
         hk = kv_all.shape[2]
         dog = to_grouped(d_out, hk).float()
         delta = (dog * to_grouped(out, hk).float()).sum(dim=-1)
-        dq, dk_all, dv_all = block_backward(to_grouped(q, hk), kv_all[0], kv_all[1], dog, lse, delta,
+        dq, dk_all, dv_all = block_backward(to_grouped(q, hk), kv_all[0], kv_all[1], dog, (lse, delta),
                                             ctx.scale, _mask(PositionMask(q_pos, k_pos), ctx.docs, ctx.cpg.cp),
                                             ctx.backend)
         dkv = comm.reduce_scatter(torch.stack([dk_all, dv_all]), ctx.cpg.state, GROUP, dim=3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -17,18 +17,20 @@ from megalite.parallel.comm import outside_graph
 from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
-MaskedAttention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (q, k, v, keep [B, 1, S, S]) -> out
+class Attend(Protocol):
+    """The model's whole-sequence attention: causal, or under an explicit `keep` [B, 1, S, S] mask."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor: ...
 
 
 @outside_graph  # `model.compile`: the ring / gather / all-to-all and their Python-driven overlap stay eager
 def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: ContextOptions,
-                      attend: LocalAttention, backend: Backend, docs: DocumentIds | None = None,
-                      masked: MaskedAttention | None = None) -> Tensor:
+                      attend: Attend, backend: Backend, docs: DocumentIds | None = None) -> Tensor:
     """Causal attention of this rank's zigzag-split q/k/v against the whole sequence ([b, S/cp, h, d] in
     and out). ring / allgather compute block pairs on `backend` (torch block math or the flash kernel);
     a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`docs`) the
-    ring and all-gather forms add the same-document test to their masks, and a2a runs `masked` (attention
-    under an explicit mask) with the whole sequence's document-causal mask; hybrid all-to-alls inside groups of
+    ring and all-gather forms add the same-document test to their masks, and a2a runs `attend` under the whole
+    sequence's document-causal mask; hybrid all-to-alls inside groups of
     `options.a2a_degree` cp ranks and runs the ring (on `backend`, under the documents) across them."""
     if options.mode == "ring":
         return ring_attention(q, k, v, state, backend=backend, docs=docs)
@@ -36,9 +38,8 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
         return allgather_attention(q, k, v, state, backend=backend, docs=docs)
     if options.mode == "a2a":
         if docs is not None:
-            assert masked is not None, "a2a with document masking needs the masked attention"
-            keep, run = document_causal_mask(docs.full, docs.full), masked
-            return a2a_attention(q, k, v, state, lambda q_, k_, v_: run(q_, k_, v_, keep))
+            keep = document_causal_mask(docs.full, docs.full)
+            return a2a_attention(q, k, v, state, lambda q_, k_, v_: attend(q_, k_, v_, keep))
         return a2a_attention(q, k, v, state, attend)
     if options.mode == "hybrid":
         return hybrid_attention(q, k, v, state, options.a2a_degree, backend, docs)

@@ -89,10 +89,12 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Mask,
     return torch.matmul(p, v.float().unsqueeze(2)), lse
 
 
-def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, scale: float,
+def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse_delta: tuple[Tensor, Tensor], scale: float,
                    keep: Mask, backend: Backend = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dQ [b, hk, rep, sq, d], dK [b, hk, sk, d], dV [b, hk, sk, d]), fp32, of this block's share of the
-    attention, given the *final* L and D = rowsum(dO * O) of the query rows (see the module doc)."""
+    attention, given the *final* L and D = rowsum(dO * O) of the query rows, `lse_delta` = (L, D) (see the
+    module doc)."""
+    lse, delta = lse_delta
     if _use_flash(backend):
         return _flash_backward(q, k, v, d_out, lse, delta, scale, keep)
     s = _scores(q, k, scale, keep)

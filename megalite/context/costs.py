@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.context.options import ContextOptions
+
 GRAD_BYTES = 4
 
 
@@ -80,10 +82,11 @@ def hybrid_attention_bytes(batch: int, seq_len: int, heads: int, kv_heads: int, 
     return CpBytes(inner.forward + outer.forward, inner.backward + outer.backward)
 
 
-def cp_attention_bytes(mode: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
-                       elem_bytes: int, a2a: int = 1) -> CpBytes:
-    """The closed form of `mode` (ring | allgather | a2a | hybrid, with its a2a degree): heads and kv heads are
-    per tp rank."""
+def cp_attention_bytes(options: ContextOptions, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                       cp: int, elem_bytes: int) -> CpBytes:
+    """The closed form of `options.mode` (ring | allgather | a2a | hybrid, with its a2a degree): heads and kv heads
+    are per tp rank."""
+    mode, a2a = options.mode, options.a2a_degree
     if mode == "hybrid":
         return hybrid_attention_bytes(batch, seq_len, heads, kv_heads, head_dim, cp, a2a, elem_bytes)
     if mode == "a2a":

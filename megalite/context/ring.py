@@ -132,8 +132,8 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             if not skip:
                 dq_blk, dk_blk, dv_blk = block_backward(qg[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                                        dog[:, :, :, rows], lse[:, :, :, rows],
-                                                        delta[:, :, :, rows], scale=ctx.scale, keep=keep,
+                                                        dog[:, :, :, rows], (lse[:, :, :, rows],
+                                                        delta[:, :, :, rows]), scale=ctx.scale, keep=keep,
                                                         backend=ctx.backend)
                 dq[:, :, :, rows] += dq_blk
                 dkv[0][:, :, keys], dkv[1][:, :, keys] = dk_blk, dv_blk

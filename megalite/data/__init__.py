@@ -89,7 +89,7 @@ def build_data(cfg: Config) -> DataBundle:
             valid_parts.append(GPTDataset(ix, valid_docs, seq_len, seed, name="validation"))
     valid = _blend(valid_parts, weights) if valid_parts else None
     train = _blend(train_parts, weights)
-    check_batch_fits(len(train), int(getattr(cfg.train, "micro_batch_size", 1)), seq_len)
+    check_batch_fits(len(train), cfg.train.micro_batch_size, seq_len)
     return DataBundle(train=train, valid=valid, tokenizer=tokenizer)
 
 

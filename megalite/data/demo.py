@@ -26,7 +26,7 @@ import time
 
 import sentencepiece as spm
 
-from megalite.data.preprocess import preprocess
+from megalite.data.preprocess import ReadOptions, preprocess
 from megalite.data.tokenizer import train_tokenizer
 from megalite.errors import DataError
 
@@ -90,7 +90,7 @@ def _build(tmp: str, max_bytes: int, vocab_size: int) -> None:
             f.write(json.dumps({"text": doc}) + "\n")
     model = train_tokenizer([corpus], os.path.join(tmp, TOKENIZER_NAME[: -len(".model")]), vocab_size,
                             json_key="text")
-    preprocess([corpus], model, os.path.join(tmp, DATA_NAME), json_key="text", show_progress=False)
+    preprocess([corpus], model, os.path.join(tmp, DATA_NAME), ReadOptions(json_key="text"), show_progress=False)
     os.remove(corpus)  # the .bin holds it; keeping the text would double the cache's size
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump({"documents": len(docs), "bytes": sum(len(d.encode()) for d in docs), "max_bytes": max_bytes,

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import signal
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -40,15 +41,22 @@ def encode_document(tokenizer_path: str, add_bos: bool | None, text: str) -> np.
     return np.asarray(document_ids(_load_cached(tokenizer_path), text, add_bos), dtype=np.int64)
 
 
-def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, json_key: str | None = None,
-               workers: int = 1, split_paragraphs: bool = False, show_progress: bool = True,
-               add_bos: bool | None = None, replaced: Replacements | None = None) -> str:
-    """Tokenize `inputs` into `output_prefix.bin/.idx`; returns the prefix. `replaced` counts the unpaired
-    surrogates of JSON inputs replaced by U+FFFD (see `megalite.data.documents`).
+@dataclass(frozen=True)
+class ReadOptions:
+    """How documents are read from the inputs: text files are one document each (or one per blank-line-separated
+    paragraph with `split_paragraphs`); with `json_key`, inputs are JSON lines and each line's `json_key` is one."""
 
-    Text files are one document each (or one per blank-line-separated paragraph with
-    `split_paragraphs`); with `json_key`, inputs are JSON lines and each line's `json_key` is a document.
+    json_key: str | None = None
+    split_paragraphs: bool = False
+
+
+def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, read: ReadOptions = ReadOptions(),
+               workers: int = 1, show_progress: bool = True, add_bos: bool | None = None,
+               replaced: Replacements | None = None) -> str:
+    """Tokenize `inputs` (documents as `read` says) into `output_prefix.bin/.idx`; returns the prefix. `replaced`
+    counts the unpaired surrogates of JSON inputs replaced by U+FFFD (see `megalite.data.documents`).
     """
+    json_key, split_paragraphs = read.json_key, read.split_paragraphs
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     check_inputs(inputs, json_key)

@@ -1,4 +1,4 @@
-"""The block recipes' quantisers, `train.fp8` = blockwise | mxfp8, and their emulated GEMM.
+"""The block recipes' quantisers, `fp8.recipe` = blockwise | mxfp8, and their emulated GEMM.
 
 Every operand of a GEMM is cut into blocks along the GEMM's contraction dim; each block gets its own scale from its
 own amax, so one outlier costs precision in its block only:

@@ -11,24 +11,24 @@ from megalite.fp8.costs import BLOCK, WEIGHT_BLOCK, Gemm
 
 
 def fp8_problems(recipe: str, min_dim: int, dtype: str, device_type: str) -> list[str]:
-    """`train.fp8` against the torch, the device and the dtype it would run with."""
+    """`fp8.recipe` against the torch, the device and the dtype it would run with."""
     if recipe == "none":
         return []
     out: list[str] = []
     if min_dim < 1:
-        out.append(f"train.fp8_min_dim must be >= 1, got {min_dim}")
+        out.append(f"fp8.min_dim must be >= 1, got {min_dim}")
     try:
         scaled_mm.check_available()
     except ConfigError as e:
         out.append(str(e))
     if dtype == "fp16":
-        out.append(f"train.fp8={recipe} with train.dtype=fp16 is not supported (fp16 loss scaling would scale the "
+        out.append(f"fp8.recipe={recipe} with train.dtype=fp16 is not supported (fp16 loss scaling would scale the "
                    "gradients FP8 re-scales anyway): use train.dtype=bf16 (or fp32)")
     if device_type == "cuda" and torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         if cap < scaled_mm.MIN_CUDA_CAPABILITY:
-            out.append(f"train.fp8={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
-                       f"newer) but {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}: set train.fp8=none")
+            out.append(f"fp8.recipe={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+                       f"newer) but {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}: set fp8.recipe=none")
     return out
 
 
@@ -48,13 +48,13 @@ def block_layout_problems(recipe: str, gemms: list[Gemm], tp: int, cp: int, seq_
             dims = list(g.out_parts) if g.kind == "column" else [g.in_features]
             bad = [d for d in dims if d % (tp * need)]
             if g.fp8 and bad:
-                out.append(f"train.fp8={recipe} at tp={tp}: {g.name} splits a dimension of {bad[0]} into {bad[0] // tp}-"
+                out.append(f"fp8.recipe={recipe} at tp={tp}: {g.name} splits a dimension of {bad[0]} into {bad[0] // tp}-"
                            f"wide shards, not whole {need}-blocks (a block would span two tp ranks): use a tp that "
-                           f"leaves {need} | dim/tp, train.fp8_min_dim > {min([g.in_features, *g.out_parts])} to keep "
-                           "it in the run dtype, or train.fp8=rowwise")
+                           f"leaves {need} | dim/tp, fp8.min_dim > {min([g.in_features, *g.out_parts])} to keep "
+                           "it in the run dtype, or fp8.recipe=rowwise")
                 break
     if cp > 1 and (seq_len // (2 * cp)) % block:
-        out.append(f"train.fp8={recipe} at cp={cp}: each rank's sequence chunks are seq_len/(2 cp) = "
+        out.append(f"fp8.recipe={recipe} at cp={cp}: each rank's sequence chunks are seq_len/(2 cp) = "
                    f"{seq_len // (2 * cp)} tokens, not whole {block}-token blocks (a weight-gradient block would span "
-                   f"two cp ranks): use a seq_len multiple of {2 * cp * block}, or train.fp8=rowwise")
+                   f"two cp ranks): use a seq_len multiple of {2 * cp * block}, or fp8.recipe=rowwise")
     return out

@@ -1,4 +1,4 @@
-"""Which modules run in FP8 (`train.fp8`): the settings, and `enable_fp8`, which gives every filtered parallel linear
+"""Which modules run in FP8 (`fp8.recipe`): the settings, and `enable_fp8`, which gives every filtered parallel linear
 its `Fp8Gemm` (megalite/fp8/linear.py) and every filtered module of experts its `Fp8ExpertGemm`
 (megalite/fp8/experts.py). The filter is megalite/fp8/costs.py's `fp8_filter`, on logical shapes, so every layout
 makes the same choice and the estimator predicts it.
@@ -23,7 +23,7 @@ from megalite.parallel.state import ParallelState
 
 @dataclass(frozen=True)
 class Fp8Settings:
-    """`train.fp8` and its filter: a linear runs in FP8 when it is not the output layer and
+    """`fp8.recipe` and its filter: a linear runs in FP8 when it is not the output layer and
     min(in_features, every output part) >= min_dim, on the logical (unsharded) shape so that every
     layout makes the same choice."""
 
@@ -32,7 +32,7 @@ class Fp8Settings:
 
 
 def fp8_settings(recipe: str, min_dim: int) -> Fp8Settings | None:
-    """`train.fp8` / `train.fp8_min_dim` as settings (None for "none"); validation has checked the name."""
+    """`fp8.recipe` / `fp8.min_dim` as settings (None for "none"); validation has checked the name."""
     if recipe == "none":
         return None
     if recipe not in RECIPES:

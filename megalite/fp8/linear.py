@@ -1,6 +1,6 @@
 """FP8 linears with current (just-in-time) scaling, the same numbers at every parallel layout.
 
-`train.fp8` = tensorwise | rowwise turns the column- and row-parallel linears chosen by the filter
+`fp8.recipe` = tensorwise | rowwise turns the column- and row-parallel linears chosen by the filter
 (`fp8_filter`) into FP8 GEMMs (`megalite.fp8.scaled_mm`); blockwise | mxfp8 into block-scaled GEMMs, emulated
 (megalite/fp8/blocks.py has those recipes, their blocks per GEMM and why no amax of theirs is reduced: below is
 tensorwise and rowwise). docs/fp8.md has the whole recipe; in short,

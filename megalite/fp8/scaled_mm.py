@@ -43,8 +43,8 @@ MIN_CUDA_CAPABILITY = (8, 9)
 def check_available() -> None:
     """Raise ConfigError when this torch cannot run megalite's FP8 GEMMs."""
     if E4M3 is None or E5M2 is None or not hasattr(torch, "_scaled_mm"):
-        raise ConfigError(f"train.fp8 needs torch._scaled_mm and the float8 dtypes, which torch {torch.__version__} "
-                          "lacks: install the torch megalite pins (pyproject.toml) or set train.fp8=none")
+        raise ConfigError(f"fp8.recipe needs torch._scaled_mm and the float8 dtypes, which torch {torch.__version__} "
+                          "lacks: install the torch megalite pins (pyproject.toml) or set fp8.recipe=none")
 
 
 def is_rowwise(scale_a: Tensor, scale_b: Tensor) -> bool:

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from megalite.checkpoint.layout import moe_from_info
 from megalite.checkpoint.sharded import find, load_sharded, read_index
-from megalite.config.schema import DataConfig, ModelConfig
+from megalite.config.schema import DataConfig, ModelArgs
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import CheckpointError, DataError
 from megalite.mla.config import MLAConfig
@@ -24,11 +25,12 @@ from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 
 
-def model_config_from_info(info: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig with the checkpoint's recorded dims (torch kernels: generation runs the torch ops)."""
-    cfg = ModelConfig()
+def model_config_from_info(info: dict[str, Any]) -> ModelArgs:
+    """The model a checkpoint's recorded dims describe, its `[moe]` section included (torch kernels: generation
+    runs the torch ops)."""
+    cfg = ModelArgs(moe=moe_from_info(info), mla=mla_from_info(info) or MLAConfig())
     for key, value in info.items():
-        if hasattr(cfg, key):
+        if hasattr(cfg, key) and key not in ("moe", "mla", "mtp"):  # sections: read above (MTP: not for generation)
             setattr(cfg, key, value)
     cfg.kernels, cfg.dropout, cfg.recompute = "torch", 0.0, "none"
     return cfg
@@ -54,7 +56,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict[s
     if "model" not in index:
         raise CheckpointError(f"{path} records no model dims (written by an older megalite): nothing to build")
     state = ParallelState(device=torch.device(device))
-    model = GPT(model_config_from_info(index["model"]), state, seed=0, mla=mla_from_info(index["model"]))
+    model = GPT(model_config_from_info(index["model"]), state, seed=0)
     load_sharded(path, model, None, state)
     return model.to(state.device).eval(), index
 

@@ -63,8 +63,7 @@ class ColumnParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):
     """
 
     def __init__(self, in_features: int, out_parts: list[int], state: ParallelState, *, name: str,
-                 seed: int, std: float, bias: bool = False, gather_output: bool = False,
-                 input_ready: bool = False) -> None:
+                 seed: int, std: float, bias: bool = False, input_ready: bool = False) -> None:
         super().__init__()
         tp = state.tp
         for p in out_parts:
@@ -72,7 +71,7 @@ class ColumnParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):
                 raise ValueError(f"{name}: output size {p} not divisible by tp={tp}")
         self.state, self.out_parts = state, list(out_parts)
         self.blocks = part_blocks([p // tp for p in out_parts])  # this rank's rows of each part
-        self.gather_output, self.input_ready = gather_output, input_ready
+        self.input_ready = input_ready
         shards = [_shard_rows(full_normal((p, in_features), std, seed, f"{name}.{i}"), tp, state.tp_rank)
                   for i, p in enumerate(out_parts)]
         self.weight = nn.Parameter(torch.cat(shards, dim=0).contiguous())
@@ -87,10 +86,7 @@ class ColumnParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.input_ready:
             x = enter_tp_region(x, self.state)
-        ys = self.gemms.linear_parts(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
-        if self.gather_output:
-            ys = tuple(comm.gather_last_dim(y, self.state) for y in ys)
-        return ys
+        return self.gemms.linear_parts(x, self.weight, self.bias, self.blocks, self.wgrad_fold)
 
 
 class RowParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):

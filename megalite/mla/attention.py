@@ -19,7 +19,7 @@ Under tensor parallelism (Megatron-LM section 3, applied as Megatron-core's MLA 
     (made whole by the block's f / SP all-gather) and back-propagates only its heads' share of the gradient, so
     their weight gradients are partial sums over TP: declared `sp_partial` (like Qwen3's q/k norms, all-reduced
     over TP by the gradient sync), and the input gradient is summed by f's backward with the column layers'.
-  They stay in the run dtype under FP8 (`train.fp8`): their per-rank gradients are partial sums, whose FP8 scales
+  They stay in the run dtype under FP8 (`fp8.recipe`): their per-rank gradients are partial sums, whose FP8 scales
   would differ from one process's; q_b, kv_b and out are the existing parallel linears and get FP8 as any other.
 
 The attention core takes q/k/v of one head width: v (v_head_dim) is zero-padded to the q/k width (or q and k to
@@ -229,7 +229,7 @@ class MLAttention(nn.Module):
         """As `model.block.Attention.forward`'s core: whole sequences, document masking, or the cp modes."""
         if docs is not None:
             if self.state.cp > 1:
-                return context_attention(q, k, v, self.state, self.context, self._core, "torch", docs, self._core)
+                return context_attention(q, k, v, self.state, self.context, self._core, "torch", docs)
             if self.ops.document_attention is not None:
                 return self._run(self.ops.document_attention, q, k, v, docs.local)
             return self._core(q, k, v, document_causal_mask(docs.local, docs.local))

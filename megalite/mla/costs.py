@@ -89,23 +89,24 @@ def expanded_kv_cache_bytes_per_token(num_layers: int, heads: int, m: MLAShape, 
     return num_layers * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * bytes_per_element
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, heads: int, m: MLAShape, tp: int = 1, sp: bool = False,
-                               recompute: str = "none", act_bytes: int = 2, kv_len: int | None = None) -> float:
-    """One MLA layer's activation bytes, Korthikanti et al. 2022's accounting (megalite/perfmodel/activations.py)
-    with its attention replaced, for 16-bit activations (`act_bytes` scales):
+def activation_bytes_per_layer(tokens: int, h: int, heads: int, m: MLAShape, kv_len: int, tp: int = 1,
+                               sp: bool = False, recompute: str = "none") -> float:
+    """One MLA layer's activation bytes for `tokens` = s·b tokens of a micro-batch, each attending over `kv_len`
+    keys (s, unless context parallel), Korthikanti et al. 2022's accounting (megalite/perfmodel/activations.py)
+    with its attention replaced, for 16-bit activations (the caller scales for others):
       as the dense layer: the norms' and the attention and MLP inputs 8·sbh and the two dropout masks 2·sbh
         (/t under SP), the MLP 16·sbh/t;
       the latents, replicated (every TP rank computes them on the whole sequence): q_a's output and its norm's
         4·sb·r_q, kv_a's output 2·sb·(r_kv + d_r) and its norm's 2·sb·r_kv;
       per head (/t): q, k, v at the core's width 6·sb·H·D, the output projection's input 2·sb·H·d_v;
-      the scores 5·H·s·kv_len·b/t (kv_len = s unless context parallel), dropped by selective recompute.
+      the scores 5·H·s·kv_len·b/t, dropped by selective recompute.
     Full recompute keeps only the layer input 2·sbh (/t under SP)."""
-    sbh, sb = float(s) * b * h, float(s) * b
-    scale = act_bytes / 2.0
+    sb = float(tokens)
+    sbh = sb * h
     if recompute == "full":
-        return 2.0 * sbh / (tp if sp else 1) * scale
+        return 2.0 * sbh / (tp if sp else 1)
     dense = 10.0 * sbh / (tp if sp else 1) + 16.0 * sbh / tp
     latents = sb * (4.0 * m.q_lora_rank + 2.0 * (m.kv_lora_rank + m.qk_rope_head_dim) + 2.0 * m.kv_lora_rank)
     per_head = sb * heads * (6.0 * core_width(m) + 2.0 * m.v_head_dim) / tp
-    scores = 0.0 if recompute == "selective" else 5.0 * heads * s * (s if kv_len is None else kv_len) * b / tp
-    return (dense + latents + per_head + scores) * scale
+    scores = 0.0 if recompute == "selective" else 5.0 * heads * sb * kv_len / tp
+    return dense + latents + per_head + scores

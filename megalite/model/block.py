@@ -26,21 +26,10 @@ from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, ente
 from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.ops import Ops, apply_rope, masked_attention
 from megalite.model.spec import ModelSpec, head_dim
-from megalite.moe.layer import MoELayer
-from megalite.moe.losses import AuxScale
-from megalite.moe.settings import MoESettings
+from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
-
-
-@dataclass(frozen=True)
-class MoEContext:
-    """What a block needs to build a MoE FFN: the settings, the model's shared aux-loss scale, the MoE layer count."""
-
-    settings: MoESettings
-    aux_scale: AuxScale
-    num_layers: int
 
 
 class Norm(nn.Module):
@@ -109,7 +98,7 @@ class Attention(nn.Module):
                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
         self.q_norm: HeadNorm | None = None
         self.k_norm: HeadNorm | None = None
-        if getattr(cfg, "qk_norm", False):  # model.qk_norm (Qwen3); absent from older configs
+        if cfg.qk_norm:  # model.qk_norm (Qwen3)
             self.q_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
             self.k_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
 
@@ -138,7 +127,7 @@ class Attention(nn.Module):
             # no per-document positions); attention by the flash kernel's segment ids where the backend has it.
             q, k, v = self.project(x, cos, sin, rope=apply_rope)
             if self.state.cp > 1:  # ring / allgather blocks in torch math: the flash blocks take no such mask yet
-                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs, self._core)
+                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs)
             elif self.ops.document_attention is not None:
                 o = self._run(self.ops.document_attention, q, k, v, docs.local)
             else:
@@ -186,11 +175,19 @@ class MLP(nn.Module):
         return self.down(y)
 
 
+@dataclass(frozen=True)
+class BlockFeatures:
+    """The optional parts a block is built with: a MoE feed-forward (`moe`), multi-head latent attention (`mla`)."""
+
+    moe: MoEContext | None = None
+    mla: MLAContext | None = None
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
-                 context: ContextOptions = ContextOptions(), moe: MoEContext | None = None,
-                 mla: MLAContext | None = None) -> None:
+                 context: ContextOptions = ContextOptions(), features: BlockFeatures = BlockFeatures()) -> None:
         super().__init__()
+        moe, mla = features.moe, features.mla
         name = f"layers.{index}"
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.attn: nn.Module = (Attention(cfg, state, ops, f"{name}.attn", seed, context) if mla is None  # MLA:
@@ -198,7 +195,7 @@ class Block(nn.Module):
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.mlp: nn.Module
         if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
-            self.mlp = MoELayer(cfg, moe.settings, state, ops, f"{name}.mlp", seed, moe.aux_scale, moe.num_layers, MLP)
+            self.mlp = MoELayer(cfg, moe, state, ops, f"{name}.mlp", seed, MLP)
         else:
             self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
         self.dropout, self.rng, self.sp = cfg.dropout, rng, state.sp

@@ -21,14 +21,14 @@ from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
-from megalite.model.block import Block, MoEContext, Norm
+from megalite.model.block import Block, BlockFeatures, Norm
 from megalite.mla.attention import MLAContext
-from megalite.mla.config import MLAConfig
 from megalite.model.ops import TORCH_OPS, get_ops, masked_attention, resolve_kernels
 from megalite.model.rope import RopeScaling, rope_tables, softmax_scale_factor
 from megalite.model.spec import ModelSpec, head_dim
+from megalite.moe.layer import MoEContext
 from megalite.moe.losses import AuxScale
-from megalite.moe.settings import MoESettings, moe_layers
+from megalite.moe.settings import moe_layers, moe_settings
 from megalite.mtp.config import MTPConfig
 from megalite.mtp.module import MTPDepth, MultiTokenPrediction
 from megalite.parallel import comm
@@ -43,8 +43,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelSpec, state: ParallelState, seed: int, rng: RNGStreams | None = None,
                  layers: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 context: ContextOptions = ContextOptions(), mla: MLAConfig | None = None,
-                 mtp: MTPConfig | None = None) -> None:
+                 context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building the model")
@@ -63,18 +62,21 @@ class GPT(nn.Module):
                                                     name="embedding", seed=seed, std=cfg.init_std)
             if cfg.arch == "gpt2":
                 self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
-        moe_settings = MoESettings.from_model(cfg)
+        resolved_moe = moe_settings(cfg)
         self.aux_scale = AuxScale()
-        moe = (MoEContext(moe_settings, self.aux_scale, len(moe_layers(cfg))) if moe_settings is not None else None)
-        self.mla = mla if mla is not None and mla.enabled else None  # recorded by checkpoints (`model_info`)
+        moe = (MoEContext(resolved_moe, self.aux_scale, len(cfg.moe.layers(cfg.num_layers)))
+               if resolved_moe is not None else None)
+        mla = cfg.mla
+        self.mla = mla if mla.enabled else None  # recorded by checkpoints (`model_info`)
         rope = RopeScaling.of(cfg)
         # Multi-head latent attention (`[mla]`, megalite/mla) in every block when mla.kv_lora_rank > 0.
-        latent = (MLAContext(mla, softmax_scale_factor(rope), TORCH_OPS, masked_attention)
-                  if mla is not None and mla.enabled else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, moe, latent)
+        latent = MLAContext(mla, softmax_scale_factor(rope), TORCH_OPS, masked_attention) if mla.enabled else None
+        features = BlockFeatures(moe, latent)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, state, self.ops, self.rng, i, seed, context, features)
                                      for i in self.layer_ids})
-        self.mtp_depth = mtp.num_layers if mtp is not None else 0  # multi-token prediction (megalite/mtp)
-        self._moe, self._context, self._latent = moe, context, latent
+        mtp = cfg.mtp
+        self.mtp_depth = mtp.num_layers  # multi-token prediction (megalite/mtp)
+        self._context, self._features = context, features
         self.final_norm: Norm | None = None
         self.head: ColumnParallelLinear | None = None
         if post_process:
@@ -91,7 +93,7 @@ class GPT(nn.Module):
                 with torch.no_grad():
                     self.head.weight.copy_(twin.weight)
         self.mtp: MultiTokenPrediction | None = None
-        if post_process and mtp is not None and mtp.num_layers > 0:
+        if post_process and mtp.num_layers > 0:
             self.mtp = self._build_mtp(mtp, seed)
         rope_dim = latent.config.qk_rope_head_dim if latent is not None else head_dim(cfg)
         cos, sin = rope_tables(cfg.seq_len, rope_dim, cfg.rope_theta, rope)
@@ -122,7 +124,7 @@ class GPT(nn.Module):
         def norm() -> Norm:
             return Norm(h, cfg.arch, cfg.norm_eps, st, self.ops)
         depths = [MTPDepth(h, norm, Block(cfg, st, self.ops, self.rng, cfg.num_layers + k, seed, self._context,
-                                          self._moe, self._latent), st, f"mtp.layers.{k}", seed, cfg.init_std)
+                                          self._features), st, f"mtp.layers.{k}", seed, cfg.init_std)
                   for k in range(mtp.num_layers)]
         copy = None
         if self.embedding is None:
@@ -160,7 +162,7 @@ class GPT(nn.Module):
 
     def moe_layer_names(self) -> list[str]:
         """The names of every MoE layer of the whole model, any stage's (`megalite.moe.step_metrics`)."""
-        s = MoESettings.from_model(self.cfg)
+        s = moe_settings(self.cfg)
         mtp = [f"mtp.layers.{k}.block" for k in range(self.mtp_depth)
                if s is not None and s.is_moe_layer(self.cfg.num_layers + k)]
         return [f"layers.{i}" for i in moe_layers(self.cfg)] + mtp

@@ -4,15 +4,31 @@ tests/test_flops_estimate.py holds it equal to a built model's count."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from megalite.mla.costs import MLAShape, attention_params
-from megalite.moe.settings import MoESettings, moe_layers
+from megalite.moe.settings import moe_layers, moe_settings
 
 
-def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 ffn: int, vocab: int, seq_len: int, tie: bool, head_dim: int | None = None,
-                 mla: MLAShape | None = None) -> int:
+@dataclass(frozen=True)
+class ParamShape:
+    """The dimensions the parameter count depends on (resolved: no "derive me" zeros)."""
+
+    arch: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    tie: bool
+    head_dim: int | None = None  # None: hidden / num_heads
+    mla: MLAShape | None = None  # multi-head latent attention's widths (llama only); None: off
+
+
+def count_params(shape: ParamShape) -> int:
     """Parameters of megalite's GPT (unpadded vocabulary, no parallelism).
 
     llama, per layer: q and o h x h each, k and v h x (kv·head_dim) each; SwiGLU 3·h·ffn;
@@ -21,8 +37,12 @@ def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv
     and learned positions (s x h); its head is normally tied. `head_dim` defaults to hidden/heads.
     With `mla` (multi-head latent attention, llama only) the attention is MLA's (`megalite.mla.costs`).
     """
+    arch, num_layers, hidden, ffn, vocab = shape.arch, shape.num_layers, shape.hidden, shape.ffn, shape.vocab
+    num_heads, num_kv_heads, seq_len, tie, head_dim = (shape.num_heads, shape.num_kv_heads, shape.seq_len, shape.tie,
+                                                       shape.head_dim)
     hd = hidden // num_heads if head_dim is None else head_dim
     q, kv = num_heads * hd, num_kv_heads * hd
+    mla = shape.mla
     attn = hidden * (q + 2 * kv) + q * hidden if mla is None else attention_params(hidden, num_heads, mla)
     if arch == "llama":
         layer = attn + 3 * hidden * ffn + 2 * hidden
@@ -36,18 +56,18 @@ def count_params(arch: str, num_layers: int, hidden: int, num_heads: int, num_kv
 def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
     """Parameters of model config `m` (resolved), its experts included: each MoE layer's dense MLP replaced by
     a router (E x h), E routed experts (llama 3·h·F, gpt2 2·h·F: no biases) and the shared experts' fused MLP
-    (n_s·F_s wide, a gpt2 MLP with its biases). The MoE dims are read by `MoESettings.from_model` only; `mla`:
+    (n_s·F_s wide, a gpt2 MLP with its biases). The MoE dims are read by `moe_settings` only (`m.moe`); `mla`:
     the attention is multi-head latent attention of these widths."""
-    dense = count_params(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
-                         m.ffn_hidden_size, max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings),
-                         m.head_dim or None, mla)
-    s = MoESettings.from_model(m)
+    dense = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
+                                    m.ffn_hidden_size, max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings),
+                                    m.head_dim or None, mla))
+    s = moe_settings(m)
     if s is None:
         return dense
     h, gpt2 = m.hidden_size, m.arch == "gpt2"
     width = 2 if gpt2 else 3
     dense_mlp = width * h * m.ffn_hidden_size + (m.ffn_hidden_size + h if gpt2 else 0)
-    fs = s.shared * s.shared_ffn
+    fs = s.shared_experts * s.shared_ffn_hidden_size
     shared = width * h * fs + (fs + h if gpt2 and fs else 0)
-    per_layer = h * s.experts + s.experts * width * h * s.ffn + shared
+    per_layer = h * s.experts + s.experts * width * h * s.ffn_hidden_size + shared
     return dense + len(moe_layers(m)) * (per_layer - dense_mlp)

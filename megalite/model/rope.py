@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.model.spec import ModelSpec
+from megalite.model.spec import RopeFields
 
 ROPE_SCALINGS = ("none", "yarn", "llama3")
 
@@ -40,7 +40,7 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
 
     @classmethod
-    def of(cls, m: ModelSpec) -> RopeScaling:
+    def of(cls, m: RopeFields) -> RopeScaling:
         """The scaling a model config asks for (validation has checked the values)."""
         return cls(m.rope_scaling, m.rope_factor, m.rope_original_max_positions, m.rope_beta_fast, m.rope_beta_slow,
                    m.rope_mscale, m.rope_mscale_all_dim, m.rope_low_freq_factor, m.rope_high_freq_factor)

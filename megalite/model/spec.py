@@ -1,18 +1,48 @@
 """What the model reads of its configuration: a Protocol, so the model (a core layer) does not depend on the
-config package above it. `megalite.config.ModelConfig` satisfies it once resolved (`config.derive`: vocab
-size from the tokenizer, num_kv_heads / ffn_hidden_size / tie_embeddings filled in)."""
+config package above it. `megalite.config.ModelArgs` (the `[model]` and `[moe]` sections) satisfies it once
+resolved (`config.derive`: vocab size from the tokenizer, num_kv_heads / ffn_hidden_size / tie_embeddings filled
+in). Every field is read as is: configs written before a field existed are mapped when loaded
+(`megalite.config.aliases`), not guessed here."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from megalite.mla.config import MLAConfig
+from megalite.moe.config import MoEConfig
+from megalite.mtp.config import MTPConfig
+
 
 def head_dim(cfg: ModelSpec) -> int:
     """The attention head width: `head_dim` where a config sets it (model.head_dim, Qwen3), else hidden / heads."""
-    return getattr(cfg, "head_dim", 0) or cfg.hidden_size // cfg.num_heads
+    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
 
 
-class ModelSpec(Protocol):
+class RopeFields(Protocol):
+    """model.rope_scaling and its parameters (megalite/model/rope.py `RopeScaling.of`): the `[model]` section and
+    every `ModelSpec` have them."""
+
+    @property
+    def rope_scaling(self) -> str: ...
+    @property
+    def rope_factor(self) -> float: ...
+    @property
+    def rope_original_max_positions(self) -> int: ...
+    @property
+    def rope_beta_fast(self) -> float: ...
+    @property
+    def rope_beta_slow(self) -> float: ...
+    @property
+    def rope_mscale(self) -> float: ...
+    @property
+    def rope_mscale_all_dim(self) -> float: ...
+    @property
+    def rope_low_freq_factor(self) -> float: ...
+    @property
+    def rope_high_freq_factor(self) -> float: ...
+
+
+class ModelSpec(RopeFields, Protocol):
     @property
     def arch(self) -> str: ...  # llama | gpt2
     @property
@@ -35,25 +65,6 @@ class ModelSpec(Protocol):
     def norm_eps(self) -> float: ...
     @property
     def rope_theta(self) -> float: ...
-    # model.rope_scaling and its parameters (megalite/model/rope.py `RopeScaling.of`)
-    @property
-    def rope_scaling(self) -> str: ...
-    @property
-    def rope_factor(self) -> float: ...
-    @property
-    def rope_original_max_positions(self) -> int: ...
-    @property
-    def rope_beta_fast(self) -> float: ...
-    @property
-    def rope_beta_slow(self) -> float: ...
-    @property
-    def rope_mscale(self) -> float: ...
-    @property
-    def rope_mscale_all_dim(self) -> float: ...
-    @property
-    def rope_low_freq_factor(self) -> float: ...
-    @property
-    def rope_high_freq_factor(self) -> float: ...
     @property
     def dropout(self) -> float: ...
     @property
@@ -64,3 +75,13 @@ class ModelSpec(Protocol):
     def kernels(self) -> str: ...  # auto | torch | triton
     @property
     def recompute(self) -> str: ...  # none | selective | full
+    @property
+    def qk_norm(self) -> bool: ...  # Qwen3's per-head RMSNorm of q and k
+    @property
+    def head_dim(self) -> int: ...  # 0 = hidden_size / num_heads
+    @property
+    def moe(self) -> MoEConfig: ...  # the [moe] section; experts = 0 is a dense model
+    @property
+    def mla(self) -> MLAConfig: ...  # the [mla] section; kv_lora_rank = 0 is plain attention
+    @property
+    def mtp(self) -> MTPConfig: ...  # the [mtp] section; num_layers = 0 is no multi-token prediction

@@ -10,6 +10,7 @@ the tp ranks (each computes the tokens it holds: all of them without SP, its 1/t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -32,12 +33,23 @@ class Activations(Protocol):
     def gelu_tanh(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """A MoE layer's routed experts: how many, their input width, FFN width and MLP kind (SwiGLU: `gated`)."""
+
+    num_experts: int
+    hidden: int
+    ffn: int
+    gated: bool
+
+
 class Experts(nn.Module):
     fp8: Fp8ExpertGemm | None = None  # set by `megalite.fp8.enable.enable_fp8`: the expert GEMMs in FP8
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, state: ParallelState, ops: Activations,
-                 name: str, seed: int, std: float, num_layers: int) -> None:
+    def __init__(self, shape: ExpertShape, state: ParallelState, ops: Activations, name: str, seed: int, std: float,
+                 num_layers: int) -> None:
         super().__init__()
+        num_experts, hidden, ffn, gated = shape.num_experts, shape.hidden, shape.ffn, shape.gated
         ep = state.size("ep")
         self.local = num_experts // ep
         first = state.rank_in("ep") * self.local

@@ -9,16 +9,17 @@ experts (DeepSeek) are one dense MLP of width shared x shared_ffn, tensor-parall
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from megalite.moe.config import MoEConfig
 from megalite.moe.dispatch import combine, dispatch
-from megalite.moe.experts import Activations, Experts
+from megalite.moe.experts import Activations, Experts, ExpertShape
 from megalite.moe.losses import AuxScale, LossCoefficients, attach, router_losses
 from megalite.moe.router import Router, Routing
-from megalite.moe.settings import MoESettings
 from megalite.moe.stats import LayerStats
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
@@ -35,20 +36,31 @@ def _eager_under_compile(forward: Callable[..., torch.Tensor]) -> Callable[..., 
     return comm.outside_graph(forward, ROUTED_SHAPES)
 
 
+@dataclass(frozen=True)
+class MoEContext:
+    """What a block needs to build a MoE FFN: the resolved `[moe]` section (`MoEConfig.resolved`), the model's shared
+    aux-loss scale, the MoE layer count."""
+
+    settings: MoEConfig
+    aux_scale: AuxScale
+    num_layers: int
+
+
 class MoELayer(nn.Module):
-    def __init__(self, cfg, s: MoESettings, state: ParallelState, ops: Activations, name: str, seed: int,
-                 aux_scale: AuxScale, num_moe_layers: int, mlp_cls: type[nn.Module]) -> None:
+    def __init__(self, cfg, moe: MoEContext, state: ParallelState, ops: Activations, name: str, seed: int,
+                 mlp_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.s, self.state, self.aux_scale = s, state, aux_scale
-        n = max(1, num_moe_layers)  # each loss is averaged over the model's MoE layers
+        s = moe.settings
+        self.s, self.state, self.aux_scale = s, state, moe.aux_scale
+        n = max(1, moe.num_layers)  # each loss is averaged over the model's MoE layers
         self.coef = LossCoefficients(s.aux_loss / n, s.seq_aux_loss / n, s.z_loss / n, s.top_k)
         self.router = Router(cfg.hidden_size, s, state.sp, f"{name}.router", seed, cfg.init_std)
-        self.experts = Experts(s.experts, cfg.hidden_size, s.ffn, cfg.arch == "llama", state, ops,
-                               f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
+        shape = ExpertShape(s.experts, cfg.hidden_size, s.ffn_hidden_size, cfg.arch == "llama")
+        self.experts = Experts(shape, state, ops, f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
         self.shared: nn.Module | None = None
-        if s.shared:
+        if s.shared_experts:
             shared_cfg = copy.copy(cfg)  # the model config with the shared experts' fused width
-            shared_cfg.ffn_hidden_size = s.shared * s.shared_ffn
+            shared_cfg.ffn_hidden_size = s.shared_experts * s.shared_ffn_hidden_size
             self.shared = mlp_cls(shared_cfg, state, ops, f"{name}.shared", seed)
         self.stats = LayerStats(s.experts)
 

@@ -74,7 +74,7 @@ def balance(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch
 
 @dataclass(frozen=True)
 class LossCoefficients:
-    """The router losses' coefficients (`model.moe_aux_loss`, `moe_seq_aux_loss`, `moe_z_loss`) and the
+    """The router losses' coefficients (`moe.aux_loss`, `moe_seq_aux_loss`, `moe_z_loss`) and the
     experts per token (the sequence-wise loss divides by k)."""
 
     aux: float

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.moe.settings import MoESettings
+from megalite.moe.config import MoEConfig
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 
 
@@ -35,7 +35,7 @@ class Routing:
 
 
 class Router(nn.Module):
-    def __init__(self, hidden: int, s: MoESettings, sp: bool, name: str, seed: int, std: float) -> None:
+    def __init__(self, hidden: int, s: MoEConfig, sp: bool, name: str, seed: int, std: float) -> None:
         super().__init__()
         self.s, self.sp = s, sp
         self.weight = nn.Parameter(full_normal((s.experts, hidden), std, seed, f"{name}.weight"))
@@ -69,7 +69,7 @@ class Router(nn.Module):
             if s.renorm:
                 top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
             return Routing(idx, top * s.route_scale, scores / scores.sum(dim=-1, keepdim=True), logits)
-        raise ValueError(f"model.moe_router={s.router!r}: expected mixtral, qwen3 or deepseek")
+        raise ValueError(f"moe.router={s.router!r}: expected mixtral, qwen3 or deepseek")
 
 
 def _group_limited(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch
 
 from megalite.dp.shards import Shard
 from megalite.errors import ConfigError
-from megalite.optim.muon_math import MuonSettings, lr_scale, newton_schulz
+from megalite.optim.config import MuonConfig
+from megalite.optim.muon_math import lr_scale, newton_schulz
 from megalite.optim.muon_plan import MuonMatrix, MuonPlan
 from megalite.optim.shard_adamw import FUSED_ADAMW_DEVICES, ShardAdamW
 from megalite.parallel.state import ParallelState
@@ -52,11 +53,11 @@ class ShardMuon:
     """Muon (hidden matrices) + AdamW (the rest) on `shards`, distributed by `plan`."""
 
     def __init__(self, shards: Sequence[Shard], initial: Sequence[torch.Tensor], plan: MuonPlan,
-                 state: ParallelState, settings: MuonSettings, weight_decay: float, betas: tuple[float, float],
+                 state: ParallelState, settings: MuonConfig, weight_decay: float, betas: tuple[float, float],
                  eps: float) -> None:
         if shards and shards[0].params.device.type not in FUSED_ADAMW_DEVICES:
             # The unfused AdamW loop walks whole shards, Muon's elements included.
-            raise ConfigError(f"train.optimizer=muon runs on {' or '.join(FUSED_ADAMW_DEVICES)} only")
+            raise ConfigError(f"optimizer.name=muon runs on {' or '.join(FUSED_ADAMW_DEVICES)} only")
         self.shards, self.plan, self.state, self.settings = list(shards), plan, state, settings
         self.weight_decay = weight_decay
         self.adam = ShardAdamW(adam_shards(shards, plan), initial, weight_decay, betas, eps)

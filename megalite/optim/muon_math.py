@@ -15,31 +15,19 @@ leaving them in roughly [0.7, 1.2] instead of converging to exactly 1, which the
 
 The scale: an orthogonal A x B matrix has RMS sqrt(1 / max(A, B)); multiplying by 0.2 sqrt(max(A, B)) gives
 every Muon update an RMS of ~0.2, the RMS of a typical AdamW update (Liu et al. section 2.2), so Muon's
-matrices can share AdamW's learning rate and weight decay (`train.lr`, `train.weight_decay`). 0.2 is
-`train.muon_rms` here. Everything runs in fp32 (Jordan et al. run NS in bf16 on GPUs; fp32 keeps every
+matrices can share AdamW's learning rate and weight decay (`train.lr`, `optimizer.weight_decay`). 0.2 is
+`muon.rms` here. Everything runs in fp32 (Jordan et al. run NS in bf16 on GPUs; fp32 keeps every
 layout equal to round-off, which the parity tests hold it to).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan et al. 2024's quintic (a, b, c)
 NS_STEPS = 5
 NS_EPS = 1e-7  # guards the Frobenius normalisation of an all-zero update
-
-
-@dataclass(frozen=True)
-class MuonSettings:
-    """Muon's hyper-parameters (the learning rate comes per step; weight decay is AdamW's)."""
-
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = NS_STEPS
-    rms: float = 0.2  # Liu et al.'s RMS-matching target: the update is scaled by rms * sqrt(max(A, B))
 
 
 @torch.no_grad()

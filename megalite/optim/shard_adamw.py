@@ -97,7 +97,7 @@ def adamw_flat(st: AdamWState, grad: torch.Tensor, segments: Sequence[Segment], 
         if not segs:
             continue
         master, g, m, v = ([t[s.lo:s.hi] for s in segs] for t in (st.master, grad, st.exp_avg, st.exp_avg_sq))
-        torch_private.fused_adamw_(master, g, m, v, [step_t] * len(segs), lr=lr, beta1=betas[0], beta2=betas[1],
+        torch_private.fused_adamw_(master, g, (m, v), [step_t] * len(segs), lr=lr, betas=betas,
                                    weight_decay=weight_decay if decay else 0.0, eps=eps)
 
 

@@ -201,13 +201,15 @@ class ParallelState:
         return self.groups.get(check_group(kind))
 
 
-def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str = "auto",
-                     device: str = "auto", timeout_s: float = 600.0, cp: int = 1, ep: int = 1) -> ParallelState:
-    """Join the job launched by torchrun/srun (or run alone) and build every process group once.
+def init_distributed(layout: ParallelState, backend: str = "auto", device: str = "auto",
+                     timeout_s: float = 600.0) -> ParallelState:
+    """Join the job launched by torchrun/srun (or run alone) and build every process group once; `layout`
+    gives the sizes (tp, pp, dp, cp, ep) and sp, the launcher this process's rank and device.
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun) or SLURM_PROCID / SLURM_NTASKS; a partial
     launcher environment is a LaunchError, not a hang.
     """
+    tp, pp, dp, cp = layout.tp, layout.pp, layout.dp, layout.cp
     rank, world, local_rank = launcher_env()
     if world != tp * cp * pp * dp:
         raise ConfigError(f"world size {world} != tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp}")
@@ -217,7 +219,7 @@ def init_distributed(tp: int, pp: int, dp: int, sp: bool = False, backend: str =
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=sp, device=dev, ep=ep)
+    state = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, cp=cp, sp=layout.sp, device=dev, ep=layout.ep)
     if world == 1:
         return state
     if not dist.is_initialized():

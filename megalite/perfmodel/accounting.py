@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from megalite.perfmodel.inputs import Layout
+
 
 def tp_bytes_per_micro_batch(num_layers: int, hidden: int, micro_batch: int, seq_len: int, tp: int,
                              act_bytes: int) -> Fraction:
@@ -35,9 +37,11 @@ def sp_partial_grad_elements(arch: str, num_layers: int, hidden: int, seq_len: i
     return norms * 2 * hidden + 2 * num_layers * hidden + seq_len * hidden  # + row biases, positions
 
 
-def tp_bytes_per_step(arch: str, num_layers: int, hidden: int, micro_batch: int, seq_len: int, tp: int,
-                      sp: bool, micro_batches: int, act_bytes: int) -> Fraction:
-    """TP wire bytes one rank moves in one optimizer step (forward + backward + SP grad sync)."""
+def tp_bytes_per_step(arch: str, num_layers: int, hidden: int, seq_len: int, layout: Layout, micro_batches: int,
+                      act_bytes: int) -> Fraction:
+    """TP wire bytes one rank moves in one optimizer step (forward + backward + SP grad sync) at `layout`'s tp,
+    sp and micro-batch size."""
+    tp, sp, micro_batch = layout.tp, layout.sp, layout.micro_batch_size
     total = micro_batches * tp_bytes_per_micro_batch(num_layers, hidden, micro_batch, seq_len, tp, act_bytes)
     if sp and tp > 1:
         total += Fraction(2 * (tp - 1), tp) * sp_partial_grad_elements(arch, num_layers, hidden, seq_len) * 4

@@ -12,7 +12,7 @@ from megalite.perfmodel.schedules import microbatches_in_flight
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
-                               recompute: str = "none", act_bytes: int = 2, kv_len: int | None = None) -> float:
+                               recompute: str = "none", kv_len: int | None = None) -> float:
     """Activation memory of one transformer layer, Korthikanti et al. 2022 ("Reducing Activation
     Recomputation in Large Transformer Models"), table 2, for 16-bit activations:
         no parallelism             sbh(34 + 5as/h)
@@ -21,24 +21,24 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sp: 
         TP t + SP + selective      34·sbh/t          (the 5as²b attention terms are recomputed)
         full recompute             2·sbh (only the layer input; /t with SP)
     The paper's layer is GPT-3's (LayerNorm, GeLU 4h MLP, dropout masks): for SwiGLU models it is an
-    estimate. `act_bytes` = 4 scales linearly, which over-counts the 1-byte dropout masks slightly.
+    estimate. Other activation widths scale it linearly (x act_bytes / 2), which for fp32 over-counts the
+    1-byte dropout masks slightly.
 
     `s` is the tokens this rank holds, `kv_len` the keys each of its queries attends over (default `s`).
     Under context parallelism s = S/cp and kv_len = S: the 5as²b score terms become 5·a·(S/cp)·S·b, the
     local queries against the whole sequence, i.e. 1/cp of the unsplit layer's, like every sbh term.
     """
     sbh = float(s) * b * h
-    scale = act_bytes / 2.0
     if recompute == "full":
-        return 2.0 * sbh / (tp if sp else 1) * scale
+        return 2.0 * sbh / (tp if sp else 1)
     attn_core = 5.0 * a * (s if kv_len is None else kv_len) / (h * tp)
     if recompute == "selective":
         attn_core = 0.0
     if tp == 1:
-        return sbh * (34.0 + attn_core) * scale
+        return sbh * (34.0 + attn_core)
     if sp:
-        return sbh * (34.0 / tp + attn_core) * scale
-    return sbh * (10.0 + 24.0 / tp + attn_core) * scale
+        return sbh * (34.0 / tp + attn_core)
+    return sbh * (10.0 + 24.0 / tp + attn_core)
 
 
 def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
@@ -55,10 +55,11 @@ def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_
     def per_layer(recompute: str) -> float:
         held = 0.0 if recompute == "full" else cp_held_kv_bytes(dims, layout, prec.activation)  # allgather's K/V
         if dims.mla is not None:  # multi-head latent attention's own count (megalite/mla/costs.py)
-            return held + mla_costs.activation_bytes_per_layer(s, b, h, a, dims.mla, layout.tp, layout.sp, recompute,
-                                                               prec.activation, kv_len=dims.seq_len)
-        return held + activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, recompute, prec.activation,
-                                                 kv_len=dims.seq_len)
+            return held + prec.activation / 2.0 * mla_costs.activation_bytes_per_layer(
+                s * b, h, a, dims.mla, dims.seq_len, layout.tp, layout.sp, recompute)
+        scale = prec.activation / 2.0  # the formula is for 16-bit activations
+        return held + scale * activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, recompute,
+                                                         kv_len=dims.seq_len)
 
     acts = per_layer(layout.recompute) * dims.num_layers / layout.pp * microbatches_in_flight(layout, pp_rank, m)
     if layout.recompute == "full":

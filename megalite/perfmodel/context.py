@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from megalite.context.costs import (a2a_attention_bytes, cp_attention_bytes, document_ids_bytes, local_kv_elements,
                                     ring_step_flops)
+from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 
@@ -51,8 +52,9 @@ def ring_bytes_per_call(dims: ModelDims, layout: Layout, elem_bytes: int) -> tup
     if layout.cp == 1:
         return 0.0, 0.0
     layout.local_seq_len(dims.seq_len)  # the zigzag split's rule: a ConfigError unless 2 cp divides S
-    moved = cp_attention_bytes(layout.cp_mode, layout.micro_batch_size, dims.seq_len, dims.num_heads // layout.tp,
-                               dims.kv_heads // layout.tp, dims.hd, layout.cp, elem_bytes, a2a=layout.cp_a2a)
+    moved = cp_attention_bytes(ContextOptions.of(layout.cp_mode, a2a_degree=layout.cp_a2a), layout.micro_batch_size,
+                               dims.seq_len, dims.num_heads // layout.tp, dims.kv_heads // layout.tp, dims.hd,
+                               layout.cp, elem_bytes)
     return float(moved.forward), float(moved.backward)
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from megalite.errors import ConfigError
-from megalite.model.params import count_params  # noqa: F401  (re-exported)
+from megalite.model.params import ParamShape, count_params  # noqa: F401  (re-exported)
 from megalite.mla import costs as mla_costs
 from megalite.mtp.costs import mtp_flops_per_token, mtp_params
-from megalite.perfmodel.inputs import PRESETS, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
+from megalite.perfmodel.inputs import PRESETS, Hardware, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.flops import flops_per_token, hfu_ratio
@@ -222,22 +222,22 @@ class Estimate:
 
 
 def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision(),
-             params: float | None = None, peak_flops: float | None = None,
-             inter_bytes_per_s: float | None = None, intra_bytes_per_s: float | None = None,
-             efficiency: float = 1.0, cp_bytes_per_s: float | None = None, fp8: tuple[str, int] | None = None,
-             fp8_peak_flops: float | None = None, hfu_convention: str = "executed") -> Estimate:
-    """Memory, communication, FLOPs, bubble and step time of one layout.
+             params: float | None = None, hw: Hardware = Hardware(), fp8: tuple[str, int] | None = None,
+             hfu_convention: str = "executed") -> Estimate:
+    """Memory, communication, FLOPs, bubble and step time of one layout on `hw`.
 
     `params` overrides the count from `dims` (Ψ per device then = params/(tp·pp)); with `dims`
     None only model-state memory and DP traffic are computed (the classic DDP example). TP traffic uses
-    `intra_bytes_per_s` (NVLink), PP/DP/embedding traffic `inter_bytes_per_s` (defaults to each other),
-    the cp ring `cp_bytes_per_s` (default: intra-node, where the rank order tp, cp, dp, pp puts it).
+    `hw.intra_bytes_per_s` (NVLink), PP/DP/embedding traffic `hw.inter_bytes_per_s` (defaults to each other),
+    the cp ring `hw.cp_bytes_per_s` (default: intra-node, where the rank order tp, cp, dp, pp puts it).
     `compute_seconds` is the hardware FLOPs at `efficiency` x peak, stretched by the bubble;
     `step_seconds` adds all traffic (no overlap), `step_seconds_overlapped` hides DP traffic
     behind compute and the cp ring's transfers behind attention compute, step by step of the ring
     (`cp_exposed_seconds`; TP and PP traffic sit on the critical path either way).
     `fp8` (recipe, min_dim): the filtered GEMMs run at `fp8_peak_flops` x efficiency and their amax
     all-reduces join the tp/cp traffic (megalite/perfmodel/fp8.py); MFU stays over the BF16 `peak_flops`."""
+    peak_flops, efficiency, fp8_peak_flops = hw.peak_flops, hw.efficiency, hw.fp8_peak_flops
+    inter_bytes_per_s, intra_bytes_per_s, cp_bytes_per_s = hw.inter_bytes_per_s, hw.intra_bytes_per_s, hw.cp_bytes_per_s
     m, p = layout.num_microbatches, layout.pp
     if layout.schedule == "zbv":  # two chunks per rank in a V, whatever vpp says (Qi et al. 2024)
         v = 2

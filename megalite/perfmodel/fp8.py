@@ -1,4 +1,4 @@
-"""What `train.fp8` changes in the estimate: which GEMMs run in FP8 under the filter, their share of the
+"""What `fp8.recipe` changes in the estimate: which GEMMs run in FP8 under the filter, their share of the
 matmul FLOPs, the amax all-reduce traffic, the scale tensors, the transient FP8 weight copies, and the FP8 peak.
 
 The filter, the amax reductions, the scale sizes and the FLOP shares are megalite/fp8/costs.py's own (the

@@ -3,7 +3,7 @@
 `megalite.perfmodel.fp8` counts a dense block's four linears. A MoE model's blocks differ by layer (`moe_layers`):
 a dense layer has the attention's two linears and the MLP's two; a MoE layer has the attention's, a router (an fp32
 matmul, never FP8), its routed experts (one module per layer, `layers.{i}.mlp.experts`, in FP8 when
-min(hidden, expert ffn) >= train.fp8_min_dim, the rule of megalite/fp8/enable.py's `enable_fp8`) and optionally its
+min(hidden, expert ffn) >= fp8.min_dim, the rule of megalite/fp8/enable.py's `enable_fp8`) and optionally its
 shared experts (a dense MLP `layers.{i}.mlp.shared`, of width shared x shared ffn, filtered like any linear).
 `fp8_modules` names each module as `enable_fp8` returns it (tests/test_fp8_moe.py compares the two).
 
@@ -29,10 +29,11 @@ copy is the larger of that and the largest dense FP8 linear's tp shard.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from megalite.fp8.costs import Gemm, expert_flops, fp8_filter, linear_flops, shared_expert_gemms
-from megalite.moe.settings import MoESettings, moe_layers
+from megalite.model.spec import ModelSpec
+from megalite.moe.config import MoEConfig
+from megalite.moe.settings import moe_layers, moe_settings
 from megalite.perfmodel.flops import executed_flops
 from megalite.perfmodel.fp8 import amax_bytes, layer_gemms
 from megalite.perfmodel.inputs import Layout, ModelDims
@@ -51,7 +52,7 @@ class Fp8Module:
     forward_flops: float   # the forward's share (re-run by full recompute), all FP8 when fp8
 
 
-def model_dims(m: Any) -> ModelDims:
+def model_dims(m: ModelSpec) -> ModelDims:
     """The dense shape of model config `m` (the attention and the dense layers' MLP)."""
     return ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads,
@@ -64,40 +65,40 @@ def _linear(prefix: str, g: Gemm) -> Fp8Module:
     return Fp8Module(prefix + g.name, g.kind, g.fp8, g.weights, f.flops, f.fp8_flops, f.forward_flops)
 
 
-def _shared_gemms(m: Any, s: MoESettings, min_dim: int) -> list[Gemm]:
-    return shared_expert_gemms(m.hidden_size, s.shared * s.shared_ffn, m.arch == "llama", min_dim)
+def _shared_gemms(m: ModelSpec, s: MoEConfig, min_dim: int) -> list[Gemm]:
+    return shared_expert_gemms(m.hidden_size, s.shared_experts * s.shared_ffn_hidden_size, m.arch == "llama", min_dim)
 
 
-def _layer_linears(m: Any, s: MoESettings | None, is_moe: bool, min_dim: int) -> list[Gemm]:
+def _layer_linears(m: ModelSpec, s: MoEConfig | None, is_moe: bool, min_dim: int) -> list[Gemm]:
     """A layer's linears: a dense layer's four; a MoE layer's attention two and its shared experts' two."""
     dense = layer_gemms(model_dims(m), min_dim)
     if not is_moe:
         return dense
     assert s is not None
-    return [g for g in dense if g.name.startswith("attn.")] + (_shared_gemms(m, s, min_dim) if s.shared else [])
+    return [g for g in dense if g.name.startswith("attn.")] + (_shared_gemms(m, s, min_dim) if s.shared_experts else [])
 
 
-def fp8_modules(m: Any, min_dim: int) -> list[Fp8Module]:
+def fp8_modules(m: ModelSpec, min_dim: int) -> list[Fp8Module]:
     """Every block linear and routed-expert module of model config `m` and the filter's choice for each."""
-    s, moe = MoESettings.from_model(m), set(moe_layers(m))
+    s, moe = moe_settings(m), set(moe_layers(m))
     out: list[Fp8Module] = []
     for i in range(m.num_layers):
         p = f"layers.{i}."
         out += [_linear(p, g) for g in _layer_linears(m, s, i in moe, min_dim)]
         if i in moe:
             assert s is not None
-            one, k = (3 if m.arch == "llama" else 2) * m.hidden_size * s.ffn, s.top_k
-            fp8 = fp8_filter(p + "mlp.experts", m.hidden_size, [s.ffn], min_dim)  # enable_fp8's rule
+            one, k = (3 if m.arch == "llama" else 2) * m.hidden_size * s.ffn_hidden_size, s.top_k
+            fp8 = fp8_filter(p + "mlp.experts", m.hidden_size, [s.ffn_hidden_size], min_dim)  # enable_fp8's rule
             f = expert_flops(one, k, fp8)
             out.append(Fp8Module(p + "mlp.experts", "experts", fp8, s.experts * one, f.flops, f.fp8_flops,
                                  f.forward_flops))
     return out
 
 
-def active_hardware_flops(m: Any, recompute: str) -> float:
+def active_hardware_flops(m: ModelSpec, recompute: str) -> float:
     """Hardware FLOPs per token of the model a token runs through (`flops.executed_flops`): the block modules of
     `fp8_modules` (experts: the k it is routed to), the routers (E h each) and the head (V h)."""
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     routers = (s.experts * m.hidden_size * len(moe_layers(m))) if s is not None else 0
     layer_weights = sum(mod.flops for mod in fp8_modules(m, 1)) / 6.0 + routers
     dims = model_dims(m)
@@ -121,11 +122,11 @@ class MoEFp8Estimate:
         return asdict(self)
 
 
-def moe_fp8_estimate(m: Any, layout: Layout, ep: int, recipe: str, min_dim: int) -> MoEFp8Estimate:
-    """What `train.fp8` = `recipe` runs in FP8 on MoE model config `m` (module doc for the counts)."""
-    s = MoESettings.from_model(m)
+def moe_fp8_estimate(m: ModelSpec, layout: Layout, ep: int, recipe: str, min_dim: int) -> MoEFp8Estimate:
+    """What `fp8.recipe` = `recipe` runs in FP8 on MoE model config `m` (module doc for the counts)."""
+    s = moe_settings(m)
     if s is None:
-        raise ValueError("moe_fp8_estimate needs a MoE model (moe_experts > 0)")
+        raise ValueError("moe_fp8_estimate needs a MoE model (moe.experts > 0)")
     mods = fp8_modules(m, min_dim)
     full = 1.0 if layout.recompute == "full" else 0.0
     fp8_flops = sum(mod.fp8_flops + full * mod.forward_flops for mod in mods if mod.fp8)
@@ -136,7 +137,7 @@ def moe_fp8_estimate(m: Any, layout: Layout, ep: int, recipe: str, min_dim: int)
     amax = amax_bytes([(g, n) for g, n in linears if g.fp8], layout, recipe, m.seq_len)
     copies = [float(g.weights // layout.tp) for g, _ in linears if g.fp8]
     if any(mod.kind == "experts" and mod.fp8 for mod in mods):
-        up = (2 if m.arch == "llama" else 1) * s.ffn * m.hidden_size
+        up = (2 if m.arch == "llama" else 1) * s.ffn_hidden_size * m.hidden_size
         copies.append(float(s.experts // ep * up))
     experts = sum(mod.kind == "experts" and mod.fp8 for mod in mods)
     return MoEFp8Estimate(recipe, min_dim, [mod.name for mod in mods if mod.fp8], experts, fraction, amax,

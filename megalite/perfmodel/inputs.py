@@ -177,6 +177,21 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Hardware:
+    """The device and links an estimate times a step on (None: not known, the step is not timed). Links default to
+    each other: `inter_bytes_per_s` (PP / DP / embedding traffic), `intra_bytes_per_s` (TP, NVLink), the cp ring's
+    `cp_bytes_per_s` (intra-node, where the rank order tp, cp, dp, pp puts it). `efficiency` x peak is the FLOP
+    rate reached; FP8 GEMMs run at `fp8_peak_flops` instead of the BF16 `peak_flops`."""
+
+    peak_flops: float | None = None
+    inter_bytes_per_s: float | None = None
+    intra_bytes_per_s: float | None = None
+    cp_bytes_per_s: float | None = None
+    efficiency: float = 1.0
+    fp8_peak_flops: float | None = None
+
+
+@dataclass(frozen=True)
 class Precision:
     """Bytes per element. Default: the ZeRO paper's mixed-precision Adam, 2 param + 2 grad +
     K=12 (4 fp32 master + 8 moments), 16-bit activations (`Precision.paper`). megalite's own

@@ -13,13 +13,13 @@ from typing import Any, Mapping, Sequence
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLAShape
 from megalite.moe.costs import a2a_bytes_balanced, busiest, busiest_a2a_bytes, expert_flops, expert_params
-from megalite.model.spec import head_dim
-from megalite.moe.settings import MoESettings, moe_layers
+from megalite.model.spec import ModelSpec, head_dim
+from megalite.moe.settings import moe_layers, moe_settings
 from megalite.model.params import count_model_params
 from megalite.mtp.costs import mtp_flops_per_token, mtp_params
 from megalite.perfmodel.estimate import Memory, zero_memory
 from megalite.perfmodel.fp8_moe import fp8_lines, moe_fp8_estimate
-from megalite.perfmodel.inputs import Precision
+from megalite.perfmodel.inputs import Layout, Precision
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,14 @@ class MoEParams:
     experts: int          # routed-expert parameters of the whole model (split over ep)
 
 
-def moe_param_counts(m: Any, mla: MLAShape | None = None) -> MoEParams:
-    """Total and active parameters of model config `m` (resolved; the dense count when it has no MoE), its
-    attention MLA's when `mla` is given (megalite/mla/costs.py)."""
+def moe_param_counts(m: ModelSpec, mla: MLAShape | None = None) -> MoEParams:
+    """Total and active parameters of model `m` (resolved; the dense count when it has no MoE), its attention
+    MLA's when `mla` is given (megalite/mla/costs.py)."""
     total = count_model_params(m, mla)
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     if s is None:
         return MoEParams(total, total, 0)
-    one, n = expert_params(m.arch, m.hidden_size, s.ffn), len(moe_layers(m))
+    one, n = expert_params(m.arch, m.hidden_size, s.ffn_hidden_size), len(moe_layers(m))
     return MoEParams(total, total - n * (s.experts - s.top_k) * one, n * s.experts * one)
 
 
@@ -55,24 +55,25 @@ class MoEEstimate:
     ep_bytes_per_step_busiest: float = 0.0  # that rank's all-to-all bytes per step (it sends back all it got)
 
 
-def moe_estimate(m: Any, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, micro_batch_size: int,
-                 num_microbatches: int, sp: bool, prec: Precision = Precision(),
+def moe_estimate(m: ModelSpec, layout: Layout, ep: int, prec: Precision = Precision(),
                  load_max_over_mean: float | None = None) -> MoEEstimate:
-    """What the estimator adds for a MoE model config `m` (resolved) at a layout (module doc for the bytes).
+    """What the estimator adds for a MoE model config `m` (resolved) at `layout` with `ep` (module doc for the bytes).
 
     Memory: the routed experts are split over ep and their ZeRO states over edp = dp x cp / ep; the rest
     of the model is as dense (split over tp, states over dp x cp). Experts are replicated over tp (megalite
     does not split an expert over tp), so tp does not divide them. The stage with the most MoE layers."""
+    tp, pp, dp, cp, zero, sp = layout.tp, layout.pp, layout.dp, layout.cp, layout.zero, layout.sp
+    micro_batch_size, num_microbatches = layout.micro_batch_size, layout.num_microbatches
     counts = moe_param_counts(m)
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     if s is None:
-        raise ValueError("moe_estimate needs a MoE model (moe_experts > 0)")
+        raise ValueError("moe_estimate needs a MoE model (moe.experts > 0)")
     if (dp * cp) % ep or s.experts % ep:
         raise ConfigError(f"ep={ep} must divide dp x cp = {dp * cp} and the {s.experts} experts")
     layers = moe_layers(m)
     per_stage = -(-m.num_layers // pp)  # uneven splits (DeepSeek-V3's 61 layers over 16): the larger stages
     most = max(sum(1 for i in layers if r * per_stage <= i < (r + 1) * per_stage) for r in range(pp))
-    one = expert_params(m.arch, m.hidden_size, s.ffn)
+    one = expert_params(m.arch, m.hidden_size, s.ffn_hidden_size)
     experts_rank = float(most * s.experts // ep * one)
     dense_rank = (counts.total - counts.experts) / (tp * pp)
     edp = dp * cp // ep
@@ -96,39 +97,38 @@ def moe_preset_model(preset: str | None, overrides: Mapping[str, Any] | None = N
     """The resolved model config of a config preset with experts (None for a dense or unknown one), with the
     tools' explicit model flags (`overrides`: --num-layers, --seq-len ...; None = not given) applied, as they
     are to the dense sections."""
-    from dataclasses import asdict
+    from megalite.config import PRESETS, config_from_dict
 
-    from megalite.config import PRESETS, ModelConfig
-
-    if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe_experts"):
+    if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe"):
         return None
     flags = {k: v for k, v in (overrides or {}).items() if k in _DIM_FLAGS and v is not None}
-    return _resolved(ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset], **flags}))
+    return _resolved(config_from_dict({"model": {"preset": preset, **flags}}))
 
 
-def _resolved(model: Any) -> Any:
+def _resolved(cfg: Any) -> Any:
+    from megalite.config import ModelArgs
     from megalite.config.derive import resolve
-    from megalite.config.schema import Config
 
-    m = resolve(Config(model=model), 1).model
+    r = resolve(cfg, 1)
+    m = ModelArgs.from_config(r)
     m.vocab_size = m.vocab_size or 2048
     return m
 
 
 def moe_model_for(preset: str | None, overrides: Mapping[str, Any], config_argv: Sequence[str]) -> tuple[Any, int]:
     """(the MoE model config to price or None, the config's parallel.ep): from --preset, else from a pretrain
-    config (`--config FILE`, `--model.preset tiny-moe`, `--model.moe_experts 8`, ...), with the model flags
+    config (`--config FILE`, `--model.preset tiny-moe`, `--moe.experts 8`, ...), with the model flags
     applied to either."""
     from dataclasses import replace
 
     from megalite.config import parse_args
 
     cfg = parse_args(list(config_argv)) if config_argv else None
-    ep = getattr(cfg.parallel, "ep", 1) if cfg is not None else 1
+    ep = cfg.parallel.ep if cfg is not None else 1
     if preset is not None or cfg is None:  # --preset wins over a config's model, as for the dense sections
         return moe_preset_model(preset, overrides), ep
     flags = {k: v for k, v in overrides.items() if k in _DIM_FLAGS and v is not None}
-    return (_resolved(replace(cfg.model, **flags)) if getattr(cfg.model, "moe_experts", 0) else None), ep
+    return (_resolved(replace(cfg, model=replace(cfg.model, **flags))) if cfg.moe.experts else None), ep
 
 
 def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_argv: Sequence[str] = (),
@@ -142,13 +142,11 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
     if m is None:
         if ep > 1:
             raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (a MoE preset such as tiny-moe or "
-                              "mixtral-8x7b, or a config with model.moe_experts > 0)")
+                              "mixtral-8x7b, or a config with moe.experts > 0)")
         return {}, []
     from dataclasses import asdict
 
-    mb = layout.num_microbatches
-    est = moe_estimate(m, layout.tp, layout.pp, layout.dp, layout.cp, ep, layout.zero, layout.micro_batch_size, mb,
-                       layout.sp, prec, load_imbalance)
+    est = moe_estimate(m, layout, ep, prec, load_imbalance)
     gb = 1e9
     lines = [f"mixture of experts (ep={ep}, edp={layout.dp * layout.cp // ep}): {est.params_total / 1e9:.3f} B total, "
              f"{est.params_active / 1e9:.3f} B active parameters per token",
@@ -179,15 +177,15 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
     return result, lines
 
 
-def _muon_experts(m: Any, layout: Any, ep: int) -> tuple[dict, str]:
+def _muon_experts(m: ModelSpec, layout: Any, ep: int) -> tuple[dict, str]:
     """Muon on the experts (`megalite.parallel.param_spec.MatrixStack`): each expert's logical matrices
     orthogonalised on one owner over edp (ZeRO >= 1; every edp rank at ZeRO 0) and by every TP rank alike
     (experts are whole there: no tp bytes); the dp part's bytes bounded as `muon.muon_dp_bytes_bound`."""
     from megalite.perfmodel.muon import muon_dp_bytes_bound, ns_flops
 
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     assert s is not None
-    h, f = m.hidden_size, s.ffn
+    h, f = m.hidden_size, s.ffn_hidden_size
     per_expert = [(f, h), (f, h), (h, f)] if m.arch == "llama" else [(f, h), (h, f)]
     per_stage = -(-m.num_layers // layout.pp)
     most = max(sum(1 for i in moe_layers(m) if r * per_stage <= i < (r + 1) * per_stage) for r in range(layout.pp))

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
 
 from megalite.moe.costs import dispatch_buffer_bytes
-from megalite.moe.settings import MoESettings
+from megalite.model.spec import ModelSpec
+from megalite.moe.settings import moe_settings
 from megalite.parallel.state import layout_grid
 from megalite.perfmodel.activations import stage_activation_bytes
 from megalite.perfmodel.estimate import GB, Layout, ModelDims, Precision
@@ -38,12 +38,12 @@ from megalite.perfmodel.plan import RECOMPUTE, TIE_TOLERANCE, Cluster, cost, div
 from megalite.errors import ConfigError
 
 
-def active_dims(m: Any) -> ModelDims:
+def active_dims(m: ModelSpec) -> ModelDims:
     """The dense model a token sees: every MLP of the width it computes with (k experts + the shared ones)."""
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     if s is None:
-        raise ConfigError("the MoE planner needs a model with experts (model.moe_experts > 0)")
-    width = s.top_k * s.ffn + s.shared * s.shared_ffn
+        raise ConfigError("the MoE planner needs a model with experts (moe.experts > 0)")
+    width = s.top_k * s.ffn_hidden_size + s.shared_experts * s.shared_ffn_hidden_size
     return ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads,
                      ffn_hidden_size=max(width, m.ffn_hidden_size), tie_embeddings=bool(m.tie_embeddings),
@@ -60,13 +60,12 @@ def ep_crosses_nodes(lay: Layout, ep: int, gpus_per_node: int) -> bool:
     return any(len(n) > 1 for n in nodes.values())
 
 
-def moe_memory(m: Any, lay: Layout, ep: int, prec: Precision) -> tuple[float, float]:
+def moe_memory(m: ModelSpec, lay: Layout, ep: int, prec: Precision) -> tuple[float, float]:
     """(model-state bytes, activation bytes) per GPU on the worst stage (module doc); pp need not divide the
     layers (the worst stage holds ceil(L / pp) of them, as DeepSeek-V3's 61 layers over 16 stages)."""
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     assert s is not None
-    states = moe_estimate(m, lay.tp, lay.pp, lay.dp, lay.cp, ep, lay.zero, lay.micro_batch_size,
-                          lay.num_microbatches, lay.sp, prec).memory.model_states
+    states = moe_estimate(m, lay, ep, prec).memory.model_states
     dims = active_dims(m)
     dims = replace(dims, num_layers=math.ceil(dims.num_layers / lay.pp) * lay.pp)
     acts = stage_activation_bytes(dims, lay, prec, 0, lay.num_microbatches)
@@ -103,11 +102,10 @@ class MoECandidate:
                 "a2a_crosses_nodes": self.crosses_nodes}
 
 
-def moe_cost(m: Any, lay: Layout, ep: int, cluster: Cluster, prec: Precision) -> MoECandidate:
+def moe_cost(m: ModelSpec, lay: Layout, ep: int, cluster: Cluster, prec: Precision) -> MoECandidate:
     states, acts = moe_memory(m, lay, ep, prec)
     dense = cost(active_dims(m), lay, cluster, prec).step_seconds
-    a2a = moe_estimate(m, lay.tp, lay.pp, lay.dp, lay.cp, ep, lay.zero, lay.micro_batch_size,
-                       lay.num_microbatches, lay.sp, prec).ep_bytes_per_step  # balanced routing, `moe` module doc
+    a2a = moe_estimate(m, lay, ep, prec).ep_bytes_per_step  # balanced routing, `moe` module doc
     crosses = ep > 1 and ep_crosses_nodes(lay, ep, cluster.gpus_per_node)
     bw = cluster.inter_bytes_per_s if crosses else cluster.intra_bytes_per_s
     return MoECandidate(lay, ep, states, acts, dense, a2a, a2a / bw, crosses)
@@ -136,16 +134,17 @@ def _tie_key(c: MoECandidate) -> tuple:
             -c.ep, c.memory)
 
 
-def make_moe_plan(m: Any, cluster: Cluster, global_batch_size: int, prec: Precision = Precision(),
+def make_moe_plan(m: ModelSpec, cluster: Cluster, global_batch_size: int, prec: Precision = Precision(),
                   max_micro_batch: int = 16, zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> MoEPlan:
     """Enumerate, filter by memory, cost and rank the layouts of MoE model config `m` (resolved) on `cluster`."""
-    s = MoESettings.from_model(m)
+    s = moe_settings(m)
     if s is None:
-        raise ConfigError("the MoE planner needs a model with experts (model.moe_experts > 0)")
+        raise ConfigError("the MoE planner needs a model with experts (moe.experts > 0)")
     gbs = global_batch_size
     considered, ranked, smallest = 0, [], math.inf
     for tp in divisors(cluster.gpus_per_node):
-        if m.num_heads % tp or m.num_kv_heads % tp or m.ffn_hidden_size % tp or (s.shared * s.shared_ffn) % tp:
+        shared = s.shared_experts * s.shared_ffn_hidden_size
+        if m.num_heads % tp or m.num_kv_heads % tp or m.ffn_hidden_size % tp or shared % tp:
             continue
         for pp in (p for p in divisors(m.num_layers) if cluster.world % (tp * p) == 0):
             dp = cluster.world // (tp * pp)

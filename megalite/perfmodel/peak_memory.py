@@ -93,7 +93,7 @@ class PeakOptions:
     fused_attention: bool = True
     torch_ring: bool = True  # cp > 1: the ring's block pairs in torch math (scores materialised), not Triton
     slack: float | None = None  # None: the device's default above
-    fp8: tuple[str, int] | None = None  # (recipe, min_dim) of train.fp8 / train.fp8_min_dim; None: no FP8
+    fp8: tuple[str, int] | None = None  # (recipe, min_dim) of fp8.recipe / fp8.min_dim; None: no FP8
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
 from megalite.errors import ConfigError
-from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision, dims_params, estimate
+from megalite.perfmodel.estimate import GB, Estimate, Hardware, Layout, ModelDims, Precision, dims_params, estimate
 from megalite.perfmodel.peak_memory import PLANNER_PEAK, fits, peak_memory
 
 
@@ -227,12 +227,21 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(tied, key=_rules_key) + sorted(rest, key=lambda c: (c.step_seconds, _rules_key(c)))
 
 
-def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
-              prec: Precision = Precision(), max_micro_batch: int = 16, max_vpp: int = 8,
-              zero_stages: tuple[int, ...] = (0, 1, 2, 3),
-              schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-              cp_sizes: tuple[int, ...] | None = None) -> Plan:
-    """Enumerate, filter by memory, cost and rank the layouts of `dims` on `cluster`.
+@dataclass(frozen=True)
+class Search:
+    """Which layouts `make_plan` tries: micro-batch sizes up to `max_micro_batch`, vpp up to `max_vpp`, the
+    ZeRO stages, the pipeline schedules and the context-parallel sizes (`make_plan`'s doc for the last two)."""
+
+    max_micro_batch: int = 16
+    max_vpp: int = 8
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    cp_sizes: tuple[int, ...] | None = None
+
+
+def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int, prec: Precision = Precision(),
+              search: Search = Search()) -> Plan:
+    """Enumerate, filter by memory, cost and rank the layouts of `dims` on `cluster` that `search` allows.
 
     `schedules` are the pipeline schedules tried where pp > 1 (1F1B is always the fallback at vpp = 1);
     the zero-bubble ones (`zb-h1`, `zbv`: Qi et al. 2024) are opt-in, since the estimator prices them at
@@ -242,17 +251,19 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int,
     Raises ConfigError with the smallest memory found when no layout fits, or when the batch and
     the world size admit no split at all."""
     gbs = global_batch_size
+    max_micro_batch, max_vpp, zero_stages, schedules, cp_sizes = (search.max_micro_batch, search.max_vpp,
+                                                                 search.zero_stages, search.schedules, search.cp_sizes)
     if gbs < 1:
         raise ConfigError(f"global batch size must be >= 1, got {gbs}; pass --global-batch-size")
     if cp_sizes is None:
         try:
-            return make_plan(dims, cluster, gbs, prec, max_micro_batch, max_vpp, zero_stages, schedules, (1,))
+            return make_plan(dims, cluster, gbs, prec, replace(search, cp_sizes=(1,)))
         except ConfigError as exc:
             longer = auto_cp_sizes(dims, cluster)
             if not longer or "fits on no layout" not in str(exc):
                 raise
             try:
-                plan = make_plan(dims, cluster, gbs, prec, max_micro_batch, max_vpp, zero_stages, schedules, longer)
+                plan = make_plan(dims, cluster, gbs, prec, replace(search, cp_sizes=longer))
             except ConfigError as again:
                 raise ConfigError(f"{again} (context parallelism tried too: cp = "
                                   f"{', '.join(map(str, longer))})") from None
@@ -319,9 +330,9 @@ def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -> Can
     that fits in a node, too)."""
     inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
     ring = cluster.intra_bytes_per_s if cluster.gpus_per_node % (lay.tp * lay.cp) == 0 else inter
-    est = estimate(dims, lay, prec, peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
-                   intra_bytes_per_s=cluster.intra_bytes_per_s, efficiency=cluster.efficiency,
-                   cp_bytes_per_s=ring)
+    est = estimate(dims, lay, prec, hw=Hardware(peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
+                                              intra_bytes_per_s=cluster.intra_bytes_per_s,
+                                              efficiency=cluster.efficiency, cp_bytes_per_s=ring))
     return Candidate(lay, est, cluster.peak_flops)
 
 

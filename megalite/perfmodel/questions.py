@@ -96,10 +96,19 @@ class TrainingTime:
                 "methods": [{"method": m, "formula": f, "seconds": s, "days": s / DAY} for m, f, s in self.rows]}
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """What is known of the rate: an achieved FLOP/s per device, or an MFU with the device's peak."""
+
+    achieved_flops: float | None = None
+    mfu: float | None = None
+    peak_flops: float | None = None
+
+
 def training_time(tokens: float, devices: int, params: float, est: Estimate | None = None,
-                  dims: ModelDims | None = None, layout: Layout | None = None, achieved_flops: float | None = None,
-                  mfu: float | None = None, peak_flops: float | None = None) -> TrainingTime:
-    """How long training on `tokens` takes.
+                  dims: ModelDims | None = None, layout: Layout | None = None,
+                  rate: Throughput = Throughput()) -> TrainingTime:
+    """How long training on `tokens` takes (`rate` holds `achieved_flops`, `mfu` and `peak_flops`).
 
     * `achieved_flops` X per device, counted as Megatron counts (hardware FLOPs, recompute included):
       Narayanan et al. 2021's estimate 8TP/(nX) (6 FLOPs per parameter and token plus 2 for the
@@ -108,6 +117,7 @@ def training_time(tokens: float, devices: int, params: float, est: Estimate | No
     * `mfu` with `peak_flops`: model FLOPs per token x T / (n x MFU x peak); 6TP/(n x MFU x peak) without a shape.
     * `est` with a predicted step time: the steps T / (tokens per step) x that time.
     """
+    achieved_flops, mfu, peak_flops = rate.achieved_flops, rate.mfu, rate.peak_flops
     if not tokens > 0 or not devices > 0:
         raise ConfigError(f"training tokens ({tokens}) and devices ({devices}) must be > 0")
     rows: list[tuple[str, str, float]] = []

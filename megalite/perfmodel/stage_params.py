@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megalite.errors import ConfigError
 from megalite.mla import costs as mla_costs
-from megalite.model.params import count_params
+from megalite.model.params import ParamShape, count_params
 from megalite.mtp.costs import mtp_params, stage_copy_params
 from megalite.perfmodel.inputs import ModelDims
 
@@ -19,8 +19,8 @@ def dims_params(dims: ModelDims) -> int:
 
 
 def _count(dims: ModelDims, layers: int) -> int:
-    return count_params(dims.arch, layers, dims.hidden_size, dims.num_heads,
-                        dims.kv_heads, dims.ffn, dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim, dims.mla)
+    return count_params(ParamShape(dims.arch, layers, dims.hidden_size, dims.num_heads, dims.kv_heads, dims.ffn,
+                                   dims.vocab_size, dims.seq_len, dims.tied, dims.head_dim, dims.mla))
 
 
 def block_params(dims: ModelDims) -> int:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from megalite.checkpoint import sharded
 from megalite.checkpoint.async_save import AsyncSaver, Outcome, raise_if_failed
-from megalite.config import CheckpointConfig
+from megalite.config import CheckpointConfig, aliases
 from megalite.errors import CheckpointError
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
@@ -32,21 +32,19 @@ class DataPosition(Protocol):
     def load_state_dict(self, d: dict[str, Any]) -> None: ...
 
 
-def check_same_optimizer(index: dict, config: dict, path: Path) -> None:
-    """Refuse to resume with another `train.optimizer` than the checkpoint's: AdamW's first moment and
+def check_same_optimizer(index: dict, mine: str, path: Path) -> None:
+    """Refuse to resume with another `optimizer.name` (`mine`) than the checkpoint's: AdamW's first moment and
     Muon's momentum share the "exp_avg" slot but are different things (docs/muon.md). A checkpoint with no
     run config (an imported model) carries no optimizer state and may start either."""
-    extra = index.get("extra")
-    saved_train = extra.get("config", {}).get("train") if isinstance(extra, dict) and isinstance(
-        extra.get("config"), dict) else None
-    if not isinstance(saved_train, dict):  # no run config (or an unreadable one: the loader reports that)
+    config = aliases.saved_config(index.get("extra"))  # saved before [optimizer]: its optimizer.name
+    if not config:  # no run config (or an unreadable one: the loader reports that)
         return
-    saved = saved_train.get("optimizer", "adamw")  # checkpoints from before Muon: AdamW
-    mine = config.get("train", {}).get("optimizer", "adamw")
+    section = config.get("optimizer")
+    saved = section.get("name", "adamw") if isinstance(section, dict) else "adamw"  # from before Muon: AdamW
     if saved != mine:
-        raise CheckpointError(f"checkpoint {path} was trained with train.optimizer={saved}, this run has "
-                              f"train.optimizer={mine}: switching optimizers on resume is not supported; resume "
-                              f"with --train.optimizer {saved} or start fresh (checkpoint.load=none)")
+        raise CheckpointError(f"checkpoint {path} was trained with optimizer.name={saved}, this run has "
+                              f"optimizer.name={mine}: switching optimizers on resume is not supported; resume "
+                              f"with --optimizer.name {saved} or start fresh (checkpoint.load=none)")
 
 
 @dataclass
@@ -76,7 +74,7 @@ class RunCheckpoints:
         path = sharded.find(self.settings.load, self.settings.dir)
         if path is None:
             return None, 0
-        check_same_optimizer(sharded.read_index(path), self.config, path)
+        check_same_optimizer(sharded.read_index(path), self.config["optimizer"]["name"], path)
         # Any layout: each rank reads the slices it needs (ZeRO-3: into temporarily gathered params).
         with self.optimizer.gathered():
             extra = sharded.load_sharded(path, self.model, self.optimizer, self.state)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
-from megalite.moe.settings import MoESettings, moe_layers
+from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
 from megalite.perfmodel.inputs import MoEDims
 from megalite.perfmodel.peak_memory import PeakMemory, fits, run_peak
@@ -50,8 +51,8 @@ def predicted_peak(cfg: Config) -> PeakMemory:
     dims, layout = run_inputs(cfg)
     device = resolved_device(cfg)
     return run_peak(dims, layout, run_precision(resolved_dtype(cfg, device)),
-                    "cuda" if device.startswith("cuda") else "cpu", cfg.train.optimizer,
-                    None if cfg.train.fp8 == "none" else (cfg.train.fp8, cfg.train.fp8_min_dim),
+                    "cuda" if device.startswith("cuda") else "cpu", cfg.optimizer.name,
+                    None if cfg.fp8.recipe == "none" else (cfg.fp8.recipe, cfg.fp8.min_dim),
                     cfg.parallel.zero3_prefetch,
                     torch_ring=cfg.model.kernels == "torch" or (cfg.model.kernels == "auto" and device == "cpu"))
 
@@ -70,7 +71,7 @@ def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
                      make_vocab_divisible_by=m.make_vocab_divisible_by, mla=MLADims.of(cfg.mla),
-                     mtp_layers=cfg.mtp.num_layers, moe=moe_dims(m))
+                     mtp_layers=cfg.mtp.num_layers, moe=moe_dims(m, cfg.moe))
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
@@ -78,13 +79,13 @@ def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
     return dims, layout
 
 
-def moe_dims(m: ModelConfig) -> MoEDims | None:
-    """The perfmodel's view of the model's experts (None for a dense model), read by `MoESettings` alone."""
-    s = MoESettings.from_model(m)
+def moe_dims(m: ModelConfig, moe: MoEConfig) -> MoEDims | None:
+    """The perfmodel's view of the model's experts (None for a dense model), read from the `[moe]` section alone."""
+    s = moe.resolved(m.ffn_hidden_size)
     if s is None:
         return None
-    return MoEDims(experts=s.experts, ffn=s.ffn, layers=tuple(moe_layers(m)), top_k=s.top_k, shared=s.shared,
-                   shared_ffn=s.shared_ffn)
+    return MoEDims(experts=s.experts, ffn=s.ffn_hidden_size, layers=tuple(s.layers(m.num_layers)), top_k=s.top_k,
+                   shared=s.shared_experts, shared_ffn=s.shared_ffn_hidden_size)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -130,12 +131,15 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
              if (need := _needed(c, processes)) is not None and fits(need, available)]
     if not found:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
-            shape: dict[str, Any] = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's stays
+            # The tokenizer's vocab_size stays; a MoE preset's `moe` table is its [moe] section.
+            shape: dict[str, Any] = {k: v for k, v in values.items() if k not in ("vocab_size", "moe")}
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
                                         recompute=cfg.model.recompute,
                                         make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)
+            table = values.get("moe", {})
+            moe = MoEConfig(**table) if isinstance(table, Mapping) else MoEConfig()
             par = cfg.parallel
-            smaller = resolve(dataclasses.replace(cfg, model=model), par.dp * par.tp * par.cp * par.pp)
+            smaller = resolve(dataclasses.replace(cfg, model=model, moe=moe), par.dp * par.tp * par.cp * par.pp)
             need = _needed(smaller, processes)
             if need is not None and fits(need, available):
                 found.append(Alternative(f"--model.preset {name}", need))

@@ -22,7 +22,7 @@ import torch
 from megalite import config as config_mod
 from megalite.checkpoint import sharded
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
-from megalite.config.validate_fields import check_text_fields
+from megalite.config.values import check_text_fields
 from megalite.errors import ConfigError
 from megalite.training.checkpointing import check_same_optimizer
 from megalite.training.init_from import resolve_init_from
@@ -57,7 +57,7 @@ def _take_int(argv: list[str], flag: str, default: int) -> int:
 
 def with_checkpoint(cfg: config_mod.Config, argv: list[str] | None) -> config_mod.Config:
     """`cfg` with the model shape of the checkpoint it resumes; a flag contradicting that shape, or another
-    `train.optimizer` than the checkpoint's, is one line here: before any process group starts, and the same
+    `optimizer.name` than the checkpoint's, is one line here: before any process group starts, and the same
     in `--check-config` as in the workers."""
     check_text_fields(cfg)  # before the checkpoint lookup reads checkpoint.dir/load as paths
     path = sharded.find(cfg.checkpoint.load, cfg.checkpoint.dir)
@@ -65,7 +65,7 @@ def with_checkpoint(cfg: config_mod.Config, argv: list[str] | None) -> config_mo
         else None  # a fresh run from another checkpoint's weights takes its shape too
     cfg = apply_checkpoint_shape(cfg, argv, init)  # model dims from the checkpoint it loads; contradicting flags refused
     if path is not None:
-        check_same_optimizer(sharded.read_index(path), {"train": {"optimizer": cfg.train.optimizer}}, path)
+        check_same_optimizer(sharded.read_index(path), cfg.optimizer.name, path)
     return cfg
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.config import Config
+from megalite.config import Config, ModelArgs
 from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.counter import COMM_CONVENTION
@@ -26,8 +26,8 @@ class StepReport:
         self.cfg, self.state, self.ctx, self.optimizer, self.data_note = cfg, state, ctx, optimizer, data_note
         m = cfg.model
         mla = MLADims.of(cfg.mla)
-        counts = moe_param_counts(m, mla)  # the dense count for a dense model
-        mtp = mtp_costs(m, cfg.mtp.num_layers)  # the multi-token prediction modules (zero when off)
+        counts = moe_param_counts(ModelArgs.of(m, cfg.moe), mla)  # the dense count for a dense model
+        mtp = mtp_costs(ModelArgs.of(m, cfg.moe), cfg.mtp.num_layers)  # the MTP modules (zero when off)
         self.n_params, self.n_active = counts.total + mtp.params, counts.active + mtp.active
         # MFU counts the FLOPs a token needs: a MoE token goes through its k experts only (active parameters);
         # MLA's attention core is at its own widths (megalite/mla/costs.py).

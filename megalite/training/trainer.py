@@ -23,7 +23,7 @@ from megalite.training.init_from import resolve_init_from
 from megalite.context.options import ContextOptions
 from megalite.data import DataBundle, build_data
 from megalite.data.tokenizer import Tokenizer
-from megalite.dp import mib_to_bytes
+from megalite.dp import OverlapSettings, mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
 from megalite.inference.samples import TrainingSamples, sample_prompt_ids
 from megalite.fp8.enable import enable_fp8, fp8_settings, gemm_note
@@ -32,12 +32,12 @@ from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
 from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
-from megalite.optim import MuonSettings, build_distributed_optimizer
+from megalite.optim import SyncOptions, build_distributed_optimizer
 from megalite.optim.loss_scale import LossScaler
 from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState, init_distributed, launcher_env
-from megalite.pipeline import build_pipeline
+from megalite.pipeline import StagePlan, build_pipeline
 from megalite.runtime.faults import FaultInjector
 from megalite.runtime.malloc import tune_malloc
 from megalite.runtime.threads import configure_threads, local_processes
@@ -106,8 +106,8 @@ def build_run(cfg: config_mod.Config) -> Run:
     device = config_mod.resolved_device(cfg)
     dtype = config_mod.resolved_dtype(cfg, device)
     joined = dist.is_available() and dist.is_initialized()  # init_distributed keeps a group that exists
-    state = init_distributed(par.tp, par.pp, par.dp, sp=par.sp, backend=par.backend, device=device,
-                             timeout_s=par.timeout_s, cp=par.cp, ep=par.ep)
+    layout = ParallelState(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, sp=par.sp)
+    state = init_distributed(layout, backend=par.backend, device=device, timeout_s=par.timeout_s)
     torch.manual_seed(tr.seed)
     data = build_data(cfg)
     tok_vocab = data.tokenizer.vocab_size
@@ -119,24 +119,19 @@ def build_run(cfg: config_mod.Config) -> Run:
     _check_sample_prompt(cfg, data.tokenizer)
     pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
-    engine = build_pipeline(cfg.model, state, tr.seed, tr.micro_batch_size, dtype, vpp=par.vpp,
-                            pp_layers=par.pp_layers or None, rng=rng, schedule=par.schedule,
+    model_args = config_mod.ModelArgs.from_config(cfg)
+    engine = build_pipeline(model_args, state, tr.seed, tr.micro_batch_size, dtype,
+                            StagePlan(par.vpp, par.pp_layers or None, par.schedule), rng=rng,
                             context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
-                                                      par.cp_a2a if par.cp_mode == "hybrid" else 1),
-                            mla=cfg.mla, mtp=cfg.mtp)
-    enable_fp8(engine.chunks, fp8_settings(tr.fp8, tr.fp8_min_dim), state)
+                                                      par.cp_a2a if par.cp_mode == "hybrid" else 1))
+    enable_fp8(engine.chunks, fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
     if cfg.model.compile:  # each block's forward, after FP8 swapped its linears (megalite/model/compile.py)
         compile_blocks(engine.chunks, cfg.model.compile_backend)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
-    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, tr.lr, tr.weight_decay,
-                                            (tr.beta1, tr.beta2), tr.adam_eps, dtype,
-                                            bucket_bytes=mib_to_bytes(par.bucket_mb),
-                                            first_bucket_bytes=mib_to_bytes(par.first_bucket_mb),
-                                            overlap_param_gather=par.overlap_param_gather,
-                                            zero3_prefetch=par.zero3_prefetch, optimizer=tr.optimizer,
-                                            muon=MuonSettings(tr.muon_momentum, tr.muon_nesterov,
-                                                              tr.muon_ns_steps, tr.muon_rms),
-                                            fold_weight_grads=not cfg.model.compile)
+    overlap = OverlapSettings(mib_to_bytes(par.bucket_mb), mib_to_bytes(par.first_bucket_mb), par.overlap_param_gather,
+                              par.zero3_prefetch)
+    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, dtype, cfg.optimizer, cfg.muon,
+                                            SyncOptions(overlap, fold_weight_grads=not cfg.model.compile))
     scaler = LossScaler(enabled=dtype == torch.float16)
     batches = build_batches(cfg, data, state)
     checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, batches, scaler,
@@ -225,7 +220,7 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
                               tracker)
     logger.totals.tokens_seen = start_step * meter.tokens_per_step
     meter.startup(logger, resumed_from, start_step, malloc_note)
-    if (fp8_note := gemm_note(tr.fp8)) is not None:
+    if (fp8_note := gemm_note(cfg.fp8.recipe)) is not None:
         logger.note(fp8_note)
     if resumed_from is None and cfg.train.init_from:
         logger.note(f"initialized the weights from {cfg.train.init_from} (train.init_from; fresh optimizer, schedule "

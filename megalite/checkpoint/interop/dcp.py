@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
 from megalite.checkpoint.index_check import MAX_COUNT, model_info_problems
 from megalite.checkpoint.interop.source import KINDS, Source, claim, optimizer_kind, refuse_moments_without_adam
+from megalite.config.aliases import saved_config
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file, loads_json
 
@@ -244,10 +245,11 @@ def to_dcp(source: Source, out: Path) -> Path:
         m, v = full[f"exp_avg/{name}"], full[f"exp_avg_sq/{name}"]
         moments = {"momentum_buffer": m} if kind == "muon" and not v.any() else {"exp_avg": m, "exp_avg_sq": v}
         state[name] = {**moments, "step": step.clone()}
-    train = source.extra.get("config", {}).get("train", {})
+    config = saved_config(source.extra)
+    train, opt = config.get("train", {}), config.get("optimizer", {})
     group = {"params": list(params), "lr": float(train.get("lr", 0.0)),
-             "betas": (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95))),
-             "eps": float(train.get("adam_eps", 1e-8)), "weight_decay": float(train.get("weight_decay", 0.0))}
+             "betas": (float(opt.get("beta1", 0.9)), float(opt.get("beta2", 0.95))),
+             "eps": float(opt.get("adam_eps", 1e-8)), "weight_decay": float(opt.get("weight_decay", 0.0))}
     meta = {"format": "megalite-dcp-1", "model": source.info, "step": source.step,
             "optimizer_step": source.optimizer_step, "extra": source.extra, "buffers": sorted(buffers)}
     return save_dcp(out, {"model": {**params, **buffers}, "optimizer": {"state": state, "param_groups": [group]},

@@ -39,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from megalite.checkpoint.files import atomic_output, inside, refuse_link, refuse_output_in_checkpoint
 from megalite.checkpoint.interop.hf_rope import hf_rope_parameters, rope_scaling_info
 from megalite.checkpoint.index_check import model_info_problems
-from megalite.checkpoint.offline import write_checkpoint
+from megalite.checkpoint.offline import Carried, write_checkpoint
 from megalite.checkpoint.sharded import find, read_index
 from megalite.checkpoint.storage import SlabReader, StreamingWriter
 from megalite.errors import CheckpointError, one_line
@@ -410,4 +410,4 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
         return torch.cat([get(n).t() if transposed else get(n) for n in hf_names], dim=0)
 
     extra = {"imported_from": str(hf_dir), "model": info}
-    return write_checkpoint(Path(out), shapes, fetch, info, extra=extra, step=0, show_progress=show_progress)
+    return write_checkpoint(Path(out), shapes, fetch, info, carried=Carried(extra, step=0), show_progress=show_progress)

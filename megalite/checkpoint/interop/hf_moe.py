@@ -13,11 +13,11 @@ Names (megalite's global names on the left; everything else maps as Llama's):
 transformers (>= 5) keeps each layer's experts stacked exactly like megalite's `Experts`, so no tensor is cut
 or transposed. Routers: Mixtral's (softmax over all experts, top-k, renormalised) is megalite's `mixtral`
 (softmax over the top-k logits), equal up to round-off; Qwen3-MoE's (softmax over all, top-k, renormalised
-if `norm_topk_prob`) is megalite's `qwen3` with `moe_renorm = norm_topk_prob`. Qwen3-MoE's MoE layers are
-those with (i + 1) % decoder_sparse_step == 0: megalite's moe_first_dense = step - 1, moe_every = step.
+if `norm_topk_prob`) is megalite's `qwen3` with `moe.renorm = norm_topk_prob`. Qwen3-MoE's MoE layers are
+those with (i + 1) % decoder_sparse_step == 0: megalite's moe.first_dense = step - 1, moe.every = step.
 
 Auxiliary loss: transformers adds router_aux_loss_coef x load_balancing_loss_func to its loss only with
-output_router_logits (so the import sets moe_aux_loss to the coefficient only then). Its function pools the
+output_router_logits (so the import sets moe.aux_loss to the coefficient only then). Its function pools the
 assignment counts and probabilities of ALL layers before the product, E sum_i f_i P_i over L x T rows;
 megalite (as Megatron) takes the mean over the MoE layers of each layer's E sum_i f_i P_i, which a pipeline
 stage can compute alone. The two are equal with one MoE layer; with several, megalite's is the mean of
@@ -36,8 +36,9 @@ import torch
 
 from megalite.checkpoint.interop import hf
 from megalite.checkpoint.index_check import MAX_DIM
+from megalite.checkpoint.layout import moe_from_info
 from megalite.errors import CheckpointError
-from megalite.moe.settings import MoESettings
+from megalite.moe.config import MoEConfig
 
 NAMES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 REFUSED = {
@@ -139,7 +140,8 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
     # The router z-loss is a training loss, not part of the forward (HF configs have no field for it): not a
     # reason to refuse, like the learning rate it is simply not carried.
     problems = [what for what, ok in (
-        ("shared experts", not s.shared), ("a capacity factor (HF MoE models are dropless)", s.capacity_factor is None))
+        ("shared experts", not s.shared_experts),
+        ("a capacity factor (HF MoE models are dropless)", s.capacity_factor is None))
         if not ok]
     moe = {"num_experts_per_tok": s.top_k, "router_aux_loss_coef": s.aux_loss, "output_router_logits": s.aux_loss > 0}
     # megalite's mixtral router (softmax over the top-k logits) is qwen3's with renormalisation (softmax over all,
@@ -151,7 +153,7 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
         if problems:
             raise CheckpointError(f"this MoE model has no Hugging Face equivalent: {', '.join(problems)}")
         return {**base, **moe, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                "intermediate_size": s.ffn, "num_local_experts": s.experts, "router_jitter_noise": 0.0,
+                "intermediate_size": s.ffn_hidden_size, "num_local_experts": s.experts, "router_jitter_noise": 0.0,
                 "sliding_window": None}
     if s.router in ("mixtral", "qwen3") and qk:
         if s.first_dense != s.every - 1:
@@ -160,24 +162,15 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
         if problems:
             raise CheckpointError(f"this MoE model has no Hugging Face equivalent: {', '.join(problems)}")
         return {**base, **moe, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                "moe_intermediate_size": s.ffn, "num_experts": s.experts, "decoder_sparse_step": s.every,
+                "moe_intermediate_size": s.ffn_hidden_size, "num_experts": s.experts, "decoder_sparse_step": s.every,
                 "norm_topk_prob": renorm, "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None}
     raise CheckpointError("this MoE model has no Hugging Face equivalent: without qk_norm, the mixtral router or "
-                          "qwen3 with moe_renorm is Mixtral; with qk_norm, mixtral or qwen3 is Qwen3-MoE; "
-                          f"this one has moe_router={s.router}, moe_renorm={s.renorm} and qk_norm={qk}")
+                          "qwen3 with moe.renorm is Mixtral; with qk_norm, mixtral or qwen3 is Qwen3-MoE; "
+                          f"this one has moe.router={s.router}, moe.renorm={s.renorm} and qk_norm={qk}")
 
 
-class _Info:
-    """Attribute view of an info dict (what MoESettings reads)."""
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        self.__dict__.update(info)
-
-
-def _settings(info: dict[str, Any]) -> MoESettings | None:
-    # The sequence-wise balance loss's coefficient trains the router but is not recorded in index.json (it changes
-    # no tensor): the conversion reads the routing only.
-    return MoESettings.from_model(_Info({"moe_seq_aux_loss": 0.0, **info})) if info.get("moe_experts") else None
+def _settings(info: dict[str, Any]) -> MoEConfig | None:
+    return moe_from_info(info).resolved(info["ffn_hidden_size"])
 
 
 # ---------------------------------------------------------------------------------------- tensor names
@@ -215,9 +208,9 @@ def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         elif s is not None and name.endswith("mlp.router.weight"):
             shapes[name] = (s.experts, h)
         elif s is not None and name.endswith("mlp.experts.up"):
-            shapes[name] = (s.experts, 2 * s.ffn, h)
+            shapes[name] = (s.experts, 2 * s.ffn_hidden_size, h)
         elif s is not None and name.endswith("mlp.experts.down"):
-            shapes[name] = (s.experts, h, s.ffn)
+            shapes[name] = (s.experts, h, s.ffn_hidden_size)
         else:
             shapes[name] = dense[name]
     return shapes

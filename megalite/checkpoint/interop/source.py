@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from megalite.checkpoint.offline import write_checkpoint
+from megalite.checkpoint.offline import Carried, Target, write_checkpoint
 from megalite.checkpoint.sharded import read_index
 from megalite.checkpoint.storage import SlabReader
+from megalite.config.aliases import saved_config
 from megalite.errors import CheckpointError
 
 KINDS = ("param", "buffer", "exp_avg", "exp_avg_sq")
@@ -51,11 +52,10 @@ class Source:
 def optimizer_kind(extra: dict[str, Any]) -> str:
     """The optimizer whose state a checkpoint holds, from its run config ("adamw" when none is recorded: a
     checkpoint from before Muon, or one a tool wrote). The one place a conversion reads it."""
-    config = extra.get("config")
-    train = config.get("train") if isinstance(config, dict) else None
-    kind = train.get("optimizer", "adamw") if isinstance(train, dict) else "adamw"
+    section = saved_config(extra).get("optimizer")  # old configs' optimizer.name mapped to optimizer.name
+    kind = section.get("name", "adamw") if isinstance(section, dict) else "adamw"
     if kind not in ("adamw", "muon"):
-        raise CheckpointError(f"the checkpoint's run config names train.optimizer={kind!r}: its optimizer state "
+        raise CheckpointError(f"the checkpoint's run config names optimizer.name={kind!r}: its optimizer state "
                               "cannot be interpreted (expected adamw or muon); convert with --weights-only")
     return str(kind)
 
@@ -113,7 +113,7 @@ def to_megalite(source: Source, out: Path, tp: int = 1, pp: int = 1, vpp: int = 
     """Write `source` as a megalite checkpoint laid out for (tp, pp, vpp)."""
     try:
         claim(source.shapes, {k for k in source.shapes if k.split("/", 1)[0] in KINDS}, "a megalite checkpoint")
-        return write_checkpoint(out, source.shapes, source.fetch, source.info, tp, pp, vpp, pp_layers, source.extra,
-                                source.step, source.optimizer_step, show_progress)
+        return write_checkpoint(out, source.shapes, source.fetch, source.info, Target(tp, pp, vpp, pp_layers),
+                                Carried(source.extra, source.step, source.optimizer_step), show_progress)
     finally:
         source.close()

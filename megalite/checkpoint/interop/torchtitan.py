@@ -41,6 +41,7 @@ import torch
 from megalite.checkpoint.interop.dcp import load_tensor, read_metadata, save_dcp, tensor_shapes
 from megalite.checkpoint.index_check import MAX_COUNT, MAX_DIM
 from megalite.checkpoint.interop.source import Source, optimizer_kind, refuse_moments_without_adam
+from megalite.config.aliases import saved_config
 from megalite.errors import CheckpointError
 from megalite.untrusted import load_json_file
 
@@ -130,9 +131,10 @@ def to_torchtitan(source: Source, out: Path, fused_qkv: bool = False) -> Path:
     refuse_moments_without_adam(full, "torchtitan's AdamW")
     sd: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    train = source.extra.get("config", {}).get("train", {})
-    group = {"lr": float(train.get("lr", 0.0)), "betas": (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95))),
-             "eps": float(train.get("adam_eps", 1e-8)), "weight_decay": float(train.get("weight_decay", 0.0)),
+    config = saved_config(source.extra)
+    train, opt = config.get("train", {}), config.get("optimizer", {})
+    group = {"lr": float(train.get("lr", 0.0)), "betas": (float(opt.get("beta1", 0.9)), float(opt.get("beta2", 0.95))),
+             "eps": float(opt.get("adam_eps", 1e-8)), "weight_decay": float(opt.get("weight_decay", 0.0)),
              "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
              "fused": None, "decoupled_weight_decay": True}
     for name, titan in _titan_tensors(info):
