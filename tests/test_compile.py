@@ -224,12 +224,14 @@ def test_a_missing_cpp_compiler_is_one_config_line_before_step_1(monkeypatch: py
 
     from tests.test_bad_inputs import assert_one_line
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/bin/g++"))
-    assert "none of ['/nonexistent/bin/g++'] is an executable" in problems(1, "--model.compile", "true")
-    assert problems(1, "--model.compile", "true", "--model.compile_backend", "aot_eager") == ""
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "g++"))
+    # inductor's own patch, not monkeypatch: undoing a monkeypatch deletes the setting from torch's config
+    # module (its attributes are not in __dict__), which broke every later inductor compile in the process.
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/bin/g++")}):
+        assert "none of ['/nonexistent/bin/g++'] is an executable" in problems(1, "--model.compile", "true")
+        assert problems(1, "--model.compile", "true", "--model.compile_backend", "aot_eager") == ""
     monkeypatch.setenv("PATH", "")
-    got = main(_args(demo_cache_dir, tmp_path / "run", "--model.compile", "true"))
+    with inductor_config.patch({"cpp.cxx": (None, "g++")}):
+        got = main(_args(demo_cache_dir, tmp_path / "run", "--model.compile", "true"))
     assert_one_line(capsys.readouterr().err, got, 2, "none of ['g++'] is an executable")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

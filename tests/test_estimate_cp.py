@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.context import ContextOptions
+from megalite.context.options import ContextOptions
 from megalite.context.costs import cp_attention_bytes, ring_attention_bytes
 from megalite.perfmodel.context import cp_comm_bytes, ring_exposed_seconds
 from megalite.perfmodel.estimate import (GB, PRESETS, Hardware, Layout, ModelDims, Precision, estimate, pp_comm_bytes,
