@@ -18,7 +18,7 @@ from typing import Any
 from megalite.checkpoint.layout import MOE_INFO_KEYS, ROPE_INFO_KEYS
 from megalite.checkpoint.sharded import find, read_index
 from megalite.config import cli
-from megalite.config.presets import PRESETS
+from megalite.config.presets import PRESETS, section_values
 from megalite.config.schema import Config
 from megalite.errors import CheckpointError
 
@@ -45,7 +45,7 @@ def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:
         table = cli.read_toml(parsed.config_file).get("model", {})
         fields |= set(table) if isinstance(table, dict) else set()
     if "preset" in fields:
-        fields |= set(PRESETS.get(cfg.model.preset, {}))
+        fields |= set(section_values(PRESETS.get(cfg.model.preset, {})))
     return {f for f in fields if f in SHAPE_FIELDS + TAKEN_FIELDS
             and not (f in _DERIVED and getattr(cfg.model, f) == _DERIVED[f])}
 

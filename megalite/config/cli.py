@@ -254,8 +254,9 @@ def build(config_cls: type, presets: Mapping[str, Mapping[str, Any]], entries: l
         if key == "model.preset":
             chosen = value
     try:
-        for k, v in presets[check_preset(chosen, presets)].items():
-            setattr(cfg.model, k, v)
+        for k, v in presets[check_preset(chosen, presets)].items():  # "mla.kv_lora_rank": another section's
+            section, _, name = k.rpartition(".")
+            setattr(getattr(cfg, section or "model"), name, v)
     except ConfigError as exc:
         errors.append(str(exc))
     sections = sections_of(config_cls)

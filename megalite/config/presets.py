@@ -1,16 +1,26 @@
-"""Named model sizes: the `model` section values that `model.preset` applies before the file and flags."""
+"""Named model sizes: the values that `model.preset` applies before the file and flags. A plain key is a `model`
+field; a dotted one (`mla.kv_lora_rank`) is another section's field, for architectures that need one (MLA, MTP)."""
 
 from __future__ import annotations
 
 import types
-from typing import Mapping
+from typing import Any, Mapping
 
 
 def _frozen(d: dict[str, dict[str, object]]) -> Mapping[str, Mapping[str, object]]:
     return types.MappingProxyType({k: types.MappingProxyType(v) for k, v in d.items()})
 
 
-# Model-section values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
+def _section(name: str, **values: object) -> dict[str, object]:
+    """Preset values of another config section, as dotted keys."""
+    return {f"{name}.{k}": v for k, v in values.items()}
+
+
+# DeepSeek-V3's released RoPE scaling (its HF config's rope_scaling): 4K pretraining extended 40x.
+_YARN_40 = dict(rope_scaling="yarn", rope_factor=40.0, rope_original_max_positions=4096, rope_beta_fast=32.0,
+                rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0)
+
+# Values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
 # Pythia-160m-like llama, Llama 3.2 1B (GQA 32/8, tied embeddings), Llama 2 7B.
 PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
     "tiny": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128),
@@ -26,10 +36,10 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                      tie_embeddings=True),
     "llama-7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
                      seq_len=4096, vocab_size=32000),
-    # Mixtures of experts (docs/moe.md). tiny-moe trains on the demo corpus in minutes on a CPU; the three
-    # published shapes are for the estimator (Mixtral 8x7B: Jiang et al. 2024; Qwen3-30B-A3B: its HF config;
-    # DeepSeek-V3: Liu et al. 2024, without its multi-head latent attention and multi-token prediction:
-    # plain GQA attention of the same width stands in for MLA here).
+    # Mixtures of experts (docs/moe.md). tiny-moe and tiny-deepseek train on the demo corpus in minutes on a CPU;
+    # the three published shapes are for the estimator (Mixtral 8x7B: Jiang et al. 2024; Qwen3-30B-A3B: its HF
+    # config; DeepSeek-V3: Liu et al. 2024 and its HF config: multi-head latent attention (docs/mla.md), YaRN as
+    # released, the group-limited sigmoid router with a shared expert, one multi-token prediction module, docs/mtp.md).
     "tiny-moe": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128,
                      moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_router="qwen3", moe_aux_loss=0.01,
                      moe_z_loss=0.001),
@@ -40,7 +50,29 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                           ffn_hidden_size=6144, seq_len=4096, vocab_size=151936, rope_theta=1e6, moe_experts=128,
                           moe_top_k=8, moe_ffn_hidden_size=768, moe_router="qwen3", moe_aux_loss=0.001),
     "deepseek-v3": dict(arch="llama", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
-                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280, moe_experts=256, moe_top_k=8,
-                        moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="deepseek",
-                        moe_route_scale=2.5, moe_groups=8, moe_group_top_k=4),
+                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280, norm_eps=1e-6, moe_experts=256,
+                        moe_top_k=8, moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3,
+                        moe_router="deepseek", moe_route_scale=2.5, moe_groups=8, moe_group_top_k=4,
+                        **_YARN_40, **_section("mla", kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                                qk_nope_head_dim=128, v_head_dim=128),
+                        **_section("mtp", num_layers=1)),
+    # DeepSeek-V3's architecture at toy width (tests and the README's MoE example): MLA with v_head_dim != the q/k
+    # head dim, YaRN on (4 x 32 positions), 8 experts in 4 groups of which 2 are kept, a shared expert, layer 0
+    # dense, one MTP module.
+    "tiny-deepseek": dict(arch="llama", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=4,
+                          ffn_hidden_size=256, seq_len=128, norm_eps=1e-6, moe_experts=8, moe_top_k=2,
+                          moe_ffn_hidden_size=64, moe_shared_experts=1, moe_first_dense=1, moe_router="deepseek",
+                          moe_route_scale=2.5, moe_groups=4, moe_group_top_k=2, moe_seq_aux_loss=1e-4,
+                          rope_scaling="yarn", rope_factor=4.0, rope_original_max_positions=32, rope_beta_fast=32.0,
+                          rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                          **_section("mla", kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                                     qk_nope_head_dim=32, v_head_dim=24),
+                          **_section("mtp", num_layers=1)),
 })
+
+
+def section_values(preset: Mapping[str, Any], section: str = "model") -> dict[str, Any]:
+    """A preset's values for one config section, by field name (plain keys are the model section's)."""
+    if section == "model":
+        return {k: v for k, v in preset.items() if "." not in k}
+    return {k.partition(".")[2]: v for k, v in preset.items() if k.partition(".")[0] == section}

@@ -99,11 +99,12 @@ def moe_preset_model(preset: str | None, overrides: Mapping[str, Any] | None = N
     from dataclasses import asdict
 
     from megalite.config import PRESETS, ModelConfig
+    from megalite.config.presets import section_values
 
     if preset is None or preset not in PRESETS or not PRESETS[preset].get("moe_experts"):
         return None
     flags = {k: v for k, v in (overrides or {}).items() if k in _DIM_FLAGS and v is not None}
-    return _resolved(ModelConfig(**{**asdict(ModelConfig()), **PRESETS[preset], **flags}))
+    return _resolved(ModelConfig(**{**asdict(ModelConfig()), **section_values(PRESETS[preset]), **flags}))
 
 
 def _resolved(model: Any) -> Any:
