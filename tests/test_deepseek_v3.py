@@ -1,0 +1,121 @@
+"""The whole DeepSeek-V3 architecture (the `tiny-deepseek` preset: MLA with a low-rank query and v_head_dim != the
+q/k head dim, YaRN, the group-limited sigmoid router with a shared expert and its correction bias moving, layer 0
+dense, one MTP module whose block is MoE) trained at tp2 + SP, pp2, cp2, ep2, dp2 ZeRO-3 and under the blockwise FP8
+recipe at dp2, against the single-process run: each step's loss, MTP loss and gradient norm, every parameter after
+the steps, and the router biases.
+
+cp2 runs without document masking: MTP refuses data.document_mask (its shifted tokens would cross documents,
+megalite/mtp/config.py); MLA under every cp mode with document masking is tests/test_mla_parallel.py's, MTP under
+cp2's ring, allgather and a2a modes tests/test_mtp.py's. FP8 blockwise runs at dp2: at tp = cp = 1 no 128-block can
+span two ranks whatever the widths, so the tiny widths (partial edge blocks) are a valid layout; the block recipes at
+tp2 + SP on 128-multiple widths are tests/test_fp8_training.py's (and the ep2 expert GEMMs tests/test_fp8_moe.py's).
+
+One rank function runs every layout in turn in one warm pool of 2 gloo ranks. Tolerances: tests/test_mtp.py's
+(losses 1e-5, norms 1e-5 relative: the layouts sum the same terms in another order), parameters as PARAM_MAX says;
+FP8: tests/test_fp8_training.py's block-recipe bounds (the first step as tightly, then rounding
+flips of values within round-off of an fp8 midpoint let the runs drift, which its module doc measures).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.config.presets import PRESETS, section_values
+from megalite.context.options import ContextOptions
+from megalite.data.sampler import cp_split
+from megalite.errors import ConfigError
+from megalite.fp8.enable import Fp8Settings, enable_fp8
+from megalite.mla.config import MLAConfig
+from megalite.model.gpt import GPT
+from megalite.mtp.config import MTPConfig
+from megalite.optim import build_distributed_optimizer
+from megalite.parallel.param_spec import EXPERT_PARALLEL, named_param_specs
+from megalite.parallel.sharding import unshard
+from megalite.parallel.state import ParallelState
+from megalite.pipeline import build_pipeline
+from megalite.training.step import train_step
+from tests.moe_utils import moe_layout, tiny_moe_cfg
+from tests.parallel_utils import HYPER, micro_batches, random_steps, reference_optimizer, step_context, tiny_train_cfg
+from tests.test_fp8_training import BLOCK_GRAD_RTOL, BLOCK_LOSS_ATOL, BLOCK_PARAM_MAX, BLOCK_PARAM_MEAN
+
+STEPS, MICRO, M, SEQ = 3, 2, 2, 16
+# Parameters after 3 AdamW steps at lr 1e-2 (module doc): Adam divides each update by its gradient's RMS, so an
+# element whose gradient is near zero (an expert row few tokens reach) moves by up to ~lr whatever its size, and
+# round-off in that gradient shows as a visible step difference (measured at most 2e-4 at tp2 + sp, 1.5e-4 at cp2,
+# 3e-5 elsewhere; means 3e-7 or less). A systematic error (a wrong split or reduction) moves every element of a
+# tensor by O(lr), so its mean exceeds PARAM_MEAN a hundredfold.
+PARAM_MAX, PARAM_MEAN = 1e-3, 1e-6
+PRESET = PRESETS["tiny-deepseek"]
+MLA = MLAConfig(**section_values(PRESET, "mla"))
+MTP = MTPConfig(**section_values(PRESET, "mtp"))
+# (tp, pp, cp, ep, sp, zero, fp8 recipe)
+CASES = {"tp2+sp": (2, 1, 1, 1, True, 0, ""), "pp2": (1, 2, 1, 1, False, 0, ""), "cp2": (1, 1, 2, 1, False, 0, ""),
+         "ep2": (1, 1, 1, 2, False, 1, ""), "dp2-zero3": (1, 1, 1, 1, False, 3, ""),
+         "dp2-fp8-blockwise": (1, 1, 1, 1, False, 1, "blockwise")}
+
+
+def tiny_deepseek_cfg(**over: object):
+    """The preset's model section at a test's sequence length, the bias moving, no z-loss."""
+    model = {k: v for k, v in section_values(PRESET).items() if k != "seq_len"}
+    return tiny_moe_cfg(**{**model, "seq_len": SEQ, "moe_bias_rate": 0.01, "moe_aux_loss": 0.0, "moe_z_loss": 0.0,
+                           "kernels": "torch", **over})
+
+
+def _check(rank: int, case: str) -> None:
+    tp, pp, cp, ep, sp, zero, recipe = CASES[case]
+    st = moe_layout(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp)
+    cfg = tiny_deepseek_cfg(num_layers=2 * pp)  # layer 0 dense, the rest (and the MTP block) MoE
+    fp8 = Fp8Settings(recipe, 16) if recipe else None  # every block linear in FP8 (smallest dim 16), not the head
+    data = random_steps(cfg, STEPS, MICRO * M * st.dp)
+    ref = GPT(cfg, ParallelState(), seed=5, mla=MLA, mtp=MTP)
+    if fp8 is not None:
+        assert enable_fp8([ref], fp8, ParallelState())
+    ref_ctx = step_context(ref, ParallelState(), torch.float32, tiny_train_cfg(STEPS))
+    ref_opt = reference_optimizer(ref, ParallelState())
+    want = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i) for i, d in enumerate(data)]
+    engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mla=MLA, mtp=MTP,
+                            context=ContextOptions.of("ring"))
+    if fp8 is not None:
+        enable_fp8(engine.chunks, fp8, st)
+    model = engine.chunks[0]
+    opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
+    ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
+
+    def local(d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        n = d.shape[0] // st.dp
+        rows = d[st.dp_rank * n:(st.dp_rank + 1) * n]
+        return [(cp_split(i, st.cp, st.cp_rank), cp_split(t, st.cp, st.cp_rank)) for i, t in micro_batches(rows, MICRO)]
+
+    got = [train_step(ctx, opt, local(d), i) for i, d in enumerate(data)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        loss_atol, rtol = (BLOCK_LOSS_ATOL, BLOCK_GRAD_RTOL) if fp8 is not None and i > 0 else (1e-5, 1e-5)
+        assert abs(g.loss - w.loss) <= loss_atol, f"{case}: step {i} loss {g.loss} != single-process {w.loss}"
+        assert g.mtp is not None and w.mtp is not None and len(g.mtp) == 1, case
+        assert abs(g.mtp[0] - w.mtp[0]) <= loss_atol, f"{case}: step {i} MTP loss {g.mtp} != {w.mtp}"
+        assert abs(g.grad_norm - w.grad_norm) <= rtol * w.grad_norm, f"{case}: step {i} norm"
+    ref_params = dict(ref.named_parameters())
+    specs = named_param_specs(model, ConfigError)
+    diffs = {}
+    for name, value in opt.full_parameters().items():
+        want_p = ref_params["embedding.weight" if name == "mtp.embedding.weight" else name].detach()
+        if specs[name].grads == EXPERT_PARALLEL:  # this ep rank's experts
+            n = want_p.shape[0] // st.size("ep")
+            want_p = want_p[st.rank_in("ep") * n:(st.rank_in("ep") + 1) * n]
+        diffs[name] = (unshard(value, specs[name].layout, st) - want_p).abs()
+    worst = max(diffs, key=lambda k: diffs[k].max().item())
+    mean = torch.cat([d.flatten() for d in diffs.values()]).mean().item()
+    most, avg = (BLOCK_PARAM_MAX, BLOCK_PARAM_MEAN) if fp8 is not None else (PARAM_MAX, PARAM_MEAN)
+    assert diffs[worst].max() <= most and mean <= avg, f"{case}: {worst} off by {diffs[worst].max():.2e} after {STEPS} steps"
+    ref_buffers = dict(ref.named_buffers())
+    for name, buf in model.named_buffers():  # the aux-loss-free biases follow the global expert loads
+        if name.endswith("router.bias"):
+            assert torch.allclose(buf, ref_buffers[name], atol=0 if fp8 is None else 0.02), f"{case}: {name}"
+
+
+def _all_cases(rank: int) -> None:
+    for case in CASES:
+        _check(rank, case)
+
+
+def test_tiny_deepseek_v3_trains_as_one_process_at_every_layout(dist_world) -> None:
+    dist_world(2).run(_all_cases)
