@@ -22,7 +22,6 @@ import torch
 
 from megalite.config.presets import PRESETS, section_values
 from megalite.context.options import ContextOptions
-from megalite.data.sampler import cp_split
 from megalite.errors import ConfigError
 from megalite.fp8.enable import Fp8Settings, enable_fp8
 from megalite.mla.config import MLAConfig
@@ -36,9 +35,10 @@ from megalite.pipeline import build_pipeline
 from megalite.training.step import train_step
 from tests.moe_utils import moe_layout, tiny_moe_cfg
 from tests.parallel_utils import HYPER, micro_batches, random_steps, reference_optimizer, step_context, tiny_train_cfg
+from tests.test_cp_training import MICRO, local_batches
 from tests.test_fp8_training import BLOCK_GRAD_RTOL, BLOCK_LOSS_ATOL, BLOCK_PARAM_MAX, BLOCK_PARAM_MEAN
 
-STEPS, MICRO, M, SEQ = 3, 2, 2, 16
+STEPS, M, SEQ = 3, 2, 16  # MICRO: tests/test_cp_training.py's (local_batches cuts by it)
 # Parameters after 3 AdamW steps at lr 1e-2 (module doc): Adam divides each update by its gradient's RMS, so an
 # element whose gradient is near zero (an expert row few tokens reach) moves by up to ~lr whatever its size, and
 # round-off in that gradient shows as a visible step difference (measured at most 2e-4 at tp2 + sp, 1.5e-4 at cp2,
@@ -80,13 +80,7 @@ def _check(rank: int, case: str) -> None:
     model = engine.chunks[0]
     opt = build_distributed_optimizer(model, st, zero, dtype=torch.float32, **HYPER)
     ctx = step_context(engine, st, torch.float32, tiny_train_cfg(STEPS))
-
-    def local(d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        n = d.shape[0] // st.dp
-        rows = d[st.dp_rank * n:(st.dp_rank + 1) * n]
-        return [(cp_split(i, st.cp, st.cp_rank), cp_split(t, st.cp, st.cp_rank)) for i, t in micro_batches(rows, MICRO)]
-
-    got = [train_step(ctx, opt, local(d), i) for i, d in enumerate(data)]
+    got = [train_step(ctx, opt, local_batches(d, st), i) for i, d in enumerate(data)]
     for i, (g, w) in enumerate(zip(got, want)):
         loss_atol, rtol = (BLOCK_LOSS_ATOL, BLOCK_GRAD_RTOL) if fp8 is not None and i > 0 else (1e-5, 1e-5)
         assert abs(g.loss - w.loss) <= loss_atol, f"{case}: step {i} loss {g.loss} != single-process {w.loss}"
