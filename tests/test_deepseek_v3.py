@@ -113,3 +113,20 @@ def _all_cases(rank: int) -> None:
 
 def test_tiny_deepseek_v3_trains_as_one_process_at_every_layout(dist_world) -> None:
     dist_world(2).run(_all_cases)
+
+
+def test_presets_set_the_mla_and_mtp_sections() -> None:
+    """A preset's dotted keys set other sections (under the file's and the command line's values, as its model
+    ones); deepseek-v3 is the released architecture (its HF config: MLA widths, YaRN, one MTP module)."""
+    from megalite.config import parse_args
+
+    cfg = parse_args(["--model.preset", "deepseek-v3"])
+    assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.mla.qk_rope_head_dim, cfg.mla.qk_nope_head_dim,
+            cfg.mla.v_head_dim) == (512, 1536, 64, 128, 128)
+    m = cfg.model
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_positions, m.rope_beta_fast, m.rope_beta_slow,
+            m.rope_mscale, m.rope_mscale_all_dim) == ("yarn", 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    assert cfg.mtp.num_layers == 1 and (m.moe_groups, m.moe_group_top_k, m.moe_router) == (8, 4, "deepseek")
+    cfg = parse_args(["--model.preset", "tiny-deepseek", "--mla.kv_lora_rank", "64", "--mtp.num_layers", "2"])
+    assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.mtp.num_layers) == (64, 48, 2)  # flags beat the preset
+    assert parse_args([]).mla.kv_lora_rank == 0  # the default preset sets no other section
