@@ -228,6 +228,30 @@ def test_mtp_layer_round_trip_in_the_hub_layout(tmp_path: Path) -> None:
     assert abs(reread.mtp.sums[0] - float(losses[0].detach())) <= ATOL
 
 
+def test_dense_tied_mla_model_exports_as_deepseek_v3(tmp_path: Path) -> None:
+    """A megalite model with MLA and no MoE (every layer before first_k_dense_replace) and tied embeddings exports
+    as DeepseekV3 with its logits, and imports back to the same checkpoint."""
+    from megalite.mla.config import MLAConfig
+    from tests.parallel_utils import tiny_model_cfg
+
+    cfg = tiny_model_cfg(vocab_size=VOCAB, hidden_size=64, num_heads=4, num_kv_heads=4, seq_len=32, norm_eps=1e-6,
+                         make_vocab_divisible_by=1, tie_embeddings=True, rope_scaling="yarn", rope_factor=4.0,
+                         rope_original_max_positions=8, rope_mscale=1.0, rope_mscale_all_dim=1.0)
+    st = ParallelState()
+    model = GPT(cfg, st, seed=7, mla=MLAConfig(kv_lora_rank=16, q_lora_rank=0, qk_rope_head_dim=8,
+                                               qk_nope_head_dim=16, v_head_dim=12)).eval()
+    ckpt = save_sharded(tmp_path / "ours", 1, model, None, {}, st, keep=0)
+    out = tmp_path / "export"
+    assert export_main(["--input", str(ckpt), "--output", str(out), "--quiet"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = _ids(8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), back(ids).logits, atol=ATOL, rtol=0)
+    assert import_main(["--input", str(out), "--output", str(tmp_path / "again"), "--quiet"]) == 0
+    first, second = _checkpoint_tensors(ckpt), _checkpoint_tensors(tmp_path / "again")
+    assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
 def _quantised(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's block FP8: one scale per 128 x 128 block (amax / 448), the payload in float8_e4m3fn."""
     rows, cols = w.shape
