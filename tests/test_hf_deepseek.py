@@ -310,7 +310,10 @@ def test_deepseek_fp8_release_is_dequantised(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("over,what", [({"scoring_func": "softmax"}, "scoring_func 'softmax' is not sigmoid"),
                                        ({"rms_norm_eps": 1e-5}, "rms_norm_eps must be 1e-06"),
-                                       ({"n_group": 3}, "n_group must divide n_routed_experts")])
+                                       ({"n_group": 3}, "n_group must divide n_routed_experts"),
+                                       ({"first_k_dense_replace": -1}, "first_k_dense_replace must be an integer"),
+                                       ({"quantization_config": {"quant_method": "bitsandbytes"}},
+                                        "is not DeepSeek's block FP8")])
 def test_unsupported_configs_are_one_line(tmp_path: Path, over: dict, what: str, capsys) -> None:
     src = tmp_path / "hf"
     hf_model().save_pretrained(src)

@@ -340,7 +340,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
         info = mapping.info_from_hf(cfg)
     except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
         raise CheckpointError(f"{hf_dir / 'config.json'} lacks or garbles a model dimension ({e!r}): it is not a "
-                              "complete LlamaForCausalLM / GPT2LMHeadModel config") from e
+                              f"complete {cfg.get('model_type')} config") from e
     _checked_info(info, str(hf_dir / "config.json"))
     get, shape_of = hf_tensor_source(hf_dir)
     if mapping.source is not None:

@@ -115,7 +115,7 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                      "moe_shared_experts": cfg.get("n_shared_experts") or 0,
                      "moe_shared_ffn_hidden_size": cfg["moe_intermediate_size"], "moe_first_dense": first_dense,
                      "moe_every": 1, "moe_router": "deepseek", "moe_renorm": bool(cfg.get("norm_topk_prob", True)),
-                     "moe_route_scale": float(cfg.get("routed_scaling_factor", 1.0)), "moe_groups": groups,
+                     "moe_route_scale": cfg.get("routed_scaling_factor", 1.0), "moe_groups": groups,
                      "moe_group_top_k": cfg.get("topk_group") or groups,
                      "moe_aux_loss": 0.0, "moe_bias_rate": 0.001})  # the paper's gamma; a training choice, not in config.json
         top_k, group_top_k = info["moe_top_k"], info["moe_group_top_k"]
@@ -124,12 +124,21 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
              isinstance(top_k, int) and 1 <= top_k <= experts),
             ("n_group must divide n_routed_experts", isinstance(groups, int) and groups > 0 and experts % groups == 0),
             ("topk_group must be an integer in [1, n_group]",
-             isinstance(group_top_k, int) and 1 <= group_top_k <= groups)) if not ok]
+             isinstance(group_top_k, int) and 1 <= group_top_k <= groups),
+            ("moe_intermediate_size must be a positive integer", _count(info["moe_ffn_hidden_size"], 1)),
+            ("n_shared_experts must be an integer >= 0", _count(info["moe_shared_experts"], 0)),
+            ("first_k_dense_replace must be an integer >= 0", _count(first_dense, 0)),
+            ("routed_scaling_factor must be a positive number",
+             0 < info["moe_route_scale"] < float("inf"))) if not ok]
         if wrong:
             raise CheckpointError(f"this {ARCH} config cannot be imported: {'; '.join(wrong)}")
     if _mtp_layers(cfg):
         info["mtp_layers"] = _mtp_layers(cfg)
     return info
+
+
+def _count(v: Any, minimum: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= 1 << 24
 
 
 def _mtp_layers(cfg: dict[str, Any]) -> int:
