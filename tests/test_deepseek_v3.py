@@ -1,12 +1,10 @@
 """The whole DeepSeek-V3 architecture (the `tiny-deepseek` preset: MLA with a low-rank query and v_head_dim != the
 q/k head dim, YaRN, the group-limited sigmoid router with a shared expert and its correction bias moving, layer 0
 dense, one MTP module whose block is MoE) trained at tp2 + SP, pp2, cp2, ep2, dp2 ZeRO-3 and under the blockwise FP8
-recipe at dp2, against the single-process run: each step's loss, MTP loss and gradient norm, every parameter after
-the steps, and the router biases.
-
-cp2 runs without document masking: MTP refuses data.document_mask (its shifted tokens would cross documents,
-megalite/mtp/config.py); MLA under every cp mode with document masking is tests/test_mla_parallel.py's, MTP under
-cp2's ring, allgather and a2a modes tests/test_mtp.py's. FP8 blockwise runs at dp2: at tp = cp = 1 no 128-block can
+recipe at dp2, and cp2 in the ring, allgather and a2a modes with document masking (hybrid needs cp 4: MLA's is
+tests/test_mla_parallel.py's), against the single-process run: each step's loss, MTP loss and gradient norm, every
+parameter after the steps, and the router biases. MTP under document masking is checked against each document run
+alone (the last test). FP8 blockwise runs at dp2: at tp = cp = 1 no 128-block can
 span two ranks whatever the widths, so the tiny widths (partial edge blocks) are a valid layout; the block recipes at
 tp2 + SP on 128-multiple widths are tests/test_fp8_training.py's (and the ep2 expert GEMMs tests/test_fp8_moe.py's).
 
@@ -48,10 +46,14 @@ PARAM_MAX, PARAM_MEAN = 1e-3, 1e-6
 PRESET = PRESETS["tiny-deepseek"]
 MLA = MLAConfig(**section_values(PRESET, "mla"))
 MTP = MTPConfig(**section_values(PRESET, "mtp"))
-# (tp, pp, cp, ep, sp, zero, fp8 recipe)
-CASES = {"tp2+sp": (2, 1, 1, 1, True, 0, ""), "pp2": (1, 2, 1, 1, False, 0, ""), "cp2": (1, 1, 2, 1, False, 0, ""),
-         "ep2": (1, 1, 1, 2, False, 1, ""), "dp2-zero3": (1, 1, 1, 1, False, 3, ""),
-         "dp2-fp8-blockwise": (1, 1, 1, 1, False, 1, "blockwise")}
+EOD = 3  # document masking: about one token in five ends a document (as tests/test_mla_parallel.py)
+# (tp, pp, cp, ep, sp, zero, fp8 recipe, cp mode, document masking)
+CASES = {"tp2+sp": (2, 1, 1, 1, True, 0, "", "ring", False), "pp2": (1, 2, 1, 1, False, 0, "", "ring", False),
+         "cp2-ring-docs": (1, 1, 2, 1, False, 0, "", "ring", True),
+         "cp2-allgather-docs": (1, 1, 2, 1, False, 0, "", "allgather", True),
+         "cp2-a2a-docs": (1, 1, 2, 1, False, 0, "", "a2a", True), "cp2": (1, 1, 2, 1, False, 0, "", "ring", False),
+         "ep2": (1, 1, 1, 2, False, 1, "", "ring", False), "dp2-zero3": (1, 1, 1, 1, False, 3, "", "ring", False),
+         "dp2-fp8-blockwise": (1, 1, 1, 1, False, 1, "blockwise", "ring", False)}
 
 
 def tiny_deepseek_cfg(**over: object):
@@ -62,19 +64,22 @@ def tiny_deepseek_cfg(**over: object):
 
 
 def _check(rank: int, case: str) -> None:
-    tp, pp, cp, ep, sp, zero, recipe = CASES[case]
+    tp, pp, cp, ep, sp, zero, recipe, mode, docs = CASES[case]
     st = moe_layout(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp)
     cfg = tiny_deepseek_cfg(num_layers=2 * pp)  # layer 0 dense, the rest (and the MTP block) MoE
     fp8 = Fp8Settings(recipe, 16) if recipe else None  # every block linear in FP8 (smallest dim 16), not the head
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
-    ref = GPT(cfg, ParallelState(), seed=5, mla=MLA, mtp=MTP)
+    if docs:
+        data = [torch.where(d % 5 == 0, EOD, d) for d in data]
+    context = ContextOptions.of(mode, EOD if docs else None)
+    ref = GPT(cfg, ParallelState(), seed=5, mla=MLA, mtp=MTP, context=context)
     if fp8 is not None:
         assert enable_fp8([ref], fp8, ParallelState())
     ref_ctx = step_context(ref, ParallelState(), torch.float32, tiny_train_cfg(STEPS))
     ref_opt = reference_optimizer(ref, ParallelState())
     want = [train_step(ref_ctx, ref_opt, micro_batches(d, MICRO), i) for i, d in enumerate(data)]
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32, mla=MLA, mtp=MTP,
-                            context=ContextOptions.of("ring"))
+                            context=context)
     if fp8 is not None:
         enable_fp8(engine.chunks, fp8, st)
     model = engine.chunks[0]
@@ -130,3 +135,25 @@ def test_presets_set_the_mla_and_mtp_sections() -> None:
     cfg = parse_args(["--model.preset", "tiny-deepseek", "--mla.kv_lora_rank", "64", "--mtp.num_layers", "2"])
     assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.mtp.num_layers) == (64, 48, 2)  # flags beat the preset
     assert parse_args([]).mla.kv_lora_rank == 0  # the default preset sets no other section
+
+
+def test_mtp_under_document_masking_equals_each_document_alone() -> None:
+    """Two documents packed in one sequence with document masking give the per-token main losses and the MTP loss
+    that each document run alone gives: depth k's positions whose token k ahead lies in the next document carry no
+    label (a document's EOD keeps its label, as in the main model), and the MTP block attends within documents."""
+    cfg = tiny_deepseek_cfg(num_layers=2)
+    tokens = torch.randint(4, cfg.vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(9))
+    tokens[0, 6] = EOD  # document A: positions 0..6 (its EOD last), document B: 7..15
+    packed = GPT(cfg, ParallelState(), seed=5, mla=MLA, mtp=MTP, context=ContextOptions.of("ring", EOD)).train()
+    alone = GPT(cfg, ParallelState(), seed=5, mla=MLA, mtp=MTP).train()  # the same weights (seed and names)
+    got = packed(tokens[:, :-1], tokens[:, 1:])
+    assert packed.mtp is not None and alone.mtp is not None
+    want, sums, counts = [], 0.0, 0
+    for lo, hi in ((0, 7), (7, SEQ)):
+        alone.mtp.reset()
+        want.append(alone(tokens[:, lo:hi], tokens[:, lo + 1:hi + 1]))
+        n = hi - lo - 1  # labelled MTP positions of the document alone: all but its last
+        sums, counts = sums + alone.mtp.sums[0] * n, counts + n
+    # fp32, the same products over fewer keys (masked ones add exact zeros): round-off only.
+    torch.testing.assert_close(got, torch.cat(want, dim=1), atol=1e-5, rtol=0)
+    assert abs(packed.mtp.sums[0] - sums / counts) <= 1e-5, (packed.mtp.sums, sums / counts)

@@ -329,7 +329,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += _size_problems(cfg, experts_valid=not moe)
     problems += _layout_problems(cfg, world_size)
     problems += moe
-    problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel, cfg.data.document_mask)
+    problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += muon_problems(cfg)
