@@ -1,7 +1,7 @@
 """The whole DeepSeek-V3 architecture (the `tiny-deepseek` preset: MLA with a low-rank query and v_head_dim != the
 q/k head dim, YaRN, the group-limited sigmoid router with a shared expert and its correction bias moving, layer 0
-dense, one MTP module whose block is MoE) trained at tp2 + SP, pp2, cp2, ep2, dp2 ZeRO-3 and under the blockwise FP8
-recipe at dp2, and cp2 in the ring, allgather and a2a modes with document masking (hybrid needs cp 4: MLA's is
+dense, one MTP module whose block is MoE) trained at tp2 + SP, pp2, cp2, ep2 (ZeRO-1), dp2 ZeRO-2 and ZeRO-3, under
+the blockwise FP8 recipe at dp2, and cp2 in the ring, allgather and a2a modes with document masking (hybrid needs cp 4: MLA's is
 tests/test_mla_parallel.py's), against the single-process run: each step's loss, MTP loss and gradient norm, every
 parameter after the steps, and the router biases. MTP under document masking is checked against each document run
 alone (the last test). FP8 blockwise runs at dp2: at tp = cp = 1 no 128-block can
@@ -52,7 +52,8 @@ CASES = {"tp2+sp": (2, 1, 1, 1, True, 0, "", "ring", False), "pp2": (1, 2, 1, 1,
          "cp2-ring-docs": (1, 1, 2, 1, False, 0, "", "ring", True),
          "cp2-allgather-docs": (1, 1, 2, 1, False, 0, "", "allgather", True),
          "cp2-a2a-docs": (1, 1, 2, 1, False, 0, "", "a2a", True), "cp2": (1, 1, 2, 1, False, 0, "", "ring", False),
-         "ep2": (1, 1, 1, 2, False, 1, "", "ring", False), "dp2-zero3": (1, 1, 1, 1, False, 3, "", "ring", False),
+         "ep2": (1, 1, 1, 2, False, 1, "", "ring", False), "dp2-zero2": (1, 1, 1, 1, False, 2, "", "ring", False),
+         "dp2-zero3": (1, 1, 1, 1, False, 3, "", "ring", False),
          "dp2-fp8-blockwise": (1, 1, 1, 1, False, 1, "blockwise", "ring", False)}
 
 
