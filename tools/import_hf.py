@@ -1,5 +1,5 @@
 """Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel / MixtralForCausalLM / Qwen3MoeForCausalLM /
-Qwen3ForCausalLM directory as a megalite checkpoint.
+Qwen3ForCausalLM / DeepseekV3ForCausalLM directory (DeepSeek's FP8 release too) as a megalite checkpoint.
 
     python tools/import_hf.py --input hf_model --output ckpt_from_hf
     python pretrain.py --checkpoint.load ckpt_from_hf --data.path ... --data.tokenizer hf_model
