@@ -229,7 +229,7 @@ def test_estimate_and_plan_take_mla_flags(capsys) -> None:
 def test_dense_deepseek_v3_logits(tmp_path) -> None:
     """A whole DeepseekV3ForCausalLM with dense MLPs only (first_k_dense_replace = every layer: the MoE router is
     the "mtp" engineer's) and YaRN: megalite's GPT with MLA computes its logits from the same weights. The attention
-    by checkpoint/interop/hf_mla.py, the rest by Llama's names (the full import is tools/import_hf.py's, later)."""
+    by checkpoint/interop/hf_mla.py, the rest by Llama's names (the whole conversion: tests/test_hf_deepseek.py)."""
     from megalite.model.gpt import GPT
     from tests.parallel_utils import tiny_model_cfg, with_sections
 

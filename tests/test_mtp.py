@@ -92,11 +92,10 @@ def test_mtp_config_problems() -> None:
     from types import SimpleNamespace
 
     par = SimpleNamespace(zero=0, pp=1, schedule="1f1b")
-    assert mtp_problems(MTP, good, par, False) == []
-    assert "mtp.num_layers must be >= 0" in mtp_problems(MTPConfig(-1), good, par, False)[0]
-    assert "arch=llama" in mtp_problems(MTP, tiny_model_cfg("gpt2", seq_len=SEQ), par, False)[0]
-    assert "document_mask" in mtp_problems(MTP, good, par, True)[0]
-    assert "zbv" in mtp_problems(MTP, good, SimpleNamespace(zero=0, pp=2, schedule="zbv"), False)[0]
+    assert mtp_problems(MTP, good, par) == []
+    assert "mtp.num_layers must be >= 0" in mtp_problems(MTPConfig(-1), good, par)[0]
+    assert "arch=llama" in mtp_problems(MTP, tiny_model_cfg("gpt2", seq_len=SEQ), par)[0]
+    assert "zbv" in mtp_problems(MTP, good, SimpleNamespace(zero=0, pp=2, schedule="zbv"))[0]
 
     def problems(world: int, *flags: str) -> str:  # through the config's validation, one line each
         from megalite.config import parse_args, resolve, validate

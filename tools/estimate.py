@@ -225,10 +225,16 @@ def presets() -> dict[str, dict]:
     table = {name: dict(vars(d)) for name, d in PRESETS.items()}
     try:
         from megalite.config import PRESETS as CONFIG_PRESETS, DataConfig, ModelConfig
+        from megalite.config.presets import section_values
+        from megalite.mla.config import MLAConfig
     except ImportError:
         return table
     for name, values in CONFIG_PRESETS.items():
-        table[name] = _model_dims_kwargs({**asdict(ModelConfig()), **values}, DataConfig().demo_vocab_size)
+        table[name] = _model_dims_kwargs({**asdict(ModelConfig()), **section_values(values)},
+                                         DataConfig().demo_vocab_size)
+        if mla := section_values(values, "mla"):  # deepseek-v3: its attention and MTP modules, as a --config's
+            table[name]["mla"] = MLADims.of(MLAConfig(**mla))
+        table[name]["mtp_layers"] = section_values(values, "mtp").get("num_layers")
     return table
 
 

@@ -1,5 +1,5 @@
 """Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel / MixtralForCausalLM / Qwen3MoeForCausalLM /
-Qwen3ForCausalLM directory as a megalite checkpoint.
+Qwen3ForCausalLM / DeepseekV3ForCausalLM directory (DeepSeek's FP8 release too) as a megalite checkpoint.
 
     python tools/import_hf.py --input hf_model --output ckpt_from_hf
     python pretrain.py --checkpoint.load ckpt_from_hf --data.path ... --data.tokenizer hf_model
@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.interop.hf import import_hf  # noqa: E402
-from megalite.checkpoint.interop.hf_moe import MAPPING  # noqa: E402
+from megalite.checkpoint.interop.hf_deepseek import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "import_hf"]

@@ -65,7 +65,7 @@ def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:
     if "model.preset" in given:
         preset = PRESETS.get(cfg.model.preset, {})
         moe = preset.get("moe", {})
-        given |= {f"model.{k}" for k in preset if k != "moe"}
+        given |= {f"model.{k}" for k, v in preset.items() if not isinstance(v, Mapping)}
         given |= {f"moe.{k}" for k in (moe if isinstance(moe, Mapping) else {})}
     fields = {k.removeprefix("model.") for k in given if k.startswith("model.")}
     fields |= {f"moe_{k.removeprefix('moe.')}" for k in given if k.startswith("moe.")}

@@ -1,10 +1,10 @@
-"""Named model sizes: the `model` section values that `model.preset` applies before the file and flags
-(and, for a mixture of experts, the `moe` section's, as the table `moe`)."""
+"""Named model sizes: the values that `model.preset` applies before the file and flags. A plain key is a `model`
+field; a table (`moe`, `mla`, `mtp`) is another section's values, for architectures that need one."""
 
 from __future__ import annotations
 
 import types
-from typing import Mapping
+from typing import Any, Mapping
 
 
 def _frozen(d: dict[str, dict[str, object]]) -> Mapping[str, Mapping[str, object]]:
@@ -13,7 +13,11 @@ def _frozen(d: dict[str, dict[str, object]]) -> Mapping[str, Mapping[str, object
                                    for k, fields in d.items()})
 
 
-# Model-section values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
+# DeepSeek-V3's released RoPE scaling (its HF config's rope_scaling): 4K pretraining extended 40x.
+_YARN_40 = dict(rope_scaling="yarn", rope_factor=40.0, rope_original_max_positions=4096, rope_beta_fast=32.0,
+                rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0)
+
+# Values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
 # Pythia-160m-like llama, Llama 3.2 1B (GQA 32/8, tied embeddings), Llama 2 7B.
 PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
     "tiny": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128),
@@ -31,8 +35,8 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                      seq_len=4096, vocab_size=32000),
     # Mixtures of experts (docs/moe.md). tiny-moe trains on the demo corpus in minutes on a CPU; the three
     # published shapes are for the estimator (Mixtral 8x7B: Jiang et al. 2024; Qwen3-30B-A3B: its HF config;
-    # DeepSeek-V3: Liu et al. 2024, without its multi-head latent attention and multi-token prediction:
-    # plain GQA attention of the same width stands in for MLA here).
+    # DeepSeek-V3: Liu et al. 2024 and its HF config: multi-head latent attention (docs/mla.md), YaRN as
+    # released, the group-limited sigmoid router with a shared expert, one multi-token prediction module, docs/mtp.md).
     "tiny-moe": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seq_len=128,
                      moe=dict(experts=8, top_k=2, ffn_hidden_size=128, router="qwen3", aux_loss=0.01, z_loss=0.001)),
     "mixtral-8x7b": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
@@ -42,7 +46,30 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                           ffn_hidden_size=6144, seq_len=4096, vocab_size=151936, rope_theta=1e6,
                           moe=dict(experts=128, top_k=8, ffn_hidden_size=768, router="qwen3", aux_loss=0.001)),
     "deepseek-v3": dict(arch="llama", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
-                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280,
+                        ffn_hidden_size=18432, seq_len=4096, vocab_size=129280, norm_eps=1e-6, **_YARN_40,
                         moe=dict(experts=256, top_k=8, ffn_hidden_size=2048, shared_experts=1, first_dense=3,
-                                 router="deepseek", route_scale=2.5, groups=8, group_top_k=4)),
+                                 router="deepseek", route_scale=2.5, groups=8, group_top_k=4),
+                        mla=dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                 v_head_dim=128),
+                        mtp=dict(num_layers=1)),
+    # DeepSeek-V3's architecture at toy width (tests and the README's example): MLA with v_head_dim != the q/k
+    # head dim, YaRN on (4 x 32 positions), 8 experts in 4 groups of which 2 are kept, a shared expert, layer 0
+    # dense, one MTP module.
+    "tiny-deepseek": dict(arch="llama", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=4,
+                          ffn_hidden_size=256, seq_len=128, norm_eps=1e-6, rope_scaling="yarn", rope_factor=4.0,
+                          rope_original_max_positions=32, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
+                          rope_mscale_all_dim=1.0,
+                          moe=dict(experts=8, top_k=2, ffn_hidden_size=64, shared_experts=1, first_dense=1,
+                                   router="deepseek", route_scale=2.5, groups=4, group_top_k=2, seq_aux_loss=1e-4),
+                          mla=dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                   v_head_dim=24),
+                          mtp=dict(num_layers=1)),
 })
+
+
+def section_values(preset: Mapping[str, Any], section: str = "model") -> dict[str, Any]:
+    """A preset's values for one config section, by field name (plain keys are the model section's)."""
+    if section == "model":
+        return {k: v for k, v in preset.items() if not isinstance(v, Mapping)}
+    table = preset.get(section, {})
+    return dict(table) if isinstance(table, Mapping) else {}

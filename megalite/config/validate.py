@@ -42,7 +42,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += size_problems(cfg, experts_valid=not moe)
     problems += layout_problems(cfg, world_size)
     problems += moe
-    problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel, cfg.data.document_mask)
+    problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
     problems += optim_config.problems(cfg.optimizer, cfg.muon)

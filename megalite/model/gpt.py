@@ -248,7 +248,7 @@ class GPT(nn.Module):
         assert self.final_norm is not None and self.head is not None
         if labels is not None and self.mtp is not None and self.training and torch.is_grad_enabled():
             assert ids is not None, "multi-token prediction needs the token ids on the last stage"
-            depths = self.mtp.hidden(x, ids, labels, self._mtp_embed, cos, sin)
+            depths = self.mtp.hidden(x, ids, labels, self._mtp_embed, cos, sin, doc_ids, self.document_eod)
             losses = self._head_loss([self.final_norm(x), *(h for h, _ in depths)], [labels, *(t for _, t in depths)])
             return self.mtp.add_loss(losses[0], losses[1:], [t for _, t in depths], self.aux_scale.value)
         (logits,) = self.head(self.final_norm(x))  # [B, S, V/tp]: never gathered

@@ -14,7 +14,7 @@ class MTPConfig:
                                                              "is added to the training loss"})
 
 
-def mtp_problems(mtp: MTPConfig, model: Any, parallel: Any, document_mask: bool) -> list[str]:
+def mtp_problems(mtp: MTPConfig, model: Any, parallel: Any) -> list[str]:
     """One line per bad `[mtp]` value or unsupported combination (empty when MTP is off); `model` and `parallel`
     are the config's sections."""
     out: list[str] = []
@@ -38,7 +38,4 @@ def mtp_problems(mtp: MTPConfig, model: Any, parallel: Any, document_mask: bool)
         out.append("mtp.num_layers > 0 with parallel.schedule=zbv is not supported yet: zbv puts the first and the "
                    "last stage on one rank, whose two copies of the embedding the 'embedding' group cannot sum; use "
                    "zb-h1 or 1f1b")
-    if document_mask:
-        out.append("mtp.num_layers > 0 with data.document_mask is not supported yet: the shifted tokens would cross "
-                   "documents; set data.document_mask=false or mtp.num_layers=0")
     return out

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from megalite.context.documents import DocumentIds, documents
 from megalite.context.zigzag import zigzag_merge, zigzag_split
 from megalite.layers.init import full_normal
 from megalite.moe.losses import attach
@@ -61,28 +62,34 @@ class MTPDepth(nn.Module):
         # Replicated over tp; under SP each tp rank projects its own slice of the sequence: partial sums.
         return {**children_specs(self), "eh_proj": ParamSpec(REPLICATED, sp_partial=self.sp)}
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentIds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h^k), h^k): the head's input first, then the next depth's (every weight of the module is used
-        inside its forward: ZeRO-3 gathers a unit around its forward and its backward)."""
+        inside its forward: ZeRO-3 gathers a unit around its forward and its backward). `docs`: document masking,
+        the block attending within each document as the main model's do."""
         x = torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1) @ self.eh_proj.to(h.dtype).t()
-        h = self.block(x, cos, sin)
+        h = self.block(x, cos, sin, docs)
         return self.norm(h), h
 
 
-def shifted_tokens(ids: torch.Tensor, labels: torch.Tensor, depths: int,
-                   state: ParallelState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def shifted_tokens(ids: torch.Tensor, labels: torch.Tensor, depths: int, state: ParallelState,
+                   eod: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(ids, labels) for depths 1..D on this rank's tokens: position i gets ids[i+k] and labels[i+k] of the whole
-    sequence; the last k positions are unlabelled (-100)."""
+    sequence; the last k positions are unlabelled (-100). Under document masking (`eod`, the token ending each
+    document) so is every position whose token k ahead lies in another document: depth k would combine two
+    documents there (a document's last token, the EOD, keeps its label as in the main model)."""
     cp = state.cp
     if cp > 1:  # the whole sequences: every cp rank's zigzag split, merged
         both = comm.all_gather(torch.stack([ids, labels]).contiguous(), state, "cp", dim=0)
         whole = zigzag_merge(list(both.chunk(cp, dim=0)), dim=2)
         ids, labels = whole[0], whole[1]
+    doc = documents(ids, eod).ids if eod is not None else None
     out = []
     for k in range(1, depths + 1):
         ids_k, labels_k = ids.roll(-k, dims=1), labels.roll(-k, dims=1).clone()
         labels_k[:, -k:] = IGNORE_INDEX
+        if doc is not None:  # positions j <= i of i's document never cross when i does not: nothing leaks
+            labels_k[doc.roll(-k, dims=1) != doc] = IGNORE_INDEX
         if cp > 1:
             ids_k, labels_k = zigzag_split(ids_k, cp, state.cp_rank), zigzag_split(labels_k, cp, state.cp_rank)
         out.append((ids_k, labels_k))
@@ -106,13 +113,15 @@ class MultiTokenPrediction(nn.Module):
         self.micro = 0
 
     def hidden(self, h: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, embed: Embed, cos: torch.Tensor,
-               sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               sin: torch.Tensor, docs: DocumentIds | None = None,
+               eod: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(norm_k(h^k), its labels) for k = 1..D from the main model's last hidden state h^0 [B, S', H]. The
         caller runs the shared head once over these and the main hidden state together (one GEMM; a linear
-        that folds its weight gradient is called once per backward)."""
+        that folds its weight gradient is called once per backward). Document masking: `docs` and `eod`."""
         out = []
-        for layer, (ids_k, labels_k) in zip(self.layers, shifted_tokens(ids, labels, len(self.layers), self.state)):
-            normed, h = layer(h, embed(ids_k).to(h.dtype), cos, sin)
+        shifted = shifted_tokens(ids, labels, len(self.layers), self.state, eod)
+        for layer, (ids_k, labels_k) in zip(self.layers, shifted):
+            normed, h = layer(h, embed(ids_k).to(h.dtype), cos, sin, docs)
             out.append((normed, labels_k))
         return out
 

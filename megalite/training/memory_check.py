@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megalite.config import PRESETS, Config, ModelConfig
+from megalite.config.presets import section_values
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
@@ -131,8 +132,8 @@ def alternatives(cfg: Config, processes: int, available: float) -> list[Alternat
              if (need := _needed(c, processes)) is not None and fits(need, available)]
     if not found:  # nothing short of a smaller model: the presets that fit with this batch and layout
         for name, values in PRESETS.items():
-            # The tokenizer's vocab_size stays; a MoE preset's `moe` table is its [moe] section.
-            shape: dict[str, Any] = {k: v for k, v in values.items() if k not in ("vocab_size", "moe")}
+            shape: dict[str, Any] = {k: v for k, v in section_values(values).items()
+                                     if k != "vocab_size"}  # the tokenizer's stays
             model = dataclasses.replace(ModelConfig(), **shape, preset=name, vocab_size=cfg.model.vocab_size,
                                         recompute=cfg.model.recompute,
                                         make_vocab_divisible_by=cfg.model.make_vocab_divisible_by)

@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from megalite.checkpoint.files import atomic_output, inside, refuse_link, refuse_output_in_checkpoint
+from megalite.checkpoint.interop.hf_files import HF_WEIGHT_DTYPES, hf_tensor_source
 from megalite.checkpoint.interop.hf_rope import hf_rope_parameters, rope_scaling_info
 from megalite.checkpoint.index_check import model_info_problems
 from megalite.checkpoint.offline import Carried, write_checkpoint
@@ -203,9 +204,16 @@ class HFMapping:
     hf_config: Callable[[dict[str, Any]], dict[str, Any]]
     rules: Callable[[dict[str, Any]], list[Rule]]
     expected_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
-    # Wraps the reader of an HF directory's tensors (name -> tensor, name -> shape) for the import, e.g. to
-    # stack per-expert tensors into the fused names `rules` give; None reads the names as they are.
-    source: Callable[[TensorSource, dict[str, Any]], TensorSource] | None = None
+    # Wraps the import's reader of HF tensors (name -> tensor, name -> shape), given the info and config.json: e.g.
+    # stacks per-expert tensors into the fused names `rules` give, dequantises FP8; None reads them as they are.
+    source: Callable[[TensorSource, dict[str, Any], dict[str, Any]], TensorSource] | None = None
+    # The export's last step on each HF tensor (HF name, tensor, model info), e.g. a row permutation; None: as is.
+    export_tensor: Callable[[str, torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
+
+
+def tensor_key(name: str) -> str:
+    """A rule's name as a checkpoint key: "param/<name>", or a buffer's "buffer/<name>" as the rule gives it."""
+    return name if name.startswith("buffer/") else f"param/{name}"
 
 
 TensorSource = tuple[Callable[[str], torch.Tensor], Callable[[str], list[int]]]
@@ -249,9 +257,9 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     want = mapping.expected_shapes(info)
     plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for name, hf_names, split, transposed in table:
-        if not reader.has(f"param/{name}"):
+        if not reader.has(tensor_key(name)):
             raise CheckpointError(f"checkpoint {src} has no tensor {name}: it does not match its own model dims")
-        shape = reader.shape(f"param/{name}")
+        shape = reader.shape(tensor_key(name))
         if shape != want[name]:
             raise CheckpointError(f"checkpoint {src}: {name} has shape {list(shape)} but its model dims imply "
                                   f"{list(want[name])}: index.json is inconsistent")
@@ -278,9 +286,11 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
             try:
                 with Progress(len(table), "exporting", "tensors", enabled=show_progress) as bar:
                     for name, hf_names, split, transposed in table:
-                        shape = reader.shape(f"param/{name}")
-                        full = reader.read_region(f"param/{name}", (0,) * len(shape), shape)
+                        shape = reader.shape(tensor_key(name))
+                        full = reader.read_region(tensor_key(name), (0,) * len(shape), shape)
                         for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
+                            if mapping.export_tensor is not None:
+                                t = mapping.export_tensor(hf_name, t, info)
                             writer.write(hf_name, t.to(torch_dtype))
                         bar.update()
             except BaseException:
@@ -316,62 +326,6 @@ def _chat_template(index: dict[str, Any], tokenizer: str, template_file: str) ->
     return None
 
 
-def _opened(path: Path) -> Any:
-    try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read {path} ({one_line(str(e))}): not a complete safetensors file") from e
-
-
-HF_WEIGHT_DTYPES = ("F32", "BF16", "F16")
-
-
-def _hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Callable[[str], list[int]]]:
-    """(name -> tensor, name -> shape) over model.safetensors or a sharded set (model.safetensors.index.json); accepts
-    GPT-2 names with or without the `transformer.` prefix."""
-    index_file = hf_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        try:
-            weight_map = loads_json(index_file.read_text(encoding="utf-8"), str(index_file),
-                                    CheckpointError)["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"cannot read the weight_map of {index_file} ({e!r})") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index_file}: weight_map must map tensor names to file names")
-        for file in set(weight_map.values()):
-            inside(hf_dir, file, "weight_map", links_out=True)  # refuse names that leave the directory before reading any
-    elif (hf_dir / "model.safetensors").exists():
-        with _opened(hf_dir / "model.safetensors") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise CheckpointError(f"{hf_dir} has no model.safetensors (or its index): export the HF model with "
-                              "save_pretrained(..., safe_serialization=True)")
-    handles: dict[str, Any] = {}
-
-    def open_(name: str) -> tuple[Any, str]:
-        key = name if name in weight_map else name.removeprefix("transformer.")
-        if key not in weight_map:
-            raise CheckpointError(f"{hf_dir} has no tensor {name}: the HF model is incomplete or of another kind")
-        file = weight_map[key]
-        if file not in handles:
-            handles[file] = _opened(inside(hf_dir, file, "weight_map", links_out=True))
-        return handles[file], key
-
-    def get(name: str) -> torch.Tensor:
-        handle, key = open_(name)
-        dtype = handle.get_slice(key).get_dtype()
-        if dtype not in HF_WEIGHT_DTYPES:  # an integer tensor read as weights would be a silent misread
-            raise CheckpointError(f"{hf_dir}: tensor {key} is {dtype}; weights must be one of "
-                                  f"{', '.join(HF_WEIGHT_DTYPES)}")
-        return handle.get_tensor(key).float()
-
-    def shape(name: str) -> list[int]:
-        handle, key = open_(name)
-        return list(handle.get_slice(key).get_shape())
-
-    return get, shape
-
-
 def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, mapping: HFMapping = DENSE) -> Path:
     """A megalite checkpoint (step 0, no optimizer state, one file of full tensors) from an HF directory."""
     hf_dir = Path(hf_dir)
@@ -386,12 +340,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
         info = mapping.info_from_hf(cfg)
     except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
         raise CheckpointError(f"{hf_dir / 'config.json'} lacks or garbles a model dimension ({e!r}): it is not a "
-                              "complete LlamaForCausalLM / GPT2LMHeadModel config") from e
+                              f"complete {cfg.get('model_type')} config") from e
     _checked_info(info, str(hf_dir / "config.json"))
-    get, shape_of = _hf_tensor_source(hf_dir)
+    get, shape_of = hf_tensor_source(hf_dir)
     if mapping.source is not None:
-        get, shape_of = mapping.source((get, shape_of), info)
-    table = {name: (hf_names, transposed) for name, hf_names, _, transposed in mapping.rules(info)}
+        get, shape_of = mapping.source((get, shape_of), info, cfg)
+    table: dict[str, tuple[list[str], bool]] = {}  # a name's first rule; later ones are copies an export writes
+    for name, hf_names, _, transposed in mapping.rules(info):
+        table.setdefault(name, (hf_names, transposed))
     want = mapping.expected_shapes(info)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, (hf_names, transposed) in table.items():
@@ -399,15 +355,20 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
         if any(len(s) != len(want[name]) for s in parts):
             raise CheckpointError(f"{hf_dir}: {hf_names[0]} has shape {parts[0]}, not a {len(want[name])}-D tensor")
         rows = sum(s[1 if transposed else 0] for s in parts)
-        shapes[f"param/{name}"] = (rows, parts[0][0]) if transposed else (rows,) + tuple(parts[0][1:])
-        if shapes[f"param/{name}"] != want[name]:
+        key = tensor_key(name)
+        shapes[key] = (rows, parts[0][0]) if transposed else (rows,) + tuple(parts[0][1:])
+        if shapes[key] != want[name]:
             raise CheckpointError(f"{hf_dir}: the tensors of {name} ({', '.join(hf_names)}) have shapes {parts}, which "
                                   f"disagree with config.json ({_dims_text(info)}): the config does not describe these "
                                   "weights")
 
     def fetch(key: str) -> torch.Tensor:
-        hf_names, transposed = table[key.split("/", 1)[1]]
-        return torch.cat([get(n).t() if transposed else get(n) for n in hf_names], dim=0)
+        hf_names, transposed = table[key.removeprefix("param/")]
+        parts = [get(n) for n in hf_names]
+        if any(p.dtype == torch.float8_e4m3fn for p in parts):
+            raise CheckpointError(f"{hf_dir}: {hf_names[0]} is float8 and this architecture's import does not "
+                                  "dequantise it: convert the model to bf16/fp32 first")
+        return torch.cat([p.t() if transposed else p for p in parts], dim=0)
 
     extra = {"imported_from": str(hf_dir), "model": info}
     return write_checkpoint(Path(out), shapes, fetch, info, carried=Carried(extra, step=0), show_progress=show_progress)

@@ -24,7 +24,8 @@ stage can compute alone. The two are equal with one MoE layer; with several, meg
 transformers' function applied to each layer (tests/test_hf_moe_train.py checks both).
 
 Refused by name: Qwen2-MoE (its shared expert has a sigmoid gate megalite's shared experts lack),
-DeepSeek-V2/V3 (multi-head latent attention), and every field megalite would not compute as transformers does.
+DeepSeek-V2, and every field megalite would not compute as transformers does. DeepSeek-V3 is
+megalite/checkpoint/interop/hf_deepseek.py's (whose MAPPING the tools use).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ NAMES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "q
 REFUSED = {
     "qwen2_moe": "its shared expert is scaled by a sigmoid gate (shared_expert_gate) that megalite's shared "
                  "experts do not have",
-    "deepseek_v2": "its attention is multi-head latent attention (MLA), which megalite does not have",
-    "deepseek_v3": "its attention is multi-head latent attention (MLA), which megalite does not have",
+    "deepseek_v2": "its MoE routing (greedy / group_limited_greedy softmax) is not megalite's; DeepSeek-V3 imports",
+    "deepseek_v3": "read it with megalite.checkpoint.interop.hf_deepseek.MAPPING (as tools/import_hf.py does)",
 }
 _SHARED_KEYS = ("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size")
 # MoE defaults for what HF configs do not carry (no z-loss, dropless, no DeepSeek bias).
-_MOE_DEFAULTS = {"moe_shared_experts": 0, "moe_shared_ffn_hidden_size": 0, "moe_route_scale": 1.0, "moe_groups": 1,
+MOE_DEFAULTS = {"moe_shared_experts": 0, "moe_shared_ffn_hidden_size": 0, "moe_route_scale": 1.0, "moe_groups": 1,
                  "moe_group_top_k": 1, "moe_bias_rate": 0.0, "moe_z_loss": 0.0, "moe_capacity_factor": None}
 
 
@@ -97,7 +98,7 @@ def info_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     if not (isinstance(coef, (int, float)) and not isinstance(coef, bool) and 0 <= coef < float("inf")):
         raise CheckpointError(f"this {name} config cannot be imported: router_aux_loss_coef={coef!r} must be a "
                               "number >= 0")
-    return {**info, **_MOE_DEFAULTS, "moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": ffn,
+    return {**info, **MOE_DEFAULTS, "moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": ffn,
             "moe_first_dense": step - 1, "moe_every": step, "moe_router": "mixtral" if kind == "mixtral" else "qwen3",
             "moe_renorm": bool(cfg.get("norm_topk_prob", True)) if kind != "mixtral" else True,
             "moe_aux_loss": float(coef) if cfg.get("output_router_logits") else 0.0}
@@ -128,7 +129,7 @@ def _unsupported(cfg: dict[str, Any], kind: str) -> list[str]:
 
 def hf_config(info: dict[str, Any]) -> dict[str, Any]:
     """config.json for the HF architecture that computes megalite model `info`; refuses what none does."""
-    qk, s = bool(info.get("qk_norm")), _settings(info)
+    qk, s = bool(info.get("qk_norm")), settings(info)
     if s is None and not qk:
         return hf.hf_config(info)
     if info["arch"] != "llama":
@@ -169,14 +170,14 @@ def hf_config(info: dict[str, Any]) -> dict[str, Any]:
                           f"this one has moe.router={s.router}, moe.renorm={s.renorm} and qk_norm={qk}")
 
 
-def _settings(info: dict[str, Any]) -> MoEConfig | None:
+def settings(info: dict[str, Any]) -> MoEConfig | None:
     return moe_from_info(info).resolved(info["ffn_hidden_size"])
 
 
 # ---------------------------------------------------------------------------------------- tensor names
 def rules(info: dict[str, Any]) -> list[hf.Rule]:
     """The mapping of every megalite parameter to its HF tensor(s): Llama's, with MoE layers and q/k norms."""
-    s = _settings(info)
+    s = settings(info)
     out: list[hf.Rule] = []
     for rule in hf.rules(info):
         name = rule[0]
@@ -199,7 +200,7 @@ def rules(info: dict[str, Any]) -> list[hf.Rule]:
 def expected_shapes(info: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The global shape of every megalite parameter (unpadded vocabulary), MoE layers and q/k norms included."""
     dense = hf.expected_shapes(info)
-    s, h = _settings(info), info["hidden_size"]
+    s, h = settings(info), info["hidden_size"]
     hd = info.get("head_dim") or h // info["num_heads"]
     shapes: dict[str, tuple[int, ...]] = {}
     for name, _, _, _ in rules(info):
@@ -222,7 +223,7 @@ def hub_experts(src: hf.TensorSource, info: dict[str, Any]) -> hf.TensorSource:
     block_sparse_moe.experts.j.w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's as mlp.gate and
     mlp.experts.j.{gate,up,down}_proj; each expert's [gate; up] rows are stacked into gate_up_proj [E, 2F, h]."""
     get, shape = src
-    s = _settings(info)
+    s = settings(info)
     if s is None:
         return src
     mixtral = s.router == "mixtral"
@@ -266,4 +267,4 @@ def hub_experts(src: hf.TensorSource, info: dict[str, Any]) -> hf.TensorSource:
     return tensor, shape_of
 
 
-MAPPING = hf.HFMapping(info_from_hf, hf_config, rules, expected_shapes, hub_experts)
+MAPPING = hf.HFMapping(info_from_hf, hf_config, rules, expected_shapes, lambda src, info, cfg: hub_experts(src, info))
