@@ -13,7 +13,7 @@ from megalite.config.derive import resolve
 from megalite.config.environment import compile_problems, environment_problems, path_problems
 from megalite.config.layout import layout_problems, size_problems
 from megalite.config.schema import Config
-from megalite.config.values import field_problems, finite_problems, text_problems, value_problems
+from megalite.config.values import field_problems, finite_problems, maximum_problems, text_problems, value_problems
 from megalite.layers import fp8_config
 from megalite.moe import config as moe_config
 from megalite.optim import config as optim_config
@@ -44,6 +44,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += optim_config.problems(cfg.optimizer, cfg.muon)
     problems += environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (values.py)
+    problems += maximum_problems(cfg)  # upper bounds where an absurd value hangs or overflows (values.py)
     problems += fp8_config.problems(cfg.fp8, cfg.train.dtype, device_type)
     problems += compile_problems(cfg, device_type)
     cli.raise_if(problems, "invalid config")
