@@ -18,20 +18,26 @@ class FP8Config:
                            "is below this (the output layer always does)")
 
 
-def problems(fp8: FP8Config, dtype: str, device_type: str) -> list[str]:
-    """`[fp8]` against the torch, the device and the run dtype (`train.dtype`) it would run with, one line each."""
+def section_problems(fp8: FP8Config) -> list[str]:
+    """The section's own values, torch-free: what the estimator (tools/estimate.py) checks too, on a machine
+    that need not run FP8 itself."""
     if fp8.recipe not in RECIPES:
         return [f"fp8.recipe: {fp8.recipe!r} is not one of {', '.join(RECIPES)}"]
-    if fp8.recipe == "none":
-        return []
+    if fp8.recipe != "none" and fp8.min_dim < 1:
+        return [f"fp8.min_dim must be >= 1, got {fp8.min_dim}"]
+    return []
+
+
+def problems(fp8: FP8Config, dtype: str, device_type: str) -> list[str]:
+    """`[fp8]` against the torch, the device and the run dtype (`train.dtype`) it would run with, one line each."""
+    out = section_problems(fp8)
+    if fp8.recipe not in RECIPES or fp8.recipe == "none":
+        return out
     import torch  # here, not at the top: the section stays torch-free
 
     from megalite.errors import ConfigError
     from megalite.layers import scaled_mm
 
-    out: list[str] = []
-    if fp8.min_dim < 1:
-        out.append(f"fp8.min_dim must be >= 1, got {fp8.min_dim}")
     try:
         scaled_mm.check_available()
     except ConfigError as e:
