@@ -1,5 +1,5 @@
 """A MoE checkpoint's index.json with bad routing fields ("moe_" + each `[moe]` field): every reader (generate,
-`--checkpoint.load`, export_hf) refuses it with one line and the checkpoint exit code, by the SAME rules as the
+`--checkpoint.load`, export_hf, reshard) refuses it with one line and the checkpoint exit code, by the SAME rules as the
 `[moe]` config section (megalite/checkpoint/index_check.py `moe_info_problems`).
 
 Before, `moe_top_k 0` or `moe_capacity_factor -1` generated with no expert contributing (exit 0), and
@@ -19,6 +19,7 @@ from tests.test_bad_inputs import CKPT, assert_one_line, snapshot
 from tests.test_bad_inputs_checkpoint import _copy, _edit_index
 from tools.export_hf import main as export_main
 from tools.generate import main as generate_main
+from tools.reshard_checkpoint import main as reshard_main
 
 MOE_RUN = [*SMALL_RUN, "--moe.experts", "4", "--moe.top_k", "2", "--train.steps", "1"]
 
@@ -59,6 +60,9 @@ def test_every_reader_refuses_a_bad_moe_field(moe_ck: dict[str, Any], tmp_path: 
     got = export_main(["--input", str(ckpt), "--output", str(tmp_path / "hf"), "--quiet"])
     assert_one_line(capsys.readouterr().err, got, CKPT, needle)
     assert not (tmp_path / "hf").exists()
+    got = reshard_main(["--input", str(ckpt), "--output", str(tmp_path / "re"), "--tp", "1", "--pp", "1"])
+    assert_one_line(capsys.readouterr().err, got, CKPT, needle)
+    assert not (tmp_path / "re").exists()
     got = main([*moe_ck["args"], "--logging.dir", str(tmp_path / "log"), "--checkpoint.load", str(ckpt),
                 "--train.steps", "2"])
     assert_one_line(capsys.readouterr().err, got, CKPT, needle)
