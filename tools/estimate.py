@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.errors import ConfigError, MegaliteError, entry_point, report  # noqa: E402
 from megalite.fp8.costs import FP8_CHOICES  # noqa: E402
 from megalite.mla.costs import MLADims  # noqa: E402
+from megalite.optim.config import MAX_NS_STEPS  # noqa: E402
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
@@ -157,13 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-node (NVLink) bandwidth in GB/s for TP (default: the inter-node one)")
     h.add_argument("--peak-tflops", type=positive_float, help="dense peak TFLOP/s per device")
     h.add_argument("--device", help="device name to look the peak up, e.g. 'NVIDIA H100 80GB HBM3'")
-    h.add_argument("--fp8", choices=list(FP8_CHOICES), default="none",
+    h.add_argument("--fp8", choices=list(FP8_CHOICES),
                    help="fp8.recipe: the filtered block GEMMs at the device's dense FP8 peak, plus their amax "
                         "all-reduces and scale tensors (docs/fp8.md; a MoE preset's expert GEMMs: its MoE section); "
-                        "MFU: bf16 peak")
-    h.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
-                   help="optimizer.name: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md)")
-    h.add_argument("--fp8-min-dim", type=positive_int, default=128, help="fp8.min_dim (the FP8 filter)")
+                        "MFU: bf16 peak (default: the config's fp8.recipe, else none)")
+    h.add_argument("--optimizer", choices=["adamw", "muon"],
+                   help="optimizer.name: muon adds its Newton-Schulz FLOPs and 'muon' bytes (docs/muon.md) "
+                        "(default: the config's optimizer.name, else adamw)")
+    h.add_argument("--fp8-min-dim", type=positive_int, help="fp8.min_dim (the FP8 filter; default: the config's, "
+                   "else 128)")
+    h.add_argument("--muon-ns-steps", type=_number(int, 1, True, MAX_NS_STEPS),
+                   help="muon.ns_steps, the Newton-Schulz steps priced (default: the config's, else 5)")
     h.add_argument("--hfu-convention", choices=list(HFU_CONVENTIONS), default="executed",
                    help="selective recompute's HFU: executed (the re-run attention core, default) or korthikanti "
                         "(Korthikanti et al. 2022 Table 5's 72BLsh^2(1 + s/3h + V/12hL))")
@@ -238,17 +243,31 @@ def presets() -> dict[str, dict]:
     return table
 
 
-def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
-    """Model dims, layout fields and dtype from a pretrain config (the public config field names).
-    Unresolved values (dp = 0: world size unknown here, global batch 0) fall back to the flags'
-    defaults: pass --dp to size the data-parallel group."""
+# The feature settings a config gives the estimate (each a flag of the same name, which wins) and their defaults.
+_FEATURE_DEFAULTS = {"fp8": "none", "fp8_min_dim": 128, "optimizer": "adamw", "muon_ns_steps": 5}
+
+
+def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None, dict]:
+    """Model dims, layout fields, dtype and the feature settings (`_FEATURE_DEFAULTS`' keys) from a pretrain
+    config (the public config field names), whose `[moe]`, `[fp8]`, `[optimizer]` and `[muon]` sections are
+    checked by the features' own rules first (what the run would refuse is not priced: experts -4 would be a
+    negative parameter count). Unresolved values (dp = 0: world size unknown here, global batch 0) fall back
+    to the flags' defaults: pass --dp to size the data-parallel group."""
     try:
         from megalite.config import parse_args
+        from megalite.config.cli import raise_if
+        from megalite.fp8 import config as fp8_config
+        from megalite.moe import config as moe_config
+        from megalite.optim import config as optim_config
     except ImportError as exc:
         raise ConfigError(f"--config needs megalite.config ({exc}); pass the model and layout "
                           f"as explicit flags instead (see --help)") from exc
     cfg = parse_args(config_argv)
     model, par, train = cfg.model, cfg.parallel, cfg.train
+    raise_if(moe_config.problems(cfg.moe, model.num_layers, model.ffn_hidden_size, par.tp, par.dp, par.cp, par.ep)
+             + fp8_config.section_problems(cfg.fp8) + optim_config.problems(cfg.optimizer, cfg.muon), "invalid config")
+    features = {"fp8": cfg.fp8.recipe, "fp8_min_dim": cfg.fp8.min_dim, "optimizer": cfg.optimizer.name,
+                "muon_ns_steps": cfg.muon.ns_steps}
     data = getattr(cfg, "data", None)
     demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
     dims = _model_dims_kwargs(model, demo_vocab)
@@ -262,7 +281,7 @@ def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None]:
     lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
                global_batch_size=getattr(train, "global_batch_size", None) or None,
                recompute=getattr(model, "recompute", None))
-    return dims, lay, _config_dtype(getattr(train, "dtype", None), getattr(train, "device", "auto"))
+    return dims, lay, _config_dtype(getattr(train, "dtype", None), getattr(train, "device", "auto")), features
 
 
 def _config_dtype(dtype: str | None, device: str | None) -> str | None:
@@ -281,12 +300,18 @@ def _config_dtype(dtype: str | None, device: str | None) -> str | None:
 
 
 def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
-    """Turn flags (+ optional config) into the keyword arguments of `megalite.perfmodel.estimate.estimate`."""
+    """Turn flags (+ optional config) into the keyword arguments of `megalite.perfmodel.estimate.estimate`.
+    The feature flags left unset (`--fp8`, `--optimizer`, ...) are filled in `args` from the config, else their
+    defaults, so every report below prices what the config would run."""
     dims_kw: dict = {}
     lay_kw: dict = {}
     dtype = None
+    features: dict = {}
     if config_argv:
-        dims_kw, lay_kw, dtype = _from_config(config_argv)
+        dims_kw, lay_kw, dtype, features = _from_config(config_argv)
+    for key, default in _FEATURE_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, features.get(key, default))
     if args.preset:  # an explicit flag: wins over a config's model too (`--preset X --parallel.cp 2`)
         dims_kw = dict(presets()[args.preset])
     for k in _MODEL_FLAGS + ("tie_embeddings",):
@@ -414,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         est, sections, lines = answer_questions(args, kw)
         moe_section, moe_lines = moe_report(kw["layout"], kw["prec"], vars(args), config_argv, kw["fp8"])  # {} when dense
         sections, lines = {**sections, **moe_section}, lines + moe_lines
-        muon_section, muon_lines = muon_report(args.optimizer, kw["dims"], kw["layout"])
+        muon_section, muon_lines = muon_report(args.optimizer, kw["dims"], kw["layout"], args.muon_ns_steps)
         sections, lines = {**sections, **muon_section}, lines + muon_lines
     except MegaliteError as exc:
         return report(exc)

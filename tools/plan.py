@@ -35,6 +35,9 @@ _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_s
          "seq_len", "head_dim", "mtp_layers")
 
 
+DEFAULT_SCHEDULES = "1f1b,interleaved"  # what the dense planner tries unless --schedules says otherwise
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-micro-batch", type=positive_int, default=16)
     r.add_argument("--max-vpp", type=positive_int, default=8, help="most virtual stages per rank (interleaved 1F1B)")
     r.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages allowed, comma-separated")
-    r.add_argument("--schedules", default="1f1b,interleaved",
+    r.add_argument("--schedules",
                    help="pipeline schedules tried, comma-separated, from 1f1b, interleaved, zb-h1, zbv (the "
-                        "zero-bubble ones are priced at equal F/B/W costs, their best case)")
+                        "zero-bubble ones are priced at equal F/B/W costs, their best case); default "
+                        f"{DEFAULT_SCHEDULES} (a MoE model: 1f1b, the only one its planner prices)")
     r.add_argument("--cp", default="auto",
                    help="context-parallel sizes tried, comma-separated (e.g. 1,2,4); auto (default): cp = 1, and "
                         "when no layout fits, the powers of two that split the sequence")
@@ -170,9 +174,11 @@ def _cp_sizes(text: str) -> tuple[int, ...] | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        schedules = _schedules(args.schedules or DEFAULT_SCHEDULES)  # an unknown name is refused for every model
         moe = moe_preset_model(args.preset, vars(args))  # a MoE preset: ep is ranked too (perfmodel.moe_plan)
         if moe is not None:
-            ignored = [flag for flag, given in (("--compare", bool(args.compare)), ("--cp", args.cp not in ("auto", "1")))
+            ignored = [flag for flag, given in (("--compare", bool(args.compare)), ("--cp", args.cp not in ("auto", "1")),
+                                                ("--schedules", args.schedules is not None and schedules != ("1f1b",)))
                        if given]
             if ignored:  # not silently dropped: the MoE search is cp = 1 and has no comparison (docs/moe.md)
                 raise ConfigError(f"{' and '.join(ignored)} not supported for a MoE model: its planner searches cp = 1, "
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(mplan.to_dict(args.top), indent=2) if args.json else render_moe(mplan, args.top))
             return 0
         dims = resolve_dims(args)
-        search = Search(args.max_micro_batch, args.max_vpp, _zero_stages(args.zero_stages), _schedules(args.schedules),
+        search = Search(args.max_micro_batch, args.max_vpp, _zero_stages(args.zero_stages), schedules,
                         _cp_sizes(args.cp))
         plan = make_plan(dims, resolve_cluster(args), args.global_batch_size,
                          _precision(args.memory_layout, normalize_dtype(args.dtype)), search)

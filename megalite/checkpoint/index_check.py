@@ -12,7 +12,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megalite.errors import CheckpointError
+from megalite.config.cli import coerce, field_types
+from megalite.errors import CheckpointError, ConfigError
+from megalite.moe import config as moe_config
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
 _OPTIONAL_DIMS = ("seq_len", "make_vocab_divisible_by")  # recorded by megalite, absent in older files
@@ -50,14 +52,35 @@ def model_info_problems(info: Any) -> list[str]:
         v = info.get(k)
         if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             out.append(f"{k}={v!r} must be a positive finite number")
+    if "qk_norm" in info and not isinstance(info["qk_norm"], bool):
+        out.append(f"qk_norm={info['qk_norm']!r} must be true or false")
     if out:
         return out
+    out += moe_info_problems(info)
     h, nh, nkv = info["hidden_size"], info["num_heads"], info["num_kv_heads"]
     if h % nh:
         out.append(f"hidden_size={h} is not divisible by num_heads={nh}")
     if nh % nkv:
         out.append(f"num_heads={nh} is not divisible by num_kv_heads={nkv}")
     return out
+
+
+def moe_info_problems(info: dict[str, Any]) -> list[str]:
+    """A MoE model's routing as recorded ("moe_" + each `[moe]` field), checked with the SAME types and rules as
+    the `[moe]` config section (`megalite.moe.config.problems`), so no reader builds a model the config would
+    refuse. Parallel sizes are 1: how a checkpoint is sharded is checked against its tensors, not here."""
+    values: dict[str, Any] = {}
+    out: list[str] = []
+    for name, tp in field_types(moe_config.MoEConfig).items():
+        if f"moe_{name}" in info:
+            try:
+                values[name] = coerce(f"moe_{name}", info[f"moe_{name}"], tp, from_cli=False)
+            except ConfigError as e:  # a string for an int, a bool for an int, ...
+                out.append(str(e))
+    if out or not values:
+        return out
+    moe = moe_config.MoEConfig(**values)
+    return moe_config.problems(moe, info["num_layers"], info["ffn_hidden_size"], tp=1, dp=1, cp=1, ep=1)
 
 
 def _tensor_problems(index: dict[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ from megalite.config.derive import resolve
 from megalite.config.environment import compile_problems, environment_problems, path_problems
 from megalite.config.layout import layout_problems, size_problems
 from megalite.config.schema import Config, ModelArgs
-from megalite.config.values import field_problems, finite_problems, text_problems, value_problems
+from megalite.config.values import field_problems, finite_problems, maximum_problems, text_problems, value_problems
 from megalite.fp8 import config as fp8_config
 from megalite.moe import config as moe_config
 from megalite.mla.config import mla_problems
@@ -51,6 +51,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += mla_problems(cfg.mla, cfg.model) + rope_scaling_problems(RopeScaling.of(cfg.model))
     problems += environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (values.py)
+    problems += maximum_problems(cfg)  # upper bounds where an absurd value hangs or overflows (values.py)
     problems += fp8_config.problems(cfg.fp8, cfg.train.dtype, device_type)
     problems += fp8_config.layout_problems(cfg.fp8, ModelArgs.from_config(cfg), p.tp, p.cp)
     problems += compile_problems(cfg, device_type)

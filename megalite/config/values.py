@@ -131,6 +131,40 @@ def check_text_fields(cfg: Config) -> None:
     cli.raise_if(text_problems(cfg), "invalid config")
 
 
+# Upper bounds of the fields where an absurd value hangs a step, overflows or allocates without limit (a bound only
+# where that happens: a huge train.steps or interval is a long run or "never", which is what was asked).
+# key -> (largest accepted value, why).
+MAXIMA: Mapping[str, tuple[float, str]] = types.MappingProxyType({
+    "model.seq_len": (2**24, "RoPE tables and attention masks are sized by it (index.json's bound too)"),
+    "model.make_vocab_divisible_by": (2**16, "it pads the embedding: more would add rows, not divisibility"),
+    "model.norm_eps": (1.0, "an epsilon guards a division; a large one is a scale, and beyond 3.4e38 inf in fp32"),
+    "model.rope_theta": (1e30, "RoPE's base is raised to powers in fp32, which overflows near 3.4e38"),
+    "model.init_std": (1.0, "real models use ~0.02; a larger std overflows the activations at step 1"),
+    "parallel.bucket_mb": (2**20, "a bucket of a TiB of gradients is no bucket; larger values only overflow sizes"),
+    "parallel.first_bucket_mb": (2**20, "as parallel.bucket_mb"),
+    "train.micro_batch_size": (2**20, "one micro-batch of more sequences is allocated at once"),
+    "train.global_batch_size": (2**24, "a step of more sequences (gradient accumulation) would never finish"),
+    "train.lr": (10.0, "learning rates are <= ~1; beyond 10 the first update diverges, 1e308 overflows to inf"),
+    "train.eval_steps": (2**20, "each evaluation runs them all: more would never let training go on"),
+    "train.watchdog_min_s": (1e7, "as parallel.timeout_s: a timer longer than months overflows the OS wait"),
+    "data.demo_vocab_size": (2**20, "the embedded corpus (~3 MB) cannot give a BPE vocabulary larger than that"),
+    "data.streams": (2**24, "each stream feeds at least one sequence of train.global_batch_size per step"),
+    "data.workers": (256, "tokenizer processes per rank: more than a machine's cores only thrash (1e9 forks)"),
+    "data.prefetch": (1024, "steps of batches held in memory ahead of training"),
+    "logging.sample_tokens": (2**20, "each new token is one forward pass: more would never end the sample"),
+})
+
+
+def maximum_problems(cfg: Config) -> list[str]:
+    """Values above `MAXIMA`'s bounds, each with its reason; and the decoupled weight decay's own bound."""
+    out = [f"{k} {value_of(cfg, k):g} is above {most:g}: {why}" for k, (most, why) in MAXIMA.items()
+           if value_of(cfg, k) > most]
+    if cfg.train.lr * cfg.optimizer.weight_decay >= 1:  # p <- p (1 - lr wd): at >= 1 every step flips or zeroes p
+        out.append(f"train.lr x optimizer.weight_decay = {cfg.train.lr:g} x {cfg.optimizer.weight_decay:g} must be "
+                   "< 1 (decoupled decay multiplies each weight by 1 - lr x wd every step)")
+    return out
+
+
 def field_problems(cfg: Config) -> list[str]:
     """One phrase per bad value among the ranges `validate`'s tables leave out."""
     out: list[str] = []
@@ -139,8 +173,6 @@ def field_problems(cfg: Config) -> list[str]:
         out.append(f"logging.sample_interval must be >= 0 (0 = never), got {lg.sample_interval}")
     if lg.sample_tokens < 1:
         out.append(f"logging.sample_tokens must be >= 1, got {lg.sample_tokens}")
-    elif lg.sample_tokens > MAX_COUNT:
-        out.append(f"logging.sample_tokens must be <= 2^62, got {lg.sample_tokens}")
     if tr.seed >= MAX_SEED:
         out.append(f"train.seed must be < 2^64 (an unsigned 64-bit seed), got {tr.seed}")
     for key, value in (("train.steps", tr.steps), ("train.warmup_steps", tr.warmup_steps),

@@ -76,6 +76,8 @@ def build_data(cfg: Config) -> DataBundle:
             raise DataError(f"{ix.prefix!r} was preprocessed with a tokenizer of {ix.vocab_size} ids, but "
                             f"data.tokenizer {tokenizer.path!r} has {tokenizer.vocab_size}: pass the tokenizer the "
                             "data was made with, or preprocess it again with this one")
+        if data.document_mask:
+            ix.check_document_ends(tokenizer.eod_id)
     weights = list(data.weights) or [float(ix.num_tokens) for ix in indexed]
     if len(weights) != len(indexed):
         raise ConfigError(f"data.weights has {len(weights)} entries for {len(indexed)} paths in data.path: give "

@@ -252,6 +252,21 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.doc_lengths)
 
+    def check_document_ends(self, eod_id: int, sample: int = 256) -> None:
+        """data.document_mask splits packed samples at `eod_id`: refuse data whose documents do not end with it
+        (prepared without EOD tokens, or with another tokenizer), where the mask would silently mask nothing.
+
+        Up to `sample` documents spread over the dataset are looked at (one token each): cheap at any size.
+        Refusing, not warning: a run that asked for document masking and got none has trained another model."""
+        n = len(self)
+        picks = np.unique(np.linspace(0, max(n - 1, 0), min(n, sample)).astype(np.int64))
+        ends = [int(self.tokens[int(self.offsets[i + 1]) - 1]) for i in picks if self.offsets[i + 1] > self.offsets[i]]
+        if ends and eod_id not in ends:
+            raise DataError(f"data.document_mask is set but none of {len(ends)} documents of {self.prefix!r} ends "
+                            f"with the tokenizer's end-of-document id {eod_id}, so nothing would be masked: "
+                            "preprocess the data again with this tokenizer (tools/preprocess_data.py appends it), "
+                            "or set data.document_mask=false")
+
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `offset : offset+length` of document i (to its end when length is None); a memmap view."""
         n = len(self)

@@ -93,6 +93,8 @@ class StreamLoader:
                 self.fingerprints.append(src.fingerprint())
             else:
                 ix = IndexedDataset(p, vocab_size=tokenizer.vocab_size)
+                if data.document_mask:  # a raw source always has them: megalite/data/encode.py appends the EOD
+                    ix.check_document_ends(tokenizer.eod_id)
                 t_docs, v_docs = split_documents(len(ix), float(data.valid_fraction), self.seed)
                 train.append(GPTDataset(ix, t_docs, self.seq_len, self.seed, name="train"))
                 if len(v_docs):

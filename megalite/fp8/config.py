@@ -22,12 +22,21 @@ class FP8Config:
                            "is below this (the output layer always does)")
 
 
-def problems(fp8: FP8Config, dtype: str, device_type: str) -> list[str]:
-    """`[fp8]` against the torch, the device and the run dtype (`train.dtype`) it would run with, one line each."""
+def section_problems(fp8: FP8Config) -> list[str]:
+    """The section's own values, torch-free: what the estimator (tools/estimate.py) checks too, on a machine
+    that need not run FP8 itself."""
     if fp8.recipe not in RECIPES:
         return [f"fp8.recipe: {fp8.recipe!r} is not one of {', '.join(RECIPES)}"]
-    if fp8.recipe == "none":
-        return []
+    if fp8.recipe != "none" and fp8.min_dim < 1:
+        return [f"fp8.min_dim must be >= 1, got {fp8.min_dim}"]
+    return []
+
+
+def problems(fp8: FP8Config, dtype: str, device_type: str) -> list[str]:
+    """`[fp8]` against the torch, the device and the run dtype (`train.dtype`) it would run with, one line each."""
+    out = section_problems(fp8)
+    if out or fp8.recipe == "none":
+        return out
     from megalite.fp8.checks import fp8_problems  # here, not at the top: the section stays torch-free
 
     return fp8_problems(fp8.recipe, fp8.min_dim, dtype, device_type)

@@ -11,6 +11,12 @@ from dataclasses import dataclass, replace
 from megalite.section import doc_field as _f
 
 ROUTERS = ("mixtral", "qwen3", "deepseek")
+GROUPED_ROUTERS = ("deepseek",)  # the routers that read moe.groups / moe.group_top_k (the others ignore them)
+# Upper bounds where a larger value hangs, overflows or allocates absurdly rather than meaning anything:
+MAX_EXPERTS = 2**16  # DeepSeek-V3 has 256; the router's [tokens, experts] logits and per-expert tables grow with it
+MAX_FFN = 2**22      # as model.ffn_hidden_size (megalite/checkpoint/index_check.py MAX_DIM): one expert's width
+MAX_SHARED = 2**10   # shared experts are fused into one MLP of shared_experts x width: 1e9 of them is 32 TB
+MAX_COEF = 1e3       # aux_loss, z_loss, bias_rate, route_scale: real runs use <= ~10; 1e308 overflows to inf at step 1
 
 
 @dataclass
@@ -70,10 +76,22 @@ def problems(moe: MoEConfig, num_layers: int, ffn_hidden_size: int, tp: int, dp:
         out.append(f"moe.top_k {moe.top_k} must be between 1 and moe.experts {moe.experts}")
     if moe.capacity_factor is not None and not moe.capacity_factor > 0:
         out.append(f"moe.capacity_factor must be > 0 (or unset for dropless), got {moe.capacity_factor}")
+    elif moe.capacity_factor is not None and moe.capacity_factor > max(moe.experts, 1):
+        # capacity = factor x tokens x top_k / experts >= tokens x top_k already at factor = experts: nothing
+        # can be dropped, and a factor like 1e308 overflows the capacity computation at step 1
+        out.append(f"moe.capacity_factor {moe.capacity_factor:g} is above moe.experts {moe.experts}, where no token "
+                   "can be dropped any more: unset it for dropless routing")
+    if moe.experts > MAX_EXPERTS:
+        out.append(f"moe.experts {moe.experts} is above {MAX_EXPERTS}, far beyond any real model")
     for key, value in (("ffn_hidden_size", moe.ffn_hidden_size), ("shared_experts", moe.shared_experts),
                        ("shared_ffn_hidden_size", moe.shared_ffn_hidden_size), ("first_dense", moe.first_dense)):
         if value < 0:
             out.append(f"moe.{key} must be >= 0, got {value}")
+    for key, value, most in (("ffn_hidden_size", moe.ffn_hidden_size, MAX_FFN), ("shared_experts", moe.shared_experts,
+                             MAX_SHARED), ("shared_ffn_hidden_size", moe.shared_ffn_hidden_size, MAX_FFN)):
+        if value > most:
+            out.append(f"moe.{key} {value} is above {most}, far beyond any real model (the weights alone would not "
+                       "fit any memory)")
     if moe.every < 1:
         out.append(f"moe.every must be >= 1, got {moe.every}")
     elif num_layers > 0 and moe.first_dense >= num_layers:  # would train a dense model, silently
@@ -82,11 +100,18 @@ def problems(moe: MoEConfig, num_layers: int, ffn_hidden_size: int, tp: int, dp:
     if not moe.route_scale > 0:
         out.append(f"moe.route_scale must be > 0 (it multiplies the routing weights), got {moe.route_scale}")
     for key, rate in (("aux_loss", moe.aux_loss), ("seq_aux_loss", moe.seq_aux_loss), ("z_loss", moe.z_loss),
-                      ("bias_rate", moe.bias_rate)):
+                      ("bias_rate", moe.bias_rate), ("route_scale", moe.route_scale)):
         if not rate >= 0:
-            out.append(f"moe.{key} must be >= 0, got {rate}")
+            if key != "route_scale":  # said above
+                out.append(f"moe.{key} must be >= 0, got {rate}")
+        elif rate > MAX_COEF:
+            out.append(f"moe.{key} {rate:g} is above {MAX_COEF:g}: it would drown the language-model loss or "
+                       "overflow to inf")
     if moe.groups < 1 or moe.experts % moe.groups:
         out.append(f"moe.groups {moe.groups} must divide moe.experts {moe.experts}")
+    elif moe.groups > 1 and moe.router not in GROUPED_ROUTERS:  # it would be accepted and silently ignored
+        out.append(f"moe.groups {moe.groups} needs moe.router={' or '.join(GROUPED_ROUTERS)} (the {moe.router} router "
+                   "has no group-limited routing): set moe.groups=1")
     elif moe.groups > 1 and (not 1 <= moe.group_top_k <= moe.groups  # groups 1: group routing off
                              or moe.top_k > moe.group_top_k * (moe.experts // moe.groups)):
         out.append(f"moe.group_top_k {moe.group_top_k} must be in 1..moe.groups {moe.groups} and leave "

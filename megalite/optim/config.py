@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from megalite.section import doc_field as _f
 
 OPTIMIZERS = ("adamw", "muon")  # `optimizer.name`
+# Newton-Schulz's quintic iteration orthogonalises in ~5 steps; each step is 3 matmuls per weight, all inside the
+# optimizer step (a SIGTERM waits for it): 1e9 steps would never finish step 1. 100 is far past any use.
+MAX_NS_STEPS = 100
+MAX_RMS = 10.0  # the update's RMS per unit lr (0.2 matches AdamW's); beyond 10 the first update diverges
+MAX_ADAM_EPS = 1.0  # an epsilon guards Adam's division; >= 1 silently turns Adam into a tiny-step SGD
 
 
 @dataclass
@@ -46,14 +51,15 @@ def problems(opt: OptimizerConfig, muon: MuonConfig) -> list[str]:
     for key, beta in (("beta1", opt.beta1), ("beta2", opt.beta2)):
         if not 0 <= beta < 1:
             out.append(f"optimizer.{key} must be in [0, 1), got {beta}")
-    if not opt.adam_eps > 0:
-        out.append(f"optimizer.adam_eps must be > 0, got {opt.adam_eps}")
+    if not 0 < opt.adam_eps <= MAX_ADAM_EPS:
+        out.append(f"optimizer.adam_eps must be in (0, {MAX_ADAM_EPS:g}] (it guards a division), got {opt.adam_eps}")
     if opt.name != "muon":
         return out
     if not 0 <= muon.momentum < 1:
         out.append(f"muon.momentum must be in [0, 1), got {muon.momentum}")
-    if muon.ns_steps < 1:
-        out.append(f"muon.ns_steps must be >= 1 (Newton-Schulz steps), got {muon.ns_steps}")
-    if not muon.rms > 0:
-        out.append(f"muon.rms must be > 0, got {muon.rms}")
+    if not 1 <= muon.ns_steps <= MAX_NS_STEPS:
+        out.append(f"muon.ns_steps must be in 1..{MAX_NS_STEPS} (Newton-Schulz steps; 5 orthogonalise), "
+                   f"got {muon.ns_steps}")
+    if not 0 < muon.rms <= MAX_RMS:
+        out.append(f"muon.rms must be in (0, {MAX_RMS:g}], got {muon.rms}")
     return out

@@ -160,7 +160,7 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
         lines.append(f"  multi-token prediction (D={flags['mtp_layers']}, docs/mtp.md): +{c.params / 1e9:.3f} B total, "
                      f"+{c.active / 1e9:.3f} B active parameters, +{c.flops_per_token / 1e9:.3g} GFLOP per token")
     if flags.get("optimizer") == "muon":
-        section, line = _muon_experts(m, layout, ep)
+        section, line = _muon_experts(m, layout, ep, flags.get("muon_ns_steps") or 5)
         lines.append(line)
     else:
         section = {}
@@ -177,7 +177,7 @@ def moe_report(layout: Any, prec: Precision, flags: Mapping[str, Any], config_ar
     return result, lines
 
 
-def _muon_experts(m: ModelSpec, layout: Any, ep: int) -> tuple[dict, str]:
+def _muon_experts(m: ModelSpec, layout: Any, ep: int, steps: int) -> tuple[dict, str]:
     """Muon on the experts (`megalite.parallel.param_spec.MatrixStack`): each expert's logical matrices
     orthogonalised on one owner over edp (ZeRO >= 1; every edp rank at ZeRO 0) and by every TP rank alike
     (experts are whole there: no tp bytes); the dp part's bytes bounded as `muon.muon_dp_bytes_bound`."""
@@ -192,7 +192,7 @@ def _muon_experts(m: ModelSpec, layout: Any, ep: int) -> tuple[dict, str]:
     matrices = most * (s.experts // ep)  # experts on this rank
     edp = layout.dp * layout.cp // ep
     owners = edp if layout.zero >= 1 else 1
-    flops = matrices * sum(ns_flops(r, c) for r, c in per_expert) / owners
+    flops = matrices * sum(ns_flops(r, c, steps) for r, c in per_expert) / owners
     elements = matrices * sum(r * c for r, c in per_expert)
     dp_bytes = muon_dp_bytes_bound(elements, 1, owners) if owners > 1 else 0.0
     return ({"muon_experts": {"ns_flops_per_rank": flops, "dp_bytes_per_rank_bound": dp_bytes}},

@@ -65,16 +65,17 @@ def exchange_bytes(sizes: Sequence[Sequence[int]], owners: Sequence[int], me: in
     return out * FP32
 
 
-def muon_report(optimizer: str, dims: ModelDims | None, lay: Layout) -> tuple[dict, list[str]]:
-    """`tools/estimate.py --optimizer muon`: Muon's FLOPs and "muon" bytes per step per rank (averages over
-    the ranks: the owners share the matrices), as a JSON section and text lines; nothing for AdamW."""
+def muon_report(optimizer: str, dims: ModelDims | None, lay: Layout, steps: int = 5) -> tuple[dict, list[str]]:
+    """`tools/estimate.py --optimizer muon`: Muon's FLOPs (`steps` Newton-Schulz steps: muon.ns_steps) and "muon"
+    bytes per step per rank (averages over the ranks: the owners share the matrices), as a JSON section and text
+    lines; nothing for AdamW."""
     if optimizer != "muon" or dims is None:
         return {}, []
     n = lay.dp * lay.cp if lay.zero >= 1 else 1  # the dp owners: ZeRO 0 orthogonalises on every dp rank
     stage_elements = sum(r * c for r, c in muon_matrices(dims)) // lay.pp  # an even pp split of the layers
     tp_bytes = muon_tp_bytes_total(stage_elements, lay.tp) / lay.tp / n
     dp_bytes = muon_dp_bytes_bound(stage_elements, lay.tp, n) if n > 1 else 0.0
-    flops = muon_flops(dims) / (lay.pp * lay.tp * n)
+    flops = muon_flops(dims, steps) / (lay.pp * lay.tp * n)
     section = {"muon": {"ns_flops_per_rank": flops, "tp_bytes_per_rank": tp_bytes,
                         "dp_bytes_per_rank_bound": dp_bytes}}
     return section, [f"muon: Newton-Schulz {flops:.4e} FLOPs per step per rank; 'muon' bytes per rank "
