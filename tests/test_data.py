@@ -365,7 +365,7 @@ def test_demo_deterministic_cached_and_race(demo: tuple[str, str], tmp_path: Pat
 
 def _cfg(**data: object) -> types.SimpleNamespace:
     d = dict(path=[], weights=[], tokenizer="", valid_fraction=0.1, cache_dir="", demo_max_bytes=DEMO_BYTES,
-             demo_vocab_size=DEMO_VOCAB)
+             demo_vocab_size=DEMO_VOCAB, document_mask=False)
     d.update(data)
     return types.SimpleNamespace(data=types.SimpleNamespace(**d), model=types.SimpleNamespace(seq_len=16),
                                  train=types.SimpleNamespace(seed=1, micro_batch_size=1))

@@ -65,15 +65,18 @@ def tiny_deepseek_cfg(**over: object):
                            "moe_z_loss": 0.0, "kernels": "torch", "mla": MLA, "mtp": MTP, **over})
 
 
+HYBRID = {"cp4-hybrid-docs": (1, 1, 4, 1, False, 0, "", "hybrid", True)}
+
+
 def _check(rank: int, case: str) -> None:
-    tp, pp, cp, ep, sp, zero, recipe, mode, docs = CASES[case]
+    tp, pp, cp, ep, sp, zero, recipe, mode, docs = {**CASES, **HYBRID}[case]
     st = moe_layout(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp)
     cfg = tiny_deepseek_cfg(num_layers=2 * pp)  # layer 0 dense, the rest (and the MTP block) MoE
     fp8 = Fp8Settings(recipe, 16) if recipe else None  # every block linear in FP8 (smallest dim 16), not the head
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
     if docs:
         data = [torch.where(d % 5 == 0, EOD, d) for d in data]
-    context = ContextOptions.of(mode, EOD if docs else None)
+    context = ContextOptions.of(mode, EOD if docs else None, a2a_degree=2 if mode == "hybrid" else 1)
     ref = GPT(cfg, ParallelState(), seed=5, context=context)
     if fp8 is not None:
         assert enable_fp8([ref], fp8, ParallelState())
@@ -117,8 +120,17 @@ def _all_cases(rank: int) -> None:
         _check(rank, case)
 
 
+def _hybrid(rank: int) -> None:
+    # hybrid needs cp >= 4 (all-to-all inside pairs, the ring across them): its own 4-rank pool, one case
+    _check(rank, "cp4-hybrid-docs")
+
+
 def test_tiny_deepseek_v3_trains_as_one_process_at_every_layout(dist_world) -> None:
     dist_world(2).run(_all_cases)
+
+
+def test_tiny_deepseek_v3_trains_as_one_process_at_cp4_hybrid(dist_world) -> None:
+    dist_world(4).run(_hybrid)
 
 
 def test_presets_set_the_mla_and_mtp_sections() -> None:
