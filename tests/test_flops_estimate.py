@@ -242,8 +242,11 @@ def test_cli_full_report_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # A stand-in for megalite.config (written separately) with the public config field names.
+    from megalite.config.schema import DataConfig
     from megalite.fp8.config import FP8Config
+    from megalite.mla.config import MLAConfig
     from megalite.moe.config import MoEConfig
+    from megalite.mtp.config import MTPConfig
     from megalite.optim.config import MuonConfig, OptimizerConfig
 
     seen: list[list[str]] = []
@@ -253,10 +256,13 @@ def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
         d = PRESETS["tiny"]
         return types.SimpleNamespace(
             model=types.SimpleNamespace(**vars(d), recompute="none"),
-            parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True, ep=1, cp=1),
-            train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16"),
+            parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True, ep=1, cp=1,
+                                           cp_mode="ring", cp_a2a=2),
+            train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16", device="auto"),
+            data=DataConfig(),
             # the feature sections are the real ones: the estimator checks them with their own problems()
-            moe=MoEConfig(), fp8=FP8Config(), optimizer=OptimizerConfig(), muon=MuonConfig())
+            moe=MoEConfig(), fp8=FP8Config(), optimizer=OptimizerConfig(), muon=MuonConfig(), mla=MLAConfig(),
+            mtp=MTPConfig())
 
     import megalite.config as real  # the stand-in keeps the presets the MoE report looks names up in
 

@@ -33,18 +33,18 @@ from megalite.errors import ConfigError, MegaliteError, entry_point, report  # n
 from megalite.fp8.costs import FP8_CHOICES  # noqa: E402
 from megalite.mla.costs import MLADims  # noqa: E402
 from megalite.optim.config import MAX_NS_STEPS  # noqa: E402
+from megalite.perfmodel.config_inputs import (FEATURE_DEFAULTS, MODEL_FLAGS, from_config,  # noqa: E402
+                                             presets)  # (presets: shared with tools/plan.py)
 from megalite.perfmodel.moe import moe_report  # noqa: E402
 from megalite.perfmodel.muon import muon_report  # noqa: E402
 from megalite.perfmodel.report import peak_of, render  # noqa: E402
-from megalite.perfmodel.estimate import (GB, PRESETS, Estimate, Hardware, Layout, ModelDims, Precision,  # noqa: E402
+from megalite.perfmodel.estimate import (GB, Estimate, Hardware, Layout, ModelDims, Precision,  # noqa: E402
                                          estimate)
 from megalite.perfmodel.flops import HFU_CONVENTIONS, normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.schedules import SCHEDULES  # noqa: E402
 from megalite.perfmodel.questions import (DAY, Throughput, largest_num_layers, largest_params,  # noqa: E402
                                           training_time, utilizations)
 
-_MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "vocab_size", "seq_len", "head_dim", "mtp_layers")
 _MODEL_HELP = {"head_dim": "attention head dimension Q (default hidden/heads); PaLM's MFU counts 12·L·H·Q·s for attention",
                "mtp_layers": "multi-token prediction depth D (the config's mtp.num_layers; docs/mtp.md): D more blocks "
                              "and logits on the last stage"}
@@ -86,7 +86,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     m = ap.add_argument_group("model (a preset, explicit dims, or both: flags override the preset)")
     m.add_argument("--preset", choices=sorted(presets()))
     m.add_argument("--arch", choices=["llama", "gpt2"])
-    for name in _MODEL_FLAGS[1:]:
+    for name in MODEL_FLAGS[1:]:
         m.add_argument("--" + name.replace("_", "-"), type=positive_int,
                        help=_MODEL_HELP.get(name))
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
@@ -213,92 +213,6 @@ def _split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, theirs
 
 
-def _model_dims_kwargs(model: object, demo_vocab: int | None) -> dict:
-    """ModelDims keywords from a config `model` section; its "derive me" zeros become None (the
-    same defaults), and an unset vocabulary (taken from the tokenizer at run time) the demo one."""
-    get = (model.get if isinstance(model, dict) else lambda k, d=None: getattr(model, k, d))
-    dims = {k: get(k) or None for k in _MODEL_FLAGS}
-    dims["vocab_size"] = dims["vocab_size"] or demo_vocab
-    dims["tie_embeddings"] = get("tie_embeddings")
-    dims["make_vocab_divisible_by"] = get("make_vocab_divisible_by") or 1
-    return dims
-
-
-def presets() -> dict[str, dict]:
-    """`megalite.perfmodel.estimate.PRESETS`, overridden by `megalite.config.PRESETS` (the sizes pretrain.py
-    knows) when that module is importable."""
-    table = {name: dict(vars(d)) for name, d in PRESETS.items()}
-    try:
-        from megalite.config import PRESETS as CONFIG_PRESETS, DataConfig, ModelConfig
-        from megalite.config.presets import section_values
-        from megalite.mla.config import MLAConfig
-    except ImportError:
-        return table
-    for name, values in CONFIG_PRESETS.items():
-        table[name] = _model_dims_kwargs({**asdict(ModelConfig()), **section_values(values)},
-                                         DataConfig().demo_vocab_size)
-        if mla := section_values(values, "mla"):  # deepseek-v3: its attention and MTP modules, as a --config's
-            table[name]["mla"] = MLADims.of(MLAConfig(**mla))
-        table[name]["mtp_layers"] = section_values(values, "mtp").get("num_layers")
-    return table
-
-
-# The feature settings a config gives the estimate (each a flag of the same name, which wins) and their defaults.
-_FEATURE_DEFAULTS = {"fp8": "none", "fp8_min_dim": 128, "optimizer": "adamw", "muon_ns_steps": 5}
-
-
-def _from_config(config_argv: list[str]) -> tuple[dict, dict, str | None, dict]:
-    """Model dims, layout fields, dtype and the feature settings (`_FEATURE_DEFAULTS`' keys) from a pretrain
-    config (the public config field names), whose `[moe]`, `[fp8]`, `[optimizer]` and `[muon]` sections are
-    checked by the features' own rules first (what the run would refuse is not priced: experts -4 would be a
-    negative parameter count). Unresolved values (dp = 0: world size unknown here, global batch 0) fall back
-    to the flags' defaults: pass --dp to size the data-parallel group."""
-    try:
-        from megalite.config import parse_args
-        from megalite.config.cli import raise_if
-        from megalite.fp8 import config as fp8_config
-        from megalite.moe import config as moe_config
-        from megalite.optim import config as optim_config
-    except ImportError as exc:
-        raise ConfigError(f"--config needs megalite.config ({exc}); pass the model and layout "
-                          f"as explicit flags instead (see --help)") from exc
-    cfg = parse_args(config_argv)
-    model, par, train = cfg.model, cfg.parallel, cfg.train
-    raise_if(moe_config.problems(cfg.moe, model.num_layers, model.ffn_hidden_size, par.tp, par.dp, par.cp, par.ep)
-             + fp8_config.section_problems(cfg.fp8) + optim_config.problems(cfg.optimizer, cfg.muon), "invalid config")
-    features = {"fp8": cfg.fp8.recipe, "fp8_min_dim": cfg.fp8.min_dim, "optimizer": cfg.optimizer.name,
-                "muon_ns_steps": cfg.muon.ns_steps}
-    data = getattr(cfg, "data", None)
-    demo_vocab = getattr(data, "demo_vocab_size", None) if not getattr(data, "tokenizer", "") else None
-    dims = _model_dims_kwargs(model, demo_vocab)
-    mla = getattr(cfg, "mla", None)  # multi-head latent attention's widths (None when off or a config without it)
-    dims["mla"] = MLADims.of(mla) if mla is not None else None
-    dims["mtp_layers"] = getattr(getattr(cfg, "mtp", None), "num_layers", 0) or None  # as `data` above: optional
-    lay = {k: getattr(par, k, None) or None for k in ("tp", "pp", "dp", "zero", "vpp", "schedule", "sp", "cp",
-                                                      "cp_mode", "cp_a2a")}
-    lay["zero"] = getattr(par, "zero", 0)
-    lay["document_mask"] = bool(getattr(data, "document_mask", False))
-    lay.update(micro_batch_size=getattr(train, "micro_batch_size", None) or None,
-               global_batch_size=getattr(train, "global_batch_size", None) or None,
-               recompute=getattr(model, "recompute", None))
-    return dims, lay, _config_dtype(getattr(train, "dtype", None), getattr(train, "device", "auto")), features
-
-
-def _config_dtype(dtype: str | None, device: str | None) -> str | None:
-    """The dtype the run uses, as pretrain.py resolves `auto`: bf16 on CUDA, fp32 on CPU (for
-    device auto: whichever this machine has)."""
-    if dtype != "auto":
-        return dtype
-    if device == "auto":
-        try:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            device = "cuda"
-    return "bf16" if device == "cuda" else "fp32"
-
-
 def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     """Turn flags (+ optional config) into the keyword arguments of `megalite.perfmodel.estimate.estimate`.
     The feature flags left unset (`--fp8`, `--optimizer`, ...) are filled in `args` from the config, else their
@@ -308,13 +222,13 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     dtype = None
     features: dict = {}
     if config_argv:
-        dims_kw, lay_kw, dtype, features = _from_config(config_argv)
-    for key, default in _FEATURE_DEFAULTS.items():
+        dims_kw, lay_kw, dtype, features = from_config(config_argv)
+    for key, default in FEATURE_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, features.get(key, default))
     if args.preset:  # an explicit flag: wins over a config's model too (`--preset X --parallel.cp 2`)
         dims_kw = dict(presets()[args.preset])
-    for k in _MODEL_FLAGS + ("tie_embeddings",):
+    for k in MODEL_FLAGS + ("tie_embeddings",):
         if getattr(args, k) is not None:
             dims_kw[k] = getattr(args, k)
     for k in _LAYOUT_FLAGS + ("sp",):

@@ -75,7 +75,7 @@ class MLAOps(Protocol):
     def document_attention(self) -> Optional[Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]]: ...
 
 
-class MLAShape(Protocol):
+class MLAModel(Protocol):
     """What MLA reads of the model config (`megalite.model.spec.ModelSpec` satisfies it)."""
 
     @property
@@ -145,7 +145,7 @@ class MLAttention(nn.Module):
     out (transformers' q_a_proj, q_a_layernorm, q_b_proj / q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
     kv_b_proj, o_proj: megalite/checkpoint/interop/hf_mla.py)."""
 
-    def __init__(self, cfg: MLAShape, mla: MLAContext, state: ParallelState, ops: MLAOps, name: str, seed: int,
+    def __init__(self, cfg: MLAModel, mla: MLAContext, state: ParallelState, ops: MLAOps, name: str, seed: int,
                  context: ContextOptions = ContextOptions()) -> None:
         super().__init__()
         c = mla.config

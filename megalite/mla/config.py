@@ -3,12 +3,10 @@ calls. Torch-free: the config layer and the cost model read it without building 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
-
-def _f(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+from megalite.section import doc_field as _f
 
 
 @dataclass
