@@ -43,6 +43,24 @@ def test_tools_estimate_prints_the_moe_section(capsys) -> None:
     assert "46.703 B total, 12.880 B active" in out and "GB per step per rank ('ep')" in out
 
 
+@pytest.mark.parametrize("source", [["--preset", "tiny-moe"], ["--model.preset", "tiny-moe"]])
+def test_estimate_peak_rows_of_a_moe_model_are_the_check_before_step_1s(source: list[str], capsys) -> None:
+    """`tools/estimate.py`'s peak for a MoE preset or config sizes its experts (their weights, states, routed rows)
+    exactly as the check before step 1 does for the same run, not the dense model the flags' MLP width gives."""
+    import json
+
+    from megalite.config import parse_args, resolve
+    from megalite.training.memory_check import predicted_peak
+    from tools.estimate import main
+
+    flags = ["--memory-device", "cpu", "--dtype", "fp32", "--micro-batch-size", "8", "--json"]
+    assert main(source + flags) == 0
+    peak = json.loads(capsys.readouterr().out)["peak_memory"]
+    cfg = resolve(parse_args(["--model.preset", "tiny-moe", "--train.device", "cpu"]), 1)
+    cfg.model.vocab_size = 2048  # the demo tokenizer's, as the estimate assumes
+    assert peak["terms"] == pytest.approx(predicted_peak(cfg).to_dict()["terms"], rel=1e-12)
+
+
 def test_tools_estimate_moe_from_flags_and_configs_and_refusals(capsys) -> None:
     """The MoE section honours the model flags over a preset (--num-layers), reads a pretrain config's model and
     parallel.ep (the run's own flags), prices a measured load imbalance, and refuses --ep on a dense model and
@@ -127,7 +145,8 @@ def test_ep_groups_cross_nodes_as_the_rank_grid_says() -> None:
 def test_deepseek_v3_memory_at_its_published_layout() -> None:
     """DeepSeek-V3's pre-training layout (Liu et al. 2024, section 3.2: 2048 H800 of 80 GB, PP16, EP64 over 8
     nodes, ZeRO-1 DP, no TP; sequences of 4096, batch 15360) in megalite's estimator: the numbers docs/moe.md
-    states. megalite's model lacks MLA (GQA of the same width stands in) and multi-token prediction."""
+    states: the peak model of its worst stage (the first under selective recompute, the last, with the logits and
+    the MTP module's weights, under full), with MLA's and the MTP module's parameters."""
     from megalite.perfmodel.estimate import Layout
     from megalite.perfmodel.moe import moe_preset_model
     from megalite.perfmodel.moe_plan import ep_crosses_nodes, moe_memory
@@ -138,5 +157,5 @@ def test_deepseek_v3_memory_at_its_published_layout() -> None:
         lay = Layout(tp=1, pp=16, dp=128, zero=1, micro_batch_size=1, global_batch_size=15360, recompute=rc)
         states, acts = moe_memory(m, lay, 64, Precision())
         gb[rc] = (round(states / 1e9, 1), round((states + acts) / 1e9, 1))
-    assert gb == {"selective": (11.7, 135.7), "full": (11.7, 31.0)}
+    assert gb == {"selective": (13.7, 119.8), "full": (21.3, 32.8)}
     assert ep_crosses_nodes(lay, 64, 8)

@@ -25,7 +25,7 @@ from megalite.perfmodel.cp_plan import rank_cp_modes  # noqa: E402
 from megalite.perfmodel.estimate import GB, ModelDims, Precision  # noqa: E402
 from megalite.perfmodel.flops import normalize_dtype, peak_flops  # noqa: E402
 from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
-from megalite.perfmodel.plan import Cluster, Plan, Search, make_plan, worst_stage_memory  # noqa: E402
+from megalite.perfmodel.plan import Cluster, Plan, Search, make_plan  # noqa: E402
 from megalite.perfmodel.moe import moe_preset_model  # noqa: E402
 from megalite.perfmodel.moe_plan import make_moe_plan, render_moe  # noqa: E402
 from tools.estimate import (OneLineParser, add_model_args, fraction, mla_from_flags, positive_float,  # noqa: E402
@@ -134,15 +134,15 @@ def render(plan: Plan, top: int) -> str:
            "",
            f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'vpp':>3} {'mbs':>3} {'M':>5} "
            f"{'recomp':>9} {'step s':>8} {'MFU':>6} {'HFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} "
-           f"{'acts':>6} {'TP GB':>8} {'CP GB':>7} {'PP GB':>7} {'DP GB':>8}"]
+           f"{'rest':>6} {'TP GB':>8} {'CP GB':>7} {'PP GB':>7} {'DP GB':>8}"]
     for i, cand in enumerate(plan.ranked[:top], 1):
         lay, est = cand.layout, cand.est
         cb = est.comm_bytes
         out.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>5} {lay.zero:>4} {lay.vpp:>3} "
                    f"{lay.micro_batch_size:>3} {est.num_microbatches:>5} {lay.recompute:>9} "
                    f"{cand.step_seconds:>8.3f} {cand.mfu:>6.1%} {cand.hfu:>6.1%} {est.bubble:>6.1%} "
-                   f"{worst_stage_memory(plan.dims, lay, plan.prec) / GB:>7.1f} "  # the peak (docs/estimator.md)
-                   f"{est.memory.model_states / GB:>7.1f} {est.memory.activations / GB:>6.1f} "
+                   f"{cand.memory / GB:>7.1f} {cand.peak.model_states / GB:>7.1f} "  # the peak (docs/estimator.md)
+                   f"{(cand.memory - cand.peak.model_states) / GB:>6.1f} "
                    f"{cb.get('tp', 0.0) / GB:>8.2f} {cb.get('cp', 0.0) / GB:>7.2f} "
                    f"{cand.to_dict()['pp_bytes_with_embedding'] / GB:>7.2f} "
                    f"{cb.get('dp', 0.0) / GB:>8.2f}")
@@ -200,8 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         return report(exc)
     if args.json:
         out = plan.to_dict(args.top)
-        for c, d in zip(plan.ranked, out["layouts"]):  # the peak the table's `mem GB` prints (docs/estimator.md)
-            d["peak_memory_bytes"] = worst_stage_memory(plan.dims, c.layout, plan.prec)
         print(json.dumps(out, indent=2))
     else:
         print(render(plan, args.top))

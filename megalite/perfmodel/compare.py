@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import GB, Layout
+from megalite.perfmodel.peak_memory import fits
 from megalite.perfmodel.plan import Candidate, Plan, cost, describe, versus
 
 # Published layouts by name (`--compare megatron`): (the layout's fields, where it comes from).
@@ -84,13 +85,13 @@ def compare(plan: Plan, spec: str) -> Comparison:
         cand = cost(plan.dims, lay, plan.cluster, plan.prec)
     except ConfigError as exc:
         raise ConfigError(f"--compare {spec}: {exc}") from None
-    mem = cand.est.memory
-    if mem.total > plan.cluster.memory_limit:
+    peak = cand.peak
+    if not fits(peak.total, plan.cluster.memory_limit):
         return Comparison(spec, None, False, cand,
-                          f"{spec}: {describe(lay)} does not fit: {mem.total / GB:.1f} GB per GPU "
-                          f"({mem.model_states / GB:.1f} states + {mem.activations / GB:.1f} activations) of "
-                          f"{plan.cluster.memory_limit / GB:.1f} GB usable")
+                          f"{spec}: {describe(lay)} does not fit: {peak.total / GB:.1f} GB per GPU "
+                          f"({peak.model_states / GB:.1f} states + {(peak.total - peak.model_states) / GB:.1f} "
+                          f"activations, buffers and context) of {plan.cluster.memory_limit / GB:.1f} GB usable")
     return Comparison(spec, None, True, cand,
-                      f"{spec}: {describe(lay)} fits ({mem.total / GB:.1f} GB) but the search did not cost it "
+                      f"{spec}: {describe(lay)} fits ({peak.total / GB:.1f} GB) but the search did not cost it "
                       f"(a lower ZeRO stage or less recompute fits with the same split, or m < pp); it is "
                       + versus(best, cand))

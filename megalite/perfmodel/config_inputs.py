@@ -9,7 +9,9 @@ from typing import Any
 
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
+from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import PRESETS
+from megalite.perfmodel.inputs import ModelDims, MoEDims
 
 # The model flags the tools share (config names; --preset fills them too).
 MODEL_FLAGS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
@@ -25,6 +27,21 @@ def _model_dims_kwargs(model: object, demo_vocab: int | None) -> dict:
     dims["tie_embeddings"] = get("tie_embeddings")
     dims["make_vocab_divisible_by"] = get("make_vocab_divisible_by") or 1
     return dims
+
+
+def moe_dims(num_layers: int, ffn_hidden_size: int, moe: MoEConfig) -> MoEDims | None:
+    """The perfmodel's view of a model's experts (None for a dense model), read from its `[moe]` section alone;
+    `ffn_hidden_size` is the model's resolved MLP width (the experts' default)."""
+    s = moe.resolved(ffn_hidden_size)
+    if s is None:
+        return None
+    return MoEDims(experts=s.experts, ffn=s.ffn_hidden_size, layers=tuple(s.layers(num_layers)), top_k=s.top_k,
+                   shared=s.shared_experts, shared_ffn=s.shared_ffn_hidden_size)
+
+
+def _resolved_dims(kwargs: dict) -> ModelDims:
+    """ModelDims of keywords where None means "the default" (as the tools pass them on)."""
+    return ModelDims(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def presets() -> dict[str, dict]:
@@ -43,6 +60,9 @@ def presets() -> dict[str, dict]:
         if mla := section_values(values, "mla"):  # deepseek-v3: its attention and MTP modules, as a --config's
             table[name]["mla"] = MLADims.of(MLAConfig(**mla))
         table[name]["mtp_layers"] = section_values(values, "mtp").get("num_layers")
+        if moe := section_values(values, "moe"):  # the experts: the peak memory model sizes them (docs/estimator.md)
+            width = _resolved_dims(table[name]).ffn
+            table[name]["moe"] = moe_dims(table[name]["num_layers"], width, MoEConfig(**moe))
     return table
 
 
@@ -76,6 +96,7 @@ def from_config(config_argv: list[str]) -> tuple[dict, dict, str | None, dict]:
     dims = _model_dims_kwargs(model, demo_vocab)
     dims["mla"] = MLADims.of(cfg.mla)  # multi-head latent attention's widths (None when off)
     dims["mtp_layers"] = cfg.mtp.num_layers or None
+    dims["moe"] = moe_dims(model.num_layers, _resolved_dims(dims).ffn, cfg.moe)
     lay = {k: getattr(par, k) or None for k in ("tp", "pp", "dp", "vpp", "schedule", "sp", "cp", "cp_mode", "cp_a2a")}
     lay.update(zero=par.zero, document_mask=data.document_mask, micro_batch_size=train.micro_batch_size or None,
                global_batch_size=train.global_batch_size or None, recompute=model.recompute)

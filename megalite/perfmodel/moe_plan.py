@@ -7,10 +7,10 @@ Per layout (`moe_cost`):
 
 * compute, TP, PP and DP traffic: `plan.cost` of the *active* model (`active_dims`: each MoE layer's MLP
   as one dense MLP of the width a token uses, k F + the shared experts), so FLOPs count active parameters;
-* memory per GPU: model states from `moe.moe_estimate` (experts split over ep, their ZeRO states over
-  edp = dp x cp / ep; the rest over dp x cp), activations of the active model on its worst stage, plus
-  the dispatch buffers a MoE layer keeps for the backward (`moe.costs.dispatch_buffer_bytes`, per layer and
-  micro-batch in flight);
+* memory per GPU: the peak the check before step 1 predicts on a GPU (`megalite.perfmodel.peak_memory`, the
+  dense planner's `PLANNER_PEAK`): experts split over ep with their ZeRO states over edp = dp x cp / ep, the
+  rest over dp x cp, each MoE layer's routed rows and router tensors saved for the backward, the CUDA context
+  and the caching allocator's slack;
 * the all-to-all (`moe.costs.a2a_bytes_balanced`, balanced routing), on the step's critical path (megalite's
   dispatch and combine are synchronous), at the intra-node bandwidth when every ep group lies inside a
   node and at the network's otherwise. Whether it does is read from the layout's rank grid
@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from megalite.moe.costs import dispatch_buffer_bytes
+from megalite.mla.costs import MLADims
 from megalite.model.spec import ModelSpec
 from megalite.moe.settings import moe_settings
 from megalite.parallel.state import layout_grid
-from megalite.perfmodel.activations import stage_activation_bytes
+from megalite.perfmodel.config_inputs import moe_dims
 from megalite.perfmodel.estimate import GB, Layout, ModelDims, Precision
 from megalite.perfmodel.moe import moe_estimate, moe_param_counts
-from megalite.perfmodel.peak_memory import fits
+from megalite.perfmodel.peak_memory import PLANNER_PEAK, fits, peak_memory
 from megalite.perfmodel.plan import RECOMPUTE, TIE_TOLERANCE, Cluster, cost, divisors
 from megalite.errors import ConfigError
 
@@ -60,28 +60,34 @@ def ep_crosses_nodes(lay: Layout, ep: int, gpus_per_node: int) -> bool:
     return any(len(n) > 1 for n in nodes.values())
 
 
+def moe_model_dims(m: ModelSpec, pp: int = 1) -> ModelDims:
+    """The model as the peak memory model sizes it: its own MLP width, attention and experts (`MoEDims`). Where pp
+    does not divide the layers (DeepSeek-V3's 61 over 16 stages) the worst stage holds ceil(L / pp) of them: the
+    model is padded to that many per stage with MoE layers."""
+    layers = math.ceil(m.num_layers / pp) * pp
+    experts = moe_dims(m.num_layers, m.ffn_hidden_size, m.moe)
+    if experts is not None and layers > m.num_layers:
+        experts = replace(experts, layers=experts.layers + tuple(range(m.num_layers, layers)))
+    return ModelDims(num_layers=layers, hidden_size=m.hidden_size, num_heads=m.num_heads, vocab_size=m.vocab_size,
+                     seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads, ffn_hidden_size=m.ffn_hidden_size,
+                     tie_embeddings=bool(m.tie_embeddings), make_vocab_divisible_by=m.make_vocab_divisible_by or 1,
+                     head_dim=m.head_dim or None, mla=MLADims.of(m.mla), mtp_layers=m.mtp.num_layers,
+                     moe=experts)
+
+
 def moe_memory(m: ModelSpec, lay: Layout, ep: int, prec: Precision) -> tuple[float, float]:
-    """(model-state bytes, activation bytes) per GPU on the worst stage (module doc); pp need not divide the
-    layers (the worst stage holds ceil(L / pp) of them, as DeepSeek-V3's 61 layers over 16 stages)."""
-    s = moe_settings(m)
-    assert s is not None
-    states = moe_estimate(m, lay, ep, prec).memory.model_states
-    dims = active_dims(m)
-    dims = replace(dims, num_layers=math.ceil(dims.num_layers / lay.pp) * lay.pp)
-    acts = stage_activation_bytes(dims, lay, prec, 0, lay.num_microbatches)
-    tokens = lay.micro_batch_size * lay.local_seq_len(m.seq_len) // (lay.tp if lay.sp else 1)
-    in_flight = 1 if lay.recompute == "full" else min(lay.pp, lay.num_microbatches)
-    acts += dispatch_buffer_bytes(tokens, s.top_k, m.hidden_size, prec.activation) * math.ceil(m.num_layers / lay.pp) \
-        * in_flight
-    return states, acts
+    """(model-state bytes, the rest of the peak) per GPU on the worst stage: `megalite.perfmodel.peak_memory` on a GPU
+    (`PLANNER_PEAK`), the number the check before step 1 gives this layout (docs/estimator.md)."""
+    peak = peak_memory(moe_model_dims(m, lay.pp), replace(lay, ep=ep), prec, PLANNER_PEAK)
+    return peak.model_states, peak.total - peak.model_states
 
 
 @dataclass(frozen=True)
 class MoECandidate:
     layout: Layout
     ep: int
-    states_bytes: float
-    activation_bytes: float
+    states_bytes: float       # model states (and ZeRO-3's gather buffers) per GPU
+    transient_bytes: float    # the rest of the peak: activations, buffers, the CUDA context, allocator slack
     dense_seconds: float      # the active model's step (compute + TP/PP + exposed DP), `plan.cost`
     a2a_bytes: float          # all-to-all bytes per rank and step
     a2a_seconds: float
@@ -89,7 +95,7 @@ class MoECandidate:
 
     @property
     def memory(self) -> float:
-        return self.states_bytes + self.activation_bytes
+        return self.states_bytes + self.transient_bytes
 
     @property
     def step_seconds(self) -> float:
@@ -97,7 +103,7 @@ class MoECandidate:
 
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout), "ep": self.ep, "edp": self.layout.dp * self.layout.cp // self.ep,
-                "memory": self.memory, "states": self.states_bytes, "activations": self.activation_bytes,
+                "memory": self.memory, "states": self.states_bytes, "transient": self.transient_bytes,
                 "step_seconds": self.step_seconds, "a2a_seconds": self.a2a_seconds, "a2a_bytes": self.a2a_bytes,
                 "a2a_crosses_nodes": self.crosses_nodes}
 
@@ -201,7 +207,7 @@ def _why(ranked: list[MoECandidate], cluster: Cluster) -> str:
     best = ranked[0]
     line = (f"{describe_moe(best)} wins at {best.step_seconds:.3g} s/step in {best.memory / GB:.1f} of "
             f"{cluster.memory_limit / GB:.1f} GB ({best.states_bytes / GB:.1f} states + "
-            f"{best.activation_bytes / GB:.1f} activations); {_where(best, cluster)}")
+            f"{best.transient_bytes / GB:.1f} activations, buffers and context); {_where(best, cluster)}")
     other = next((c for c in ranked if c.crosses_nodes != best.crosses_nodes and c.ep > 1), None)
     if other is not None:
         line += (f"; the best layout whose all-to-all {'crosses nodes' if other.crosses_nodes else 'stays in a node'}"
@@ -215,13 +221,13 @@ def render_moe(plan: MoEPlan, top: int) -> str:
            f"parameters; {c.nodes} x {c.gpus_per_node} GPUs, {c.memory_limit / GB:.0f} GB usable each",
            f"{plan.considered} layouts sized, {len(plan.ranked)} fit and were costed (vpp=1, 1F1B, cp=1)", "",
            f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'ep':>4} {'edp':>4} {'zero':>4} {'mbs':>3} {'recomp':>9} "
-           f"{'step s':>8} {'a2a s':>7} {'a2a GB':>7} {'a2a over':>8} {'mem GB':>7} {'states':>7} {'acts':>6}"]
+           f"{'step s':>8} {'a2a s':>7} {'a2a GB':>7} {'a2a over':>8} {'mem GB':>7} {'states':>7} {'rest':>6}"]
     for i, cand in enumerate(plan.ranked[:top], 1):
         lay = cand.layout
         over = "-" if cand.ep == 1 else ("network" if cand.crosses_nodes else "node")
         out.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {cand.ep:>4} {lay.dp // cand.ep:>4} {lay.zero:>4} "
                    f"{lay.micro_batch_size:>3} {lay.recompute:>9} {cand.step_seconds:>8.3f} {cand.a2a_seconds:>7.3f} "
                    f"{cand.a2a_bytes / GB:>7.2f} {over:>8} {cand.memory / GB:>7.1f} {cand.states_bytes / GB:>7.1f} "
-                   f"{cand.activation_bytes / GB:>6.1f}")
+                   f"{cand.transient_bytes / GB:>6.1f}")
     out += ["", "why: " + plan.why]
     return "\n".join(out)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megalite.errors import ConfigError
-from megalite.perfmodel.activations import stage_activation_bytes
 from megalite.perfmodel.estimate import Memory, stage_params, zero_memory
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 from megalite.perfmodel.muon import muon_step_bytes
@@ -88,9 +87,6 @@ class PeakOptions:
     optimizer_state_bytes: float | None = None
     optimizer_temp_bytes: float = 0.0
     zero3_prefetch: int = 1
-    # False: the activations are the estimator's floor (Korthikanti et al.'s unfused GPT-3 layer, s x s scores kept),
-    # as the planner sizes layouts for any Megatron-style implementation; True: megalite's fused-attention block.
-    fused_attention: bool = True
     torch_ring: bool = True  # cp > 1: the ring's block pairs in torch math (scores materialised), not Triton
     slack: float | None = None  # None: the device's default above
     fp8: tuple[str, int] | None = None  # (recipe, min_dim) of fp8.recipe / fp8.min_dim; None: no FP8
@@ -284,10 +280,6 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
             + (2 * tokens * h * e * in_flight if last else 0.0))
     how = (f"{per_layer / MiB:.1f} MiB/layer x {layers} layers x {in_flight:g} micro-batches in flight"
            + (" + final norm in/out 2·b·s·h" if last else ""))
-    if not opts.fused_attention:  # the floor's own count (Korthikanti et al. 2022, unfused), its logits included
-        acts = stage_activation_bytes(dims, layout, prec, pp_rank, m)
-        acts -= float(tokens) * dims.padded_vocab(t) / t * 4 if last else 0.0  # the logits: a term of their own
-        how = "Korthikanti et al. 2022 table 2 x layers x micro-batches in flight (the estimator's floor)"
     activations = Term("activations", acts, how,
                        f"saved for the backward ({layout.schedule} holds {in_flight:g} on stage {pp_rank})"
                        if p > 1 else "saved for the backward (one micro-batch at a time)")
@@ -393,8 +385,9 @@ def fits(peak_bytes: float, available: float, processes: int = 1) -> bool:
     return peak_bytes * processes <= available
 
 
-# What the planner sizes: a GPU (CUDA context, caching allocator) and the estimator's activations (any kernels).
-PLANNER_PEAK = PeakOptions(device="cuda", fused_attention=False, torch_ring=False)
+# What the planner sizes: a megalite run on a GPU (CUDA context, caching allocator, fused attention, the Triton ring
+# blocks), the numbers the check before step 1 and `tools/estimate.py --memory-device cuda` give the same layout.
+PLANNER_PEAK = PeakOptions(device="cuda", torch_ring=False)
 
 
 def _as_estimated(layout: Layout) -> Layout:

@@ -34,7 +34,7 @@ from typing import Callable, Protocol
 
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import GB, Estimate, Hardware, Layout, ModelDims, Precision, dims_params, estimate
-from megalite.perfmodel.peak_memory import PLANNER_PEAK, fits, peak_memory
+from megalite.perfmodel.peak_memory import PLANNER_PEAK, PeakMemory, fits, peak_memory
 
 
 class Explained(Protocol):
@@ -89,7 +89,13 @@ class Candidate:
 
     layout: Layout
     est: Estimate
+    peak: PeakMemory  # the worst stage's peak on a GPU (`worst_stage_memory`): what the fit filter compares
     peak_flops: float = 0.0
+
+    @property
+    def memory(self) -> float:
+        """Peak bytes per GPU (docs/estimator.md#peak-memory-what-a-rank-really-holds-at-its-worst-moment)."""
+        return self.peak.total
 
     @property
     def step_seconds(self) -> float:
@@ -128,7 +134,7 @@ class Candidate:
         comm = self.est.comm_bytes
         return {"layout": asdict(self.layout), "step_seconds": self.step_seconds, "mfu": self.mfu,
                 "hfu": self.hfu, "pp_bytes_with_embedding": comm.get("pp", 0.0) + comm.get("embedding", 0.0),
-                **d}
+                "peak_memory": self.peak.to_dict(), **d}
 
 
 @dataclass
@@ -159,8 +165,9 @@ def divisors(n: int) -> list[int]:
 
 
 def worst_stage_memory(dims: ModelDims, layout: Layout, prec: Precision) -> float:
-    """Peak bytes per GPU over the pipeline stages (`megalite.perfmodel.peak_memory`: the floor `estimate` reports
-    plus the CUDA context, transient buffers and allocator slack), from the first and last stage only."""
+    """Peak bytes per GPU over the pipeline stages, from the first and last stage only: `megalite.perfmodel.peak_memory`
+    for a megalite run on a GPU (`PLANNER_PEAK`), the number the check before step 1 and `tools/estimate.py
+    --memory-device cuda` give the same layout."""
     return peak_memory(dims, layout, prec, PLANNER_PEAK).total  # docs/estimator.md
 
 
@@ -206,7 +213,7 @@ RULES: tuple[tuple[str, Callable[[Candidate], float], str], ...] = (
     ("mbs", lambda c: -c.layout.micro_batch_size,
      "the larger micro-batch (larger matmuls run closer to peak on real kernels, which the estimator "
      "does not model)"),
-    ("memory", lambda c: c.est.memory.total, "less memory"),
+    ("memory", lambda c: c.memory, "less memory"),
 )
 
 
@@ -333,7 +340,7 @@ def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -> Can
     est = estimate(dims, lay, prec, hw=Hardware(peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
                                               intra_bytes_per_s=cluster.intra_bytes_per_s,
                                               efficiency=cluster.efficiency, cp_bytes_per_s=ring))
-    return Candidate(lay, est, cluster.peak_flops)
+    return Candidate(lay, est, peak_memory(dims, lay, prec, PLANNER_PEAK), cluster.peak_flops)
 
 
 def _parts(c: Candidate) -> dict[str, float]:
@@ -378,7 +385,7 @@ def versus(best: Candidate, other: Candidate) -> str:
     Differences are written winner first: 'tp 4 vs 8'."""
     slower = other.step_seconds / best.step_seconds - 1
     diff = "winner vs it: " + differences(best.layout, other.layout)
-    mem_a, mem_b = best.est.memory.total, other.est.memory.total
+    mem_a, mem_b = best.memory, other.memory
     if slower < TIE_TOLERANCE:
         rule = next((why for _, key, why in RULES if key(best) != key(other)), "the enumeration order")
         line = f"within {TIE_TOLERANCE:.0%} ({slower:+.2%}, a tie; {diff}); the tie goes to {rule}"
@@ -397,10 +404,11 @@ def explain(ranked: list[Candidate], cluster: Cluster) -> str:
     """One line on why the first layout wins: its time and memory budget, and why the runner-up
     ranks below it (`versus`)."""
     best = ranked[0]
-    mem = best.est.memory
+    peak = best.peak
     line = (f"{describe(best.layout)} wins at {best.step_seconds:.3g} s/step: it fits in "
-            f"{mem.total / GB:.1f} of {cluster.memory_limit / GB:.1f} GB ({mem.model_states / GB:.1f} states + "
-            f"{mem.activations / GB:.1f} activations), bubble {best.est.bubble:.1%}, TP traffic "
+            f"{peak.total / GB:.1f} of {cluster.memory_limit / GB:.1f} GB ({peak.model_states / GB:.1f} states + "
+            f"{(peak.total - peak.model_states) / GB:.1f} activations, buffers and context), bubble "
+            f"{best.est.bubble:.1%}, TP traffic "
             f"{best.est.comm_bytes.get('tp', 0.0) / GB:.2f} GB on NVLink")
     if best.layout.cp > 1:
         line += (f", cp ring {best.est.comm_bytes.get('cp', 0.0) / GB:.2f} GB "

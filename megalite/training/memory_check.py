@@ -27,7 +27,7 @@ from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
 from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
-from megalite.perfmodel.inputs import MoEDims
+from megalite.perfmodel.config_inputs import moe_dims
 from megalite.perfmodel.peak_memory import PeakMemory, fits, run_peak
 
 GiB = 2**30
@@ -72,21 +72,12 @@ def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
                      vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
                      make_vocab_divisible_by=m.make_vocab_divisible_by, mla=MLADims.of(cfg.mla),
-                     mtp_layers=cfg.mtp.num_layers, moe=moe_dims(m, cfg.moe))
+                     mtp_layers=cfg.mtp.num_layers, moe=moe_dims(m.num_layers, m.ffn_hidden_size, cfg.moe))
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
                     document_mask=cfg.data.document_mask, ep=par.ep)
     return dims, layout
-
-
-def moe_dims(m: ModelConfig, moe: MoEConfig) -> MoEDims | None:
-    """The perfmodel's view of the model's experts (None for a dense model), read from the `[moe]` section alone."""
-    s = moe.resolved(m.ffn_hidden_size)
-    if s is None:
-        return None
-    return MoEDims(experts=s.experts, ffn=s.ffn_hidden_size, layers=tuple(s.layers(m.num_layers)), top_k=s.top_k,
-                   shared=s.shared_experts, shared_ffn=s.shared_ffn_hidden_size)
 
 
 def available_bytes(device: torch.device) -> int | None:
