@@ -17,6 +17,14 @@ import sys
 # spinning on cores that other processes need (bench/threads.py; megalite/runtime/threads.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from megalite.runtime.malloc import exec_with_malloc_tunables  # noqa: E402
+
+# glibc's tcache off, read only at process start: this process runs again once, with GLIBC_TUNABLES set, so
+# freed tensors leave holes the next identical tensor fits (megalite/runtime/malloc.py; skipped where the user
+# chose an allocator or --train.tune_malloc false).
+if __name__ == "__main__":
+    exec_with_malloc_tunables()
+
 from megalite.training.trainer import main  # noqa: E402
 
 if __name__ == "__main__":

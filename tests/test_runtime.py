@@ -112,3 +112,27 @@ def test_pretrain_can_turn_it_off() -> None:
 
     assert parse_args([]).train.tune_malloc is True
     assert parse_args(["--train.tune_malloc", "false"]).train.tune_malloc is False
+
+
+@glibc
+def test_the_tcache_is_turned_off_by_one_re_exec_unless_someone_chose() -> None:
+    """`tunables_to_exec` decides (pure); `exec_with_malloc_tunables` runs the same interpreter again once, with
+    its flags and arguments, and the re-executed process does not exec again (its GLIBC_TUNABLES has ours)."""
+    off = runtime.TCACHE_OFF
+    assert runtime.tunables_to_exec({}, []) == off
+    assert runtime.tunables_to_exec({"GLIBC_TUNABLES": "glibc.rtld.nns=2"}, []) == f"glibc.rtld.nns=2:{off}"
+    assert runtime.tunables_to_exec({"GLIBC_TUNABLES": off}, []) is None  # the re-executed process
+    assert runtime.tunables_to_exec({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, []) is None  # the user's
+    assert runtime.tunables_to_exec({"MALLOC_TRIM_THRESHOLD_": "0"}, []) is None
+    assert runtime.tunables_to_exec({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, []) is None
+    offs = (["--train.tune_malloc", "false"], ["--train.tune_malloc=False"], ["--x", "1", "--train.tune_malloc", "0"])
+    for argv in offs:
+        assert runtime.tunables_to_exec({}, argv) is None, argv
+    assert runtime.tunables_to_exec({}, ["--train.tune_malloc", "true"]) == off
+    script = ("import os, sys\nfrom megalite.runtime.malloc import exec_with_malloc_tunables\n"
+              "print('ran', flush=True)\nexec_with_malloc_tunables()\n"
+              "print(os.environ['GLIBC_TUNABLES'], sys.argv[1:], sys.flags.optimize)")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-O", "-c", script, "a", "--b"], capture_output=True, text=True, timeout=120,
+                         check=True, env=env).stdout.split("\n")
+    assert out[:2] == ["ran", "ran"] and out[2] == f"{off} ['a', '--b'] 1", out  # twice, then never again

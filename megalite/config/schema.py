@@ -118,7 +118,9 @@ class TrainConfig:
     dtype: str = _f("auto", "auto | fp32 | bf16 | fp16 (auto = bf16 on CUDA, fp32 on CPU)")
     device: str = _f("auto", "auto | cpu | cuda")
     tune_malloc: bool = _f(True, "glibc: keep freed host memory for the next step instead of returning it to the "
-                                 "OS (no page-fault storm on CPU; see megalite/runtime/malloc.py)")
+                                 "OS (no page-fault storm on CPU), its tcache and fastbins off (freed tensors fit "
+                                 "the next identical one: pretrain.py runs once more at start to set the tcache); "
+                                 "see megalite/runtime/malloc.py")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = _f(20, "linear warmup steps")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
 import torch.nn as nn
 
 from megalite.layers.linear_fn import DeferredWeightGrads
@@ -183,6 +184,9 @@ class PipelineEngine:
         grad = torch.ones_like(item.out) if last else self._exchange.receive(i)
         # A sent output's storage is released to a one-element broadcast of its shape (`p2p`), so the
         # public backward's shape check holds while the memory is gone.
+        # Its first call with gradient tensors imports torch.fx's symbolic shapes (sympy, mpmath: 480 modules); the
+        # import above does that before the model is built, so their long-lived objects sit below it on the heap
+        # and not in the holes step 1's freed activations leave (megalite/runtime/malloc.py).
         torch.autograd.backward(item.out, grad)
         input_grad = None if first else item.inp.grad  # type: ignore[union-attr]
         assert first or input_grad is not None
