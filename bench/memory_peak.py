@@ -26,6 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+if sys.argv[1:2] == ["--worker"]:  # a rank runs as pretrain.py does: glibc's tcache off (megalite/runtime/malloc.py)
+    from megalite.runtime.malloc import exec_with_malloc_tunables
+
+    exec_with_malloc_tunables()
+
 from bench.launch import run_script_ranks  # noqa: E402
 from megalite.observability.metrics import peak_rss_bytes  # noqa: E402
 from bench.results_io import write_results  # noqa: E402
@@ -36,7 +41,8 @@ DEMO_BYTES = 1_000_000
 # step in micro-batches of 1 (4 micro-batches: every pipeline schedule fills).
 MID = ["--model.num_layers", "8", "--model.hidden_size", "384", "--model.num_heads", "6", "--model.seq_len", "256",
        "--train.micro_batch_size", "1", "--train.global_batch_size", "4"]
-# The outside check's shapes (issue 43): llama-160m's dims cut to 4 layers, 512 tokens, micro-batch 2.
+# The outside check's shapes (issue 43): llama-160m's dims cut to 4 layers, 512 tokens, micro-batch 2 (at one rank,
+# tp 2 + SP and dp 2 ZeRO-2), and gpt2-small's cut to 6 layers, 256 tokens, micro-batch 4, full recompute.
 LLAMA4 = ["--model.preset", "llama-160m", "--model.num_layers", "4", "--model.seq_len", "512",
           "--train.micro_batch_size", "2", "--train.global_batch_size", "2"]
 CASES: dict[str, tuple[int, list[str]]] = {
@@ -46,6 +52,10 @@ CASES: dict[str, tuple[int, list[str]]] = {
                        "--model.recompute", "selective", "--data.demo_max_bytes", "3000000"]),  # 2048-token samples
     "llama4": (1, LLAMA4),
     "llama4-tp2-sp": (2, [*LLAMA4, "--parallel.tp", "2", "--parallel.sp", "true"]),
+    "llama4-dp2-zero2": (2, [*LLAMA4, "--parallel.dp", "2", "--parallel.zero", "2", "--train.global_batch_size", "4"]),
+    "gpt2s6-full-recompute": (1, ["--model.preset", "gpt2-small", "--model.num_layers", "6", "--model.seq_len", "256",
+                                  "--train.micro_batch_size", "4", "--train.global_batch_size", "4",
+                                  "--model.recompute", "full"]),
     "mid": (1, MID),
     "mid-selective-recompute": (1, [*MID, "--model.recompute", "selective"]),
     "mid-full-recompute": (1, [*MID, "--model.recompute", "full"]),

@@ -1,21 +1,26 @@
 """The peak-memory model's terms against the tensors the code really allocates (no RSS, no allocator): the
 parameters a rank holds (`stage_params`, the states' Ψ) and the bytes one block saves for its backward
 (`layer_activation_bytes`, + `moe_layer_extra_bytes` for a MoE block), counted with autograd's saved-tensor hooks
-on a small model: llama, gpt2, selective recompute, FP8 (both recipes), MoE (with and without shared experts) at
-one process, and tp 2 with and without sequence parallelism. What the allocator adds on top
-(the heap's extent over its live bytes) is measured, not tested: bench/memory_peak.py."""
+on a small model: llama, gpt2, selective and full recompute, FP8 (both recipes), MoE (with and without shared
+experts) at one process, tp 2 with and without sequence parallelism, and cp in every mode (ring, all-gather and
+all-to-all at cp 2, hybrid at cp 4). The model states (parameters, gradients, master weights, optimizer states at
+every ZeRO stage, tp, pp) are held equal to the optimizer's own tensors by tests/test_estimate_vs_measured.py. What
+the allocator adds on top (the heap's extent over its live bytes) is measured, not tested: bench/memory_peak.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from torch.utils.checkpoint import checkpoint
+
 from megalite.config import ModelArgs, parse_args, resolve
+from megalite.context.options import ContextOptions
 from megalite.fp8.enable import enable_fp8, fp8_settings
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
 from megalite.perfmodel.estimate import stage_params
-from megalite.perfmodel.peak_memory import layer_activation_bytes, moe_layer_extra_bytes
+from megalite.perfmodel.saved_bytes import layer_activation_bytes, moe_layer_extra_bytes
 from megalite.training.memory_check import run_inputs, run_precision
 from tests.parallel_utils import layout
 
@@ -23,32 +28,36 @@ SMALL = ["--model.preset", "tiny", "--model.vocab_size", "250", "--model.seq_len
          "--train.micro_batch_size", "2"]
 
 
-def _config(tp: int, sp: bool, extra: list[str]):
+def _config(tp: int, sp: bool, extra: list[str], world: int | None = None):
     argv = [*SMALL, "--parallel.tp", str(tp), "--parallel.sp", str(sp).lower(), *extra]
-    return resolve(parse_args(argv), tp)
+    return resolve(parse_args(argv), world or tp)
 
 
 def _measure(cfg, state: ParallelState) -> tuple[int, int, int]:
     """(parameter elements on this rank, bytes the first block saves for its backward: every saved tensor's
     storage once, the model's own parameters and buffers left out, the block's FP8 linears)."""
-    model = GPT(ModelArgs.from_config(cfg), state, seed=0)
+    par = cfg.parallel
+    model = GPT(ModelArgs.from_config(cfg), state, seed=0, context=ContextOptions.of(par.cp_mode, None, par.cp_a2a))
     chosen = enable_fp8([model], fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
     in_block = [n for n in chosen if n.startswith(f"layers.{next(iter(model.layers))}.")]
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
+    saved: dict[int, torch.UntypedStorage] = {}  # held, so no saved storage's address is reused while counting
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in owned:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage.data_ptr()] = storage
         return t
 
-    b, s = cfg.train.micro_batch_size, cfg.model.seq_len // (state.tp if state.sp else 1)
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_len // state.cp // (state.tp if state.sp else 1)
     x = torch.randn(b, s, cfg.model.hidden_size, requires_grad=True)
     block = next(iter(model.layers.values()))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, model.cos, model.sin, None)
-    return sum(p.numel() for p in model.parameters()), sum(saved.values()), len(in_block)
+        if cfg.model.recompute == "full":  # as GPT.forward runs it: the block's input is all it keeps
+            checkpoint(model._replayable(block), x, model.cos, model.sin, None, use_reentrant=False)
+        else:
+            block(x, model.cos, model.sin, None)
+    return sum(p.numel() for p in model.parameters()), sum(st.nbytes() for st in saved.values()), len(in_block)
 
 
 def _check(cfg, state: ParallelState) -> None:
@@ -60,15 +69,16 @@ def _check(cfg, state: ParallelState) -> None:
     expected = layer_activation_bytes(dims, lay, prec, fp8) + moe_layer_extra_bytes(dims, lay, prec)
     # exact: every saved tensor named by the formula (docs/estimator.md#peak-memory); a tensorwise FP8 linear also
     # saves its input's fp32 scale (4 bytes), which the formula leaves out
-    assert saved == expected + (4 * fp8_linears if cfg.fp8.recipe == "tensorwise" else 0)
+    assert saved == expected + (4 * fp8_linears if cfg.fp8.recipe == "tensorwise" else 0), (saved, expected)
     assert cfg.fp8.recipe == "none" or fp8_linears >= 3  # out, up and down are FP8 here (qkv's kv part is 64 wide)
 
 
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.num_kv_heads", "0"],
-                                   ["--model.recompute", "selective"], ["--fp8.recipe", "tensorwise"],
+                                   ["--model.recompute", "selective"], ["--model.recompute", "full"],
+                                   ["--fp8.recipe", "tensorwise"],
                                    ["--fp8.recipe", "rowwise"], ["--model.preset", "tiny-moe"],
                                    ["--model.preset", "tiny-moe", "--moe.shared_experts", "1"]],
-                         ids=["llama", "gpt2", "selective", "fp8-tensorwise", "fp8-rowwise", "moe", "moe-shared"])
+                         ids=["llama", "gpt2", "selective", "full", "fp8-tensorwise", "fp8-rowwise", "moe", "moe-shared"])
 def test_one_process_terms_are_the_allocated_tensors(extra: list[str]) -> None:
     _check(_config(1, False, extra), ParallelState())
 
@@ -83,3 +93,17 @@ def test_tensor_parallel_terms_are_the_allocated_tensors(dist_world, sp: bool) -
     column-parallel linears, under SP the sequence-local norms): each rank's own tensors."""
     dist_world(2).run(_tp_rank, sp, [])
     dist_world(2).run(_tp_rank, sp, ["--model.arch", "gpt2", "--model.num_kv_heads", "0"])
+
+
+def _cp_rank(rank: int, cp: int, extra: list[str]) -> None:
+    _check(_config(1, False, ["--parallel.cp", str(cp), *extra], world=cp), layout(1, cp=cp))
+
+
+@pytest.mark.parametrize("cp,mode", [(2, ["ring"]), (2, ["allgather"]), (2, ["a2a"]), (4, ["hybrid", "2"])],
+                         ids=["ring", "allgather", "a2a", "hybrid"])
+def test_context_parallel_terms_are_the_allocated_tensors(dist_world, cp: int, mode: list[str]) -> None:
+    """Every saved tensor of S/cp tokens and RoPE's tables of this rank's positions, plus what each cp mode keeps
+    beyond them (`cp_saved_bytes`: the all-gather's gathered K/V, the all-to-all's output before it is sent back,
+    their int64 positions)."""
+    extra = ["--parallel.cp_mode", mode[0]] + (["--parallel.cp_a2a", mode[1]] if len(mode) > 1 else [])
+    dist_world(cp).run(_cp_rank, cp, extra)

@@ -55,9 +55,13 @@ def test_schedules_zero_stages_and_cp_move_the_right_terms() -> None:
     z3 = replace(dp, zero=3)
     block = stage_params(MID, 1, 1, 0).largest_layer * 4  # one more prefetched block per step of depth, fp32
     assert term(z3, 0, "ZeRO-3 gather buffers", 2) - term(z3, 0, "ZeRO-3 gather buffers", 1) == block
-    # gloo stages a reduce-scatter's input on CPU; NCCL reduces in place.
-    assert term(replace(dp, zero=1), 0, "in-flight reduction", device="cuda") < term(replace(dp, zero=1), 0,
-                                                                                     "in-flight reduction")
+    # Every bucket's 1/N reduce-scatter output on either device; gloo's worker threads keep their parameter
+    # all-gathers' staging on CPU (two buckets at most), NCCL has none.
+    z1 = replace(dp, zero=1)
+    assert term(z1, 0, "in-flight reduction", device="cuda") == term(z1, 0, "in-flight reduction") == (
+        stage_params(MID, 1, 1, 0).total * 4 / 2)
+    assert term(z1, 0, "gloo staging", device="cuda") == 0 == term(dp, 0, "gloo staging")
+    assert term(z1, 0, "gloo staging") == min(stage_params(MID, 1, 1, 0).total, 2 * 25 * 2**20 / 4) * 4
     full = replace(dp, dp=1, recompute="full")
     assert term(full, 0, "recomputed block") > 0 and term(full, 0, "activations") < term(replace(full, recompute="none"),
                                                                                          0, "activations")

@@ -127,7 +127,7 @@ _COLUMNS = ("#", "tp", "cp", "pp", "dp", "zero", "vpp", "mbs", "M", "recomp", "s
             "mem GB", "states", "rest", "TP GB", "CP GB", "PP GB", "DP GB")
 
 
-_STATES = ("parameters", "gradients", "master weights", "optimizer states", "ZeRO-3 gather buffers")
+_STATES = ("parameters", "gradients", "master weights", "optimizer states", "ZeRO-3 gather buffers", "gloo staging")
 
 
 def _json_row(i: int, d: dict) -> list[str]:

@@ -11,10 +11,10 @@ formula, at the moment of the step where they coincide:
                   torch.utils.checkpoint, which imports it) or the CUDA context (GPU)
 
   model states    parameters, gradients, master weights, optimizer states by ZeRO stage (a MoE model's experts
-                  over ep, their states over edp), ZeRO-3's fixed gather buffers
+                  over ep, their states over edp), ZeRO-3's fixed gather buffers, gloo's staging (CPU, ZeRO >= 1)
   loss phase      the activations in flight, the last micro-batch's logits and the cross-entropy's fp32 buffers,
                   ZeRO-2/3's full gradient buckets (held while micro-batches accumulate)
-  backward phase  the activations in flight, the full gradient buckets and the reduction's staging copy, one
+  backward phase  the activations in flight, the full gradient buckets and the reduce-scatters' outputs, one
                   layer's activation gradients, the recomputed block (full recompute), the cp ring's block-pair
                   scores (torch path), the zero-bubble schedules' deferred weight gradients
   step phase      the optimizer's temporary (0 for the fused AdamW; Muon's copies of its update direction)
@@ -31,15 +31,17 @@ from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import Memory, stage_params, zero_memory
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
 from megalite.perfmodel.muon import muon_step_bytes
+from megalite.perfmodel.saved_bytes import layer_activation_bytes, moe_layer_extra_bytes, uses_torch_checkpoint
 from megalite.perfmodel.schedules import microbatches_in_flight
 
 MiB = 2**20
-# The interpreter, torch and megalite imported (235 MiB RSS: torch 2.13's CPU wheel, measured in a rank process
-# before `main`) plus the code and data pages its first forward, backward and optimizer step fault in (70 MiB: the
-# intercept of the smallest bench/memory_peak.py cases, their RSS minus their predicted tensors). Both depend on
-# the torch build and the machine; `PeakOptions.baseline_bytes` overrides them.
-CPU_IMPORTS_BYTES = 235 * MiB
-CPU_KERNEL_PAGES_BYTES = 70 * MiB
+# The interpreter, torch and megalite imported (262 MiB RSS: torch 2.13's CPU wheel, measured in a rank process
+# before `main`, torch.fx's symbolic shapes included: megalite/pipeline/engine.py imports them up front) plus the
+# code and data pages its first forward, backward and optimizer step fault in (43 MiB: the intercept of the smallest
+# bench/memory_peak.py cases, their RSS minus their predicted tensors). Both depend on the torch build and the
+# machine; `PeakOptions.baseline_bytes` overrides them.
+CPU_IMPORTS_BYTES = 262 * MiB
+CPU_KERNEL_PAGES_BYTES = 43 * MiB
 # Recompute (selective or full) runs through torch.utils.checkpoint, and its first call imports torch._dynamo: in
 # torch 2.13 `checkpoint` is wrapped by `torch._disable_dynamo` (torch/_compile.py: it imports torch._dynamo at the
 # wrapped function's first call) and the non-reentrant frame reads `torch._dynamo.config` and builds its recompute
@@ -87,6 +89,7 @@ class PeakOptions:
     optimizer_state_bytes: float | None = None
     optimizer_temp_bytes: float = 0.0
     zero3_prefetch: int = 1
+    bucket_bytes: float = 25 * MiB  # parallel.bucket_mb: the gradient buckets' fp32 bytes (the default's)
     torch_ring: bool = True  # cp > 1: the ring's block pairs in torch math (scores materialised), not Triton
     slack: float | None = None  # None: the device's default above
     fp8: tuple[str, int] | None = None  # (recipe, min_dim) of fp8.recipe / fp8.min_dim; None: no FP8
@@ -161,88 +164,6 @@ def _sum(terms: tuple[Term, ...]) -> float:
     return sum(t.bytes for t in terms)
 
 
-def fp8_saved_delta(dims: ModelDims, layout: Layout, prec: Precision, fp8: tuple[str, int] | None) -> float:
-    """Bytes per token an FP8 layer saves beyond (negative: below) the run dtype's (`megalite.fp8.linear`): under
-    `tensorwise` each FP8 linear (min(in, every logical output part) >= min_dim) keeps its 1-byte quantised input
-    instead of the input itself. The qkv, up and down linears' inputs were kept for them alone (e -> 1 byte); the
-    attention's output stays saved by the attention, so the out linear's 1-byte copy is extra. `rowwise` saves the
-    input as it is (no change)."""
-    if fp8 is None or fp8[0] != "tensorwise":
-        return 0.0
-    min_dim, e, t = fp8[1], prec.activation, layout.tp
-    h, f = dims.hidden_size, dims.ffn
-    q, kv = dims.num_heads * dims.hd, dims.kv_heads * dims.hd
-    delta = 0.0
-    if min(h, q, kv) >= min_dim:
-        delta += h * (1 - e)  # qkv's (gathered) input
-    if min(q, h) >= min_dim:
-        delta += q / t  # out's own copy
-    if min(h, f) >= min_dim:
-        delta += h * (1 - e)  # up's (gathered) input
-    if min(f, h) >= min_dim:
-        delta += f / t * (1 - e)  # down's input
-    return delta
-
-
-def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
-                           fp8: tuple[str, int] | None = None) -> float:
-    """Bytes one transformer layer saves for its backward per micro-batch, as megalite's block saves them, per token
-    (t = tp; hs = h/t under SP, else h: the sequence-sharded tensors; column linears save their gathered input, h):
-
-      llama  norm1 input hs, qkv input h, q/k/v (a + 2·kv)·d/t, attention output a·d/t, residual sum hs,
-             up input h, gate and up 2f/t, silu(gate) f/t, down input f/t;  + the log-sum-exp a/t in fp32
-      gpt2   the same with LayerNorm, GeLU (up output f/t, down input f/t) instead of SwiGLU
-
-    and in fp32: the attention's log-sum-exp a/t per token, the norms' statistics per sequence-local token (two
-    RMSNorms: a 1/rms each; two LayerNorms: a mean and a 1/std each), and (llama) RoPE's cos and sin expanded to
-    [S/cp, d] once per layer, whatever the batch and tp (megalite/model/ops.py's `apply_rope`).
-    Full recompute keeps the layer input only (hs). `tests/test_memory_terms.py` holds this equal to the bytes
-    autograd saves."""
-    t, e = layout.tp, prec.activation
-    h, d, a, kv = dims.hidden_size, dims.hd, dims.num_heads, dims.kv_heads
-    s_local = layout.local_seq_len(dims.seq_len)
-    tokens = layout.micro_batch_size * s_local
-    hs = h / t if layout.sp else h
-    if layout.recompute == "full":
-        return tokens * hs * e
-    llama = dims.arch == "llama"
-    mlp = (4 if llama else 2) * dims.ffn / t
-    per_token = 2 * hs + 2 * h + (2 * a + 2 * kv) * d / t + mlp
-    norm_stats = (2 if llama else 4) * (tokens / t if layout.sp else tokens)
-    rope = 2 * s_local * d if llama else 0
-    # Selective recompute checkpoints the attention core where it is SDPA (cp = 1 or a2a): its log-sum-exp is not kept.
-    lse = 0.0 if uses_torch_checkpoint(layout) else a / t * 4
-    return tokens * (per_token * e + lse + fp8_saved_delta(dims, layout, prec, fp8)) + (norm_stats + rope) * 4
-
-
-def moe_layer_extra_bytes(dims: ModelDims, layout: Layout, prec: Precision) -> float:
-    """What a MoE layer saves beyond the dense layer of `layer_activation_bytes`, per micro-batch: its MLP terms
-    (4f/t, gpt2 2f/t per token) replaced by the shared experts' (the same with n_s·F_s), and per token the rank
-    routes (its S/cp, /t under SP) k dispatched rows, each saving its input, the expert's output and its weighted
-    copy (3h) and the expert's intermediates (llama 4F, gpt2 2F), in the run dtype, plus its routing weight (fp32)
-    and its two sort indices and top-k index (int64); per routed token the router's logits and probabilities (2E),
-    its k weights and two per-token loss statistics (fp32); per layer the experts' counts and loads (3E x 4 B)."""
-    moe = dims.moe
-    if moe is None or layout.recompute == "full":
-        return 0.0
-    t, e = layout.tp, prec.activation
-    width = 4 if dims.arch == "llama" else 2
-    tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
-    routed = tokens / t if layout.sp else tokens
-    per_token = width * (moe.shared * moe.shared_ffn - dims.ffn) / t
-    per_row = (3 * dims.hidden_size + width * moe.ffn) * e + 4 + 3 * 8
-    per_routed = moe.top_k * per_row + (2 * moe.experts + moe.top_k + 2) * 4
-    return tokens * per_token * e + routed * per_routed + 3 * moe.experts * 4
-
-
-def uses_torch_checkpoint(layout: Layout) -> bool:
-    """Whether the run calls torch.utils.checkpoint (so imports torch._dynamo): full recompute checkpoints every block
-    (megalite/model/gpt.py); selective recompute the attention core, which cp's ring, all-gather and hybrid modes
-    replace by their own block pairs (they keep no scores to drop: megalite/model/block.py), a2a does not."""
-    selective = layout.recompute == "selective" and (layout.cp == 1 or layout.cp_mode == "a2a")
-    return layout.recompute == "full" or selective
-
-
 def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                opts: PeakOptions = PeakOptions()) -> PeakMemory:
     """The peak of one pipeline stage's rank (see the module doc for the phases)."""
@@ -297,11 +218,18 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     bucket_hold = Term("gradient buckets", buckets, "4 B x params (full fp32 buckets)" if buckets else "0",
                        "ZeRO-2/3 build each bucket's full fp32 gradient on its first gradient and free it after the "
                        "step's reduce-scatter (micro-batches accumulate into it)")
-    # gloo (CPU) stages a reduce-scatter's whole input in a buffer of its own; NCCL reduces in place.
-    staged = 1.0 if opts.device == "cpu" else 0.0
-    scatter = (staged + 1.0 / n) * grads_full if layout.zero >= 1 and n > 1 else 0.0
-    reduction = Term("in-flight reduction", scatter, f"4 B x params x ({'1 + ' if staged else ''}1/N)" if scatter
-                     else "0", "the reduce-scatter's 1/N output" + (" and gloo's copy of its input" if staged else ""))
+    scatter = grads_full / n if layout.zero >= 1 and n > 1 else 0.0
+    reduction = Term("in-flight reduction", scatter, "4 B x params / N" if scatter else "0",
+                     "every bucket's reduce-scatter output, from its launch in the backward to the step's sync")
+    # gloo runs collectives on its two worker threads, and the parameter all-gathers (ZeRO >= 1: the updated
+    # shards after the step, ZeRO-3's gathers) stage a bucket each in the thread's own malloc arena, which keeps
+    # it: measured with a malloc trace, 49-52 MiB outside the main heap at dp 2 (docs/estimator.md). NCCL: none.
+    staging = 0.0
+    if opts.device == "cpu" and layout.zero >= 1 and n > 1:
+        staging = min(psi, 2 * opts.bucket_bytes / 4) * prec.param
+    gloo = Term("gloo staging", staging, f"min(params, 2 buckets of {opts.bucket_bytes / MiB:g} MiB fp32) x "
+                f"{prec.param} B" if staging else "0", "the parameter all-gathers' copies in gloo's two worker "
+                "threads' malloc arenas, resident from the first step's")
     unit, outer = float(sp_rank.largest_layer), psi - sp_rank.layers
     gathered = ((1 + opts.zero3_prefetch) * unit + outer) * prec.param if layout.zero >= 3 and n > 1 else 0.0
     zero3 = Term("ZeRO-3 gather buffers", gathered, f"((1 + prefetch {opts.zero3_prefetch}) x {unit:.0f} + "
@@ -339,7 +267,7 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                "2 x b·s·h (/t with SP) x in flight" if p > 1 else "0", "received activations and sent gradients")
     step = Term("optimizer temporary", opts.optimizer_temp_bytes, "an input (0: fused AdamW updates in place)",
                 "what the optimizer's step allocates and frees")
-    states += (zero3,)
+    states += (zero3, gloo)
     phases = {"loss": (activations, logits, bucket_hold if m > 1 else replace(bucket_hold, bytes=0.0), p2p),
               "backward": (activations, ce_bwd, bucket_hold, reduction, layer_grads, recompute, ring, mask, zb, p2p),
               "step": (step,)}
