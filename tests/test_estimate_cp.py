@@ -213,8 +213,10 @@ def test_memory_check_counts_cp_and_suggests_it() -> None:
 
     # ZeRO-3 and full recompute already: the only single change left is cp (states sharded over dp·cp = 4).
     # The Triton ring blocks keep no block-pair scores (the torch blocks' (S/cp)² scores would outweigh the saving).
+    # Global batch 8: several micro-batches per rank at every cp, so ZeRO-3's full gradient buckets are held in the
+    # loss phase at each of them (a constant) and what changes with cp is the S/cp tokens' share alone.
     cfg = resolve(parse_args(["--model.preset", "llama-160m", "--model.vocab_size", "32000", "--model.seq_len",
-                              "8192", "--train.micro_batch_size", "1", "--train.global_batch_size", "4",
+                              "8192", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
                               "--parallel.zero", "3", "--model.recompute", "full", "--model.kernels", "triton"]), 4)
     need = [4 * predicted_bytes(replace(cfg, parallel=replace(cfg.parallel, cp=cp, dp=4 // cp))) for cp in (1, 2, 4)]
     assert need[0] - need[1] == pytest.approx(2 * (need[1] - need[2]), rel=1e-9)  # activations: A, A/2, A/4

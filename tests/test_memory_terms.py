@@ -3,8 +3,10 @@ parameters a rank holds (`stage_params`, the states' Ψ) and the bytes one block
 (`layer_activation_bytes`, + `moe_layer_extra_bytes` for a MoE block), counted with autograd's saved-tensor hooks
 on a small model: llama, gpt2, selective and full recompute, FP8 (both recipes), MoE (with and without shared
 experts) at one process, tp 2 with and without sequence parallelism, and cp in every mode (ring, all-gather and
-all-to-all at cp 2, hybrid at cp 4). The model states (parameters, gradients, master weights, optimizer states at
-every ZeRO stage, tp, pp) are held equal to the optimizer's own tensors by tests/test_estimate_vs_measured.py. What
+all-to-all at cp 2, hybrid at cp 4); and ZeRO-1/2/3's transient buffers at dp 2 (the reduce-scatter outputs, the
+full gradient buckets, ZeRO-3's fixed gather buffers) against the gradient sync's own. The model states (parameters,
+gradients, master weights, optimizer states at every ZeRO stage, tp, pp) are held equal to the optimizer's own
+tensors by tests/test_estimate_vs_measured.py. What
 the allocator adds on top (the heap's extent over its live bytes) is measured, not tested: bench/memory_peak.py."""
 
 from __future__ import annotations
@@ -107,3 +109,57 @@ def test_context_parallel_terms_are_the_allocated_tensors(dist_world, cp: int, m
     their int64 positions)."""
     extra = ["--parallel.cp_mode", mode[0]] + (["--parallel.cp_a2a", mode[1]] if len(mode) > 1 else [])
     dist_world(cp).run(_cp_rank, cp, extra)
+
+
+def _zero_rank(rank: int, zero: int) -> dict[str, float]:
+    """One ZeRO step at dp 2: the full gradient buckets and reduce-scatter outputs alive at the end of the backward
+    (when the step's sync starts), and ZeRO-3's gather buffers after the step (every one given back)."""
+    from megalite.optim import build_distributed_optimizer
+    from megalite.pipeline import build_pipeline
+    from megalite.training.step import train_step
+    from tests.parallel_utils import ADAMW, step_context, tiny_model_cfg, tiny_train_cfg
+
+    st = layout(1, dp=2)
+    engine = build_pipeline(tiny_model_cfg("llama", num_layers=4), st, seed=1, micro_batch_size=2, dtype=torch.float32)
+    opt = build_distributed_optimizer(engine.chunks[0], st, zero, torch.float32, optimizer=ADAMW)
+    seen: dict[str, float] = {}
+    finish = opt.finish_grad_sync
+
+    def at_the_end_of_the_backward() -> None:
+        seen["buckets"] = sum(b.grad_flat.numel() * 4 for b in opt.sync.buckets if b.grad_flat is not None)
+        seen["outputs"] = sum(b.scatter_out.numel() * 4 for b in opt.sync.buckets if b.scatter_out is not None)
+        finish()
+
+    opt.finish_grad_sync = at_the_end_of_the_backward  # type: ignore[method-assign]
+    data = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    train_step(step_context(engine, st, torch.float32, tiny_train_cfg(2)), opt, [(data[:, :-1], data[:, 1:])], 0)
+    zero3 = opt.sync.zero3
+    seen["gathers"] = 0.0 if zero3 is None else zero3.buffers.idle_bytes()
+    seen["padding"] = 4 * 2 * len(opt.sync.buckets)  # each bucket padded to a multiple of dp: < dp elements
+    return seen
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_buffers_are_the_allocated_tensors(dist_world, zero: int) -> None:
+    """The ZeRO terms of the peak against the tensors the gradient sync holds: every bucket's 1/N reduce-scatter
+    output ("in-flight reduction", ZeRO >= 1), its full fp32 gradient at ZeRO-2/3 ("gradient buckets": at ZeRO-1
+    it is the persistent "gradients" state), and ZeRO-3's fixed gather buffers, the largest block's twice
+    (computing and prefetched) and the outer unit's ("ZeRO-3 gather buffers")."""
+    from megalite.perfmodel.estimate import Layout, ModelDims, Precision
+    from megalite.perfmodel.peak_memory import PeakOptions, stage_peak
+    from tests.parallel_utils import tiny_model_cfg
+
+    out = dist_world(2).run(_zero_rank, zero)
+    cfg = tiny_model_cfg("llama", num_layers=4)
+    dims = ModelDims(num_layers=4, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, vocab_size=cfg.vocab_size,
+                     seq_len=cfg.seq_len, arch="llama", num_kv_heads=cfg.num_kv_heads,
+                     ffn_hidden_size=cfg.ffn_hidden_size, tie_embeddings=False,
+                     make_vocab_divisible_by=cfg.make_vocab_divisible_by)
+    lay = Layout(dp=2, zero=zero, micro_batch_size=2, global_batch_size=4)
+    pk = stage_peak(dims, lay, Precision.for_dtype("fp32"), 0, PeakOptions(device="cuda"))
+    terms = {t.name: t.bytes for ts in (pk.states, *pk.phases.values()) for t in ts}
+    for r in out:
+        # exact but for each bucket's padding to a multiple of dp (fewer than dp elements)
+        assert 0 <= r["outputs"] - terms["in-flight reduction"] <= r["padding"] / 2
+        assert 0 <= r["buckets"] - terms["gradient buckets" if zero >= 2 else "gradients"] <= r["padding"]
+        assert r["gathers"] == terms["ZeRO-3 gather buffers"]
