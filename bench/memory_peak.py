@@ -163,7 +163,8 @@ def to_markdown(res: dict) -> str:
                 f"{worst['case']} at {worst['ratio']:.3f}."]
     out += ["", "What no test holds: the measured peak is the heap's extent (RSS), which the allocator sets by the order "
             "and timing of allocations (glibc's holes between kept blocks); tests/test_memory_terms.py holds the "
-            "model's tensors (parameters, saved activations) exactly, this benchmark the whole against RSS."]
+            "saved activations and ZeRO's buffers exactly, tests/test_estimate_vs_measured.py the model states, this "
+            "benchmark the whole against RSS."]
     return "\n".join(out) + "\n"
 
 
