@@ -12,17 +12,12 @@ or glibc's own knobs; `tune_malloc` sets the latter from inside the process (`ma
                              time (glibc's dynamic threshold would otherwise move with every free)
   M_TRIM_THRESHOLD = 1 GiB   freed heap memory stays with the process for the next step
 
-torch allocates with posix_memalign (64-byte alignment): glibc carves the request plus the alignment
-slack and frees the slack at once, so a small allocation landing there can leave a freed buffer just
-too small for the next identical request, and that step grows the heap instead (tests/test_runtime.py
-measures the thresholds with plain malloc for this reason).
-
 The cost is that the process keeps its peak heap resident (a training loop reaches the same peak every
 step anyway). It is skipped when the environment already chose (`MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_`, or jemalloc/tcmalloc/mimalloc in LD_PRELOAD) and where the C library is not
 glibc. `train.tune_malloc=false` turns it off.
 
-What the heap keeps beyond the live tensors (docs/estimator.md#what-the-allocator-adds): torch allocates
+What the heap keeps beyond the live tensors (docs/estimator.md, "What the allocator adds"): torch allocates
 every CPU tensor with posix_memalign(64). glibc before 2.38 serves it by carving size + 64 + 32 bytes and
 freeing the leading and trailing slack at once; those small pieces go to the thread cache (tcache) and the
 fastbins, where glibc never merges them with their neighbours, or small objects take them. A freed tensor
@@ -30,8 +25,9 @@ is then a hole exactly its own size, too small for the next identical request (w
 again), and each layer's forward transients of one step land above the last: measured with a malloc trace
 on a llama of hidden 768 at tp 2 + SP, 87 x 1.5 MiB and 19 x 3 MiB tensors are allocated and freed in every
 forward, and the heap held 96-120 MiB of such holes at its peak. With the tcache and the fastbins off the
-slack merges back when its tensor is freed, and the hole fits the next identical request: the same run peaks
-70 MiB lower (one process: 60 MiB), at the same speed. The fastbins are a `mallopt` (M_MXFAST = 0); the tcache
+slack merges back when its tensor is freed, and the hole fits the next identical request: 80-100 MiB less per
+process at the same speed (docs/performance.md; tests/test_runtime.py measures the thresholds with plain malloc,
+whose same-size requests reuse a freed chunk exactly). The fastbins are a `mallopt` (M_MXFAST = 0); the tcache
 is read once, at process start, from `GLIBC_TUNABLES`, so `exec_with_malloc_tunables` (pretrain.py's first
 call, before torch is imported) re-executes the process once with `glibc.malloc.tcache_count=0` added, unless
 the user set GLIBC_TUNABLES' malloc entries, another allocator, or `--train.tune_malloc false` on the command
