@@ -21,6 +21,7 @@ threshold above the buffer.
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import subprocess
@@ -136,3 +137,19 @@ def test_the_tcache_is_turned_off_by_one_re_exec_unless_someone_chose() -> None:
     out = subprocess.run([sys.executable, "-O", "-c", script, "a", "--b"], capture_output=True, text=True, timeout=120,
                          check=True, env=env).stdout.split("\n")
     assert out[:2] == ["ran", "ran"] and out[2] == f"{off} ['a', '--b'] 1", out  # twice, then never again
+
+
+@glibc
+def test_a_failed_re_exec_goes_on_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the interpreter cannot be run again, the process goes on with its environment as it found it."""
+    for var in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+
+    def refuse(path: str, args: list[str]) -> None:
+        assert os.environ["GLIBC_TUNABLES"] == runtime.TCACHE_OFF  # what it would have run with
+        raise PermissionError(path)
+
+    monkeypatch.setattr(os, "execv", refuse)
+    runtime.exec_with_malloc_tunables()
+    assert "GLIBC_TUNABLES" not in os.environ

@@ -82,12 +82,19 @@ def exec_with_malloc_tunables() -> None:
     """Re-execute this process (same interpreter, flags and arguments) with `tunables_to_exec`'s GLIBC_TUNABLES,
     once; returns without doing anything where it is None. Call it first, before torch is imported."""
     tunables = tunables_to_exec(os.environ, sys.argv[1:])
-    if tunables is None:
+    if tunables is None or not sys.executable:  # an embedded interpreter has no executable to run again
         return
+    before = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = tunables
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    try:
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    except OSError:  # could not run it again: go on with the tcache on (tune_malloc's log line says so)
+        if before is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
 
 
 def tune_malloc() -> str:
