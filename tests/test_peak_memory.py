@@ -213,3 +213,15 @@ def test_fit_checks_count_experts_and_refuse_in_one_line() -> None:
     with pytest.raises(ConfigError, match="this run needs about") as err:
         check_memory_of(wide, torch.device("cpu"), 1, available=64 * 2**30)
     assert "\n" not in str(err.value)
+
+
+def test_the_check_before_step_1_reads_the_whole_model_config() -> None:
+    """`run_inputs` reads a run's model through `spec_dims`, as the MoE planner does: a head width set apart from
+    hidden / heads (Qwen3's `model.head_dim`) is the one the attention terms are sized with."""
+    from megalite.config import parse_args, resolve
+    from megalite.training.memory_check import predicted_peak, run_inputs
+
+    base = ["--model.preset", "tiny", "--model.vocab_size", "256"]
+    plain, wide = (resolve(parse_args(base + extra), 1) for extra in ([], ["--model.head_dim", "64"]))
+    assert run_inputs(plain)[0].hd == 32 and run_inputs(wide)[0].hd == 64
+    assert predicted_peak(wide).total > predicted_peak(plain).total

@@ -1,4 +1,4 @@
-"""Closed forms of what a mixture-of-experts layer costs: parameters, all-to-all bytes, FLOPs, held buffers.
+"""Closed forms of what a mixture-of-experts layer costs: parameters, all-to-all bytes, FLOPs.
 
 The one home of these formulas: torch-free (moe/__init__.py imports nothing), so the cost model
 (megalite/perfmodel/moe.py, moe_plan.py) imports them rather than restating them.
@@ -19,8 +19,9 @@ T k (ep - 1)/ep rows each way: 4 x T k (ep - 1)/ep x h x b per layer per micro-b
 
 Compute: balanced, a rank's experts take T k rows per layer and micro-batch (ep ranks' T k each over ep
 blocks), 2 W_e FLOPs a row forward and twice that backward (W_e: one expert's weights): 6 T k W_e.
-Memory: a MoE layer keeps its T k routed input rows and the experts' output rows for the backward,
-2 T k h elements per layer and micro-batch in flight.
+Memory: what a MoE layer saves for its backward (its routed rows, the experts' intermediates, the router's
+tensors) is `megalite.perfmodel.saved_bytes.moe_layer_extra_bytes`, held equal to autograd's by
+tests/test_memory_terms.py.
 """
 
 from __future__ import annotations
@@ -100,8 +101,3 @@ def busiest_a2a_bytes(tokens: int, top_k: int, experts: int, hidden: int, ep: in
 def expert_flops(tokens: int, top_k: int, expert_weights: int) -> float:
     """A rank's expert GEMM FLOPs per layer and micro-batch, forward and backward, balanced (module doc)."""
     return 6.0 * tokens * top_k * expert_weights
-
-
-def dispatch_buffer_bytes(tokens: int, top_k: int, hidden: int, bytes_per: int) -> int:
-    """What a MoE layer keeps for its backward beyond the dense model's, per micro-batch (module doc)."""
-    return 2 * tokens * top_k * hidden * bytes_per

@@ -9,6 +9,7 @@ from typing import Any
 
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
+from megalite.model.spec import ModelSpec
 from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import PRESETS
 from megalite.perfmodel.inputs import ModelDims, MoEDims
@@ -37,6 +38,17 @@ def moe_dims(num_layers: int, ffn_hidden_size: int, moe: MoEConfig) -> MoEDims |
         return None
     return MoEDims(experts=s.experts, ffn=s.ffn_hidden_size, layers=tuple(s.layers(num_layers)), top_k=s.top_k,
                    shared=s.shared_experts, shared_ffn=s.shared_ffn_hidden_size)
+
+
+def spec_dims(m: ModelSpec) -> ModelDims:
+    """The perfmodel's view of a resolved model config (`megalite.config.ModelArgs`, `ModelSpec`): its shape, MLA,
+    MTP depth and experts; the check before step 1 and the MoE planner read a model through this one function."""
+    return ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                     vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
+                     ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
+                     make_vocab_divisible_by=m.make_vocab_divisible_by or 1, head_dim=m.head_dim or None,
+                     mla=MLADims.of(m.mla), mtp_layers=m.mtp.num_layers,
+                     moe=moe_dims(m.num_layers, m.ffn_hidden_size, m.moe))
 
 
 def _resolved_dims(kwargs: dict) -> ModelDims:

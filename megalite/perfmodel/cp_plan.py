@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from megalite.perfmodel.context import ring_exposed_seconds
 from megalite.perfmodel.estimate import GB, Layout, ModelDims, Precision
 from megalite.perfmodel.peak_memory import fits
-from megalite.perfmodel.plan import Cluster, cost, divisors, worst_stage_memory
+from megalite.perfmodel.plan import Cluster, cost, divisors
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def mode_cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -
         fixed = ring_exposed_seconds(dims, lay, prec, est.num_microbatches, cluster.peak_flops * cluster.efficiency,
                                      ring, inner_bytes_per_s=cluster.intra_bytes_per_s)
         step, exposed = step - exposed + fixed, fixed
-    mem = worst_stage_memory(dims, lay, prec)
+    mem = cand.memory
     return ModeCost(lay, step, est.comm_bytes.get("cp", 0.0), exposed, mem, fits(mem, cluster.memory_limit))
 
 

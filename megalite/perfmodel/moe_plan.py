@@ -26,11 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from megalite.mla.costs import MLADims
 from megalite.model.spec import ModelSpec
 from megalite.moe.settings import moe_settings
 from megalite.parallel.state import layout_grid
-from megalite.perfmodel.config_inputs import moe_dims
+from megalite.perfmodel.config_inputs import spec_dims
 from megalite.perfmodel.estimate import GB, Layout, ModelDims, Precision
 from megalite.perfmodel.moe import moe_estimate, moe_param_counts
 from megalite.perfmodel.peak_memory import PLANNER_PEAK, fits, peak_memory
@@ -64,15 +63,12 @@ def moe_model_dims(m: ModelSpec, pp: int = 1) -> ModelDims:
     """The model as the peak memory model sizes it: its own MLP width, attention and experts (`MoEDims`). Where pp
     does not divide the layers (DeepSeek-V3's 61 over 16 stages) the worst stage holds ceil(L / pp) of them: the
     model is padded to that many per stage with MoE layers."""
+    dims = spec_dims(m)
     layers = math.ceil(m.num_layers / pp) * pp
-    experts = moe_dims(m.num_layers, m.ffn_hidden_size, m.moe)
-    if experts is not None and layers > m.num_layers:
-        experts = replace(experts, layers=experts.layers + tuple(range(m.num_layers, layers)))
-    return ModelDims(num_layers=layers, hidden_size=m.hidden_size, num_heads=m.num_heads, vocab_size=m.vocab_size,
-                     seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads, ffn_hidden_size=m.ffn_hidden_size,
-                     tie_embeddings=bool(m.tie_embeddings), make_vocab_divisible_by=m.make_vocab_divisible_by or 1,
-                     head_dim=m.head_dim or None, mla=MLADims.of(m.mla), mtp_layers=m.mtp.num_layers,
-                     moe=experts)
+    if dims.moe is None or layers == m.num_layers:
+        return replace(dims, num_layers=layers)
+    padding = tuple(range(m.num_layers, layers))
+    return replace(dims, num_layers=layers, moe=replace(dims.moe, layers=dims.moe.layers + padding))
 
 
 def moe_memory(m: ModelSpec, lay: Layout, ep: int, prec: Precision) -> tuple[float, float]:
@@ -108,8 +104,10 @@ class MoECandidate:
                 "a2a_crosses_nodes": self.crosses_nodes}
 
 
-def moe_cost(m: ModelSpec, lay: Layout, ep: int, cluster: Cluster, prec: Precision) -> MoECandidate:
-    states, acts = moe_memory(m, lay, ep, prec)
+def moe_cost(m: ModelSpec, lay: Layout, ep: int, cluster: Cluster, prec: Precision,
+             memory: tuple[float, float] | None = None) -> MoECandidate:
+    """One layout's step time and all-to-all; `memory`: its `moe_memory` when the caller has it already."""
+    states, acts = memory or moe_memory(m, lay, ep, prec)
     dense = cost(active_dims(m), lay, cluster, prec).step_seconds
     a2a = moe_estimate(m, lay, ep, prec).ep_bytes_per_step  # balanced routing, `moe` module doc
     crosses = ep > 1 and ep_crosses_nodes(lay, ep, cluster.gpus_per_node)
@@ -165,11 +163,12 @@ def make_moe_plan(m: ModelSpec, cluster: Cluster, global_batch_size: int, prec: 
                             if dp == 1 and zero > 0:
                                 break
                             lay = replace(base, zero=zero, recompute=rc)
-                            mem = sum(moe_memory(m, lay, ep, prec))
+                            parts = moe_memory(m, lay, ep, prec)
+                            mem = sum(parts)
                             considered += 1
                             smallest = min(smallest, mem)
                             if fits(mem, cluster.memory_limit):
-                                ranked.append(moe_cost(m, lay, ep, cluster, prec))
+                                ranked.append(moe_cost(m, lay, ep, cluster, prec, parts))
                                 best_zero = zi
                                 break
                         if best_zero == 0:

@@ -306,12 +306,13 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int, prec: P
                         if dp * cp == 1 and zero > 0:
                             break  # ZeRO over one rank shards nothing
                         lay = replace(base, zero=zero, recompute=rc)
-                        mem = worst_stage_memory(dims, lay, prec)
+                        peak = peak_memory(dims, lay, prec, PLANNER_PEAK)
+                        mem = peak.total
                         considered += 1
                         if smallest is None or mem < smallest[0]:
                             smallest = (mem, lay)
                         if fits(mem, cluster.memory_limit):
-                            ranked.append(cost(dims, lay, cluster, prec))
+                            ranked.append(cost(dims, lay, cluster, prec, peak))
                             best_zero = zi
                             break
                     if best_zero == 0:
@@ -332,15 +333,15 @@ def make_plan(dims: ModelDims, cluster: Cluster, global_batch_size: int, prec: P
     return Plan(dims, cluster, gbs, ranked, considered, len(ranked), explain(ranked, cluster), prec)
 
 
-def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision) -> Candidate:
+def cost(dims: ModelDims, lay: Layout, cluster: Cluster, prec: Precision, peak: PeakMemory | None = None) -> Candidate:
     """The full estimate of one layout on `cluster` (one node: everything on NVLink; a cp ring of tp·cp ranks
-    that fits in a node, too)."""
+    that fits in a node, too); `peak`: its `worst_stage_memory` when the caller has it already."""
     inter = cluster.intra_bytes_per_s if cluster.nodes == 1 else cluster.inter_bytes_per_s
     ring = cluster.intra_bytes_per_s if cluster.gpus_per_node % (lay.tp * lay.cp) == 0 else inter
     est = estimate(dims, lay, prec, hw=Hardware(peak_flops=cluster.peak_flops, inter_bytes_per_s=inter,
                                               intra_bytes_per_s=cluster.intra_bytes_per_s,
                                               efficiency=cluster.efficiency, cp_bytes_per_s=ring))
-    return Candidate(lay, est, peak_memory(dims, lay, prec, PLANNER_PEAK), cluster.peak_flops)
+    return Candidate(lay, est, peak or peak_memory(dims, lay, prec, PLANNER_PEAK), cluster.peak_flops)
 
 
 def _parts(c: Candidate) -> dict[str, float]:

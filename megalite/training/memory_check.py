@@ -19,15 +19,14 @@ from typing import Any
 
 import torch
 
-from megalite.config import PRESETS, Config, ModelConfig
+from megalite.config import PRESETS, Config, ModelArgs, ModelConfig
 from megalite.config.presets import section_values
 from megalite.config.derive import resolve, resolved_device, resolved_dtype
 from megalite.data.tokenizer import load_tokenizer
 from megalite.errors import ConfigError
-from megalite.mla.costs import MLADims
 from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import Estimate, Layout, ModelDims, Precision, estimate
-from megalite.perfmodel.config_inputs import moe_dims
+from megalite.perfmodel.config_inputs import spec_dims
 from megalite.perfmodel.peak_memory import PeakMemory, fits, run_peak
 
 GiB = 2**30
@@ -68,11 +67,7 @@ def run_estimate(cfg: Config) -> Estimate:
 def run_inputs(cfg: Config) -> tuple[ModelDims, Layout]:
     """The perfmodel's inputs for this run: its model shape and its layout and batch."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    dims = ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
-                     vocab_size=m.vocab_size, seq_len=m.seq_len, arch=m.arch, num_kv_heads=m.num_kv_heads or None,
-                     ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
-                     make_vocab_divisible_by=m.make_vocab_divisible_by, mla=MLADims.of(cfg.mla),
-                     mtp_layers=cfg.mtp.num_layers, moe=moe_dims(m.num_layers, m.ffn_hidden_size, cfg.moe))
+    dims = spec_dims(ModelArgs.from_config(cfg))
     layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, zero=par.zero, sp=par.sp, vpp=par.vpp, schedule=par.schedule,
                     micro_batch_size=tr.micro_batch_size, global_batch_size=tr.global_batch_size,
                     recompute=m.recompute, cp=par.cp, cp_mode=par.cp_mode, cp_a2a=par.cp_a2a,
