@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megalite", "errors", "torch_private", "kernels"),  # base: root, error kinds, private torch calls, Triton
     ("atomic", "untrusted", "section"),           # base: atomic writes; bounded JSON/TOML reading; config fields
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
+    ("attention",),                               # core: attention variants (window, sinks, soft-cap) and their math
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
     ("fp8",),                                     # core: FP8 GEMMs of the linears and the expert GEMMs
     ("moe", "mla"),                               # core: mixture-of-experts layers; multi-head latent attention

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from megalite.attention.variant import PLAIN, AttentionVariant
 from megalite.context.allgather import allgather_attention
 from megalite.context.blockwise import Backend
 from megalite.context.documents import DocumentIds, document_causal_mask
@@ -13,6 +15,7 @@ from megalite.context.hybrid import hybrid_attention
 from megalite.context.options import ContextOptions
 from megalite.context.ring import ring_attention
 from megalite.context.a2a import LocalAttention, a2a_attention
+from megalite.errors import ConfigError
 from megalite.parallel.comm import outside_graph
 from megalite.parallel.state import ParallelState
 
@@ -23,15 +26,28 @@ class Attend(Protocol):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor: ...
 
 
+@dataclass(frozen=True)
+class Masking:
+    """Which keys a query sees and how it weighs them, beyond causality: the packed documents (data.document_mask)
+    and the layer's attention variant (window, sinks, soft-cap, scale: megalite/attention/variant.py)."""
+
+    docs: DocumentIds | None = None
+    variant: AttentionVariant = PLAIN
+
+
 @outside_graph  # `model.compile`: the ring / gather / all-to-all and their Python-driven overlap stay eager
 def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: ContextOptions,
-                      attend: Attend, backend: Backend, docs: DocumentIds | None = None) -> Tensor:
+                      attend: Attend, backend: Backend, masking: Masking = Masking()) -> Tensor:
     """Causal attention of this rank's zigzag-split q/k/v against the whole sequence ([b, S/cp, h, d] in
     and out). ring / allgather compute block pairs on `backend` (torch block math or the flash kernel);
-    a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`docs`) the
+    a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`masking.docs`) the
     ring and all-gather forms add the same-document test to their masks, and a2a runs `attend` under the whole
     sequence's document-causal mask; hybrid all-to-alls inside groups of
-    `options.a2a_degree` cp ranks and runs the ring (on `backend`, under the documents) across them."""
+    `options.a2a_degree` cp ranks and runs the ring (on `backend`, under the documents) across them.
+    `masking.variant` applies in every mode."""
+    docs = masking.docs
+    if not masking.variant.is_plain:
+        raise ConfigError("attention variants (window, sinks, soft-cap, scale) under context parallelism: not yet")
     if options.mode == "ring":
         return ring_attention(q, k, v, state, backend=backend, docs=docs)
     if options.mode == "allgather":

@@ -19,12 +19,14 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context.attend import context_attention
+from megalite.attention.variant import PLAIN
+from megalite.context.attend import Masking
 from megalite.context.options import ContextOptions
-from megalite.context.documents import DocumentIds, document_causal_mask
+from megalite.context.documents import DocumentIds
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.mla.attention import MLAContext, MLAttention
-from megalite.model.ops import Ops, apply_rope, masked_attention
+from megalite.model.attend import attend
+from megalite.model.ops import Ops, apply_rope
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
@@ -124,31 +126,12 @@ class Attention(nn.Module):
         if docs is not None:
             # Document masking (megalite/context/documents.py): cos/sin are per sequence [b, s, d/2] (positions
             # restart at each document) and the mask is causal within each document. Torch RoPE (the kernel takes
-            # no per-document positions); attention by the flash kernel's segment ids where the backend has it.
+            # no per-document positions).
             q, k, v = self.project(x, cos, sin, rope=apply_rope)
-            if self.state.cp > 1:  # ring / allgather blocks in torch math: the flash blocks take no such mask yet
-                o = context_attention(q, k, v, self.state, self.context, self._core, "torch", docs)
-            elif self.ops.document_attention is not None:
-                o = self._run(self.ops.document_attention, q, k, v, docs.local)
-            else:
-                o = self._core(q, k, v, document_causal_mask(docs.local, docs.local))
-            return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
-        q, k, v = self.project(x, cos[:s], sin[:s])
-        if self.state.cp > 1:
-            # Context parallelism (parallel.cp_mode): ring / allgather compute block pairs (torch block math
-            # or the Triton flash kernel) whose backward keeps only q, k, v, the output and the log-sum-exp
-            # and recomputes the scores block by block, which is what selective recompute saves, so they are
-            # not checkpointed again (no second forward, no extra cp bytes); a2a runs `_core` on heads/cp.
-            o = context_attention(q, k, v, self.state, self.context, self._core, self.ops.block_backend)
         else:
-            o = self._core(q, k, v)
+            q, k, v = self.project(x, cos[:s], sin[:s])
+        o = attend(q, k, v, Masking(docs, PLAIN), self.state, self.context, self.ops, self._run)
         return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention over whole sequences in position order (the model's kernel), or under `keep`."""
-        fn, args = (self.ops.attention, (q, k, v)) if keep is None else (masked_attention, (q, k, v, keep))
-        return self._run(fn, *args)
 
     def _run(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
         if self.selective and torch.is_grad_enabled():
