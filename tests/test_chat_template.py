@@ -1,6 +1,7 @@
 """SFT's chat rendering (megalite/data/chat_template.py) against the real transformers: the ids and the assistant
 mask equal `apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)`; a template that
-cannot mark the assistant's tokens is refused; the streamed chat labels are -100 exactly off that mask."""
+cannot mark the assistant's tokens is refused; the streamed chat labels are -100 exactly off that mask, and a
+conversation with nothing to learn is a counted bad record, never a sample (nor a run) at loss 0."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_ids_and_assistant_mask_equal_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("template,match", [
-    (CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", ""), "no {% generation %} block"),
+    (CHATML.replace("{% if m['role'] == 'assistant' %}", "{% if m['role'] != 'system' %}"), "mark the user's text"),
     (CHATML.replace("{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}",
                     "{% generation %}{% endgeneration %}{{ m['content'] }}<|im_end|>"), "mark no token"),
 ])
@@ -79,7 +80,8 @@ def test_streamed_chat_labels_are_ignored_off_the_assistant_tokens(tmp_path: Pat
     path = chatml_tokenizer(tmp_path / "tok")
     tok = load_tokenizer(str(path))
     template, encoder = build_chat(tok, "")
-    records = [{"messages": c} for c in CONVERSATIONS] + [{"messages": [{"content": "no role"}]}, {"messages": "x"}]
+    records = [{"messages": c} for c in CONVERSATIONS] + [{"messages": [{"content": "no role"}]}, {"messages": "x"},
+                                                          {"messages": [{"role": "system", "content": "s"}]}]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = Config()
     cfg.data.path, cfg.data.tokenizer, cfg.data.format = [str(tmp_path / "chat.jsonl")], str(path), "chat"
@@ -91,9 +93,9 @@ def test_streamed_chat_labels_are_ignored_off_the_assistant_tokens(tmp_path: Pat
         counts = ld.counts()
     finally:
         ld.close()
-    # The first sample packs the three conversations (each + EOD), then the next epochs.
+    # The first sample packs the two conversations with an assistant turn (each + EOD), then the next epochs.
     tokens, targets = [], []
-    for conv in CONVERSATIONS:
+    for conv in CONVERSATIONS[:2]:
         conv_ids, mask = encode_chat(template, encoder, conv)
         tokens += conv_ids + [tok.eod_id]
         targets += mask + [0]
@@ -102,3 +104,4 @@ def test_streamed_chat_labels_are_ignored_off_the_assistant_tokens(tmp_path: Pat
     assert ids[0, :n].tolist() == tokens[:n]
     assert torch.equal(labels[0, :n], want)
     assert counts.bad["bad_chat"] == counts.bad["missing_key"] >= 1  # once per epoch read
+    assert counts.bad["no_assistant"] == 2 * counts.bad["bad_chat"]  # the user-only and the system-only ones

@@ -102,7 +102,7 @@ def test_bad_records_are_counted_by_kind_and_stop_the_run(tmp_path: Path, tok: s
     finally:
         ld.close()
     assert bad_counts == {"invalid_json": 2, "missing_key": 2, "non_utf8": 1, "empty": 1, "oversized": 1,
-                          "bad_chat": 0}
+                          "bad_chat": 0, "no_assistant": 0}
     with pytest.raises(DataError, match=r"7 bad \(empty 1, invalid_json 2, missing_key 2, non_utf8 1, oversized 1\)"):
         check_bad_records(Counts(31, bad_counts), max_records=6, max_fraction=1.0)
     check_bad_records(Counts(31, bad_counts), max_records=7, max_fraction=1.0)

@@ -1,17 +1,21 @@
 """Chat templates for SFT: a `messages` list rendered to text, tokenized, and the assistant tokens marked.
 
 The template is the Jinja text Hugging Face tokenizers carry (`tokenizer_config.json`'s `chat_template`) or
-a file (`data.chat_template`). It is rendered the way transformers' `apply_chat_template` renders it (a
-sandboxed Jinja environment with `trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson`,
-`strftime_now`, and the tokenizer's special tokens as variables). The parts a template wraps in
-`{% generation %} ... {% endgeneration %}` are what the model learns to write: their character spans are
-recorded (each block's output is wrapped in two private-use marker characters, found and removed after
-rendering), the whole text is tokenized once, and a token is an assistant token when its character span
-overlaps a generation span: the rule of `apply_chat_template(..., return_assistant_tokens_mask=True)`, so the
-mask equals transformers' (tests/test_chat_template.py holds it on the real transformers).
+a file (`data.chat_template`). It is rendered the way transformers' `apply_chat_template` renders it, in a
+sandbox with a time and a size bound (megalite/data/chat_render.py), with the tokenizer's special tokens as
+variables. Where the assistant's tokens are:
 
-A template without generation blocks cannot say which tokens are the assistant's: that is refused when the
-run starts (`check_marks_assistant`), never turned into a mask of all ones or all zeros.
+* a template that wraps them in `{% generation %} ... {% endgeneration %}` says so: each block's output is
+  wrapped in two private-use marker characters, found and removed after rendering;
+* a stock template without such blocks (Qwen2.5's, Llama 3's, Mistral's, Gemma's) is read by difference,
+  turn by turn (`ChatTemplate`), which gives the spans the hand-marked templates give
+  (tests/test_chat_stock_templates.py holds them equal token for token).
+
+The whole text is tokenized once, and a token is an assistant token when its character span overlaps an
+assistant span: the rule of `apply_chat_template(..., return_assistant_tokens_mask=True)`, so the mask equals
+transformers' (tests/test_chat_template.py holds it on the real transformers). `ChatTemplate.check` refuses,
+when the run starts, a template that marks no reply, marks a user's or system's text, or cannot be read by
+difference; never a mask of all ones or all zeros.
 
 Special tokens in the rendered text (`<|im_start|>`, the template's `{{ eos_token }}`) are recognised as
 transformers does: a Hugging Face tokenizer's added special tokens, unless its tokenizer_config.json says
@@ -24,16 +28,19 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from megalite.data.chat_render import END, START, Bounds, bounded_render, compile_bounded, environment
 from megalite.data.tokenizer import Tokenizer
-from megalite.errors import DataError
+from megalite.errors import DataError, one_line
 
-START, END = "\ue000", "\ue001"  # private-use characters around each generation block's output
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-PROBE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi there."}]
+# Conversations every template is tried on before training; contents distinct, so each is found in the text.
+_SYSTEM = {"role": "system", "content": "Answer in one word."}
+_TURNS = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi there."},
+          {"role": "user", "content": "And two plus two?"}, {"role": "assistant", "content": "Four."}]
+PROBES = [_TURNS[:2], _TURNS, [_SYSTEM, *_TURNS]]
 
 
 def load_template_text(tokenizer_path: str, template: str) -> str:
@@ -62,12 +69,11 @@ def load_template_text(tokenizer_path: str, template: str) -> str:
     return text
 
 
-def _environment() -> Any:
+def _generation_extension() -> type:
     import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.ext import Extension
 
-    class Generation(Extension):
+    class Generation(Extension):  # type: ignore[misc]
         """`{% generation %}...{% endgeneration %}`: the block's output between the START and END markers."""
 
         tags = {"generation"}
@@ -80,18 +86,7 @@ def _environment() -> Any:
         def _mark(self, caller: Callable[[], str]) -> str:
             return START + caller() + END
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    return Generation
 
 
 def _has_marker(value: Any) -> bool:
@@ -104,62 +99,122 @@ def _has_marker(value: Any) -> bool:
     return False
 
 
-class ChatTemplate:
-    """A compiled chat template with the tokenizer's special tokens as its variables."""
+def _split_marks(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without the START/END markers and the character spans they enclosed."""
+    spans: list[tuple[int, int]] = []
+    out: list[str] = []
+    length, start = 0, -1
+    for piece in re.split(f"([{START}{END}])", marked):
+        if piece == START:
+            if start >= 0:
+                raise ValueError("nested {% generation %} blocks")
+            start = length
+        elif piece == END:
+            spans.append((start, length))
+            start = -1
+        else:
+            out.append(piece)
+            length += len(piece)
+    return "".join(out), spans
 
-    def __init__(self, text: str, variables: dict[str, str]) -> None:
+
+_FIX = "pass a template with {% generation %} marks with --data.chat_template FILE (docs/data.md, SFT)"
+
+
+class ChatTemplate:
+    """A compiled chat template with the tokenizer's special tokens as its variables.
+
+    `marked`: the template has `{% generation %}` blocks, which say where the assistant's tokens are. Else
+    they are found by difference, turn by turn (the rule LLaMA-Factory and axolotl-style SFT apply to stock
+    templates): for the assistant message i, the conversation up to it rendered with the generation prompt
+    (`messages[:i]`, `add_generation_prompt=True`: the assistant's header belongs to the prompt) is a prefix
+    of the conversation up to and including it (`messages[:i + 1]`), and what that adds, less the whitespace
+    a template writes after the end-of-turn token (the separator before the next turn, outside the block in
+    the hand-marked templates), is the assistant's span; both must also start the whole conversation's
+    rendering. A template for which that does not hold (it renders a conversation's start differently once
+    the conversation goes on) cannot be read this way: a DataError that asks for a marked template.
+    """
+
+    def __init__(self, text: str, variables: dict[str, str], bounds: Bounds = Bounds()) -> None:
         import jinja2
 
-        self.text = text
-        self.variables = variables
+        self.text, self.variables = text, variables
+        self.marked = bool(_GENERATION.search(text))
+        self.bounds = bounds
+        self._env = environment(_generation_extension())
         try:
-            self._template = _environment().from_string(text)
+            self._template = compile_bounded(self._env, text)
         except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"the chat template does not compile: {e}") from e
+            raise DataError(f"the chat template does not compile: {one_line(str(e))}") from e
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        import jinja2
+
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                         documents=None, **self.variables)
+        try:
+            return bounded_render(self._env, self._template, variables, self.bounds)
+        except (jinja2.exceptions.TemplateError, TypeError, AttributeError, KeyError, IndexError, ValueError,
+                ArithmeticError) as e:
+            raise ValueError(f"the chat template failed on this conversation: {one_line(str(e))}") from e
 
     def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans of its generation blocks. ValueError: a bad conversation
-        (the template raised, or a message holds a marker character)."""
-        import jinja2
-
+        """The rendered text and the character spans of the assistant's tokens. ValueError: a bad conversation
+        (the template raised, or a message holds a marker character); DataError: the template ran past its
+        bounds, or has no marks and cannot be read by difference."""
         if _has_marker(messages):
             raise ValueError("a message holds a private-use marker character (U+E000/U+E001)")
         clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        try:
-            marked = self._template.render(messages=clean, add_generation_prompt=False, tools=None, documents=None,
-                                           **self.variables)
-        except (jinja2.exceptions.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
-            raise ValueError(f"the chat template failed on this conversation: {e}") from e
-        spans: list[tuple[int, int]] = []
-        out: list[str] = []
-        length, start = 0, -1
-        for piece in re.split(f"([{START}{END}])", marked):
-            if piece == START:
-                if start >= 0:
-                    raise ValueError("nested {% generation %} blocks")
-                start = length
-            elif piece == END:
-                spans.append((start, length))
-                start = -1
-            else:
-                out.append(piece)
-                length += len(piece)
-        return "".join(out), spans
+        text, spans = _split_marks(self._render(clean, False))
+        return (text, spans) if self.marked else (text, self._derived_spans(clean, text))
 
-    def check_marks_assistant(self, encoder: ChatEncoder) -> None:
-        """Refuse a template that cannot mark the assistant's tokens (before any training)."""
-        if not _GENERATION.search(self.text):
-            raise DataError("the chat template has no {% generation %} block, so it cannot say which tokens are the "
-                            "assistant's (the loss would be on every token or none): wrap each assistant turn in "
-                            "{% generation %}...{% endgeneration %} (docs/data.md, SFT) and pass it with "
-                            "--data.chat_template FILE")
-        try:
-            _, mask = encode_chat(self, encoder, PROBE)
-        except ValueError as e:
-            raise DataError(f"the chat template fails on a two-turn probe conversation: {e}") from e
-        if not any(mask):
-            raise DataError("the chat template's {% generation %} blocks mark no token of an assistant reply "
-                            f"(probe {PROBE}): put each assistant message's content inside them")
+    def _derived_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
+        spans: list[tuple[int, int]] = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            prompt = _split_marks(self._render(messages[:i], True))[0]
+            turn = _split_marks(self._render(messages[: i + 1], False))[0]
+            start = len(prompt)
+            end = start + len(turn[start:].rstrip())
+            if not turn.startswith(prompt) or not text.startswith(turn[:end]):
+                raise DataError(f"the chat template has no {{% generation %}} marks, and what it renders for the "
+                                f"first {i} messages and a generation prompt is not the start of what it renders "
+                                f"for the first {i + 1} (or for the whole conversation), so the assistant's tokens "
+                                f"of message {i} cannot be found by difference: {_FIX}")
+            if end > start:
+                spans.append((start, end))
+        return spans
+
+    def check(self, encoder: ChatEncoder) -> None:
+        """Refuse, before any training, a template that cannot say which tokens are the assistant's: one that
+        fails on every probe conversation, marks none of a reply, marks a user's or system's text, or (without
+        marks) renders a conversation's start differently once it goes on."""
+        failures = []
+        for probe in PROBES:
+            try:
+                text, spans = self.render(probe)
+            except ValueError as e:
+                failures.append(str(e))
+                continue
+            ids, offsets = encoder.encode(text)
+            if not any(assistant_mask(offsets, spans)):
+                raise DataError("the chat template's {% generation %} blocks mark no token of an assistant reply "
+                                f"(probe {probe}): put each assistant message's content inside them")
+            for m in probe:
+                at = text.find(m["content"])
+                inside = any(a <= at and at + len(m["content"]) <= b for a, b in spans)
+                overlaps = at >= 0 and any(a < at + len(m["content"]) and at < b for a, b in spans)
+                if m["role"] != "assistant" and overlaps:
+                    raise DataError(f"the chat template's {{% generation %}} blocks mark the {m['role']}'s text "
+                                    f"({m['content']!r}), which the model would learn to write: mark only the "
+                                    "assistant's replies (and their end-of-turn token)")
+                if m["role"] == "assistant" and at >= 0 and not inside:
+                    raise DataError("the chat template's {% generation %} blocks mark only part of an assistant "
+                                    f"reply ({m['content']!r}): put the whole reply inside them")
+        if len(failures) == len(PROBES):
+            raise DataError(f"the chat template fails on every probe conversation ({failures[0]}): fix it or "
+                            "pass another with --data.chat_template FILE")
 
 
 class ChatEncoder:
@@ -302,5 +357,5 @@ def build_chat(tok: Tokenizer, template_file: str) -> tuple[ChatTemplate, ChatEn
     encoder = ChatEncoder(tok)
     template = ChatTemplate(load_template_text(tok.path if os.path.exists(tok.path) else "", template_file),
                             encoder.variables())
-    template.check_marks_assistant(encoder)
+    template.check(encoder)
     return template, encoder

@@ -10,6 +10,7 @@ drop):
     empty          an empty text or an empty messages list
     oversized      the record is larger than `data.max_record_bytes`
     bad_chat       messages that are not {role, content} objects, or that the chat template fails on
+    no_assistant   a conversation with no assistant token to learn (no assistant turn, or only empty ones)
 
 Text records are framed as in preprocessing (`document_ids`: [BOS] + ids + [EOD]) and every token is a target.
 Chat records are the template's tokens + [EOD]; the targets are the template's assistant tokens
@@ -33,7 +34,7 @@ import numpy as np
 from megalite.data.documents import without_lone_surrogates
 from megalite.data.sources import MISSING
 
-BAD_KINDS = ("invalid_json", "missing_key", "non_utf8", "empty", "oversized", "bad_chat")
+BAD_KINDS = ("invalid_json", "missing_key", "non_utf8", "empty", "oversized", "bad_chat", "no_assistant")
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class RecordEncoder:
             ids, mask = encode_chat(template, encoder, messages)
         except ValueError:
             return "bad_chat"
+        if not any(mask):  # nothing to learn: packed, it would be a sample at loss 0 (or a step of nothing)
+            return "no_assistant"
         tokens = np.asarray(ids + [self.tok.eod_id], dtype=np.int32)
         targets = np.asarray(mask + [0], dtype=bool)
         return Encoded(tokens, targets)
