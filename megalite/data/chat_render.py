@@ -71,7 +71,7 @@ class RenderBudget:
             raise RenderLimit(f"the chat template takes more than {self.max_steps:,} steps (loop iterations, calls, "
                               "lookups) on one conversation (a loop that does not end?): fix the template or pass "
                               "another with --data.chat_template FILE")
-        if time.monotonic() > self.deadline:
+        if self.steps % 64 == 0 and time.monotonic() > self.deadline:  # a step is microseconds: 64 are nothing
             raise RenderLimit(f"the chat template ran longer than {self.seconds:g} s on one conversation (a loop "
                               "that does not end?): fix the template or pass another with --data.chat_template FILE")
 
@@ -149,16 +149,16 @@ class Loop:
     """A `{% for %}`'s iterable, ticking the budget at each item."""
 
     def __init__(self, budget: Callable[[], RenderBudget], items: Any) -> None:
-        self.budget, self.items = budget, items
+        self._budget, self._items = budget, items  # private: the sandbox hides them from a template
 
     def __iter__(self) -> Iterator[Any]:
-        budget = self.budget()
-        for item in self.items:
+        budget = self._budget()
+        for item in self._items:
             budget.tick()
             yield item
 
     def __len__(self) -> int:  # `loop.length` and `|length` stay as cheap as on the plain iterable
-        return len(self.items)
+        return len(self._items)
 
 
 def environment(generation: type) -> Any:
@@ -178,8 +178,10 @@ def environment(generation: type) -> Any:
         return current
 
     def measured(value: Any, what: str) -> Any:
+        if value is None or isinstance(value, (bool, float)):
+            return value
         b = budget()
-        b.check(deep_size(value, b.max_chars), what)
+        b.check(len(value) if type(value) is str else deep_size(value, b.max_chars), what)
         return value
 
     class Bounded(ImmutableSandboxedEnvironment):  # type: ignore[misc]
