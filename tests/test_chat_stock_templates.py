@@ -111,3 +111,30 @@ def test_generation_marks_around_other_text_are_refused(tmp_path: Path, tokenize
 def test_probes_cover_a_system_message_and_two_turns() -> None:
     roles = [[m["role"] for m in p] for p in PROBES]
     assert ["user", "assistant"] in roles and any(r[0] == "system" and r.count("assistant") == 2 for r in roles)
+
+
+def test_a_conversation_the_difference_cannot_read_stops_the_run_not_a_record() -> None:
+    # Past the probes, the same rule per conversation: a DataError (the run stops, exit 3), never a guess. Here
+    # a conversation without a system message reads fine, one with it (moved into the last user turn) cannot.
+    template = ChatTemplate(SYSTEM_IN_LAST_USER, {"bos_token": "<s>", "eos_token": "</s>"})
+    turns = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    text, spans = template.render(turns)
+    assert [text[a:b] for a, b in spans] == [" a1</s>", " a2</s>"]
+    with pytest.raises(DataError, match="assistant's tokens of message 2 cannot be found by difference"):
+        template.render([{"role": "system", "content": "s"}, *turns])
+
+
+def test_qwen_tool_calls_are_replies_and_tool_results_are_not() -> None:
+    # The assistant's tool call (after the generation prompt's header) is learned; the tool's answer, rendered
+    # as a user turn, is prompt.
+    from tests.chat_templates import QWEN25
+
+    call: dict[str, Any] = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    conv: list[dict[str, Any]] = [
+        {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}]
+    text, spans = ChatTemplate(QWEN25, {"eos_token": "<|im_end|>"}).render(conv)
+    assert [text[a:b] for a, b in spans] == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>', "It is 4.<|im_end|>"]
+    assert "<tool_response>\n4\n</tool_response>" in text

@@ -352,10 +352,12 @@ def encode_chat(template: ChatTemplate, encoder: ChatEncoder,
     return ids, assistant_mask(offsets, spans)
 
 
-def build_chat(tok: Tokenizer, template_file: str) -> tuple[ChatTemplate, ChatEncoder]:
-    """The template and encoder for `tok`, checked to mark assistant tokens."""
+def build_chat(tok: Tokenizer, template_file: str, max_record_bytes: int = 0) -> tuple[ChatTemplate, ChatEncoder]:
+    """The template and encoder for `tok`, checked to mark assistant tokens. The size bound grows with
+    `max_record_bytes` (a record's rendering is about its size), so a record the run accepts always fits."""
     encoder = ChatEncoder(tok)
+    bounds = Bounds(max_chars=max(Bounds.max_chars, 4 * max_record_bytes))
     template = ChatTemplate(load_template_text(tok.path if os.path.exists(tok.path) else "", template_file),
-                            encoder.variables())
+                            encoder.variables(), bounds)
     template.check(encoder)
     return template, encoder

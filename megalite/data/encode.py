@@ -69,7 +69,7 @@ class RecordEncoder:
         if opts.format == "chat":
             from megalite.data.chat_template import build_chat
 
-            self.chat = build_chat(self.tok, opts.chat_template)
+            self.chat = build_chat(self.tok, opts.chat_template, opts.max_record_bytes)
 
     def __call__(self, raw: Any) -> Result:
         value = self._value(raw)
