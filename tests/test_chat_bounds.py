@@ -21,6 +21,9 @@ GROW = [
     ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "over"),
     ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set t %}{{ ns.s }}{{ ns.s }}{% endset %}"
      "{% set ns.s = t %}{% endfor %}", "over"),
+    ("{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro %}{{ d('x', 40) }}",
+     "over"),
+    ("{% macro d(s, n) %}{% if n %}{{ d([s, s], n - 1) }}{% endif %}{% endmacro %}{{ d('x', 40) }}", "over"),
     ("{{ 'x'|center(2 ** 34) }}", "over"),
     ("{{ 'x'.ljust(2 ** 34) }}", "over"),
     ("{{ 'x'|indent('y' * 60000) * 1 }}{{ ('\n' * 60000)|indent('y' * 60000) }}", "over"),

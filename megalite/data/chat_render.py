@@ -6,14 +6,15 @@ Python through a template end in a SecurityError) with what transformers' `apply
 (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson`, `strftime_now`) and two bounds
 that end a render with `RenderLimit`, one line, instead of a hang or a MemoryError:
 
-* **time**: `RenderBudget.tick` counts a step and checks a deadline, and every way a template can repeat work passes it: each
-  iteration of every `{% for %}` (the loops' iterables are wrapped when the template is compiled), each call
-  (macros, recursive loops, methods), each filter and test (also those `map`/`select` apply per item), each
-  attribute or item lookup, each intercepted operator, each chunk of output. Jinja has no other loop, so the
-  only work between two ticks is one built-in operation on values the size bound keeps small;
+* **time**: `RenderBudget.tick` counts a step and checks a deadline, and every way a template can repeat work
+  passes it: each iteration of every `{% for %}` (the loops' iterables are wrapped when the template is
+  compiled), each call (macros, recursive loops, methods), each filter and test (also those `map`/`select`
+  apply per item), each attribute or item lookup, each intercepted operator, each chunk of output. Jinja has
+  no other loop, so the only work between two ticks is one built-in operation on values the size bound keeps
+  small;
 * **size**: the output is counted chunk by chunk (`Template.generate`); every value an operator, filter or
-  call makes, and every value a lookup returns, is measured (`deep_size`: characters plus items, containers
-  followed) and refused past `max_chars`; an operation that can multiply its input (`*` by an int, `**`, a
+  call makes, every argument a call or filter gets, and every value a lookup returns, is measured
+  (`deep_size`: characters plus items, containers followed) and refused past `max_chars`; an operation that can multiply its input (`*` by an int, `**`, a
   width or count argument, `%`/`format`, `replace`, `join`, `indent`, `expandtabs`) is refused before it
   runs when a bound of its result is past the limit. So no value grows past the limit by more than one
   additive step (a `+`, a `~`, a captured `{% set %}` block: a few times the limit), and a MemoryError that
@@ -39,6 +40,7 @@ MAX_CHARS = 1 << 26      # 64 Mi characters: four times the default data.max_rec
 MAX_INT_BITS = 1 << 14   # integers a template computes (an index, a count) are small
 RENDER_SECONDS = 10.0    # a render is milliseconds; ten seconds is a template that does not end
 MAX_STEPS = 5_000_000    # loop iterations, calls, lookups: a long chat renders in thousands; this is seconds
+MAX_PARTS = 4_000_000    # strings and containers one value holds (a list of strings is one part)
 _LOOP_FILTER = "megalite_bounded_loop"  # wraps each {% for %}'s iterable (not a name a template can mean)
 _DIGITS = re.compile(r"\d+")
 
@@ -82,9 +84,14 @@ class RenderBudget:
 
 
 def deep_size(value: Any, limit: int) -> int:
-    """Characters of strings plus items of containers, following containers; stops counting past `limit`."""
-    total, stack = 0, [value]
+    """Characters of strings plus items of containers, following containers; stops counting past `limit`, and
+    calls a value of more than MAX_PARTS containers and strings too large (shared parts are counted each time
+    they are reached, so a small list nested in itself 40 times is as large as the 2**40 it stands for)."""
+    total, stack, parts = 0, [value], 0
     while stack and total <= limit:
+        parts += 1
+        if parts > MAX_PARTS:
+            return limit + 1
         v = stack.pop()
         if isinstance(v, (str, bytes)):
             total += len(v)
@@ -185,7 +192,7 @@ def environment(generation: type) -> Any:
         return value
 
     class Bounded(ImmutableSandboxedEnvironment):  # type: ignore[misc]
-        intercepted_binops = frozenset({"*", "**", "%", "+", "//"})
+        intercepted_binops = frozenset({"*", "**", "%", "+"})  # those that can make a value larger
 
         def __init__(self, **options: Any) -> None:
             super().__init__(**options)
@@ -211,6 +218,8 @@ def environment(generation: type) -> Any:
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             b = budget()
             b.tick()
+            # Arguments too: a macro's argument (`f(s ~ s)`) is a value no other hook saw being made.
+            b.check(deep_size([args, kwargs], b.max_chars), "an argument")
             target = getattr(__obj, "__wrapped__", __obj)  # the sandbox's str.format wrapper
             subject = getattr(target, "__self__", None)
             name = getattr(target, "__name__", "")
@@ -238,6 +247,7 @@ def environment(generation: type) -> Any:
             b = budget()
             b.tick()
             values = [a for a in args if not isinstance(a, (Context, jinja2.Environment, EvalContext))]
+            b.check(deep_size([values, kwargs], b.max_chars), "an argument")
             if name == "join" and values:
                 items = list(values[0])
                 sep = values[1] if len(values) > 1 else kwargs.get("d", "")
