@@ -32,7 +32,8 @@ GROW = [
     ("{{ (['a'] * 60000)|join('y' * 60000) }}", "over"),
     ("{{ '%0999999999999d' % 1 }}", "over"),
     ("{{ '{:>99999999999}'.format(1) }}", "over"),
-    ("{{ 10 ** (10 ** 8) }}", "bits"), ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}", "bits"),
+    ("{{ 10 ** (10 ** 8) }}", "bits"),
+    ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}", "bits"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}", "over|steps"),
 ]
 HANG = [

@@ -23,7 +23,8 @@ def _conversations(system: bool) -> list[list[dict[str, Any]]]:
     sys_ = [{"role": "system", "content": "Be brief, and\nanswer in English."}] if system else []
     return [
         [{"role": "user", "content": "def main(argv):"}, {"role": "assistant", "content": "    return 0\n"}],
-        [*sys_, {"role": "user", "content": "  héllo wörld 漢字 🙂 "}, {"role": "assistant", "content": "The quick fox"},
+        [*sys_, {"role": "user", "content": "  héllo wörld 漢字 🙂 "},
+         {"role": "assistant", "content": "The quick fox"},
          {"role": "user", "content": "<|im_end|></s><end_of_turn> again?"},
          {"role": "assistant", "content": "\nPack my box with five dozen liquor jugs.\n\n"}],
         [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "b"},

@@ -10,15 +10,17 @@ that end a render with `RenderLimit`, one line, instead of a hang or a MemoryErr
   passes it: each iteration of every `{% for %}` (the loops' iterables are wrapped when the template is
   compiled), each call (macros, recursive loops, methods), each filter and test (also those `map`/`select`
   apply per item), each attribute or item lookup, each intercepted operator, each chunk of output. Jinja has
-  no other loop, so the only work between two ticks is one built-in operation on values the size bound keeps
-  small;
+  no other loop (no while, no unbounded range: the sandbox's range stops at 100,000), so the only work between
+  two ticks is one built-in operation (a sort, an `in` scan, a join) on values the size bound keeps small:
+  at most seconds, after which the next tick sees the deadline;
 * **size**: the output is counted chunk by chunk (`Template.generate`); every value an operator, filter or
   call makes, every argument a call or filter gets, and every value a lookup returns, is measured
-  (`deep_size`: characters plus items, containers followed) and refused past `max_chars`; an operation that can multiply its input (`*` by an int, `**`, a
-  width or count argument, `%`/`format`, `replace`, `join`, `indent`, `expandtabs`) is refused before it
-  runs when a bound of its result is past the limit. So no value grows past the limit by more than one
-  additive step (a `+`, a `~`, a captured `{% set %}` block: a few times the limit), and a MemoryError that
-  still happens (an allocation the machine cannot give) is caught and reported the same way.
+  (`deep_size`: characters plus items, containers followed) and refused past `max_chars`; an operation that
+  can multiply its input (`*` by an int, `**`, a width or count argument, `%`/`format`, `replace`, `join`,
+  `indent`, `expandtabs`) is refused before it runs when a bound of its result is past the limit. So no value
+  grows past the limit by more than one additive step (a `+`, a `~`, a captured `{% set %}` block: a few times
+  the limit), and a MemoryError that still happens (an allocation the machine cannot give) is caught and
+  reported the same way.
 """
 
 from __future__ import annotations
