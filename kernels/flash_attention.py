@@ -399,12 +399,16 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+                    softmax_scale: float | None = None, segments: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """softmax(scale * Q K^T [+ causal mask]) V per head, [B,S,Hq,D] out; grouped-query kv heads.
     `segments` [B, S] integer document ids (document masking): query i sees key j only when both are in
     the same document; tiles with no such pair are skipped (module doc). Every query row must keep a key:
     true with causal (it sees itself)."""
     _check(q, k, v)
+    if window is not None or softcap is not None or sinks is not None:
+        raise NotImplementedError("flash_attention: window / softcap / sinks")
     if segments is not None and (segments.shape != q.shape[:2] or segments.is_floating_point()):
         raise ValueError(f"flash_attention: segments must be integer [B, S] = {tuple(q.shape[:2])}, got "
                          f"{segments.dtype} {tuple(segments.shape)}")

@@ -38,7 +38,8 @@ def _heads_first(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                          softmax_scale: float | None = None, positions: Positions = None
+                          softmax_scale: float | None = None, positions: Positions = None,
+                          window: int | None = None, softcap: float | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE) of q [B, SQ, Hq, D] against one block of keys k/v [B, SK, Hk, D] (any strides with a unit
     last dim). Mask: `causal` (key j <= query i; needs SQ == SK), or `positions` = (query positions [SQ],
@@ -48,6 +49,8 @@ def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     LSE[b, h, i] = log sum_j exp(scale q_i . k_j) over the visible keys of this block.
     No autograd: see `flash_attention_block_backward`."""
     _check_block(q, k, v, causal, positions, "flash_attention_block")
+    if window is not None or softcap is not None:
+        raise NotImplementedError("flash_attention_block: window / softcap")
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, SQ, Hq, _ = q.shape
     o = _heads_first(q.shape, q)
@@ -58,7 +61,8 @@ def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
 
 def flash_attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                                    lse: torch.Tensor, delta: torch.Tensor, causal: bool,
-                                   softmax_scale: float | None = None, positions: Positions = None
+                                   softmax_scale: float | None = None, positions: Positions = None,
+                                   window: int | None = None, softcap: float | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This key block's share of the gradients: (dQ [B, SQ, Hq, D], dK, dV [B, SK, Hk, D]), fp32 views of
     heads-first memory. `lse` and `delta` ([B, Hq, SQ]) are the statistics of the WHOLE softmax the query
@@ -66,6 +70,8 @@ def flash_attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dO is cast to q's dtype (the matmul operands must agree; lossless when the gradient arrived in it).
     The mask (`causal` / `positions`) must be the forward's."""
     _check_block(q, k, v, causal, positions, "flash_attention_block_backward")
+    if window is not None or softcap is not None:
+        raise NotImplementedError("flash_attention_block_backward: window / softcap")
     B, SQ, Hq, _ = q.shape
     if do.shape != q.shape or lse.shape != (B, Hq, SQ) or delta.shape != (B, Hq, SQ):
         raise ValueError(f"flash_attention_block_backward: do {tuple(do.shape)}, lse {tuple(lse.shape)}, delta "
