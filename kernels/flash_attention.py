@@ -21,6 +21,20 @@ document ranges [min, max] do not overlap holds no visible pair and is skipped w
 dO or Q, no dots): packed short documents cost about sum(len_doc^2) instead of S^2 / 2 (block skipping, as
 FlexAttention's block mask or FlashAttention's varlen). Correct for any ids; skips most when they are
 non-decreasing along S, as documents' are.
+
+Attention variants (megalite/attention/variant.py, docs/attention.md), the `Variant` argument:
+- sliding window W (key j visible to query i iff 0 <= i - j < W): with the causal mask the loops start at the
+  key tile holding max(0, first row - W + 1) (forward, dQ) and stop at the query tile holding the last key +
+  W - 1 (dK/dV), so a windowed layer visits O(S W) tiles, not O(S^2) (megalite/attention/costs.py counts
+  them); with positions (context parallelism's blocks) a tile is skipped when its position ranges hold no
+  pair inside the window;
+- soft-cap c: scores c tanh(s / c) (tanh through exp, as gelu.py), and dS times 1 - tanh^2 in both backward
+  kernels;
+- sinks (one logit per query head): after the last tile the forward adds exp(sink) to each row's
+  denominator, i.e. rescales O by exp(L - L') and stores L' = log(exp(L) + exp(sink)). The backward then runs
+  unchanged on L' and D' = rowsum(dO O'): P = exp(S - L') already has the sink in its denominator and the
+  sink's own dS, p_sink (0 - D'), has no key to reach; d sink = -sum_rows exp(sink - L') D' (`sink_grad`).
+  No dLSE input is needed: the rescale is inside the softmax, not applied to its output.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def _ring_skip_rank_fn(rank: int) -> tuple[int, int, int]:
 
 def test_ring_skips_fully_masked_block_pairs(dist_world) -> None:
     # Chunk c = document c: of each rank's 9 causal chunk pairs only its 2 diagonal ones hold a visible pair, each
-    # computed as its own block (megalite/context/ring.py `_plan`), once each way; the 3 other steps compute nothing.
+    # computed as its own block (megalite/context/ring.py `plan_step`), once each way; the 3 other steps compute nothing.
     assert dist_world(4).run(_ring_skip_rank_fn) == [(2, 2, 4)] * 4
 
 

@@ -105,7 +105,7 @@ def _span(a: slice, b: slice) -> slice:
     return slice(min(a.start, b.start), max(a.stop, b.stop))
 
 
-def _plan(call: RingCall, owner: int, c: int, device: torch.device) -> tuple[list[_Block], int, int]:
+def plan_step(call: RingCall, owner: int, c: int, device: torch.device) -> tuple[list[_Block], int, int]:
     """(the blocks to compute, chunk pairs computed, chunk pairs skipped) of this rank's queries against the
     owner's K/V. Plain causal: the one block of the module doc (3 chunk pairs at the diagonal step, 2 after).
     With a window or documents, each of the <= 4 (query chunk, key chunk) pairs the causal order leaves is kept
@@ -162,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
         computed = skipped = 0
         for step in range(cpg.cp):
             nxt, works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])  # before computing with kv
-            blocks, done, left = _plan(call, (cpg.cp_rank - step) % cpg.cp, c, q.device)
+            blocks, done, left = plan_step(call, (cpg.cp_rank - step) % cpg.cp, c, q.device)
             computed, skipped = computed + done, skipped + left
             for blk in blocks:
                 blk_out, blk_lse = block_forward(qg[:, :, :, blk.rows], kv[0][:, :, blk.keys], kv[1][:, :, blk.keys],
@@ -193,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
         acc_works: list[dist.Work] = []
         for step in range(cpg.cp):
             nxt, kv_works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])
-            blocks, _, _ = _plan(call, (cpg.cp_rank - step) % cpg.cp, c, q.device)
+            blocks, _, _ = plan_step(call, (cpg.cp_rank - step) % cpg.cp, c, q.device)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for blk in blocks:
                 r = blk.rows
@@ -230,7 +230,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, backen
     'cp' ring (bytes counted under 'cp'): every rank of the ring must call it with the same shapes.
     `backend` computes each block pair: the torch block math or the Triton flash kernel (the model's kernels).
     `docs` (document masking, torch backend): attend within documents only; block pairs no query of which sees
-    any key are skipped (`_plan`). `variant` (window, sinks, soft-cap, scale; variant.py): the window cuts the
+    any key are skipped (`plan_step`). `variant` (window, sinks, soft-cap, scale; variant.py): the window cuts the
     chunk pairs wholly outside it (skipped, counted: the counter's tallies "cp_blocks_computed" and
     "cp_blocks_skipped", per forward, in chunk pairs of S / (2 cp) tokens; attention/costs.py `ring_blocks`), the
     soft-cap is in every block's scores, the sinks are added once per row after the merge. `ring`: the ranks the K/V go around (default: the whole 'cp' group;
