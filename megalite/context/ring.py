@@ -19,6 +19,12 @@ Backward: the K/V go around the ring again, each rank adds its dQ locally and it
 block it holds to an fp32 accumulator that travels with that block: it starts at the owner's successor
 and, after cp-1 hops, lands back at the owner, which adds its own share (computed at step 0).
 
+Under a sliding window or document masking (`plan_step`) each step is planned per (query chunk, key chunk) pair:
+a pair no query of which sees any of its keys is skipped, no FLOPs either way, and the ring tallies the pairs
+it computes and skips on the counter (`cp_blocks_computed` / `cp_blocks_skipped`, attention/costs.py
+`ring_blocks` for a window). A variant's soft-cap is in every block's scores, its sinks are added once per row
+after the last merge (attention/blocks.py), and d sinks is this rank's rows' partial sum.
+
 Bytes per rank per call (kv = elements of the local K and V together = 2 b (S/cp) hk d, e = their
 element size): forward (cp-1) kv e; backward (cp-1) kv (e + 4) — the K/V again plus the fp32 dK/dV.
 Memory: only this rank's K/V (and one block in flight) are kept; see `allgather.py` for the other form.
