@@ -163,8 +163,7 @@ class _RingAttention(torch.autograd.Function):
         hk, c = k.shape[2], q.shape[1] // 2
         qg = to_grouped(q, hk)
         kv = stack_kv(k, v)
-        out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out = lse = None
         computed = skipped = 0
         for step in range(cpg.cp):
             nxt, works = _pass_on(kv, cpg) if step + 1 < cpg.cp else (kv, [])  # before computing with kv
@@ -173,9 +172,16 @@ class _RingAttention(torch.autograd.Function):
             for blk in blocks:
                 blk_out, blk_lse = block_forward(qg[:, :, :, blk.rows], kv[0][:, :, blk.keys], kv[1][:, :, blk.keys],
                                                  scores, blk.keep, call.backend)
+                if out is None or lse is None:
+                    if blk.rows == slice(0, 2 * c):
+                        out, lse = blk_out, blk_lse    # the plain diagonal block covers every query row
+                        continue
+                    out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+                    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
                 merge_into(out[:, :, :, blk.rows], lse[:, :, :, blk.rows], blk_out, blk_lse)
             _wait(works)
             kv = nxt
+        assert out is not None and lse is not None          # step 0 always computes: every token sees itself
         cpg.state.counter.tally("cp_blocks_computed", computed)
         cpg.state.counter.tally("cp_blocks_skipped", skipped)
         if sinks is not None:                        # once per row, every block merged (blocks.py)
