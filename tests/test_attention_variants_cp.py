@@ -78,3 +78,39 @@ def test_cp_mode_under_each_variant_equals_the_reference(dist_world, mode: str, 
 def test_the_window_skips_ring_blocks() -> None:
     """The count the ring tallies is not vacuous: at cp 2, S 16 (chunks of 4), W 5 skips 3 of the 10 pairs."""
     assert ring_blocks(SEQ, 2, 0, 5).skipped + ring_blocks(SEQ, 2, 1, 5).skipped == 3
+
+
+def _model_attend_rank_fn(rank: int, mode: str) -> None:
+    """megalite/model/attend.py, the block's one call, with a variant under documents: at cp = 2 through the cp
+    mode and at cp = 1 (each rank alone: variant_attention) equal to the reference."""
+    from megalite.context.attend import Masking
+    from megalite.context.documents import DocumentIds
+    from megalite.context.options import ContextOptions
+    from megalite.context.zigzag import zigzag_split
+    from megalite.model.attend import attend
+    from megalite.model.ops import TORCH_OPS
+    from megalite.parallel.state import ParallelState
+    from tests.parallel_utils import layout
+
+    q, k, v, d_out, sinks = problem(40, seq=SEQ)
+    full_docs = doc_ids(2, SEQ)
+    want = reference_grads(q, k, v, d_out, sinks, "all", full_docs)
+    for cp in (1, 2):
+        st = layout(1, cp=2) if cp == 2 else ParallelState()
+        cp_rank = st.cp_rank if cp == 2 else 0
+        lq, lk, lv = local = [zigzag_split(t, cp, cp_rank).float().requires_grad_() for t in (q, k, v)]
+        docs = DocumentIds(zigzag_split(full_docs, cp, cp_rank), full_docs)
+        sf = sinks.float().requires_grad_()
+        out = attend(lq, lk, lv, Masking(docs, make_variant("all", sf)), st, ContextOptions.of(mode), TORCH_OPS,
+                     lambda fn, *a: fn(*a))
+        out.backward(zigzag_split(d_out, cp, cp_rank).float())
+        for label, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [grad(t) for t in local], want):
+            torch.testing.assert_close(a, zigzag_split(b, cp, cp_rank).float(), **TOL,
+                                       msg=lambda m: f"cp{cp} {label}: {m}")
+        if cp == 1:
+            torch.testing.assert_close(grad(sf), want[4].float(), **TOL)
+
+
+@pytest.mark.parametrize("mode", ["ring", "a2a"])
+def test_the_blocks_one_call_carries_the_variant(dist_world, mode: str) -> None:
+    dist_world(2).run(_model_attend_rank_fn, mode)
