@@ -122,9 +122,9 @@ def _attn_fwd_kernel(
             run = (k_hi >= q_lo) & (k_lo <= q_hi)
         if POSITIONS:  # skip a tile of keys all after the queries, or all a window or more before them
             k_pos, kp_lo, kp_hi = _segment_range(KPOS, offs_n, SK)
-            run = run & (kp_lo <= qp_hi)
+            run = (kp_lo <= qp_hi) & run
             if HAS_WINDOW:
-                run = run & (qp_lo - kp_hi < WINDOW)
+                run = (qp_lo - kp_hi < WINDOW) & run
         if run:
             if COUNT:
                 tl.atomic_add(TILES, 1)
@@ -230,9 +230,9 @@ def _attn_bwd_dkdv_kernel(
                 run = (k_hi >= q_lo) & (k_lo <= q_hi)
             if POSITIONS:
                 q_pos, qp_lo, qp_hi = _segment_range(QPOS, offs_m, SQ)
-                run = run & (kp_lo <= qp_hi)
+                run = (kp_lo <= qp_hi) & run
                 if HAS_WINDOW:
-                    run = run & (qp_lo - kp_hi < WINDOW)
+                    run = (qp_lo - kp_hi < WINDOW) & run
             if run:
                 if COUNT:
                     tl.atomic_add(TILES + 1, 1)
@@ -323,9 +323,9 @@ def _attn_bwd_dq_kernel(
             run = (k_hi >= q_lo) & (k_lo <= q_hi)
         if POSITIONS:
             k_pos, kp_lo, kp_hi = _segment_range(KPOS, offs_n, SK)
-            run = run & (kp_lo <= qp_hi)
+            run = (kp_lo <= qp_hi) & run
             if HAS_WINDOW:
-                run = run & (qp_lo - kp_hi < WINDOW)
+                run = (qp_lo - kp_hi < WINDOW) & run
         if run:
             if COUNT:
                 tl.atomic_add(TILES + 2, 1)
