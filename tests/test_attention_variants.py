@@ -101,3 +101,58 @@ def test_a_sink_only_shrinks_each_row_by_sigmoid_of_its_lse() -> None:
     s = s.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
     factor = torch.sigmoid(torch.logsumexp(s, -1) - sinks.view(1, -1, 1)).transpose(1, 2).unsqueeze(-1)
     torch.testing.assert_close(with_sinks, plain * factor, **TOL)
+
+
+def test_window_and_sinks_are_transformers_gpt_oss() -> None:
+    """The oracle: transformers' gpt-oss eager attention (sinks concatenated to the logits, then dropped) under its
+    sliding-window causal mask function (kv_idx > q_idx - W), forward and every gradient, sinks included."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    window = 5
+    q, k, v, d_out, sinks = problem(11)
+    visible = sliding_window_causal_mask_function(window)
+    idx = torch.arange(SEQ)
+    allowed = visible(torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :]).expand(SEQ, SEQ)
+    bias = torch.zeros(SEQ, SEQ, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    hq, hs = [t.clone().requires_grad_() for t in (q, k, v)], sinks.clone().requires_grad_()
+    module = SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, sinks=hs, training=False)
+    hq_, hk_, hv_ = (t.transpose(1, 2) for t in hq)
+    want, _ = eager_attention_forward(module, hq_, hk_, hv_, bias, D ** -0.5)  # type: ignore[arg-type]
+    want.backward(d_out)
+    qf, kf, vf, sf = (t.float().requires_grad_() for t in (q, k, v, sinks))
+    got = variant_attention(qf, kf, vf, AttentionVariant(window=window, sinks=sf), None, "torch")
+    got.backward(d_out.float())
+    for label, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], [got.detach(), grad(qf), grad(kf), grad(vf), grad(sf)],
+                           [want.detach(), *(grad(t) for t in hq), grad(hs)]):
+        torch.testing.assert_close(a, b.float(), **TOL, msg=lambda m: f"{label}: {m}")
+
+
+def test_window_softcap_and_scale_are_transformers_gemma2() -> None:
+    """The oracle for the soft-cap: transformers' Gemma 2 eager attention (tanh soft-cap after scaling, before
+    the mask; its own scale, as query_pre_attn_scalar gives) under the sliding-window mask, forward and grads."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    window, softcap, scale = 6, 1.5, 0.3
+    q, k, v, d_out, _ = problem(12)
+    idx = torch.arange(SEQ)
+    allowed = sliding_window_causal_mask_function(window)(torch.tensor(0), torch.tensor(0), idx[:, None],
+                                                          idx[None, :]).expand(SEQ, SEQ)
+    bias = torch.zeros(SEQ, SEQ, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    hq = [t.clone().requires_grad_() for t in (q, k, v)]
+    module = SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, head_dim=D, training=False)
+    hq_, hk_, hv_ = (t.transpose(1, 2) for t in hq)
+    want, _ = eager_attention_forward(module, hq_, hk_, hv_, bias, scaling=scale,  # type: ignore[arg-type]
+                                      softcap=softcap)
+    want.backward(d_out)
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    got = variant_attention(qf, kf, vf, AttentionVariant(window=window, softcap=softcap, scale=scale), None, "torch")
+    got.backward(d_out.float())
+    for label, a, b in zip(["out", "dq", "dk", "dv"], [got.detach(), grad(qf), grad(kf), grad(vf)],
+                           [want.detach(), *(grad(t) for t in hq)]):
+        torch.testing.assert_close(a, b.float(), **TOL, msg=lambda m: f"{label}: {m}")
