@@ -21,11 +21,26 @@ document ranges [min, max] do not overlap holds no visible pair and is skipped w
 dO or Q, no dots): packed short documents cost about sum(len_doc^2) instead of S^2 / 2 (block skipping, as
 FlexAttention's block mask or FlashAttention's varlen). Correct for any ids; skips most when they are
 non-decreasing along S, as documents' are.
+
+Attention variants (megalite/attention/variant.py, docs/attention.md), the `Variant` argument:
+- sliding window W (key j visible to query i iff 0 <= i - j < W): with the causal mask the loops start at the
+  key tile holding max(0, first row - W + 1) (forward, dQ) and stop at the query tile holding the last key +
+  W - 1 (dK/dV), so a windowed layer visits O(S W) tiles, not O(S^2) (megalite/attention/costs.py counts
+  them); with positions (context parallelism's blocks) a tile is skipped when its position ranges hold no
+  pair inside the window;
+- soft-cap c: scores c tanh(s / c) (tanh through exp, as gelu.py), and dS times 1 - tanh^2 in both backward
+  kernels;
+- sinks (one logit per query head): after the last tile the forward adds exp(sink) to each row's
+  denominator, i.e. rescales O by exp(L - L') and stores L' = log(exp(L) + exp(sink)). The backward then runs
+  unchanged on L' and D' = rowsum(dO O'): P = exp(S - L') already has the sink in its denominator and the
+  sink's own dS, p_sink (0 - D'), has no key to reach; d sink = -sum_rows exp(sink - L') D' (`sink_grad`).
+  No dLSE input is needed: the rescale is inside the softmax, not applied to its output.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -38,17 +53,38 @@ LN2 = 0.6931471805599453  # 1 / LOG2E
 
 @jit
 def _segment_range(SEG, offs, N):
-    """(ids, min, max) of the document ids of a tile's rows `offs` (rows past N: -1, outside the range)."""
+    """(ids, min, max) of the document ids (or positions: any ids >= 0) of a tile's rows `offs` (rows past N: -1,
+    outside the range)."""
     inside = offs < N
     seg = tl.load(SEG + offs, mask=inside, other=-1)
     return seg, tl.min(tl.where(inside, seg, 2147483647), axis=0), tl.max(seg, axis=0)
 
 
 @jit
+def _logits(qk, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """(base-2 scores, tanh) from the base-2 scaled dots: the soft-cap c tanh(s / c) (cap_in = 1 / (c log2 e),
+    cap_out = c log2 e) when SOFTCAP, else the dots as they are (tanh then unused: 0)."""
+    if SOFTCAP:  # tanh through exp (runs alike in the interpreter and on every GPU backend, as kernels/gelu.py)
+        z = tl.minimum(tl.maximum(qk * cap_in, -15.0), 15.0)  # tanh(15) == 1 in fp32; no exp overflow
+        t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+        return t * cap_out, t
+    return qk, 0.0
+
+
+@jit
+def _window_keep(valid, rows, cols, WINDOW, HAS_WINDOW: tl.constexpr):
+    """`valid`, and row position - column position < WINDOW when there is a window (variant.py's convention)."""
+    if HAS_WINDOW:
+        valid = valid & (rows[:, None] - cols[None, :] < WINDOW)
+    return valid
+
+
+@jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, scale_log2, SQ, SK, Hq, GROUP, D,
+    Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, SINKS, TILES, scale_log2, cap_in, cap_out, WINDOW, SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
     CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -63,8 +99,8 @@ def _attn_fwd_kernel(
                 mask=(offs_m[:, None] < SQ) & d_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    if POSITIONS:  # key j is visible to query i iff KPOS[j] <= QPOS[i] (causal in global positions)
-        q_pos = tl.load(QPOS + offs_m, mask=offs_m < SQ, other=0)
+    if POSITIONS:  # key j is visible to query i iff 0 <= QPOS[i] - KPOS[j] (< WINDOW): causal in global positions
+        q_pos, qp_lo, qp_hi = _segment_range(QPOS, offs_m, SQ)
     if SEGMENTS:  # this query tile's documents: [q_lo, q_hi]
         q_seg, q_lo, q_hi = _segment_range(QSEG + b * SQ, offs_m, SQ)
     k_base = K + b * skb + hk * skh
@@ -72,28 +108,38 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
     hi = SK
-    if CAUSAL:  # SQ == SK: keys after the block's last query are masked
+    if CAUSAL:  # SQ == SK: keys after the block's last query are masked, and those a window leaves behind
         hi = tl.minimum((start_m + 1) * BLOCK_M, SK)
-    for start_n in range(0, hi, BLOCK_N):
+        if HAS_WINDOW:
+            lo = tl.maximum(start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         run = True
         if SEGMENTS:  # skip a tile of keys none of whose documents is one of the queries'
             k_seg, k_lo, k_hi = _segment_range(KSEG + b * SK, offs_n, SK)
             run = (k_hi >= q_lo) & (k_lo <= q_hi)
+        if POSITIONS:  # skip a tile of keys all after the queries, or all a window or more before them
+            k_pos, kp_lo, kp_hi = _segment_range(KPOS, offs_n, SK)
+            run = (kp_lo <= qp_hi) & run
+            if HAS_WINDOW:
+                run = (qp_lo - kp_hi < WINDOW) & run
         if run:
+            if COUNT:
+                tl.atomic_add(TILES, 1)
             kv_mask = (offs_n[:, None] < SK) & d_mask
             k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            qk, _ = _logits(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, cap_in, cap_out, SOFTCAP)
             valid = offs_n[None, :] < SK
             if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                valid = _window_keep(valid & (offs_m[:, None] >= offs_n[None, :]), offs_m, offs_n, WINDOW, HAS_WINDOW)
             if POSITIONS:
-                valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
+                valid = _window_keep(valid & (q_pos[:, None] >= k_pos[None, :]), q_pos, k_pos, WINDOW, HAS_WINDOW)
             if SEGMENTS:
                 valid = valid & (q_seg[:, None] == k_seg[None, :])
             qk = tl.where(valid, qk, -float("inf"))
@@ -109,6 +155,13 @@ def _attn_fwd_kernel(
                 p_v = p_v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PREC)
             m_i = m_new
+    if HAS_SINKS:  # the sink's logit (base 2) joins each row's denominator with no value: O and L rescaled
+        sink = tl.load(SINKS + h)
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past SQ under document masks see no key: keep them finite
     acc = acc / l_i[:, None]
     m_mask = offs_m < SQ
@@ -134,9 +187,11 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, S, Hq, D, sob, sos, soh, sdob, sdo
 
 @jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QSEG, KSEG, scale, scale_log2, SQ, SK, Hq, Hk, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QSEG, KSEG, TILES, scale, scale_log2, cap_in, cap_out, WINDOW,
+    SQ, SK, Hq, Hk, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
     CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0)
@@ -153,24 +208,34 @@ def _attn_bwd_dkdv_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     if POSITIONS:
-        k_pos = tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)
+        k_pos, kp_lo, kp_hi = _segment_range(KPOS, offs_n, SK)
     if SEGMENTS:
         k_seg, k_lo, k_hi = _segment_range(KSEG + b * SK, offs_n, SK)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo = 0
-    if CAUSAL:  # SQ == SK: earlier queries cannot see these keys
+    hi = SQ
+    if CAUSAL:  # SQ == SK: earlier queries cannot see these keys, nor queries a window or more after them
         lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        if HAS_WINDOW:
+            hi = tl.minimum(start_n * BLOCK_N + BLOCK_N - 1 + WINDOW, SQ)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         row_base = (b * Hq + h) * SQ
-        for start_m in range(lo, SQ, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             run = True
             if SEGMENTS:  # skip a tile of queries none of whose documents is one of these keys'
                 q_seg, q_lo, q_hi = _segment_range(QSEG + b * SQ, offs_m, SQ)
                 run = (k_hi >= q_lo) & (k_lo <= q_hi)
+            if POSITIONS:
+                q_pos, qp_lo, qp_hi = _segment_range(QPOS, offs_m, SQ)
+                run = (kp_lo <= qp_hi) & run
+                if HAS_WINDOW:
+                    run = (qp_lo - kp_hi < WINDOW) & run
             if run:
+                if COUNT:
+                    tl.atomic_add(TILES + 1, 1)
                 m_mask = offs_m < SQ
                 q_mask = m_mask[:, None] & d_mask
                 q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_mask, other=0.0)
@@ -182,12 +247,17 @@ def _attn_bwd_dkdv_kernel(
                 lse = tl.load(LSE + row_base + offs_m, mask=m_mask, other=0.0)
                 delta = tl.load(DELTA + row_base + offs_m, mask=m_mask, other=0.0)
                 # Transposed scores [BLOCK_N, BLOCK_M]: rows are this program's keys.
-                p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2 - lse[None, :])
+                s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2, cap_in, cap_out, SOFTCAP)
+                p_t = tl.exp2(s_t - lse[None, :])
                 valid = m_mask[None, :]
-                if CAUSAL:
+                if CAUSAL:  # transposed: rows are keys
                     valid = valid & (offs_m[None, :] >= offs_n[:, None])
+                    if HAS_WINDOW:
+                        valid = valid & (offs_m[None, :] - offs_n[:, None] < WINDOW)
                 if POSITIONS:
-                    valid = valid & (tl.load(QPOS + offs_m, mask=m_mask, other=0)[None, :] >= k_pos[:, None])
+                    valid = valid & (q_pos[None, :] >= k_pos[:, None])
+                    if HAS_WINDOW:
+                        valid = valid & (q_pos[None, :] - k_pos[:, None] < WINDOW)
                 if SEGMENTS:
                     valid = valid & (q_seg[None, :] == k_seg[:, None])
                 p_t = tl.where(valid, p_t, 0.0)
@@ -196,7 +266,10 @@ def _attn_bwd_dkdv_kernel(
                     p_lo = p_lo.to(tl.float32)
                 dv += tl.dot(p_lo, do, input_precision=PREC)
                 dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-                ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+                ds_t = p_t * (dp_t - delta[None, :])
+                if SOFTCAP:  # through c tanh(s / c): 1 - tanh^2
+                    ds_t = ds_t * (1.0 - t_t * t_t)
+                ds_t = ds_t.to(Q.dtype.element_ty)
                 if UPCAST:
                     ds_t = ds_t.to(tl.float32)
                 dk += tl.dot(ds_t, q, input_precision=PREC)
@@ -207,9 +280,11 @@ def _attn_bwd_dkdv_kernel(
 
 @jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, scale, scale_log2, SQ, SK, Hq, GROUP, D,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, TILES, scale, scale_log2, cap_in, cap_out, WINDOW,
+    SQ, SK, Hq, GROUP, D,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
     CAUSAL: tl.constexpr, POSITIONS: tl.constexpr, SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -230,37 +305,51 @@ def _attn_bwd_dq_kernel(
     lse = tl.load(LSE + bh * SQ + offs_m, mask=m_mask, other=0.0)
     delta = tl.load(DELTA + bh * SQ + offs_m, mask=m_mask, other=0.0)
     if POSITIONS:
-        q_pos = tl.load(QPOS + offs_m, mask=m_mask, other=0)
+        q_pos, qp_lo, qp_hi = _segment_range(QPOS, offs_m, SQ)
     if SEGMENTS:
         q_seg, q_lo, q_hi = _segment_range(QSEG + b * SQ, offs_m, SQ)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
     hi = SK
-    if CAUSAL:  # SQ == SK
+    if CAUSAL:  # SQ == SK: as the forward
         hi = tl.minimum((start_m + 1) * BLOCK_M, SK)
-    for start_n in range(0, hi, BLOCK_N):
+        if HAS_WINDOW:
+            lo = tl.maximum(start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         run = True
         if SEGMENTS:
             k_seg, k_lo, k_hi = _segment_range(KSEG + b * SK, offs_n, SK)
             run = (k_hi >= q_lo) & (k_lo <= q_hi)
+        if POSITIONS:
+            k_pos, kp_lo, kp_hi = _segment_range(KPOS, offs_n, SK)
+            run = (kp_lo <= qp_hi) & run
+            if HAS_WINDOW:
+                run = (qp_lo - kp_hi < WINDOW) & run
         if run:
+            if COUNT:
+                tl.atomic_add(TILES + 2, 1)
             kv_mask = (offs_n[:, None] < SK) & d_mask
             k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])
+            s_qk, t_qk = _logits(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, cap_in, cap_out, SOFTCAP)
+            p = tl.exp2(s_qk - lse[:, None])
             valid = offs_n[None, :] < SK
             if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                valid = _window_keep(valid & (offs_m[:, None] >= offs_n[None, :]), offs_m, offs_n, WINDOW, HAS_WINDOW)
             if POSITIONS:
-                valid = valid & (q_pos[:, None] >= tl.load(KPOS + offs_n, mask=offs_n < SK, other=0)[None, :])
+                valid = _window_keep(valid & (q_pos[:, None] >= k_pos[None, :]), q_pos, k_pos, WINDOW, HAS_WINDOW)
             if SEGMENTS:
                 valid = valid & (q_seg[:, None] == k_seg[None, :])
             p = tl.where(valid, p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP:  # through c tanh(s / c): 1 - tanh^2
+                ds = ds * (1.0 - t_qk * t_qk)
+            ds = ds.to(Q.dtype.element_ty)
             if UPCAST:
                 ds = ds.to(tl.float32)
             dq += tl.dot(ds, k, input_precision=PREC)
@@ -314,57 +403,115 @@ def _segment_args(segments: Optional[torch.Tensor], placeholder: torch.Tensor) -
     return seg, seg
 
 
+@dataclass(frozen=True)
+class Variant:
+    """The attention variant as the kernels take it (megalite/attention/variant.py): `window` W (key j visible
+    to query i iff 0 <= i - j < W, in positions: causal or `positions` masks only), `softcap` c (scores
+    c tanh(s / c)), `sinks` [Hq] natural-log sink logits (forward: folded into O and the LSE; the backward
+    takes that LSE as it is), `tiles` an int32 [3] counter of the (query tile, key tile) pairs visited by the
+    forward, the dK/dV and the dQ kernels (tests and benchmarks; None: not counted)."""
+
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+    tiles: Optional[torch.Tensor] = None
+
+    def args(self, placeholder: torch.Tensor) -> tuple[Any, ...]:
+        """TILES, cap_in, cap_out, WINDOW kernel arguments."""
+        cap = self.softcap if self.softcap is not None else 1.0
+        tiles = self.tiles if self.tiles is not None else placeholder
+        return tiles, 1.0 / (cap * LOG2E), cap * LOG2E, self.window if self.window is not None else 0
+
+    def flags(self) -> dict[str, bool]:
+        return dict(HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap is not None, COUNT=self.tiles is not None)
+
+
+PLAIN = Variant()
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor,
-             causal: bool, scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None) -> None:
+             causal: bool, scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None,
+             variant: Variant = PLAIN) -> None:
     """Write O (any dtype and strides, unit last) and the base-2 logsumexp (fp32 [B*Hq, SQ], contiguous)
     of q [B, SQ, Hq, D] against k/v [B, SK, Hk, D]."""
     B, SQ, Hq, D = q.shape
     SK, Hk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["fwd"]
+    sinks2 = lse2 if variant.sinks is None else (variant.sinks.detach().float() * LOG2E).contiguous()
+    tiles, cap_in, cap_out, window = variant.args(lse2)
     _attn_fwd_kernel[(cdiv(SQ, block_m), B * Hq)](
-        q, k, v, o, lse2, *_position_args(positions, lse2), *_segment_args(segments, lse2), scale * LOG2E,
-        SQ, SK, Hq, Hq // Hk, D, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q, k, v, o, lse2, *_position_args(positions, lse2), *_segment_args(segments, lse2), sinks2, tiles,
+        scale * LOG2E, cap_in, cap_out, window, SQ, SK, Hq, Hq // Hk, D,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         CAUSAL=causal, POSITIONS=positions is not None, SEGMENTS=segments is not None, UPCAST=cfg["UPCAST"],
-        PREC=cfg["PREC"], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
+        PREC=cfg["PREC"], HAS_SINKS=variant.sinks is not None, **variant.flags(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
     )
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor,
               delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-              scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None) -> None:
-    """Write dQ, dK, dV given the base-2 logsumexp and delta = rowsum(dO * O) (fp32 [B*Hq, SQ] each)."""
+              scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None,
+              variant: Variant = PLAIN) -> None:
+    """Write dQ, dK, dV given the base-2 logsumexp and delta = rowsum(dO * O) (fp32 [B*Hq, SQ] each); with sinks,
+    the forward's LSE and O had them folded in, which is all the backward needs of them (d sinks: `sink_grad`)."""
     B, SQ, Hq, D = q.shape
     SK, Hk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype)
     block_m, block_n, warps, stages = cfg["bwd"]
     common = dict(CAUSAL=causal, POSITIONS=positions is not None, SEGMENTS=segments is not None,
-                  UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages)
+                  UPCAST=cfg["UPCAST"], PREC=cfg["PREC"], BLOCK_D=cfg["BLOCK_D"], num_warps=warps, num_stages=stages,
+                  **variant.flags())
     pos = (*_position_args(positions, lse2), *_segment_args(segments, lse2))
+    tiles, cap_in, cap_out, window = variant.args(lse2)
     _attn_bwd_dkdv_kernel[(cdiv(SK, block_n), B * Hk)](
-        q, k, v, do, lse2, delta, dk, dv, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hk, Hq // Hk, D,
+        q, k, v, do, lse2, delta, dk, dv, *pos, tiles, scale, scale * LOG2E, cap_in, cap_out, window,
+        SQ, SK, Hq, Hk, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
         BLOCK_M=block_m, BLOCK_N=block_n, **common,
     )
     # dQ: many query rows per program, few keys at a time (the mirror image of dK/dV).
     _attn_bwd_dq_kernel[(cdiv(SQ, block_n), B * Hq)](
-        q, k, v, do, lse2, delta, dq, *pos, scale, scale * LOG2E, SQ, SK, Hq, Hq // Hk, D,
+        q, k, v, do, lse2, delta, dq, *pos, tiles, scale, scale * LOG2E, cap_in, cap_out, window,
+        SQ, SK, Hq, Hq // Hk, D,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         BLOCK_M=block_n, BLOCK_N=block_m, **common,
     )
 
 
+def sink_grad(lse2: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d sink [Hq] = -sum over batch and rows of exp(sink - L') D', from the base-2 L' [B*Hq, S] the forward
+    wrote (sinks included) and D' = rowsum(dO O') [B*Hq, S]: the sink is one more logit of each row's softmax
+    whose value is zero, so its dS is p_sink (0 - D')."""
+    hq = sinks.shape[0]
+    sink2 = sinks.detach().float().view(1, hq, 1) * LOG2E
+    p = torch.exp2(sink2 - lse2.view(-1, hq, lse2.shape[-1]))
+    return -(p * delta.view_as(p)).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O), fp32 [B*Hq, S] (the backward's preprocess kernel)."""
+    B, S, Hq, D = o.shape
+    delta = torch.empty_like(lse2)
+    _attn_bwd_preprocess_kernel[(cdiv(S, 64), B * Hq)](
+        o, do, delta, S, Hq, D, *_strides(o), *_strides(do), BLOCK_M=64, BLOCK_D=_config(D, o.dtype)["BLOCK_D"])
+    return delta
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,  # type: ignore[override]
-                scale: float, segments: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                sinks: Optional[torch.Tensor], causal: bool, scale: float, segments: Optional[torch.Tensor],
+                variant: Variant) -> torch.Tensor:
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         B, S, Hq, D = q.shape
         o = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
         lse2 = torch.empty((B * Hq, S), dtype=torch.float32, device=q.device)
-        _forward(q, k, v, o, lse2, causal, scale, segments=segments)
+        variant = Variant(variant.window, variant.softcap, sinks, variant.tiles)
+        _forward(q, k, v, o, lse2, causal, scale, segments=segments, variant=variant)
         ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.causal, ctx.scale, ctx.segments = causal, scale, segments
+        ctx.causal, ctx.scale, ctx.segments, ctx.variant = causal, scale, segments, variant
         return o
 
     @staticmethod
@@ -372,15 +519,15 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, o, lse2 = ctx.saved_tensors
         do = _unit_last(do)
         B, S, Hq, D = q.shape
-        delta = torch.empty_like(lse2)
-        _attn_bwd_preprocess_kernel[(cdiv(S, 64), B * Hq)](
-            o, do, delta, S, Hq, D, *_strides(o), *_strides(do), BLOCK_M=64,
-            BLOCK_D=_config(D, q.dtype)["BLOCK_D"])
+        delta = _delta(o, do, lse2)
         dq = torch.empty_like(q)
         dk = torch.empty((B, S, k.shape[2], D), dtype=k.dtype, device=k.device)
         dv = torch.empty((B, S, v.shape[2], D), dtype=v.dtype, device=v.device)
-        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale, segments=ctx.segments)
-        return dq, dk, dv, None, None, None
+        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale, segments=ctx.segments,
+                  variant=ctx.variant)
+        sinks = ctx.variant.sinks
+        d_sinks = None if sinks is None else sink_grad(lse2, delta, sinks)
+        return dq, dk, dv, d_sinks, None, None, None, None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "flash_attention",
@@ -394,18 +541,37 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "flash
         raise ValueError(f"{name}: query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
 
 
+def check_variant(variant: Variant, masked: bool, heads: int, name: str) -> None:
+    """A window needs a causal or positions mask (it counts back from the query); a soft-cap is positive; the
+    sinks are one per query head."""
+    if variant.window is not None and (variant.window < 1 or not masked):
+        raise ValueError(f"{name}: window {variant.window} needs to be >= 1, with a causal or positions mask")
+    if variant.softcap is not None and not variant.softcap > 0:
+        raise ValueError(f"{name}: softcap {variant.softcap} must be > 0")
+    if variant.sinks is not None and tuple(variant.sinks.shape) != (heads,):
+        raise ValueError(f"{name}: sinks {tuple(variant.sinks.shape)}, expected one per query head ({heads},)")
+    if variant.tiles is not None and (variant.tiles.dtype != torch.int32 or variant.tiles.numel() < 3):
+        raise ValueError(f"{name}: tiles must be an int32 counter of 3 elements")
+
+
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+                    softmax_scale: float | None = None, segments: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    tiles: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale * Q K^T [+ causal mask]) V per head, [B,S,Hq,D] out; grouped-query kv heads.
     `segments` [B, S] integer document ids (document masking): query i sees key j only when both are in
     the same document; tiles with no such pair are skipped (module doc). Every query row must keep a key:
-    true with causal (it sees itself)."""
+    true with causal (it sees itself). The variant (megalite/attention/variant.py): `window` (causal only: key
+    j seen iff i - W < j <= i; tiles wholly outside are never visited), `softcap` (scores c tanh(s / c)),
+    `sinks` [Hq] (a logit per head in each row's denominator; differentiable), `tiles` (`Variant`)."""
     _check(q, k, v)
     if segments is not None and (segments.shape != q.shape[:2] or segments.is_floating_point()):
         raise ValueError(f"flash_attention: segments must be integer [B, S] = {tuple(q.shape[:2])}, got "
                          f"{segments.dtype} {tuple(segments.shape)}")
-    return _FlashAttention.apply(q, k, v, causal, _scale(q, softmax_scale), segments)
+    variant = Variant(window, softcap, None, tiles)
+    check_variant(Variant(window, softcap, sinks, tiles), causal, q.shape[2], "flash_attention")
+    return _FlashAttention.apply(q, k, v, sinks, causal, _scale(q, softmax_scale), segments, variant)

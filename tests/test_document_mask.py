@@ -130,7 +130,9 @@ def _ring_skip_rank_fn(rank: int) -> tuple[int, int, int]:
 
 
 def test_ring_skips_fully_masked_block_pairs(dist_world) -> None:
-    assert dist_world(4).run(_ring_skip_rank_fn) == [(1, 1, 4)] * 4  # 1 of the 4 block pairs per rank, each way
+    # Chunk c = document c: of each rank's 9 causal chunk pairs only its 2 diagonal ones hold a visible pair, each
+    # computed as its own block (megalite/context/ring.py `plan_step`), once each way; the 3 other steps compute nothing.
+    assert dist_world(4).run(_ring_skip_rank_fn) == [(2, 2, 4)] * 4
 
 
 def test_pretrain_masks_the_documents_of_its_data(demo_cache_dir: str, tmp_path) -> None:  # type: ignore[no-untyped-def]

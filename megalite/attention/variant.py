@@ -15,7 +15,7 @@ context-parallel mode) is held to it by tests.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,15 @@ class AttentionVariant:
 
 
 PLAIN = AttentionVariant()
+
+
+def variant_heads(variant: AttentionVariant, group: int, groups: int) -> AttentionVariant:
+    """The variant of query-head group `group` of `groups` equal groups (a2a context parallelism attends for a
+    group of the heads): its sinks are the group's slice (a view: their gradient flows back to those heads)."""
+    if variant.sinks is None:
+        return variant
+    n = variant.sinks.shape[0] // groups
+    return replace(variant, sinks=variant.sinks[group * n:(group + 1) * n])
 
 
 def visible(query_pos: Tensor, key_pos: Tensor, window: int | None) -> Tensor:

@@ -3,7 +3,8 @@
     zigzag     the load-balanced split (rank r holds chunks r and 2cp-1-r), positions, and its inverse
     group      the cp ring's rank order, and the typed view of the ParallelState the attention functions use
     documents  document masking: each token's document and position, the one document-mask rule
-    blockwise  block attention returning its log-sum-exp, its backward, the online-softmax merge
+    blockwise  the block math's names (block attention with its log-sum-exp, its backward, the merge, the sinks),
+               defined one layer down in megalite/attention/blocks.py
     ring       ring attention (K/V passed around, overlapped with compute; dK/dV passed back)
     allgather  the all-gather-K/V form (Llama 3)
     a2a        the all-to-all form (DeepSpeed-Ulysses): sequence-sharded <-> head-sharded

@@ -99,6 +99,12 @@ def _heads_to_seq(x: Tensor, state: ParallelState, members: Members) -> Tensor:
     return got.permute(1, 2, 0, 3, 4)  # [b, s, n (head group), g, d]
 
 
+def head_group(state: ParallelState, degree: int) -> int:
+    """Which of the `degree` head groups this rank attends for after the exchange: its index among its members
+    (query heads [g hq/degree, (g+1) hq/degree) and their sinks: the sinks are sharded with their heads)."""
+    return state.cp_rank % degree
+
+
 def gathered_positions(seq_len: int, cp: int, device: torch.device | None = None,
                        members: Members = None) -> Tensor:
     """The positions of the gathered sequence's tokens (the members' zigzag splits, in member order)."""

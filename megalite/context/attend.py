@@ -7,15 +7,16 @@ from typing import Protocol
 
 import torch
 
-from megalite.attention.variant import PLAIN, AttentionVariant
+from megalite.attention.blocks import Backend
+from megalite.attention.local import variant_attention
+from megalite.attention.variant import PLAIN, AttentionVariant, variant_heads
 from megalite.context.allgather import allgather_attention
-from megalite.context.blockwise import Backend
+from megalite.context.group import GROUP
 from megalite.context.documents import DocumentIds, document_causal_mask
 from megalite.context.hybrid import hybrid_attention
 from megalite.context.options import ContextOptions
 from megalite.context.ring import ring_attention
-from megalite.context.a2a import LocalAttention, a2a_attention
-from megalite.errors import ConfigError
+from megalite.context.a2a import LocalAttention, a2a_attention, head_group
 from megalite.parallel.comm import outside_graph
 from megalite.parallel.state import ParallelState
 
@@ -44,19 +45,25 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
     ring and all-gather forms add the same-document test to their masks, and a2a runs `attend` under the whole
     sequence's document-causal mask; hybrid all-to-alls inside groups of
     `options.a2a_degree` cp ranks and runs the ring (on `backend`, under the documents) across them.
-    `masking.variant` applies in every mode."""
-    docs = masking.docs
-    if not masking.variant.is_plain:
-        raise ConfigError("attention variants (window, sinks, soft-cap, scale) under context parallelism: not yet")
+    `masking.variant` applies in every mode: ring and all-gather put the window in their block masks (the ring
+    skips the block pairs wholly outside it and tallies them), the soft-cap in their scores and the sinks once
+    per row after merging; a2a runs the variant's whole-sequence attention (megalite/attention/local.py) on its
+    heads with their slice of the sinks; hybrid both."""
+    docs, variant = masking.docs, masking.variant
     if options.mode == "ring":
-        return ring_attention(q, k, v, state, backend=backend, docs=docs)
+        return ring_attention(q, k, v, state, backend=backend, docs=docs, variant=variant)
     if options.mode == "allgather":
-        return allgather_attention(q, k, v, state, backend=backend, docs=docs)
+        return allgather_attention(q, k, v, state, backend=backend, docs=docs, variant=variant)
     if options.mode == "a2a":
+        if not variant.is_plain:
+            cp = state.size(GROUP)
+            heads = variant_heads(variant, head_group(state, cp), cp)
+            full = None if docs is None else docs.full
+            return a2a_attention(q, k, v, state, lambda q_, k_, v_: variant_attention(q_, k_, v_, heads, full, backend))
         if docs is not None:
             keep = document_causal_mask(docs.full, docs.full)
             return a2a_attention(q, k, v, state, lambda q_, k_, v_: attend(q_, k_, v_, keep))
         return a2a_attention(q, k, v, state, attend)
     if options.mode == "hybrid":
-        return hybrid_attention(q, k, v, state, options.a2a_degree, backend, docs)
+        return hybrid_attention(q, k, v, state, options.a2a_degree, backend, docs, variant)
     raise ValueError(f"cp mode {options.mode!r}: expected one of ring, allgather, a2a, hybrid")

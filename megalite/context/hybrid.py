@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from megalite.context.blockwise import Backend
+from megalite.attention.blocks import Backend
+from megalite.attention.variant import PLAIN, AttentionVariant, variant_heads
 from megalite.context.documents import DocumentIds
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.ring import ring_attention
-from megalite.context.a2a import a2a_attention
+from megalite.context.a2a import a2a_attention, head_group
 from megalite.context.zigzag import zigzag_split
 from megalite.errors import ConfigError
 from megalite.parallel.state import ParallelState
@@ -47,15 +48,19 @@ def check_hybrid(cp: int, a2a: int) -> None:
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, a2a: int, backend: Backend = "torch",
-                     docs: DocumentIds | None = None) -> Tensor:
+                     docs: DocumentIds | None = None, variant: AttentionVariant = PLAIN) -> Tensor:
     """The contract of `ring_attention` (this rank's zigzag-split q/k/v of a cp-way split in, its rows of causal
-    attention out), computed by an all-to-all over `a2a` cp ranks and a ring over cp / a2a of them."""
+    attention out), computed by an all-to-all over `a2a` cp ranks and a ring over cp / a2a of them. The ring
+    runs the variant on this rank's head group (its sinks sliced with the heads, `variant_heads`); its window
+    is in global positions, which the ring's zigzag split of the group's tokens keeps (module doc, point 2)."""
     cp = state.size(GROUP)
     check_hybrid(cp, a2a)
     ring = ContextGroup.ring_of(state, a2a)
     ring_docs = None if docs is None else DocumentIds(zigzag_split(docs.full, ring.cp, ring.cp_rank), docs.full)
 
     def across(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:  # a ring of one rank (a2a = cp): its diagonal block
-        return ring_attention(q_, k_, v_, state, backend=backend, docs=ring_docs, ring=ring)
+        return ring_attention(q_, k_, v_, state, backend=backend, docs=ring_docs, variant=heads, ring=ring)
+
+    heads = variant_heads(variant, head_group(state, a2a), a2a)
 
     return a2a_attention(q, k, v, state, across, degree=a2a)

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.context.blockwise import Backend
+from megalite.attention.blocks import Backend
+from megalite.attention.local import sdpa
 from megalite.errors import ConfigError
 from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel import comm
@@ -137,14 +138,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
     """`attention` under any mask: `keep` [B, 1, Sq, Sk] bool, True where query i sees key j (document masking,
-    megalite/context/documents.py). SDPA; every query row must keep at least one key."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:  # SDPA's enable_gqa with an explicit mask is not on every backend: repeat (same numbers)
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
-                                         scale=1.0 / math.sqrt(q.shape[-1]))
-    return out.transpose(1, 2)
+    megalite/context/documents.py). SDPA (megalite/attention/local.py); every query row must keep a key."""
+    return sdpa(q, k, v, keep, 1.0 / math.sqrt(q.shape[-1]))
 
 
 # Per-token loss [N] (fp32) from this rank's logit columns [N, padded_vocab/tp], the labels [N], the layout

@@ -64,6 +64,8 @@ class CommCounter:
         self._bytes: dict[CountKey, Fraction] = defaultdict(Fraction)
         self._calls: dict[CountKey, int] = defaultdict(int)
         self._by_op: dict[tuple[CountKey, CollectiveOp], Fraction] = defaultdict(Fraction)
+        # Work counted beside the bytes, by name (e.g. the cp ring's computed / skipped attention blocks).
+        self._tallies: dict[str, int] = defaultdict(int)
         # What this rank last entered (read by the hang watchdog): every collective passes here.
         self.last_op: str = "none yet"
         self.last_op_time: float = time.monotonic()
@@ -84,6 +86,13 @@ class CommCounter:
         self._bytes[key] += wire
         self._by_op[(key, op)] += wire
         self._calls[key] += 1
+
+    def tally(self, name: str, n: int) -> None:
+        """Count `n` units of some work under `name` (not bytes: e.g. "cp_blocks_skipped", megalite/context/ring.py)."""
+        self._tallies[name] += n
+
+    def tallies(self) -> dict[str, int]:
+        return dict(sorted(self._tallies.items()))
 
     def bytes(self) -> dict[str, float]:
         return {g: float(b) for g, b in sorted(self._bytes.items())}
@@ -111,3 +120,4 @@ class CommCounter:
         self._bytes.clear()
         self._calls.clear()
         self._by_op.clear()
+        self._tallies.clear()
