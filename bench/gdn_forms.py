@@ -1,5 +1,5 @@
 """The gated delta rule's forms as the sequence grows: the recurrent reference, the chunked torch form, the Triton
-chunk kernel (CUDA only; its backward is the chunked form's), and causal full attention (SDPA) of the same heads
+chunk kernels (CUDA only), and causal full attention (SDPA) of the same heads
 and width, forward + backward of one layer's core (no projections). Where the chunked form's time per token stays
 flat while attention's grows with the length is the crossover the hybrid models bet on.
 

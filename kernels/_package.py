@@ -11,7 +11,7 @@
 | flash_attention_block (+ bwd)  | flash_attention_block.py | one key block of a longer softmax: (O, LSE) out;     |
 |                                |                     | backward from the merged LSE (context parallelism)       |
 | ChunkGatedDelta                | gated_delta.py      | the gated delta rule by chunks, state in registers;      |
-|                                |                     | backward: the torch chunked form's (megalite/recurrent)  |
+|                                |                     | saves the state entering each chunk for the backward     |
 
 Importing this package never imports Triton: it is imported when the first kernel launches (see
 `_triton.py`), so the `*_reference` functions work everywhere and TRITON_INTERPRET=1 may be set

@@ -111,8 +111,8 @@ def test_packed_documents_equal_each_document_alone() -> None:
 
 
 def test_triton_kernel_equals_the_reference() -> None:
-    """The chunk kernel (Triton interpreter on CPU) with packed documents, key heads grouped: output, final state
-    and every gradient (its backward is the chunked form's autograd)."""
+    """The chunk kernels (Triton interpreter on CPU) with packed documents, key heads grouped: output, final state
+    and every gradient (the backward kernel's)."""
     use_interpreter()
     inputs = _inputs(GATED_DELTANET, torch.float32)
     _agree(_forms(inputs, GATED_DELTANET, "triton", DOCS), _forms(inputs, GATED_DELTANET, "recurrent", DOCS), 1e-5,

@@ -2,8 +2,7 @@
 
     recurrent  one token at a time (recurrence.py): the definition, O(T) sequential steps
     chunked    the WY / UT chunked form in torch (chunked.py): the default off-GPU, and every gate
-    triton     the chunk kernel (kernels/gated_delta.py): Gated DeltaNet's gate; its backward is the chunked
-               form's autograd until a Triton backward exists
+    triton     the chunk kernels (kernels/gated_delta.py), forward and backward: Gated DeltaNet's gate
 """
 
 from __future__ import annotations
@@ -41,10 +40,5 @@ def gated_delta(x: RuleInputs, *, doc_ids: Optional[Tensor], scale: float, initi
     state = zero_state(x.v, x.k.shape[-1]).float() if initial_state is None else initial_state
     docs = torch.zeros(x.v.shape[:2], dtype=torch.long, device=x.v.device) if doc_ids is None else doc_ids
     o, final = kernels.ChunkGatedDelta.apply(expand_groups(x.q, h), expand_groups(x.k, h), x.v, x.g, x.beta, state,
-                                             docs, scale, chunk_size, _torch_form)
+                                             docs, scale, chunk_size)
     return o, final
-
-
-def _torch_form(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **options: object) -> tuple[Tensor, Tensor]:
-    """The chunked form as the kernel's backward calls it (positional tensors, keyword options)."""
-    return chunked_gated_delta(RuleInputs(q, k, v, g, beta), **options)  # type: ignore[arg-type]
