@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         res = measure([1024, 2048, 4096, 8192, 16384, 32768], 16, 128, torch.bfloat16, device, a.repeats, 64, 2048)
     else:
-        res = measure([64, 128], 2, 16, torch.float32, device, 1 if a.smoke else a.repeats, 16, 128)
+        lengths = [32, 64] if a.smoke else [256, 512, 1024, 2048]
+        res = measure(lengths, 2, 16, torch.float32, device, 1 if a.smoke else a.repeats, 16, 512)
     write_results(a.out, "gdn_forms" + ("_smoke" if a.smoke else ""), res, to_markdown)
 
 
