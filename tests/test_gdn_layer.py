@@ -21,6 +21,7 @@ from megalite.parallel.sharding import full_state_dict
 from megalite.parallel.state import ParallelState
 from megalite.errors import ConfigError
 from megalite.kernels.testing import use_interpreter
+from megalite.recurrent.costs import RecurrentDims, cp_conv_halo_bytes, cp_exchange_bytes
 from megalite.recurrent.engine import Backend
 from megalite.recurrent.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 
@@ -184,3 +185,48 @@ def _check_tp(rank: int, sp: bool) -> None:
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp2_matches_one_process(dist_world, sp: bool) -> None:
     dist_world(2).run(_check_tp, sp)
+
+
+def _check_cp(rank: int, tp: int, cp: int, sp: bool) -> None:
+    """The layer under context parallelism (zigzag slices; the conv's halo and the state passed between ranks),
+    with tp and SP beside it: this rank's outputs and input gradient, and every weight gradient once summed over
+    cp (as the gradient sync does over dp x cp) and over tp for the replicated norm weight."""
+    from megalite.context.zigzag import zigzag_split
+    from tests.parallel_utils import layout
+
+    st = layout(tp, cp=cp, sp=sp)
+    torch.manual_seed(6)
+    lens = [8, 15, 9]  # a document starting exactly at a slice boundary (8), others across boundaries
+    ids = _packed(lens).expand(2, -1)
+    x, gy = torch.randn(2, sum(lens), CFG.hidden_size), torch.randn(2, sum(lens), CFG.hidden_size)
+    ref = GatedDeltaNet(CFG, ParallelState(), name="layers.2.mixer", seed=11)
+    y_ref, gx_ref = _run(ref, x, gy, docs=DocumentIds(ids, ids))
+    layer = GatedDeltaNet(CFG, st, name="layers.2.mixer", seed=11)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:  # this rank's zigzag slices, then its SP share of them
+        t = zigzag_split(t, cp, st.cp_rank)
+        return comm.split(t, st, "tp", dim=1) if sp else t
+
+    st.counter.reset()
+    y, gx = _run(layer, mine(x), mine(gy), docs=DocumentIds(zigzag_split(ids, cp, st.cp_rank), ids))
+    local = RecurrentDims(heads=CFG.num_value_heads // tp, key_dim=CFG.key_head_dim, value_dim=CFG.value_head_dim,
+                          conv_channels=(2 * CFG.key_dim + CFG.value_dim) // tp)
+    expected = cp_exchange_bytes(local, 2, cp, 2) + cp_conv_halo_bytes(local, 2, cp, act_bytes=4, slices_per_rank=2)
+    assert st.counter.exact_bytes("cp") == 2 * expected  # forward all-gathers and their reduce-scatters back
+    _close(y, mine(y_ref), "cp forward")
+    _close(gx, mine(gx_ref), "cp input gradient")
+    specs = named_param_specs(layer, ConfigError)
+    for name, p in layer.named_parameters():
+        assert p.grad is not None
+        comm.all_reduce(p.grad, st, "cp")
+        if specs[name].sp_partial:
+            comm.all_reduce(p.grad, st, "tp")
+    grads = full_state_dict(layer, st, grads=True)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        _close(grads[name], p.grad, f"cp {name} gradient")
+
+
+@pytest.mark.parametrize("world,tp,sp", [(2, 1, False), (4, 2, True)])
+def test_cp_matches_one_process(dist_world, world: int, tp: int, sp: bool) -> None:
+    dist_world(world).run(_check_cp, tp, world // tp, sp)

@@ -17,17 +17,19 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 
 
-def causal_conv(x: Tensor, weight: Tensor, doc_ids: Optional[Tensor], past: Optional[Tensor] = None
-                ) -> tuple[Tensor, Tensor]:
+def causal_conv(x: Tensor, weight: Tensor, doc_ids: Optional[Tensor], past: Optional[Tensor] = None,
+                past_doc_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(y [B, T, C], the conv state after the last token [B, W-1, C]) for x [B, T, C], weight [C, W]; `past`
-    [B, W-1, C] the inputs before x (generation; they belong to token 0's document), else zeros."""
+    [B, W-1, C] the inputs before x (generation, or the previous cp slice's last ones), else zeros; their
+    documents `past_doc_ids` [B, W-1] (default: token 0's)."""
     b, t, c = x.shape
     width = weight.shape[1]
     if past is None:
         past = x.new_zeros(b, width - 1, c)
     full = torch.cat([past.to(x.dtype), x], dim=1)                     # [B, W-1+T, C]
     ids = torch.zeros(b, t, dtype=torch.long, device=x.device) if doc_ids is None else doc_ids
-    docs = torch.cat([ids[:, :1].expand(b, width - 1), ids], dim=1)   # the past belongs to token 0's document
+    before = ids[:, :1].expand(b, width - 1) if past_doc_ids is None else past_doc_ids
+    docs = torch.cat([before, ids], dim=1)
     y = x.new_zeros(b, t, c)
     for s in range(width):
         window = full[:, width - 1 - s:width - 1 - s + t]               # x_{t-s}, where in t's document

@@ -15,8 +15,9 @@ Generation keeps, per sequence and layer, the state [H, K, V] and the conv windo
 the number of tokens, where a full-attention layer's KV cache grows with it.
 
 Context parallelism by state passing (megalite/recurrent/state_passing.py): each cp rank sends the affine map of
-its slice, S_out = M S_in + B, as one [H, K, K + V] tensor per sequence (fp32); an all-gather over cp brings the
-cp - 1 others (forward) and a reduce-scatter of the same size carries their gradients back: independent of S.
+each of its slices, S_out = M S_in + B, as one [H, K, K + V] tensor per sequence (fp32); an all-gather over cp
+brings the other ranks' (forward) and a reduce-scatter of the same size carries their gradients back:
+independent of S. The conv's halo (each slice's last W - 1 inputs) is all-gathered the same way.
 """
 
 from __future__ import annotations
@@ -69,8 +70,13 @@ def state_bytes(d: RecurrentDims, batch: int, act_bytes: int, state_bytes_per: i
                     + (d.conv_kernel - 1) * d.conv_channels * act_bytes)
 
 
-def cp_exchange_bytes(d: RecurrentDims, batch: int, cp: int) -> int:
+def cp_exchange_bytes(d: RecurrentDims, batch: int, cp: int, slices_per_rank: int = 1) -> int:
     """Ring bytes one rank's counter records for the state-passing exchange of one layer, forward: the all-gather
-    of every rank's [B, H, K, K + V] fp32 map, (cp - 1) / cp of its cp maps (megalite/parallel/counter.py's
-    convention); the backward's reduce-scatter records as much again."""
-    return (cp - 1) * batch * d.heads * d.key_dim * (d.key_dim + d.value_dim) * FP32
+    of every slice's [B, H, K, K + V] fp32 map, (cp - 1) / cp of them (megalite/parallel/counter.py's convention;
+    two slices per rank under the zigzag split); the backward's reduce-scatter records as much again."""
+    return (cp - 1) * slices_per_rank * batch * d.heads * d.key_dim * (d.key_dim + d.value_dim) * FP32
+
+
+def cp_conv_halo_bytes(d: RecurrentDims, batch: int, cp: int, act_bytes: int, slices_per_rank: int = 1) -> int:
+    """The conv's halo, forward: the last W - 1 inputs of every slice, all-gathered (backward as much again)."""
+    return (cp - 1) * slices_per_rank * batch * (d.conv_kernel - 1) * d.conv_channels * act_bytes

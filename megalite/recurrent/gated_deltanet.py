@@ -16,8 +16,9 @@ and dt_bias are split with their heads; out_proj is row-parallel (one all-reduce
 at the exit). Replicated: norm_weight ([V], shared by every head): each rank back-propagates only its heads'
 share, so its gradient is a partial sum over TP (`sp_partial`, all-reduced there, like Qwen3's q/k norms).
 Under SP the column layer's all-gather gives every rank the whole sequence, which the conv and the recurrence
-need anyway. Every weight is drawn whole from (seed, name) and then sliced: every layout starts equal.
-Context parallelism is not built for this layer yet (a constructor refusal), see docs/linear-attention.md.
+need anyway. Under context parallelism (megalite's zigzag split: two slices per rank) the conv's window reaches
+into the previous slice (its last W-1 inputs, all-gathered) and the recurrence passes states
+(state_passing.py). Every weight is drawn whole from (seed, name) and then sliced: every layout starts equal.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from megalite.recurrent.chunked import CHUNK
 from megalite.recurrent.conv import causal_conv, gated_rms_norm, l2_normalize
 from megalite.recurrent.engine import Backend, gated_delta
 from megalite.recurrent.recurrence import RuleInputs
+from megalite.recurrent.state_passing import gather_slices, joined, owned_slices, state_passing_gated_delta
 
 Tensor = torch.Tensor
 
@@ -106,8 +108,6 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: GatedDeltaNetConfig, state: ParallelState, *, name: str, seed: int) -> None:
         super().__init__()
         cfg.check(state.tp)
-        if state.cp > 1:
-            raise ValueError("Gated DeltaNet under context parallelism (state passing) is not built yet: use cp=1")
         tp, rank = state.tp, state.tp_rank
         self.cfg, self.state = cfg, state
         self.local_k_heads, self.local_v_heads = cfg.num_key_heads // tp, cfg.num_value_heads // tp
@@ -136,7 +136,10 @@ class GatedDeltaNet(nn.Module):
             "norm_weight": ParamSpec(REPLICATED, sp_partial=self.state.tp > 1)}
 
     def forward(self, x: Tensor, docs: Optional[DocumentIds] = None) -> Tensor:
-        return self._mix(x, None if docs is None else docs.full, None, self.cfg.backend)[0]
+        doc_ids = None if docs is None else docs.full
+        if self.state.cp > 1:
+            return self._mix_cp(x, doc_ids)
+        return self._mix(x, doc_ids, None, self.cfg.backend)[0]
 
     def prefill(self, x: Tensor) -> tuple[Tensor, RecurrentCache]:
         """The forward of a prompt (one document per row) and the cache the next token starts from."""
@@ -146,21 +149,53 @@ class GatedDeltaNet(nn.Module):
         """The next token(s) x [b, t, h] from `cache`: constant work and memory per token."""
         return self._mix(x, None, cache, "recurrent")
 
-    def _mix(self, x: Tensor, doc_ids: Optional[Tensor], cache: Optional[RecurrentCache], backend: Backend
-             ) -> tuple[Tensor, RecurrentCache]:
-        cfg = self.cfg
-        q, k, v, z, b, a = self.in_proj(x)                          # each [b, S, part / tp], S the whole sequence
-        bsz, seq = q.shape[:2]
-        mixed, conv_state = causal_conv(torch.cat([q, k, v], dim=-1), self.conv_weight, doc_ids,
-                                        None if cache is None else cache.conv)
+    def _rule_inputs(self, mixed: Tensor, a: Tensor, b: Tensor) -> RuleInputs:
+        """The recurrence's inputs from the conv's output [b, S, C_local] and the gate projections."""
+        cfg, (bsz, seq) = self.cfg, mixed.shape[:2]
         q, k, v = F.silu(mixed).split([p // self.state.tp for p in self.conv_parts], dim=-1)
         q = l2_normalize(q.reshape(bsz, seq, self.local_k_heads, cfg.key_head_dim))
         k = l2_normalize(k.reshape(bsz, seq, self.local_k_heads, cfg.key_head_dim))
         v = v.reshape(bsz, seq, self.local_v_heads, cfg.value_head_dim)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o, state = gated_delta(RuleInputs(q, k, v, g, b.sigmoid()), doc_ids=doc_ids, scale=cfg.key_head_dim ** -0.5,
+        return RuleInputs(q, k, v, g, b.sigmoid())
+
+    def _output(self, o: Tensor, z: Tensor) -> Tensor:
+        bsz, seq = o.shape[:2]
+        o = gated_rms_norm(o, z.reshape(bsz, seq, self.local_v_heads, self.cfg.value_head_dim), self.norm_weight,
+                           self.cfg.norm_eps)
+        return self.out_proj(o.reshape(bsz, seq, -1))
+
+    def _mix(self, x: Tensor, doc_ids: Optional[Tensor], cache: Optional[RecurrentCache], backend: Backend
+             ) -> tuple[Tensor, RecurrentCache]:
+        q, k, v, z, b, a = self.in_proj(x)                          # each [b, S, part / tp], S the whole sequence
+        mixed, conv_state = causal_conv(torch.cat([q, k, v], dim=-1), self.conv_weight, doc_ids,
+                                        None if cache is None else cache.conv)
+        o, state = gated_delta(self._rule_inputs(mixed, a, b), doc_ids=doc_ids, scale=self.cfg.key_head_dim ** -0.5,
                                initial_state=None if cache is None else cache.state, backend=backend,
-                               chunk_size=cfg.chunk_size)
-        o = gated_rms_norm(o, z.reshape(bsz, seq, self.local_v_heads, cfg.value_head_dim), self.norm_weight,
-                           cfg.norm_eps)
-        return self.out_proj(o.reshape(bsz, seq, -1)), RecurrentCache(conv_state, state)
+                               chunk_size=self.cfg.chunk_size)
+        return self._output(o, z), RecurrentCache(conv_state, state)
+
+    def _mix_cp(self, x: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
+        """Under context parallelism: x holds this rank's two zigzag slices (megalite/context/zigzag.py). The conv
+        takes each slice's last W-1 inputs from the slice before it (an all-gather of every slice's tail) and the
+        recurrence its state by state passing (state_passing.py); `doc_ids` are the whole sequences'."""
+        st, width = self.state, self.cfg.conv_kernel
+        q, k, v, z, b, a = self.in_proj(x)
+        raw = torch.cat([q, k, v], dim=-1)
+        slices = owned_slices(st.cp, st.cp_rank, zigzag=True)
+        length = raw.shape[1] // len(slices)
+        if length < width - 1:
+            raise ValueError(f"cp slices of {length} tokens are shorter than the conv's window of {width - 1}")
+        tails = torch.stack([raw[:, (i + 1) * length - (width - 1):(i + 1) * length] for i in range(len(slices))])
+        halos = gather_slices(tails, st, zigzag=True)               # [2 cp, b, W-1, C_local], global slice order
+        pieces = []
+        for i, j in enumerate(slices):
+            ids = None if doc_ids is None else doc_ids[:, j * length:(j + 1) * length]
+            past_ids = None if doc_ids is None or j == 0 else doc_ids[:, j * length - (width - 1):j * length]
+            pieces.append(causal_conv(raw[:, i * length:(i + 1) * length], self.conv_weight, ids,
+                                      None if j == 0 else halos[j - 1], past_ids)[0])
+        mixed = joined(torch.cat(pieces, dim=1), halos)
+        o = state_passing_gated_delta(self._rule_inputs(mixed, a, b), doc_ids=doc_ids,
+                                      scale=self.cfg.key_head_dim ** -0.5, state=st, zigzag=True,
+                                      backend=self.cfg.backend, chunk_size=self.cfg.chunk_size)
+        return self._output(o, z)
