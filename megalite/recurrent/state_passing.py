@@ -29,7 +29,7 @@ from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 from megalite.recurrent.chunked import CHUNK
 from megalite.recurrent.engine import Backend, gated_delta
-from megalite.recurrent.recurrence import RuleInputs
+from megalite.recurrent.recurrence import RuleInputs, working_dtype
 
 Tensor = torch.Tensor
 
@@ -107,7 +107,9 @@ def state_passing_gated_delta(x: RuleInputs, *, doc_ids: Optional[Tensor], scale
     def ids(j: int) -> Optional[Tensor]:
         return None if doc_ids is None else doc_ids[:, j * length:(j + 1) * length]
 
-    start = torch.cat([x.v.new_zeros(b, h, dk, dv), torch.eye(dk, dtype=x.v.dtype).expand(b, h, dk, dk)], dim=-1)
+    work = working_dtype(x.v)  # the maps and states in fp32 (or fp64), whatever the activations' dtype
+    start = torch.cat([torch.zeros(b, h, dk, dv, dtype=work, device=x.v.device),
+                       torch.eye(dk, dtype=work, device=x.v.device).expand(b, h, dk, dk)], dim=-1)
     own = []
     for i, j in enumerate(slices):
         wide = RuleInputs(piece(x.q, i), piece(x.k, i), torch.cat([piece(x.v, i), x.v.new_zeros(b, length, h, dk)],
@@ -118,7 +120,7 @@ def state_passing_gated_delta(x: RuleInputs, *, doc_ids: Optional[Tensor], scale
     starts = slice_starts(doc_ids, n)
     outputs = []
     for i, j in enumerate(slices):
-        incoming = x.v.new_zeros(b, h, dk, dv)
+        incoming = maps.new_zeros(b, h, dk, dv)
         for m in range(j + 1):
             if starts is not None:
                 incoming = torch.where(starts[m][:, None, None, None], torch.zeros_like(incoming), incoming)
