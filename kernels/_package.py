@@ -10,6 +10,8 @@
 | flash_attention                | flash_attention.py  | causal GQA attention; saves O and logsumexp (FA-2)       |
 | flash_attention_block (+ bwd)  | flash_attention_block.py | one key block of a longer softmax: (O, LSE) out;     |
 |                                |                     | backward from the merged LSE (context parallelism)       |
+| ChunkGatedDelta                | gated_delta.py      | the gated delta rule by chunks, state in registers;      |
+|                                |                     | saves the state entering each chunk for the backward     |
 
 Importing this package never imports Triton: it is imported when the first kernel launches (see
 `_triton.py`), so the `*_reference` functions work everywhere and TRITON_INTERPRET=1 may be set
@@ -34,6 +36,7 @@ from .flash_attention_block import (
     flash_attention_block_backward,
     flash_attention_block_reference,
 )
+from .gated_delta import ChunkGatedDelta, chunk_gated_delta_fwd
 from .gelu import gelu_tanh, gelu_tanh_reference
 from .norms import (
     add_layer_norm,
@@ -65,4 +68,5 @@ __all__ = [
     "vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_reference",
     "flash_attention", "flash_attention_reference",
     "flash_attention_block", "flash_attention_block_backward", "flash_attention_block_reference",
+    "ChunkGatedDelta", "chunk_gated_delta_fwd",
 ]

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),                                # core: the rank grid, counted collectives, RNG, ParamSpec
     ("attention",),                               # core: attention variants (window, sinks, soft-cap) and their math
     ("layers", "context"),                        # core: TP linears / embedding / loss; context parallelism
+    ("recurrent",),                               # core: the gated delta-rule engine and the Gated DeltaNet layer
     ("fp8",),                                     # core: FP8 GEMMs of the linears and the expert GEMMs
     ("moe", "mla"),                               # core: mixture-of-experts layers; multi-head latent attention
     ("mtp",),                                     # core: multi-token prediction modules (their block is passed in)

@@ -157,3 +157,14 @@ def test_threads_smoke_reports_every_configuration(tmp_path: Path) -> None:
     assert (default["threads"], default["policy"], default["vs_default"]) == (cores, "PASSIVE", 1.0)
     assert all(r["step_s"]["min"] > 0 and r["cpu_s_per_step"]["min"] > 0 for r in res["rows"])
     assert "megalite default" in (tmp_path / "threads_smoke.md").read_text()
+
+
+def test_gdn_forms_smoke(tmp_path: Path) -> None:
+    """The linear-attention benchmark in this process (CPU, fp32, two tiny lengths): every CPU form measured."""
+    from bench.gdn_forms import main
+
+    main(["--smoke", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "gdn_forms_smoke.json").read_text())
+    assert [r["tokens"] for r in res["rows"]] == [32, 64]
+    assert all(r[c] > 0 for r in res["rows"] for c in ("recurrent_ms", "chunked_ms", "attention_ms"))
+    assert "| 64 |" in (tmp_path / "gdn_forms_smoke.md").read_text()

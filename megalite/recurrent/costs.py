@@ -1,0 +1,82 @@
+"""What the gated delta rule costs, in closed form (torch-free: the estimator and planner read these).
+
+Per sequence of S tokens, H value heads of key width K and value width V, chunks of C (N = ceil(S / C) chunks,
+the last one zero-padded, as the chunked form runs it):
+
+    matmuls per chunk and head       4 C^2 K   (beta k k^T and q k^T, each [C, K] x [K, C])
+                                   + 2 C^2 V   ((q k^T D) V')
+                                   + 6 C K V   (W S, q S and k^T V': the state's reads and its update)
+    triangular solve per chunk/head  C (C - 1) (K + V)      (I + A) U = beta v and (I + A) W = beta k e^cum,
+                                                             by forward substitution: C (C - 1) / 2 multiply-adds
+                                                             per right-hand column
+    elementwise (decays, masks)      not counted, as the estimator counts no norm or activation
+
+Generation keeps, per sequence and layer, the state [H, K, V] and the conv window [W - 1, channels]: constant in
+the number of tokens, where a full-attention layer's KV cache grows with it.
+
+Context parallelism by state passing (megalite/recurrent/state_passing.py): each cp rank sends the affine map of
+each of its slices, S_out = M S_in + B, as one [H, K, K + V] tensor per sequence (fp32); an all-gather over cp
+brings the other ranks' (forward) and a reduce-scatter of the same size carries their gradients back:
+independent of S. The conv's halo (each slice's last W - 1 inputs) is all-gathered the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class RecurrentDims:
+    """One linear layer's recurrence: value heads, key and value widths, the conv's channels and kernel."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    conv_channels: int
+    conv_kernel: int = 4
+
+
+def chunks(seq: int, chunk: int) -> int:
+    return -(-seq // chunk)
+
+
+def chunked_matmul_flops(d: RecurrentDims, batch: int, seq: int, chunk: int) -> int:
+    """The chunked form's matrix products, forward, per layer (the count torch's FLOP counter makes)."""
+    c, k, v = chunk, d.key_dim, d.value_dim
+    return batch * d.heads * chunks(seq, chunk) * (4 * c * c * k + 2 * c * c * v + 6 * c * k * v)
+
+
+def triangular_solve_flops(d: RecurrentDims, batch: int, seq: int, chunk: int) -> int:
+    """The two triangular solves per chunk (U and W), forward, per layer."""
+    return batch * d.heads * chunks(seq, chunk) * chunk * (chunk - 1) * (d.key_dim + d.value_dim)
+
+
+def chunked_flops(d: RecurrentDims, batch: int, seq: int, chunk: int) -> int:
+    """The recurrence's forward FLOPs by chunks, per layer (its projections are ordinary linears, priced apart)."""
+    return chunked_matmul_flops(d, batch, seq, chunk) + triangular_solve_flops(d, batch, seq, chunk)
+
+
+def recurrent_flops(d: RecurrentDims, batch: int, seq: int) -> int:
+    """Token by token, for comparison: per token and head the decay (K V), the read S^T k (2 K V), the write
+    (2 K V) and the output S^T q (2 K V): linear in S with no C^2 term, but S sequential steps."""
+    return batch * d.heads * seq * 7 * d.key_dim * d.value_dim
+
+
+def state_bytes(d: RecurrentDims, batch: int, act_bytes: int, state_bytes_per: int = FP32) -> int:
+    """The generation cache of one layer: the recurrent state (fp32) and the conv window (activation dtype)."""
+    return batch * (d.heads * d.key_dim * d.value_dim * state_bytes_per
+                    + (d.conv_kernel - 1) * d.conv_channels * act_bytes)
+
+
+def cp_exchange_bytes(d: RecurrentDims, batch: int, cp: int, slices_per_rank: int = 1) -> int:
+    """Ring bytes one rank's counter records for the state-passing exchange of one layer, forward: the all-gather
+    of every slice's [B, H, K, K + V] fp32 map, (cp - 1) / cp of them (megalite/parallel/counter.py's convention;
+    two slices per rank under the zigzag split); the backward's reduce-scatter records as much again."""
+    return (cp - 1) * slices_per_rank * batch * d.heads * d.key_dim * (d.key_dim + d.value_dim) * FP32
+
+
+def cp_conv_halo_bytes(d: RecurrentDims, batch: int, cp: int, act_bytes: int, slices_per_rank: int = 1) -> int:
+    """The conv's halo, forward: the last W - 1 inputs of every slice, all-gathered (backward as much again)."""
+    return (cp - 1) * slices_per_rank * batch * (d.conv_kernel - 1) * d.conv_channels * act_bytes
