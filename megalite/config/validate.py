@@ -17,6 +17,7 @@ from megalite.config.values import field_problems, finite_problems, maximum_prob
 from megalite.fp8 import config as fp8_config
 from megalite.moe import config as moe_config
 from megalite.mla.config import mla_problems
+from megalite.mla.costs import mla_gemms
 from megalite.mtp.config import mtp_problems
 from megalite.optim import config as optim_config
 
@@ -53,6 +54,7 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     problems += field_problems(cfg)  # ranges read late in a run (values.py)
     problems += maximum_problems(cfg)  # upper bounds where an absurd value hangs or overflows (values.py)
     problems += fp8_config.problems(cfg.fp8, cfg.train.dtype, device_type)
-    problems += fp8_config.layout_problems(cfg.fp8, ModelArgs.from_config(cfg), p.tp, p.cp)
+    mla_linears = mla_gemms(m.hidden_size, m.num_heads, cfg.mla, cfg.fp8.min_dim) if cfg.mla.enabled else None
+    problems += fp8_config.layout_problems(cfg.fp8, ModelArgs.from_config(cfg), p.tp, p.cp, mla_linears)
     problems += compile_problems(cfg, device_type)
     cli.raise_if(problems, "invalid config")
