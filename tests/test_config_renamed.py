@@ -144,3 +144,15 @@ def test_the_config_and_its_feature_sections_import_without_torch() -> None:
     code = ("import sys, megalite.config, megalite.moe.config, megalite.optim.config, megalite.fp8.config; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_dashes_in_a_config_file_mean_underscores(tmp_path: Path) -> None:
+    """`tune-malloc` in a TOML file is `tune_malloc`, as `--train.tune-malloc` is on the command line; the two
+    spellings set to different values are refused, like an old and a new name."""
+    path = tmp_path / "dashed.toml"
+    path.write_text('[train]\ntune-malloc = false\nmicro-batch-size = 3\n')
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.train.tune_malloc, cfg.train.micro_batch_size) == (False, 3)
+    path.write_text('[train]\ntune-malloc = false\ntune_malloc = true\n')
+    with pytest.raises(ConfigError, match="train.tune-malloc = False and train.tune_malloc = True"):
+        parse_args(["--config", str(path)])

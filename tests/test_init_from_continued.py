@@ -75,3 +75,20 @@ def test_flags_that_contradict_the_checkpoint_are_refused(demo_cache_dir: str, t
         got = pretrain_main([*run, *extra, "--logging.dir", str(tmp_path / "refused")])
         assert_one_line(capsys.readouterr().err, got, CKPT, needle)
     assert snapshot(tmp_path) == before
+
+
+def test_init_from_takes_a_deepseek_v3_directory_as_import_hf_does(tmp_path: Path) -> None:
+    """The HF directories train.init_from takes are tools/import_hf.py's (the same mapping): a DeepseekV3 (MLA, MoE,
+    the hub's MTP layer) imports into the cache with the tensors import_hf writes."""
+    pytest.importorskip("transformers")
+    from megalite.training.init_from import resolve_init_from
+    from tests.test_hf_deepseek import _checkpoint_tensors, hf_model
+    from tools.import_hf import main as import_main
+
+    hf_model().save_pretrained(tmp_path / "hf")
+    got = resolve_init_from(str(tmp_path / "hf"), str(tmp_path / "cache"))
+    assert import_main(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "imported"), "--quiet"]) == 0
+    assert read_index(got)["model"] == read_index(tmp_path / "imported")["model"]
+    assert "mla" in read_index(got)["model"]
+    theirs, ours = _checkpoint_tensors(tmp_path / "imported"), _checkpoint_tensors(got)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)

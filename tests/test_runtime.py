@@ -167,6 +167,8 @@ def test_the_config_file_and_a_program_from_stdin_decide_the_re_exec_too(tmp_pat
     assert runtime.tunables_to_exec({}, ["--config", str(cfg)]) is None
     assert runtime.tunables_to_exec({}, ["--config", str(cfg), "--train.tune_malloc", "true"]) == off
     assert runtime.tunables_to_exec({}, ["--config", str(tmp_path / "missing.toml")]) == off  # the run reports it
+    cfg.write_text("[train]\ntune-malloc = false\n")  # the parser reads a dash as an underscore: so does this
+    assert runtime.tunables_to_exec({}, ["--config", str(cfg)]) is None
     assert not runtime.runs_a_script("-") and not runtime.runs_a_script("") and runtime.runs_a_script("-c")
     script = ("import os\nfrom megalite.runtime.malloc import exec_with_malloc_tunables\n"
               "exec_with_malloc_tunables()\nprint('ran', os.environ.get('GLIBC_TUNABLES'))\n")

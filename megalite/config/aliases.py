@@ -33,10 +33,25 @@ def new_name(key: str) -> str:
     return RENAMED.get(key, key)
 
 
+def _spelled(d: Mapping[str, Any]) -> dict[str, Any]:
+    """`d` with a dash in a field name read as an underscore (`tune-malloc` is `tune_malloc`), as on the command
+    line; where both spellings are set, the underscore's value is kept (`conflicts` refuses them disagreeing)."""
+    out: dict[str, Any] = {}
+    for section, table in d.items():
+        if not isinstance(table, Mapping):
+            out[section] = table
+            continue
+        folded = {k.replace("-", "_"): v for k, v in table.items() if "-" in k}
+        out[section] = {**folded, **{k: v for k, v in table.items() if "-" not in k}}
+    return out
+
+
 def upgrade(d: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A nested {section: {field: value}} dict with every old name moved to its new place, and the old names
     found (in order). Where both names are set, the new name's value is kept: the callers that read a user's file
-refuse a disagreement first (`conflicts`), so that happens only where they agree."""
+refuse a disagreement first (`conflicts`), so that happens only where they agree. Dashed field names are read
+as underscored ones (`_spelled`)."""
+    d = _spelled(d)
     out: dict[str, Any] = {s: dict(t) if isinstance(t, Mapping) else t for s, t in d.items()}
     found: list[str] = []
     for section, table in d.items():
@@ -57,9 +72,18 @@ refuse a disagreement first (`conflicts`), so that happens only where they agree
 
 def conflicts(d: Mapping[str, Any], where: str) -> list[str]:
     """One line per field `d` (a nested {section: {field: value}} dict) sets under both its old and its new name
-    to different values: neither is taken over the other (which one the user meant is theirs to say)."""
+    to different values: neither is taken over the other (which one the user meant is theirs to say); the same for
+    a field spelled with dashes and with underscores."""
     out: list[str] = []
     for section, table in d.items():
+        if not isinstance(table, Mapping):
+            continue
+        for name, value in table.items():
+            other = name.replace("-", "_")
+            if other != name and other in table and table[other] != value:
+                out.append(f"{where} sets {section}.{name} = {value!r} and {section}.{other} = {table[other]!r}, one "
+                           f"field spelled two ways: keep one ({other})")
+    for section, table in _spelled(d).items():
         if not isinstance(table, Mapping):
             continue
         for name, value in table.items():

@@ -8,17 +8,20 @@ own checks in its folder (`megalite/moe/config.py`, `megalite/optim/config.py`, 
 
 from __future__ import annotations
 
+import copy
+
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.environment import compile_problems, environment_problems, path_problems
 from megalite.config.layout import layout_problems, size_problems
-from megalite.config.schema import Config, ModelArgs
+from megalite.config.schema import Config, ModelArgs, ModelConfig
 from megalite.config.values import field_problems, finite_problems, maximum_problems, text_problems, value_problems
 from megalite.fp8 import config as fp8_config
 from megalite.moe import config as moe_config
-from megalite.mla.config import mla_problems
+from megalite.mla.config import MLAConfig, mla_problems
 from megalite.mla.costs import mla_gemms
-from megalite.mtp.config import mtp_problems
+from megalite.moe.config import MoEConfig
+from megalite.mtp.config import MTPConfig, mtp_problems
 from megalite.optim import config as optim_config
 
 
@@ -29,6 +32,24 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     config is reported by its real problems, not as "dp must be >= 1". `device_type` is where the
     run executes ("cpu" or "cuda"), i.e. `resolved_device(cfg)`.
     """
+    cli.raise_if(problems_of(cfg, world_size, device_type), "invalid config")
+
+
+def model_problems(model: ModelConfig, moe: MoEConfig, mla: MLAConfig, mtp: MTPConfig) -> list[str]:
+    """pretrain.py's rules for a model alone, one line per problem: the model sections (`[model]`, `[moe]`, `[mla]`,
+    `[mtp]`) in a run with every other setting at its default, on one CPU process. The one check every entry point
+    that meets a model outside a run config makes (a checkpoint's index.json: megalite/checkpoint/index_check.py,
+    read by generate, export_hf, convert_checkpoint and train.init_from; the estimator's and planner's dims), so a
+    rule added to `problems_of` reaches them all."""
+    cfg = Config()
+    cfg.model, cfg.moe, cfg.mla, cfg.mtp = copy.deepcopy(model), copy.deepcopy(moe), copy.deepcopy(mla), copy.deepcopy(mtp)
+    if cfg.model.vocab_size == 0:  # the tokenizer's, in a run: any size the model takes
+        cfg.model.vocab_size = 1
+    return problems_of(cfg, 1, "cpu")
+
+
+def problems_of(cfg: Config, world_size: int, device_type: str) -> list[str]:
+    """Every rule's problems with `cfg` (`validate`'s list)."""
     cfg = resolve(cfg, world_size)
     problems: list[str] = []
     if world_size < 1:
@@ -57,4 +78,4 @@ def validate(cfg: Config, world_size: int, device_type: str = "cpu") -> None:
     mla_linears = mla_gemms(m.hidden_size, m.num_heads, cfg.mla, cfg.fp8.min_dim) if cfg.mla.enabled else None
     problems += fp8_config.layout_problems(cfg.fp8, ModelArgs.from_config(cfg), p.tp, p.cp, mla_linears)
     problems += compile_problems(cfg, device_type)
-    cli.raise_if(problems, "invalid config")
+    return problems
