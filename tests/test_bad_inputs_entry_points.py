@@ -91,6 +91,15 @@ def test_estimate_and_plan_refuse_what_pretrain_refuses(flags: list[str], needle
         assert_one_line(capsys.readouterr().err, got, CONFIG, needle)
 
 
+def test_estimate_checks_a_pretrain_configs_model_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """Config flags to the estimator (`--model.*`) meet the same rules, RoPE scaling included (not in its dims)."""
+    for flags, needle in ((["--model.rope_scaling", "yarnn"], "rope_scaling='yarnn'"),
+                          (["--model.arch", "gpt2", "--mtp.num_layers", "1"], "needs model.arch=llama")):
+        capsys.readouterr()
+        got = estimate.main(flags)
+        assert_one_line(capsys.readouterr().err, got, CONFIG, needle)
+
+
 def test_mtp_is_carried_by_convert_and_named_by_export(ckpt: Path, tmp_path: Path, demo_cache_dir: str,
                                                       capsys) -> None:
     """convert_checkpoint keeps the MTP module through DCP and a new layout; export_hf writes MLA + MTP as

@@ -114,6 +114,21 @@ def mla_from_flags(args: argparse.Namespace, given: MLADims | None) -> MLADims |
     return MLADims(**widths)
 
 
+def check_config_model(config_argv: list[str]) -> None:
+    """A pretrain config's model sections against pretrain.py's rules (`model_problems`), before any figure: what
+    the dims below do not carry (the RoPE scaling) is checked too."""
+    from megalite.config import parse_args
+    from megalite.config.validate import model_problems
+
+    cfg = parse_args(config_argv)
+    _refuse_model(model_problems(cfg.model, cfg.moe, cfg.mla, cfg.mtp))
+
+
+def _refuse_model(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(f"pretrain.py would refuse this model: {'; '.join(problems)}")
+
+
 def check_dims(dims: ModelDims) -> ModelDims:
     """`dims` if pretrain.py would build that model, else one ConfigError naming each rule it breaks: the same
     function a run's config and a checkpoint's index.json are checked with (`megalite.config.validate.
@@ -129,9 +144,7 @@ def check_dims(dims: ModelDims) -> ModelDims:
                         ffn_hidden_size=dims.ffn_hidden_size or 0, vocab_size=dims.vocab_size, seq_len=dims.seq_len,
                         tie_embeddings=dims.tie_embeddings, head_dim=dims.head_dim or 0)
     mla = MLAConfig(**dataclasses.asdict(dims.mla)) if dims.mla is not None else MLAConfig()
-    problems = model_problems(model, MoEConfig(), mla, MTPConfig(num_layers=dims.mtp_layers))
-    if problems:
-        raise ConfigError(f"pretrain.py would refuse this model: {'; '.join(problems)}")
+    _refuse_model(model_problems(model, MoEConfig(), mla, MTPConfig(num_layers=dims.mtp_layers)))
     return dims
 
 
@@ -246,6 +259,7 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     dtype = None
     features: dict = {}
     if config_argv:
+        check_config_model(config_argv)
         dims_kw, lay_kw, dtype, features = from_config(config_argv)
     for key, default in FEATURE_DEFAULTS.items():
         if getattr(args, key) is None:
