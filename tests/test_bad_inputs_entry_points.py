@@ -124,3 +124,18 @@ def test_mtp_is_carried_by_convert_and_named_by_export(ckpt: Path, tmp_path: Pat
     capsys.readouterr()
     assert export_hf.main(["--input", str(tmp_path / "plain"), "--output", str(tmp_path / "hf2"), "--quiet"]) == 0
     assert "not exported (LlamaForCausalLM has no place for them): mtp.layers.0 (" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--mla.v_head_dim", "64"], "mla.v_head_dim set but MLA is off"),
+    (["--model.rope_factor", "4", "--model.rope_original_max_positions", "16"],
+     "model.rope_factor, model.rope_original_max_positions set but model.rope_scaling = none"),
+    (["--mtp.loss_weight", "0.5"], "mtp.loss_weight set but multi-token prediction is off"),
+])
+def test_a_flag_for_a_feature_that_is_off_is_refused(flags: list[str], needle: str, demo_cache_dir: str,
+                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Never ignored: a run that dropped the flag would train other than the user meant (exit 2, before anything)."""
+    got = pretrain_main([*SMALL_RUN, *flags, "--data.cache_dir", demo_cache_dir, "--train.steps", "1",
+                         "--logging.dir", str(tmp_path / "log")])
+    assert_one_line(capsys.readouterr().err, got, CONFIG, needle)
+    assert not (tmp_path / "log").exists()

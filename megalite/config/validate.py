@@ -71,6 +71,7 @@ def problems_of(cfg: Config, world_size: int, device_type: str) -> list[str]:
     from megalite.model.rope import RopeScaling, rope_scaling_problems  # torch: late, megalite.config stays light
 
     problems += mla_problems(cfg.mla, cfg.model) + rope_scaling_problems(RopeScaling.of(cfg.model))
+    problems += inert_problems(cfg)
     problems += environment_problems(cfg, device_type)
     problems += field_problems(cfg)  # ranges read late in a run (values.py)
     problems += maximum_problems(cfg)  # upper bounds where an absurd value hangs or overflows (values.py)
@@ -79,3 +80,31 @@ def problems_of(cfg: Config, world_size: int, device_type: str) -> list[str]:
     problems += fp8_config.layout_problems(cfg.fp8, ModelArgs.from_config(cfg), p.tp, p.cp, mla_linears)
     problems += compile_problems(cfg, device_type)
     return problems
+
+
+# The fields a feature reads only while it is on, each with its switch: set apart from its default while the
+# feature is off, a field cannot apply, and a run that ignored it would train something other than the user meant.
+_ROPE_FIELDS = ("rope_factor", "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                "rope_mscale_all_dim", "rope_low_freq_factor", "rope_high_freq_factor")
+
+
+def inert_problems(cfg: Config) -> list[str]:
+    """One line per field set (to other than its default) for a feature that is off: MLA's widths without
+    mla.kv_lora_rank, the RoPE scaling's parameters with model.rope_scaling none, mtp.loss_weight without MTP."""
+    out: list[str] = []
+    model_defaults, mla_defaults, mtp_defaults = ModelConfig(), MLAConfig(), MTPConfig()
+    if not cfg.mla.enabled:
+        widths = [f"mla.{n}" for n in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+                  if getattr(cfg.mla, n) != getattr(mla_defaults, n)]
+        if widths:
+            out.append(f"{', '.join(widths)} set but MLA is off (mla.kv_lora_rank = 0): set mla.kv_lora_rank > 0 "
+                       "for multi-head latent attention, or leave the widths unset")
+    if cfg.model.rope_scaling == "none":
+        rope = [f"model.{n}" for n in _ROPE_FIELDS if getattr(cfg.model, n) != getattr(model_defaults, n)]
+        if rope:
+            out.append(f"{', '.join(rope)} set but model.rope_scaling = none: set model.rope_scaling yarn or llama3 "
+                       "for them to apply, or leave them unset")
+    if cfg.mtp.num_layers == 0 and cfg.mtp.loss_weight != mtp_defaults.loss_weight:
+        out.append("mtp.loss_weight set but multi-token prediction is off (mtp.num_layers = 0): set mtp.num_layers "
+                   ">= 1, or leave it unset")
+    return out
