@@ -15,7 +15,7 @@ from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.checkpoint.sharded import save_sharded
 from megalite.config import Config, load_config, parse_args
 from megalite.config.aliases import RENAMED, saved_config
-from megalite.errors import CheckpointError
+from megalite.errors import CheckpointError, ConfigError
 from megalite.inference.load import load_model
 from megalite.model.gpt import GPT
 from megalite.parallel.state import ParallelState
@@ -73,10 +73,27 @@ def test_old_keys_in_a_config_file_work_with_notes(tmp_path: Path, capsys: pytes
     path.write_text(tomli_w.dumps(OLD_CONFIG))
     _check_new_places(parse_args(["--config", str(path)]))
     assert "note: config key train.optimizer is now optimizer.name" in capsys.readouterr().err
-    # The new name wins over the old one in the same file; the CLI over both.
-    path.write_text(tomli_w.dumps({"train": {"fp8": "rowwise"}, "fp8": {"recipe": "tensorwise"}}))
-    assert parse_args(["--config", str(path)]).fp8.recipe == "tensorwise"
+    # The old and the new name agreeing in one file is one value; the CLI wins over the file.
+    path.write_text(tomli_w.dumps({"train": {"fp8": "rowwise"}, "fp8": {"recipe": "rowwise"}}))
+    assert parse_args(["--config", str(path)]).fp8.recipe == "rowwise"
     assert parse_args(["--config", str(path), "--train.fp8", "none"]).fp8.recipe == "none"
+
+
+@pytest.mark.parametrize("old, new", [("train.optimizer", "optimizer.name"), ("train.fp8", "fp8.recipe"),
+                                      ("model.moe_top_k", "moe.top_k"), ("train.muon_ns_steps", "muon.ns_steps")])
+def test_an_old_and_a_new_name_that_disagree_are_refused(tmp_path: Path, old: str, new: str) -> None:
+    """Neither name is silently taken over the other: in one file, on the command line, and in a saved config."""
+    values = {"train.optimizer": ("muon", "adamw"), "train.fp8": ("rowwise", "tensorwise"),
+              "model.moe_top_k": (2, 1), "train.muon_ns_steps": (5, 3)}[old]
+    (os_, of), (ns, nf) = old.split("."), new.split(".")
+    table: dict = {os_: {of: values[0]}}
+    table.setdefault(ns, {})[nf] = values[1]
+    path = tmp_path / "both.toml"
+    path.write_text(tomli_w.dumps(table))
+    for run in (lambda: parse_args(["--config", str(path)]), lambda: load_config(path),
+                lambda: parse_args([f"--{old}", str(values[0]), f"--{new}", str(values[1])])):
+        with pytest.raises(ConfigError, match=f"{old}.*{new}|{new}.*{old}"):
+            run()
 
 
 def test_a_saved_config_of_before_loads_silently(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,3 +144,15 @@ def test_the_config_and_its_feature_sections_import_without_torch() -> None:
     code = ("import sys, megalite.config, megalite.moe.config, megalite.optim.config, megalite.fp8.config; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_dashes_in_a_config_file_mean_underscores(tmp_path: Path) -> None:
+    """`tune-malloc` in a TOML file is `tune_malloc`, as `--train.tune-malloc` is on the command line; the two
+    spellings set to different values are refused, like an old and a new name."""
+    path = tmp_path / "dashed.toml"
+    path.write_text('[train]\ntune-malloc = false\nmicro-batch-size = 3\n')
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.train.tune_malloc, cfg.train.micro_batch_size) == (False, 3)
+    path.write_text('[train]\ntune-malloc = false\ntune_malloc = true\n')
+    with pytest.raises(ConfigError, match="train.tune-malloc = False and train.tune_malloc = True"):
+        parse_args(["--config", str(path)])

@@ -126,10 +126,12 @@ def test_the_tcache_is_turned_off_by_one_re_exec_unless_someone_chose() -> None:
     assert runtime.tunables_to_exec({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, []) is None  # the user's
     assert runtime.tunables_to_exec({"MALLOC_TRIM_THRESHOLD_": "0"}, []) is None
     assert runtime.tunables_to_exec({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, []) is None
-    offs = (["--train.tune_malloc", "false"], ["--train.tune_malloc=False"], ["--x", "1", "--train.tune_malloc", "0"])
+    offs = (["--train.tune_malloc", "false"], ["--train.tune_malloc=False"], ["--x", "1", "--train.tune_malloc", "0"],
+            ["--train.tune-malloc", "false"], ["--train.tune-malloc=no"], ["--train.tune_malloc", "OFF"])
     for argv in offs:
         assert runtime.tunables_to_exec({}, argv) is None, argv
-    assert runtime.tunables_to_exec({}, ["--train.tune_malloc", "true"]) == off
+    for argv in (["--train.tune_malloc", "true"], ["--train.tune-malloc"], ["--train.tune_malloc", "--x", "0"]):
+        assert runtime.tunables_to_exec({}, argv) == off, argv
     script = ("import os, sys\nfrom megalite.runtime.malloc import exec_with_malloc_tunables\n"
               "print('ran', flush=True)\nexec_with_malloc_tunables()\n"
               "print(os.environ['GLIBC_TUNABLES'], sys.argv[1:], sys.flags.optimize)")
@@ -153,3 +155,24 @@ def test_a_failed_re_exec_goes_on_as_it_was(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(os, "execv", refuse)
     runtime.exec_with_malloc_tunables()
     assert "GLIBC_TUNABLES" not in os.environ
+
+
+@glibc
+def test_the_config_file_and_a_program_from_stdin_decide_the_re_exec_too(tmp_path: Path) -> None:
+    """`[train] tune_malloc = false` in the --config file turns the restart off as the flag does (the command line
+    wins); a program read from stdin is not run again (it would read nothing and exit 0, having done nothing)."""
+    off = runtime.TCACHE_OFF
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[train]\ntune_malloc = false\n")
+    assert runtime.tunables_to_exec({}, ["--config", str(cfg)]) is None
+    assert runtime.tunables_to_exec({}, ["--config", str(cfg), "--train.tune_malloc", "true"]) == off
+    assert runtime.tunables_to_exec({}, ["--config", str(tmp_path / "missing.toml")]) == off  # the run reports it
+    cfg.write_text("[train]\ntune-malloc = false\n")  # the parser reads a dash as an underscore: so does this
+    assert runtime.tunables_to_exec({}, ["--config", str(cfg)]) is None
+    assert not runtime.runs_a_script("-") and not runtime.runs_a_script("") and runtime.runs_a_script("-c")
+    script = ("import os\nfrom megalite.runtime.malloc import exec_with_malloc_tunables\n"
+              "exec_with_malloc_tunables()\nprint('ran', os.environ.get('GLIBC_TUNABLES'))\n")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-", "--x"], input=script, capture_output=True, text=True, timeout=120,
+                         check=True, env=env).stdout
+    assert out == "ran None\n", out

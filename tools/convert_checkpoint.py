@@ -109,6 +109,7 @@ def check_loadable(source: Source) -> None:
     from megalite.checkpoint.sharded import stored_shapes
     from megalite.inference.load import model_config_from_info
     from megalite.model.gpt import GPT
+    from megalite.mtp.config import MTPConfig
     from megalite.parallel.state import ParallelState
 
     problems = model_info_problems(source.info)
@@ -116,8 +117,10 @@ def check_loadable(source: Source) -> None:
         raise CheckpointError(f"the input's model dims are not a model megalite builds ({'; '.join(problems)}): "
                               "the checkpoint's metadata is damaged or contradicts itself; not converted")
     try:
+        cfg = model_config_from_info(source.info)
+        cfg.mtp = MTPConfig(num_layers=int(source.info.get("mtp_layers", 0)))  # carried, not left out as generation does
         with torch.device("meta"):
-            model = GPT(model_config_from_info(source.info), ParallelState(), seed=0)
+            model = GPT(cfg, ParallelState(), seed=0)
     except Exception as e:  # noqa: BLE001  (any failure to build the model is the dims' fault, said in one line)
         raise CheckpointError(f"the input's model dims do not build a megalite model ({type(e).__name__}: {e}): "
                               "the checkpoint's metadata is inconsistent; not converted") from None

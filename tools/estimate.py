@@ -97,18 +97,55 @@ def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return m
 
 
-MLA_FLAGS = {f.name: f.default for f in dataclasses.fields(MLADims)}
+MLA_FLAGS: dict[str, int] = {f.name: f.default if isinstance(f.default, int) else 0  # kv_lora_rank: none
+                             for f in dataclasses.fields(MLADims)}
 
 
 def mla_from_flags(args: argparse.Namespace, given: MLADims | None) -> MLADims | None:
     """MLA's widths: the config's (`given`) with the MLA flags set over them; None when MLA stays off."""
     base = dataclasses.asdict(given) if given is not None else dict(MLA_FLAGS, kv_lora_rank=0)
     widths = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
-    if widths["kv_lora_rank"] <= 0:
+    if min(widths.values()) < 0:  # --kv-lora-rank -1 is no "off": refused as pretrain.py's mla.kv_lora_rank is
+        raise ConfigError(f"MLA widths {widths}: each must be >= 1 (q_lora_rank >= 0; kv_lora_rank 0 = MLA off)")
+    if widths["kv_lora_rank"] == 0:
         return None
-    if min(widths.values()) < 0 or min(v for k, v in widths.items() if k != "q_lora_rank") < 1:
+    if min(v for k, v in widths.items() if k != "q_lora_rank") < 1:
         raise ConfigError(f"MLA widths {widths}: each must be >= 1 (q_lora_rank >= 0)")
     return MLADims(**widths)
+
+
+def check_config_model(config_argv: list[str]) -> None:
+    """A pretrain config's model sections against pretrain.py's rules (`model_problems`), before any figure: what
+    the dims below do not carry (the RoPE scaling) is checked too."""
+    from megalite.config import parse_args
+    from megalite.config.validate import model_problems
+
+    cfg = parse_args(config_argv)
+    _refuse_model(model_problems(cfg.model, cfg.moe, cfg.mla, cfg.mtp))
+
+
+def _refuse_model(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(f"pretrain.py would refuse this model: {'; '.join(problems)}")
+
+
+def check_dims(dims: ModelDims) -> ModelDims:
+    """`dims` if pretrain.py would build that model, else one ConfigError naming each rule it breaks: the same
+    function a run's config and a checkpoint's index.json are checked with (`megalite.config.validate.
+    model_problems`), so neither tool prices a model the run refuses."""
+    from megalite.config.schema import ModelConfig
+    from megalite.config.validate import model_problems
+    from megalite.mla.config import MLAConfig
+    from megalite.moe.config import MoEConfig
+    from megalite.mtp.config import MTPConfig
+
+    model = ModelConfig(arch=dims.arch, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+                        num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads or 0,
+                        ffn_hidden_size=dims.ffn_hidden_size or 0, vocab_size=dims.vocab_size, seq_len=dims.seq_len,
+                        tie_embeddings=dims.tie_embeddings, head_dim=dims.head_dim or 0)
+    mla = MLAConfig(**dataclasses.asdict(dims.mla)) if dims.mla is not None else MLAConfig()
+    _refuse_model(model_problems(model, MoEConfig(), mla, MTPConfig(num_layers=dims.mtp_layers)))
+    return dims
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +259,7 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
     dtype = None
     features: dict = {}
     if config_argv:
+        check_config_model(config_argv)
         dims_kw, lay_kw, dtype, features = from_config(config_argv)
     for key, default in FEATURE_DEFAULTS.items():
         if getattr(args, key) is None:
@@ -242,7 +280,7 @@ def resolve(args: argparse.Namespace, config_argv: list[str]) -> dict:
         if missing:
             raise ConfigError(f"model dims incomplete, missing {', '.join(missing)}; give them as "
                               f"--{missing[0].replace('_', '-')} N ... or use --preset")
-        dims = ModelDims(**{k: v for k, v in dims_kw.items() if v is not None})
+        dims = check_dims(ModelDims(**{k: v for k, v in dims_kw.items() if v is not None}))
     layout = Layout(**{k: v for k, v in lay_kw.items() if v is not None})
     dtype = normalize_dtype(args.dtype or dtype or "bf16")
     if dtype == "tf32":

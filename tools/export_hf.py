@@ -7,6 +7,7 @@ Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for Lla
 (model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2); a MoE model as MixtralForCausalLM (mixtral router)
 or Qwen3MoeForCausalLM (qwen3 router with model.qk_norm), a dense one with model.qk_norm as Qwen3ForCausalLM,
 one with multi-head latent attention ([mla]) as DeepseekV3ForCausalLM (its MTP layers as the hub stores them).
+What the target format has no place for (the MTP modules of a model without MLA) is named on the last line.
 With --tokenizer (a Hugging Face tokenizer.json, a tiktoken file, or a SentencePiece .model from
 tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
 `AutoTokenizer.from_pretrained("hf_model")` and `AutoModelForCausalLM.from_pretrained("hf_model")` give
@@ -16,13 +17,14 @@ megalite's token ids and logits.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 if __package__ in (None, ""):  # run as `python tools/export_hf.py`: make `megalite` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.checkpoint.interop.hf import export_hf  # noqa: E402
+from megalite.checkpoint.interop.hf import export_hf, not_exported  # noqa: E402
 from megalite.checkpoint.interop.hf_deepseek import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
@@ -45,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                     dtype=args.dtype, mapping=MAPPING,
                     chat_template=args.chat_template)
     extra = " and the tokenizer" if args.tokenizer else ""
-    print(f"wrote {out}/config.json and {out}/model.safetensors{extra}", file=sys.stderr)
+    left = not_exported(args.input, MAPPING)
+    arch = json.loads((out / "config.json").read_text()).get("architectures", ["its format"])[0]
+    dropped = f"; not exported ({arch} has no place for them): {', '.join(left)}" if left else ""
+    print(f"wrote {out}/config.json and {out}/model.safetensors{extra}{dropped}", file=sys.stderr)
     return 0
 
 

@@ -28,7 +28,7 @@ from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
 from megalite.perfmodel.plan import Cluster, Plan, Search, make_plan  # noqa: E402
 from megalite.perfmodel.moe import moe_preset_model  # noqa: E402
 from megalite.perfmodel.moe_plan import make_moe_plan, render_moe  # noqa: E402
-from tools.estimate import (OneLineParser, add_model_args, fraction, mla_from_flags, positive_float,  # noqa: E402
+from tools.estimate import (OneLineParser, add_model_args, check_dims, fraction, mla_from_flags, positive_float,  # noqa: E402
                             positive_int, presets)  # (model flags, sizes and argument checks shared)
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
@@ -95,7 +95,7 @@ def resolve_dims(args: argparse.Namespace) -> ModelDims:
         raise ConfigError(f"model dims incomplete, missing {', '.join(missing)}; give --preset or "
                           f"--{missing[0].replace('_', '-')} N ...")
     kw["mla"] = mla_from_flags(args, None)  # multi-head latent attention (docs/mla.md): --kv-lora-rank > 0
-    return ModelDims(**{k: v for k, v in kw.items() if v is not None})
+    return check_dims(ModelDims(**{k: v for k, v in kw.items() if v is not None}))
 
 
 def resolve_cluster(args: argparse.Namespace) -> Cluster:

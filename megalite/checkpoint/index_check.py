@@ -9,10 +9,15 @@ deep in a loader, or, worse, a converted checkpoint that cannot be loaded.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from megalite.config.cli import coerce, field_types
+from megalite.config.schema import ModelConfig
+from megalite.mla.config import MLAConfig
+from megalite.moe.config import MoEConfig
+from megalite.mtp.config import MTPConfig
 from megalite.errors import CheckpointError, ConfigError
 from megalite.moe import config as moe_config
 
@@ -62,7 +67,39 @@ def model_info_problems(info: Any) -> list[str]:
         out.append(f"hidden_size={h} is not divisible by num_heads={nh}")
     if nh % nkv:
         out.append(f"num_heads={nh} is not divisible by num_kv_heads={nkv}")
-    return out
+    return out or run_rule_problems(info)
+
+
+def _typed(cls: type, values: Mapping[str, Any], prefix: str, out: list[str]) -> Any:
+    """An instance of config section `cls` from the recorded `values` it has fields for, each converted with the
+    config's own types (`cli.coerce`: a string for a number, a list for a string is one line in `out`)."""
+    kw: dict[str, Any] = {}
+    for name, tp in field_types(cls).items():
+        if name in values:
+            try:
+                kw[name] = coerce(f"{prefix}{name}", values[name], tp, from_cli=False)
+            except ConfigError as e:
+                out.append(str(e))
+    return cls(**kw)
+
+
+def run_rule_problems(info: Mapping[str, Any]) -> list[str]:
+    """The recorded model (index.json "model": its `[model]` fields, "moe_"-prefixed `[moe]` ones, "mla" and
+    "mtp_layers") against pretrain.py's own rules (`megalite.config.validate.model_problems`): whatever a run of
+    it would refuse (an unknown rope_scaling, an odd mla.qk_rope_head_dim, MTP on gpt2) no tool takes either."""
+    from megalite.config.validate import model_problems
+
+    out: list[str] = []
+    mla = info.get("mla", {})
+    if not isinstance(mla, Mapping):
+        return [f"mla={mla!r} must be an object of [mla] widths"]
+    model = _typed(ModelConfig, {k: v for k, v in info.items() if k != "preset"}, "", out)
+    moe = _typed(MoEConfig, {k.removeprefix("moe_"): v for k, v in info.items() if k.startswith("moe_")}, "moe_", out)
+    mla_section = _typed(MLAConfig, mla, "mla.", out)
+    depth = info.get("mtp_layers", 0)
+    if not (_is_int(depth) and 0 <= depth <= MAX_DIM["num_layers"]):
+        out.append(f"mtp_layers={depth!r} must be an integer in [0, {MAX_DIM['num_layers']}]")
+    return out or model_problems(model, moe, mla_section, MTPConfig(num_layers=depth))
 
 
 def moe_info_problems(info: dict[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ from megalite.config import aliases, cli, parse
 from megalite.config.presets import PRESETS
 from megalite.config.schema import Config
 from megalite.errors import CheckpointError
+from megalite.mla.config import MLAConfig
 
 # Every recorded field that changes the computation (make_vocab_divisible_by only pads: taken, never refused).
 SHAPE_FIELDS: tuple[str, ...] = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -53,20 +54,28 @@ def _shown(info_key: str) -> str:
     return ".".join(_section_and_field(info_key))
 
 
-def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:
-    """The model fields (as index.json keys) the user gave: on the command line, in the --config file, or through
-    a given preset; old names (`aliases.RENAMED`) count as their new ones."""
+def _given_keys(argv: list[str] | None, cfg: Config) -> set[str]:
+    """The dotted config keys the user gave: on the command line, in the --config file, or through a given
+    preset; old names (`aliases.RENAMED`) count as their new ones."""
     args = sys.argv[1:] if argv is None else list(argv)
     parsed = cli.split_argv(args, parse.bool_keys())
     given = {aliases.new_name(key) for key, _ in parsed.overrides}
     if parsed.config_file is not None:
         table = aliases.upgrade(cli.read_toml(parsed.config_file))[0]
-        given |= {f"{s}.{k}" for s in ("model", "moe") if isinstance(table.get(s), dict) for k in table[s]}
+        given |= {f"{s}.{k}" for s in ("model", "moe", "mla") if isinstance(table.get(s), dict) for k in table[s]}
     if "model.preset" in given:
         preset = PRESETS.get(cfg.model.preset, {})
-        moe = preset.get("moe", {})
-        given |= {f"model.{k}" for k, v in preset.items() if not isinstance(v, Mapping)}
-        given |= {f"moe.{k}" for k in (moe if isinstance(moe, Mapping) else {})}
+        for key, value in preset.items():
+            if isinstance(value, Mapping):  # a preset's [moe] / [mla] table
+                given |= {f"{key}.{k}" for k in value}
+            else:
+                given.add(f"model.{key}")
+    return given
+
+
+def explicit_model_fields(argv: list[str] | None, cfg: Config) -> set[str]:
+    """The model fields (as index.json keys) the user gave (`_given_keys`)."""
+    given = _given_keys(argv, cfg)
     fields = {k.removeprefix("model.") for k in given if k.startswith("model.")}
     fields |= {f"moe_{k.removeprefix('moe.')}" for k in given if k.startswith("moe.")}
     return {f for f in fields if f in SHAPE_FIELDS + TAKEN_FIELDS
@@ -79,31 +88,69 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+# What a run from another checkpoint's weights (`train.init_from`) may change: no weight has these shapes, so
+# continued pretraining at a longer context (with the RoPE scaling given: YaRN, llama3) takes the weights as they
+# are. A learned-position model (gpt2) has one embedding row per position: its seq_len stays the checkpoint's.
+POSITION_FIELDS: tuple[str, ...] = ("seq_len", "rope_theta") + ROPE_INFO_KEYS
+
+
+def _mla_contradictions(cfg: Config, given: set[str], saved: Mapping[str, Any]) -> list[str]:
+    """`[mla]` fields the user gave that differ from the checkpoint's (recorded as "mla" only when MLA is on; a
+    checkpoint without it contradicts only turning MLA on: the widths mean nothing there)."""
+    theirs = saved.get("mla")
+    out = []
+    for key in sorted(k for k in given if k.startswith("mla.")):
+        name = key.removeprefix("mla.")
+        mine = getattr(cfg.mla, name, None)
+        if isinstance(theirs, Mapping) and name in theirs and not _same(mine, theirs[name]):
+            out.append(f"{key}={mine!r} but the checkpoint has {theirs[name]!r}")
+        elif not isinstance(theirs, Mapping) and name in ("kv_lora_rank", "q_lora_rank") and mine:
+            out.append(f"{key}={mine!r} but the checkpoint has no MLA")
+    return out
+
+
+def _refuse(cfg: Config, path: Path, pairs: list[str], init_from: bool) -> None:
+    # Two ways out, and which one the user meant depends on intent: a new model wants its own
+    # directory; continuing this checkpoint wants its shape, i.e. no contradicting flags.
+    where = ("--checkpoint.load another checkpoint" if cfg.checkpoint.load
+             else "drop --train.init_from" if init_from
+             else f"give this run its own --checkpoint.dir ({cfg.checkpoint.dir!r} holds that model)")
+    raise CheckpointError(f"checkpoint {path} is a different model: {', '.join(pairs)}; to train a new model, {where}; "
+                          "to continue that checkpoint, drop these flags (its model shape is taken from it)")
+
+
 def apply_checkpoint_shape(cfg: Config, argv: list[str] | None, init_from: Path | None = None) -> Config:
     """`cfg` with the model shape of the checkpoint it will load (if any); a CheckpointError naming every
     field a flag contradicts. Call before `resolve` (which derives from these values). `init_from`: the
     checkpoint whose weights a fresh run starts from (`train.init_from`, resolved by the caller,
-    megalite.training.init_from), whose shape it takes too when it loads none of its own."""
-    path = find(cfg.checkpoint.load, cfg.checkpoint.dir) or init_from
+    megalite.training.init_from), whose shape it takes too when it loads none of its own; such a run may change
+    `POSITION_FIELDS` (a longer context), except a learned-position model's seq_len."""
+    resumed = find(cfg.checkpoint.load, cfg.checkpoint.dir)
+    path = resumed or init_from
     if path is None:
         return cfg
     saved: dict[str, Any] = read_index(path).get("model", {})
+    given_keys = _given_keys(argv, cfg)
     given = explicit_model_fields(argv, cfg)
-    diff = [f for f in SHAPE_FIELDS if f in given and f in saved and not _same(_value(cfg, f), saved[f])]
-    if diff:
-        pairs = ", ".join(f"{_shown(f)}={_value(cfg, f)!r} but the checkpoint has {saved[f]!r}" for f in diff)
-        # Two ways out, and which one the user meant depends on intent: a new model wants its own
-        # directory; continuing this checkpoint wants its shape, i.e. no contradicting flags.
-        where = ("--checkpoint.load another checkpoint" if cfg.checkpoint.load
-                 else f"give this run its own --checkpoint.dir ({cfg.checkpoint.dir!r} holds that model)")
-        raise CheckpointError(f"checkpoint {path} is a different model: {pairs}; to train a new model, {where}; "
-                              "to continue that checkpoint, drop these flags (its model shape is taken from it)")
+    free = POSITION_FIELDS if resumed is None else ()
+    if resumed is None and saved.get("arch") == "gpt2" and "seq_len" in given \
+            and not _same(cfg.model.seq_len, saved.get("seq_len")):
+        raise CheckpointError(f"model.seq_len={cfg.model.seq_len} but checkpoint {path} is a gpt2 model with "
+                              f"seq_len={saved.get('seq_len')}: its learned position embeddings have one row per "
+                              "position, so it continues at its own seq_len (drop --model.seq_len); a RoPE model "
+                              "(model.arch=llama) takes a longer one")
+    diff = [f for f in SHAPE_FIELDS if f in given and f in saved and f not in free
+            and not _same(_value(cfg, f), saved[f])]
+    pairs = [f"{_shown(f)}={_value(cfg, f)!r} but the checkpoint has {saved[f]!r}" for f in diff]
+    pairs += _mla_contradictions(cfg, given_keys, saved)
+    if pairs:
+        _refuse(cfg, path, pairs, resumed is None)
     for f in SHAPE_FIELDS + TAKEN_FIELDS:
         if f in saved and f not in given:
             section, name = _section_and_field(f)
             setattr(getattr(cfg, section), name, saved[f])
-    if isinstance(saved.get("mla"), dict) and not cfg.mla.enabled:  # MLA's widths too, unless [mla] is set (then
-        for f, value in saved["mla"].items():                         # loading refuses a contradicting one)
-            if hasattr(cfg.mla, f):
+    if isinstance(saved.get("mla"), dict):  # MLA's widths too (any given one agrees, else refused above)
+        for f, value in saved["mla"].items():
+            if hasattr(cfg.mla, f) and f"mla.{f}" not in given_keys:
                 setattr(cfg.mla, f, value)
     return cfg

@@ -351,6 +351,10 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
     states: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, p, source, spec in params:
+            if weights_only and new_module(name, index.get("model", {})) and not reader.has(f"param/{source}"):
+                # As built (the model's init is TP-invariant, so every layout agrees), its master weights too.
+                states[name] = {"master": p.detach().to(torch.float32).clone()}
+                continue
             smap = expert_shard_map(shard_map(name, tuple(p.shape), spec.layout, state.tp, state.tp_rank,
                                               info["vocab_size"]), spec, state)
             key = f"param/{source}"
@@ -386,4 +390,15 @@ def load_sharded(path: str | Path, model_chunks: nn.Module | list[nn.Module],
         file = index["rng_files"][str(state.rank)]
         rng = {k: reader.read_file_tensor(file, f"rng/{k}") for k in index["rng_keys"]}
     reader.close()
-    return dict(index.get("extra", {}), step=int(index["step"]), rng=rng, has_optimizer_state=has_opt)
+    theirs, ours = int(index.get("model", {}).get("mtp_layers", 0) or 0), int(info.get("mtp_layers", 0))
+    return dict(index.get("extra", {}), step=int(index["step"]), rng=rng, has_optimizer_state=has_opt,
+                fresh=[f"mtp.layers.{k}" for k in range(theirs, ours)],
+                left=[f"mtp.layers.{k}" for k in range(ours, theirs)])
+
+
+def new_module(name: str, saved: dict[str, Any]) -> bool:
+    """Whether parameter `name` belongs to a module the checkpoint's model does not have, which a run from its
+    weights (`train.init_from`) adds: a multi-token prediction depth beyond the checkpoint's (docs/mtp.md)."""
+    parts = name.split(".")
+    return (len(parts) > 2 and parts[:2] == ["mtp", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= int(saved.get("mtp_layers", 0) or 0))

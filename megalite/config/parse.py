@@ -32,7 +32,7 @@ def bool_keys() -> set[str]:
 def config_from_dict(d: dict[str, Any]) -> Config:
     """A Config from a nested dict as read from TOML: defaults < d's preset < d's values. Old field names
     (`aliases.RENAMED`: a config.toml saved before the feature sections) are mapped silently."""
-    errors: list[str] = []
+    errors: list[str] = aliases.conflicts(d, "the config")
     entries = cli.flatten(aliases.upgrade(d)[0], _sections(), "the config", errors)
     cfg = cli.build(Config, PRESETS, entries, errors)
     cli.raise_if(errors, "bad config")
@@ -67,8 +67,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     entries: list[cli.Entry] = []
     old: list[str] = []
     if parsed.config_file is not None:
-        table, old = aliases.upgrade(cli.read_toml(parsed.config_file))
+        raw = cli.read_toml(parsed.config_file)
+        errors += aliases.conflicts(raw, parsed.config_file)
+        table, old = aliases.upgrade(raw)
         entries += cli.flatten(table, sections, parsed.config_file, errors)
+    errors += aliases.argv_conflicts(parsed.overrides)
     old += [k for k, _ in parsed.overrides if k in aliases.RENAMED]
     entries += [(aliases.new_name(k), v, True) for k, v in parsed.overrides]
     cfg = cli.build(Config, PRESETS, entries, errors)

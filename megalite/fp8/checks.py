@@ -1,5 +1,7 @@
 """FP8's config problems, one line each (docs/fp8.md, "Refused configurations"); config validation calls them with
-the fields they need (megalite/config/validate_features.py) and reports them with every other problem."""
+the fields they need (megalite/fp8/config.py) and reports them with every other problem. The block-layout rule
+covers every tp-split FP8 linear a layer has: plain attention's, MLA's (`megalite.mla.costs.mla_gemms`), the MLPs'
+and shared experts'."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megalite.fp8.costs import FP8_CHOICES, block_gemms, shared_expert_gemms
+from megalite.fp8.costs import FP8_CHOICES, Gemm, block_gemms, shared_expert_gemms
 from megalite.section import doc_field as _f
 
 RECIPES = FP8_CHOICES
@@ -42,9 +42,9 @@ def problems(fp8: FP8Config, dtype: str, device_type: str) -> list[str]:
     return fp8_problems(fp8.recipe, fp8.min_dim, dtype, device_type)
 
 
-def layout_problems(fp8: FP8Config, m: Any, tp: int, cp: int) -> list[str]:
+def layout_problems(fp8: FP8Config, m: Any, tp: int, cp: int, attention: list[Gemm] | None = None) -> list[str]:
     """A block recipe's blocks against the layout, for model `m` (a `ModelSpec`: `[model]` with its `[moe]`):
-    the attention's GEMMs, a dense layer's MLP and the shared experts' (the routed experts are whole per rank)."""
+    the attention's GEMMs (`attention`, where the model's are not plain attention's: MLA's), a dense layer's MLP and the shared experts' (the routed experts are whole per rank)."""
     if fp8.recipe not in RECIPES or fp8.recipe == "none":
         return []
     from megalite.fp8.checks import block_layout_problems
@@ -52,7 +52,7 @@ def layout_problems(fp8: FP8Config, m: Any, tp: int, cp: int) -> list[str]:
     hd = m.head_dim or m.hidden_size // max(m.num_heads, 1)
     gated, q, kv = m.arch == "llama", m.num_heads * hd, (m.num_kv_heads or m.num_heads) * hd
     dense = block_gemms(m.hidden_size, q, kv, m.ffn_hidden_size, gated, fp8.min_dim)
-    gemms = [g for g in dense if g.name.startswith("attn.")]
+    gemms = attention if attention is not None else [g for g in dense if g.name.startswith("attn.")]
     s = m.moe.resolved(m.ffn_hidden_size)
     if s is None or len(m.moe.layers(m.num_layers)) < m.num_layers:  # a dense layer's MLP
         gemms += [g for g in dense if g.name.startswith("mlp.")]

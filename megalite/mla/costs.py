@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from megalite.fp8.costs import Gemm, fp8_filter
+
 
 class MLAShape(Protocol):
     """MLA's widths (`megalite.mla.config.MLAConfig` and `MLADims` satisfy it)."""
@@ -110,3 +112,15 @@ def activation_bytes_per_layer(tokens: int, h: int, heads: int, m: MLAShape, kv_
     per_head = sb * heads * (6.0 * core_width(m) + 2.0 * m.v_head_dim) / tp
     scores = 0.0 if recompute == "selective" else 5.0 * heads * sb * kv_len / tp
     return dense + latents + per_head + scores
+
+
+def mla_gemms(hidden: int, heads: int, mla: MLAShape, min_dim: int) -> list[Gemm]:
+    """MLA's parallel linears (megalite/mla/attention.py) and the FP8 filter's choice for each, for the block
+    recipes' layout rule (megalite/fp8/checks.py): q_b (or q without a query latent) and kv_b column-parallel, split
+    by heads; out row-parallel over the heads' outputs. q_a and kv_a are replicated and stay in the run dtype, so
+    no block of theirs is split."""
+    qk, kv = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    q = ("attn.q_b", mla.q_lora_rank) if mla.q_lora_rank else ("attn.q", hidden)
+    shapes = [(q[0], q[1], (heads * qk,), "column"), ("attn.kv_b", mla.kv_lora_rank, (heads * kv,), "column"),
+              ("attn.out", heads * mla.v_head_dim, (hidden,), "row")]
+    return [Gemm(n, i, o, k, fp8_filter(n, i, list(o), min_dim)) for n, i, o, k in shapes]

@@ -30,8 +30,9 @@ process at the same speed (docs/performance.md; tests/test_runtime.py measures t
 whose same-size requests reuse a freed chunk exactly). The fastbins are a `mallopt` (M_MXFAST = 0); the tcache
 is read once, at process start, from `GLIBC_TUNABLES`, so `exec_with_malloc_tunables` (pretrain.py's first
 call, before torch is imported) re-executes the process once with `glibc.malloc.tcache_count=0` added, unless
-the user set GLIBC_TUNABLES' malloc entries, another allocator, or `--train.tune_malloc false` on the command
-line.
+the user set GLIBC_TUNABLES' malloc entries, another allocator, or train.tune_malloc false (`--train.tune_malloc
+false`, `--train.tune-malloc=no`, or `tune_malloc = false` under `[train]` of the `--config` file); and only where
+the program is a script it can run again (not one read from stdin).
 """
 
 from __future__ import annotations
@@ -61,20 +62,58 @@ def _environment_chose(env: Mapping[str, str]) -> str | None:
     return None
 
 
+_FALSE = frozenset({"false", "0", "no", "n", "off"})  # megalite/config/cli.py's spellings of false
+
+
+def _turned_off(argv: Sequence[str]) -> bool:
+    """Whether `argv` sets train.tune_malloc to false, read as the config parser reads it (a layer below
+    megalite.config, so by the same rules rather than by importing it): a dash in the field name is an
+    underscore (`--train.tune-malloc`), `--k=v` is `--k v`, a bare flag is true, the command line wins over a
+    `--config` file's `[train] tune_malloc`. An unreadable file leaves the choice to the defaults: the run
+    reports that file itself, after the restart."""
+    value: object = None
+    config_file = None
+    for i, arg in enumerate(argv):
+        name, eq, given = arg.partition("=")
+        if not eq:
+            given = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true"
+        if name == "--config":
+            config_file = given
+        elif name.replace("-", "_") == "__train.tune_malloc":
+            value = given
+    if value is None and config_file is not None:
+        try:
+            import tomllib
+
+            with open(config_file, "rb") as f:
+                train = tomllib.load(f).get("train", {})
+            value = {k.replace("-", "_"): v for k, v in train.items()}.get("tune_malloc") \
+                if isinstance(train, dict) else None
+        except (OSError, ValueError, UnicodeDecodeError):
+            value = None
+    if isinstance(value, bool):
+        return not value
+    return isinstance(value, str) and value.strip().lower() in _FALSE
+
+
+def runs_a_script(argv0: str) -> bool:
+    """Whether running the interpreter again with its arguments runs the same program: a script file or `-c`
+    (`-m` sets argv[0] to the module's file). Not a program read from stdin (`python - < pretrain.py`: argv[0]
+    "-", or "" for `python < pretrain.py`) or from a pipe (`python <(cat pretrain.py)`): it was consumed, and
+    the restarted process would read nothing, run nothing and exit 0."""
+    return argv0 == "-c" or os.path.isfile(argv0)
+
+
 def tunables_to_exec(env: Mapping[str, str], argv: Sequence[str]) -> str | None:
     """The GLIBC_TUNABLES value to re-execute with (the tcache off, the caller's other tunables kept), or None
     where the process should run as it is: not glibc, the environment chose (above, or any glibc.malloc
-    tunable of its own, ours included: the re-executed process), or `--train.tune_malloc false` in `argv`."""
+    tunable of its own, ours included: the re-executed process), or train.tune_malloc false in `argv`
+    (`_turned_off`)."""
     if _environment_chose(env) is not None:
         return None
     tunables = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc." in tunables:
+    if "glibc.malloc." in tunables or _turned_off(argv):
         return None
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--train.tune_malloc=") else (
-            argv[i + 1] if arg == "--train.tune_malloc" and i + 1 < len(argv) else None)
-        if value is not None and value.strip().lower() in ("false", "0", "no", "off"):
-            return None
     return f"{tunables}:{TCACHE_OFF}" if tunables else TCACHE_OFF
 
 
@@ -82,7 +121,8 @@ def exec_with_malloc_tunables() -> None:
     """Re-execute this process (same interpreter, flags and arguments) with `tunables_to_exec`'s GLIBC_TUNABLES,
     once; returns without doing anything where it is None. Call it first, before torch is imported."""
     tunables = tunables_to_exec(os.environ, sys.argv[1:])
-    if tunables is None or not sys.executable:  # an embedded interpreter has no executable to run again
+    # An embedded interpreter has no executable to run again; a program read from stdin cannot be read twice.
+    if tunables is None or not sys.executable or not sys.argv or not runs_a_script(sys.argv[0]):
         return
     before = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = tunables

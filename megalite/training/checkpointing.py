@@ -17,6 +17,7 @@ from megalite.optim.protocol import DistributedOptimizer
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
 from megalite.runtime.faults import FaultInjector
+from megalite.training.init_from import init_note
 
 Note = Callable[[str], None]
 
@@ -61,6 +62,7 @@ class RunCheckpoints:
     state: ParallelState
     last_saved: Path | None = None
     saver: AsyncSaver | None = field(default=None, init=False)  # checkpoint.async_save: the background writer
+    init_note: str = field(default="", init=False)  # what `init_weights` took, added and left (one line)
 
     def __post_init__(self) -> None:
         if self.settings.async_save and self.settings.dir:  # every rank builds it (it makes a process group)
@@ -90,7 +92,8 @@ class RunCheckpoints:
         """`train.init_from`: the weights of checkpoint `path` (any layout), nothing else: the optimizer's
         moments, the step and schedule, the data position, the loss scale and the RNG streams stay fresh."""
         with self.optimizer.gathered():
-            sharded.load_sharded(path, self.model, self.optimizer, self.state, weights_only=True)
+            extra = sharded.load_sharded(path, self.model, self.optimizer, self.state, weights_only=True)
+        self.init_note = init_note(self.config["train"]["init_from"], extra["fresh"], extra["left"])
 
     def due(self, step: int, total_steps: int) -> bool:
         """Every `checkpoint.interval` steps and at the end, when `checkpoint.dir` is set."""

@@ -3,7 +3,11 @@ Hugging Face model directory, imported once into the cache the way tools/import_
 
 Only the weights are taken: the run builds a fresh optimizer, starts the learning-rate schedule and the data
 at their beginning and seeds its RNG streams from train.seed, as a new run would. The model's shape comes from
-that checkpoint (`checkpoint.model_shape.apply_checkpoint_shape`), as for `checkpoint.load`. A run that finds a checkpoint
+that checkpoint (`checkpoint.model_shape.apply_checkpoint_shape`), as for `checkpoint.load`, except what no weight
+depends on: a longer `model.seq_len` (continued pretraining at a longer context, with the RoPE scaling the run
+gives; a learned-position gpt2 keeps its own), `model.rope_theta` and the rope scaling. Modules the checkpoint
+lacks (`mtp.num_layers` beyond its depth) start as a fresh run's, named in the run's one line (`init_note`),
+as are the checkpoint's modules the run leaves out. A run that finds a checkpoint
 of its own to resume (checkpoint.dir, checkpoint.load) resumes it instead: a restarted fine-tuning job
 continues where it stopped rather than starting over from the base weights.
 """
@@ -45,7 +49,7 @@ def resolve_init_from(path: str, cache_dir: str = "", quiet: bool = True) -> Pat
         raise CheckpointError(f"train.init_from {path!r} is neither a megalite checkpoint (no {INDEX}) nor a Hugging "
                               "Face model directory (no config.json)")
     from megalite.checkpoint.interop.hf import import_hf
-    from megalite.checkpoint.interop.hf_moe import MAPPING
+    from megalite.checkpoint.interop.hf_deepseek import MAPPING  # every architecture tools/import_hf.py takes
 
     out = Path(default_cache_dir(cache_dir)) / "init_from" / f"{p.name}-{_hf_key(p)}"
     if (out / INDEX).is_file():
@@ -61,4 +65,15 @@ def resolve_init_from(path: str, cache_dir: str = "", quiet: bool = True) -> Pat
         if not (out / INDEX).is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def init_note(source: str, fresh: list[str], left: list[str]) -> str:
+    """The one line a run from `source`'s weights logs: what it took, the modules it initialised because the
+    checkpoint has none (a multi-token prediction depth added), and the modules of the checkpoint it left out."""
+    out = f"initialized the weights from {source} (train.init_from; fresh optimizer, schedule and data position)"
+    if fresh:
+        out += f"; new, initialised as a fresh run's: {', '.join(fresh)}"
+    if left:
+        out += f"; not taken (this run has no such module): {', '.join(left)}"
     return out

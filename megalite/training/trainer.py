@@ -223,8 +223,7 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
     if (fp8_note := gemm_note(cfg.fp8.recipe)) is not None:
         logger.note(fp8_note)
     if resumed_from is None and cfg.train.init_from:
-        logger.note(f"initialized the weights from {cfg.train.init_from} (train.init_from; fresh optimizer, schedule "
-                    "and data position)")
+        logger.note(r.checkpoints.init_note)
     faults = FaultInjector(state.rank)
     watchdog = Watchdog(state.rank, state.counter, tr.watchdog_factor, tr.watchdog_min_s)
     health = StepHealth(tr.max_skipped_steps, tr.spike_factor, logger.note)

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from megalite.checkpoint.files import fsync_dir, fsync_file, inside, sha256, temp_name
 from megalite.checkpoint.index_check import MAX_COUNT, model_info_problems
+from megalite.checkpoint.interop.dcp_metadata import metadata_problems
 from megalite.checkpoint.interop.source import KINDS, Source, claim, optimizer_kind, refuse_moments_without_adam
 from megalite.config.aliases import saved_config
 from megalite.errors import CheckpointError
@@ -131,6 +132,10 @@ class SafeReader(FileSystemReader):
             raise _refused(path, e) from None
         if not isinstance(md, Metadata):
             raise CheckpointError(f"{path} holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata")
+        problems = metadata_problems(md)
+        if problems:
+            raise CheckpointError(f"{path} is not a valid torch.distributed.checkpoint index ({'; '.join(problems)}): "
+                                  "the file was edited, damaged or crafted; restore the checkpoint from a copy")
         storage = getattr(md, "storage_meta", None) or StorageMeta()
         storage.load_id = self.load_id  # what torch's reader does after unpickling
         md.storage_meta = storage
@@ -170,7 +175,7 @@ def read_metadata(src: Path) -> Metadata:
     except Exception as e:  # a truncated or foreign .metadata: torch raises pickle/EOF errors of many kinds
         raise CheckpointError(f"cannot read {src / '.metadata'} ({type(e).__name__}: {e}): the checkpoint is "
                               "damaged or incomplete") from e
-    files = sorted({info.relative_path for info in (md.storage_data or {}).values()})
+    files = sorted({info.relative_path for info in md.storage_data.values()})  # a dict (`metadata_problems`)
     for name in files:
         if not inside(src, name, ".metadata").is_file():
             raise CheckpointError(f"{src}: shard file {name} named in .metadata is missing: the checkpoint is "

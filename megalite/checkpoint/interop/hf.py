@@ -313,6 +313,25 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
     return out
 
 
+def not_exported(ckpt: str | Path, mapping: HFMapping = DENSE) -> list[str]:
+    """What `export_hf` leaves behind of checkpoint `ckpt`, one phrase per module: the stored tensors no rule of the
+    target architecture reads (a multi-token prediction module of a model without MLA: only DeepseekV3's layout has
+    a place for MTP). The tools name them rather than drop them without a word."""
+    src = find(str(ckpt), "")
+    if src is None:
+        return []
+    index = read_index(src)
+    exported = {tensor_key(name) for name, *_ in mapping.rules(index["model"])}
+    modules: dict[str, int] = {}
+    for key in index["tensors"]:
+        kind, _, name = key.partition("/")
+        if kind in ("param", "buffer") and key not in exported:
+            parts = name.split(".")
+            module = ".".join(parts[:3]) if parts[:2] == ["mtp", "layers"] else name
+            modules[module] = modules.get(module, 0) + 1
+    return [f"{m} ({n} tensor{'s' if n > 1 else ''})" for m, n in sorted(modules.items())]
+
+
 def _chat_template(index: dict[str, Any], tokenizer: str, template_file: str) -> str | None:
     """The chat template an export carries: `template_file`, else the one an SFT run (data.format = chat) used."""
     from megalite.data.chat_template import load_template_text

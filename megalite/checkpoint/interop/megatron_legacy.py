@@ -47,7 +47,10 @@ def from_legacy(src: Path, weights_only: bool) -> Source:
     ranks: dict[tuple[int, int], Path] = {}
     for d in src.iterdir():
         m = RANK_DIR.match(d.name)
-        if m and d.is_dir():
+        if m and not d.is_dir():
+            raise CheckpointError(f"{src}: {d.name} is not a directory (a legacy Megatron-LM checkpoint holds "
+                                  f"{d.name}/model_optim_rng.pt): the checkpoint is damaged or not Megatron-LM's")
+        if m:
             ranks[(int(m.group(1)), int(m.group(2) or 0))] = d / "model_optim_rng.pt"
     tp, pp = 1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks)
     for t in range(tp):
