@@ -1,0 +1,222 @@
+"""The layer pattern and the model-side attention / MLP variants on one process (megalite/model/pattern.py,
+docs/attention.md): each piece against an independent oracle (transformers' own functions where they exist),
+windows that bite, recompute and generation that change nothing, document masking equal to each document alone,
+and the config's checks. The layouts: tests/test_layer_pattern_parallel.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from megalite.config import Config, resolve, validate
+from megalite.context.options import ContextOptions
+from megalite.errors import ConfigError
+from megalite.inference.generate import KVCache, SamplingConfig, forward_cached, generate_ids
+from megalite.layers.activation import MLPActivation
+from megalite.model.gpt import GPT
+from megalite.model.ops import TORCH_OPS
+from megalite.model.pattern import FULL, SLIDING, LayerSpec, layer_specs
+from megalite.parallel.state import ParallelState
+from tests.layer_pattern_utils import gated_cfg, gemma3_cfg, gpt_oss_cfg, perturb
+from tests.parallel_utils import tiny_model_cfg
+
+VOCAB = 61
+CONFIGS = {"gpt-oss": gpt_oss_cfg, "gemma3": gemma3_cfg, "gated": gated_cfg}
+
+
+def _model(kind: str, **overrides: object) -> GPT:
+    st = ParallelState()
+    model = GPT(CONFIGS[kind](vocab_size=VOCAB, **overrides), st, seed=3)
+    perturb(model, st)
+    return model
+
+
+def _attn(model: GPT, layer: str) -> Any:
+    return model.layers[layer].attn
+
+
+def test_the_pattern_resolves_per_layer() -> None:
+    specs = layer_specs(gemma3_cfg(num_layers=8))
+    assert [s.mixer for s in specs] == [SLIDING] * 5 + [FULL] + [SLIDING] * 2  # a period, repeated
+    assert [s.window for s in specs[4:7]] == [4, None, 4]
+    assert [s.rope_theta for s in specs[4:7]] == [10000.0, 1e6, 10000.0]
+    gated = layer_specs(gated_cfg())
+    assert [s.rotary_dim(8) for s in gated] == [2, 0]  # a quarter of 8 dims; layer 1 is NoPE
+    assert layer_specs(gpt_oss_cfg(layer_types=[], sliding_window=0)) == (LayerSpec(rope_theta=150000.0),) * 4
+
+
+def test_clamped_swiglu_is_gpt_oss() -> None:
+    """gpt-oss's gate: transformers' GptOssExperts._apply_gate on its interleaved [gate, up] columns."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from types import SimpleNamespace
+
+    hf = gpt_oss.GptOssExperts(SimpleNamespace(intermediate_size=8, num_local_experts=1, hidden_size=4,
+                                               swiglu_alpha=1.702, swiglu_limit=7.0))
+    gate, up = torch.randn(2, 8) * 6, torch.randn(2, 8) * 6  # beyond the limit on both sides
+    interleaved = torch.stack([gate, up], dim=-1).flatten(-2)
+    want = hf._apply_gate(interleaved)
+    got = MLPActivation("clamped_swiglu", 1.702, 7.0)(TORCH_OPS, [gate, up])
+    assert torch.equal(got, want)
+
+
+def test_geglu_is_gemma() -> None:
+    act = pytest.importorskip("transformers.activations").ACT2FN["gelu_pytorch_tanh"]
+    gate, up = torch.randn(3, 5), torch.randn(3, 5)
+    assert torch.allclose(MLPActivation("geglu")(TORCH_OPS, [gate, up]), act(gate) * up, atol=1e-7)
+
+
+def test_partial_rope_is_transformers() -> None:
+    """RoPE on the first quarter of each head, the rest passed: transformers' partial-rotary apply (Qwen3-Next),
+    its tables built for the rotated dims only."""
+    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    model = _model("gated")
+    attn = _attn(model, "0")
+    x = torch.randn(1, 16, 32)
+    cos, sin = model.rope_of("0")
+    q, k, _, gate = attn.project(x, cos, sin)
+    q0, k0 = attn.qkv(x)[0].view(1, 16, -1, 8), attn.qkv(x)[1].view(1, 16, -1, 8)
+    hf_cos, hf_sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]  # [1, S, 2] for 2 dims
+    want_q, want_k = qn.apply_rotary_pos_emb(q0, k0, hf_cos, hf_sin, unsqueeze_dim=2)
+    assert torch.allclose(q, want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
+    assert gate is not None and gate.shape == (1, 16, 8 * 8)
+    nope = _attn(model, "1")
+    q1, _, _, _ = nope.project(x, *model.rope_of("1"))
+    assert torch.equal(q1, nope.qkv(x)[0].view(1, 16, -1, 8))  # NoPE: not rotated at all
+
+
+def test_output_gate_multiplies_each_element() -> None:
+    model = _model("gated", attn_output_gate="head")
+    attn = _attn(model, "0")
+    x = torch.randn(2, 16, 32)
+    o = torch.randn(2, 16, 8, 8)
+    _, _, _, gate = attn.project(x, *model.rope_of("0"))
+    assert gate is not None and gate.shape == (2, 16, 8)  # one gate per head
+    want = attn.out((o * torch.sigmoid(gate)[..., None]).reshape(2, 16, 64))
+    assert torch.allclose(attn.finish(o, gate), want, atol=1e-6)
+
+
+def test_a_window_bounds_what_a_position_sees() -> None:
+    """One sliding layer of W = 4: position i's logits do not move when a token before i - 3 changes, and do
+    when one inside the window does (the full model, embedding to head)."""
+    model = _model("gemma3", num_layers=1, layer_types=["sliding_attention"], rope_theta=10000.0,
+                   rope_local_theta=0.0)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids)
+        far, near = ids.clone(), ids.clone()
+        far[0, 5] = (ids[0, 5] + 1) % VOCAB   # outside position 9's window (6..9)
+        near[0, 6] = (ids[0, 6] + 1) % VOCAB  # inside it
+        assert torch.equal(model(far)[0, 9], base[0, 9])
+        assert not torch.allclose(model(near)[0, 9], base[0, 9])
+
+
+def test_final_softcap_bounds_the_logits() -> None:
+    model = _model("gemma3", final_softcap=0.1)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        assert model(ids).abs().max() <= 0.1
+        uncapped = GPT(gemma3_cfg(vocab_size=VOCAB, final_softcap=0.0), ParallelState(), seed=3)
+        uncapped.load_state_dict(model.state_dict())
+        assert torch.allclose(model(ids), 0.1 * torch.tanh(uncapped(ids) / 0.1), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3"])
+def test_recompute_is_exact(kind: str) -> None:
+    """Selective and full recompute rerun the same kernels on the same inputs: loss and gradients bitwise."""
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        model = _model(kind, recompute=mode)
+        loss = model(ids[:, :-1], ids[:, 1:]).mean()
+        loss.backward()
+        out[mode] = (loss.detach(), {n: torch.clone(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    for mode in ("selective", "full"):
+        assert torch.equal(out[mode][0], out["none"][0]), mode
+        assert all(torch.equal(g, out["none"][1][n]) for n, g in out[mode][1].items()), mode
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3", "gated"])
+def test_document_masking_equals_each_document_alone(kind: str) -> None:
+    """A packed row of three documents under data.document_mask: each document's per-token losses equal the
+    same model's on that document alone (positions restart, windows and sinks per document)."""
+    eod = 0
+    model = _model(kind)
+    masked = GPT(CONFIGS[kind](vocab_size=VOCAB), ParallelState(), seed=3, context=ContextOptions.of("ring", eod))
+    masked.load_state_dict(model.state_dict())
+    ids = torch.randint(1, VOCAB, (1, 17), generator=torch.Generator().manual_seed(4))
+    ids[0, 4] = ids[0, 11] = eod  # documents [0, 5), [5, 12), [12, 16]
+    with torch.no_grad():
+        packed = masked(ids[:, :-1], ids[:, 1:])
+        for lo, hi in ((0, 5), (5, 12), (12, 16)):
+            alone = model(ids[:, lo:hi], ids[:, lo + 1:hi + 1])
+            assert torch.allclose(packed[:, lo:hi], alone, atol=1e-5), (lo, hi)
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3", "gated"])
+def test_kv_cached_generation_equals_the_full_forward(kind: str) -> None:
+    """Greedy decoding with the per-layer cache (a sliding layer keeps W - 1 positions) equals the argmax of the
+    ordinary forward, token for token, and the cached logits equal the forward's (fp32 round-off)."""
+    model = _model(kind).eval()
+    with torch.no_grad():  # sharpen the distribution: a random init is near-uniform (ties)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    prompt = [5, 17, 3, 42, 8, 9]
+    cached = list(generate_ids(model, prompt, SamplingConfig(10), use_cache=True))
+    full = list(generate_ids(model, prompt, SamplingConfig(10), use_cache=False))
+    assert cached == full and len(cached) == 10
+    ids = torch.tensor([prompt + cached])
+    cache = KVCache(model, 1, torch.float32)
+    got = torch.cat([forward_cached(model, ids[:, :6], cache)] +
+                    [forward_cached(model, ids[:, i:i + 1], cache) for i in range(6, ids.shape[1])], dim=1)
+    windows = [_attn(model, n).window for n in model.layers]
+    assert all(cache.k[n].shape[1] == (w - 1 if w else model.cfg.seq_len) for n, w in zip(model.layers, windows))
+    with torch.no_grad():
+        want = model(ids)[..., :VOCAB]
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def _problems(**model: object) -> str:
+    cfg = Config()
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    with pytest.raises(ConfigError) as e:
+        validate(resolve(cfg, 1), 1)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("fields,text", [
+    (dict(layer_types=["sliding_attention"]), "need a window W >= 1"),
+    (dict(layer_types=["linear_attention"]), "is not a mixer"),
+    (dict(layer_types=["full_attention"] * 5), "has 5 entries for model.num_layers=4"),
+    (dict(sliding_window=4), "no layer is sliding_attention"),
+    (dict(rope_fraction=1.5), "must be in [0, 1]"),
+    (dict(rope_fraction=0.3), "make it even"),  # int(32 x 0.3) = 9 dims
+    (dict(nope_layers=[4]), "each must be a layer index in [0, 4)"),
+    (dict(attn_softcap=-1.0), "model.attn_softcap=-1.0 must be > 0"),
+    (dict(attn_output_gate="row"), "expected one of none, head, element"),
+    (dict(mlp="relu"), "model.mlp='relu'"),
+    (dict(mlp="clamped_swiglu", swiglu_limit=0.0), "must be > 0"),
+])
+def test_bad_fields_are_refused_in_one_line(fields: dict, text: str) -> None:
+    assert text in _problems(**fields)
+
+
+def test_old_configs_build_todays_model() -> None:
+    """Every new field at its default is the model of before: plain attention, no extra parameter or table."""
+    model = GPT(tiny_model_cfg(vocab_size=VOCAB), ParallelState(), seed=3)
+    assert all(_attn(model, n).variant().is_plain for n in model.layers) and not model.rope_keys
+    names = {n.removeprefix("layers.0.") for n, _ in model.named_parameters() if n.startswith("layers.0.")}
+    assert names == {"norm1.weight", "attn.qkv.weight", "attn.out.weight", "norm2.weight", "mlp.up.weight",
+                     "mlp.down.weight"}
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3", "gated"])
+def test_the_parameter_count_is_the_built_models(kind: str) -> None:
+    """`count_model_params` (config validation's size check, the estimator) counts every variant's parameters."""
+    from megalite.model.params import count_model_params
+
+    cfg = CONFIGS[kind](vocab_size=VOCAB, make_vocab_divisible_by=1)
+    built = sum(p.numel() for p in GPT(cfg, ParallelState(), seed=3).parameters())
+    assert count_model_params(cfg) == built
