@@ -283,3 +283,72 @@ def test_yarn_without_truncation_is_gpt_oss() -> None:
     scaling = RopeScaling("yarn", 32.0, 4096, 32.0, 1.0, truncate=False)
     assert torch.allclose(inv_freq(64, 150000.0, scaling), want, rtol=1e-6)
     assert not torch.allclose(inv_freq(64, 150000.0, RopeScaling("yarn", 32.0, 4096, 32.0, 1.0)), want, rtol=1e-6)
+
+
+def test_the_moe_is_gpt_oss_mlp() -> None:
+    """A MoE layer of the gpt-oss-like config (biased mixtral router, clamped-SwiGLU experts with biases) equals
+    transformers' GptOssMLP holding the same weights (its gate_up_proj interleaves gate and up columns)."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers import GptOssConfig
+
+    model = _model("gpt-oss")
+    moe: Any = model.layers["1"].mlp
+    hf = gpt_oss.GptOssMLP(GptOssConfig(hidden_size=32, intermediate_size=32, num_local_experts=4,
+                                        num_experts_per_tok=2, swiglu_limit=0.3))
+    up, down = moe.experts.up.detach(), moe.experts.down.detach()  # [E, 2F, H] gate rows then up rows; [E, H, F]
+    with torch.no_grad():
+        hf.router.weight.copy_(moe.router.weight)
+        hf.router.bias.copy_(moe.router.logit_bias)
+        gate_up = torch.stack([up[:, :32], up[:, 32:]], dim=2).flatten(1, 2)  # rows gate0, up0, gate1, up1, ...
+        hf.experts.gate_up_proj.copy_(gate_up.transpose(1, 2))
+        b = moe.experts.up_bias.detach()
+        hf.experts.gate_up_proj_bias.copy_(torch.stack([b[:, :32], b[:, 32:]], dim=2).flatten(1))
+        hf.experts.down_proj.copy_(down.transpose(1, 2))
+        hf.experts.down_proj_bias.copy_(moe.experts.down_bias)
+        x = torch.randn(2, 16, 32)
+        assert torch.allclose(moe.eval()(x), hf(x)[0], atol=1e-6)
+
+
+def test_the_gemma3_like_model_is_transformers_gemma3() -> None:
+    """The tiny Gemma 3-like model's logits equal transformers' Gemma3ForCausalLM holding its weights: the pattern's
+    windows and per-kind RoPE bases, q/k and sandwich norms (Gemma's norms store weight - 1), GeGLU, the embedding
+    scale, query_pre_attn_scalar and the final soft-cap. transformers' Gemma 3 takes attn_logit_softcapping in its
+    config but never applies it (Gemma 2 does), so the attention soft-cap is off here. (Import / export proper:
+    tools/import_hf.py.)"""
+    transformers = pytest.importorskip("transformers")
+
+    model = _model("gemma3", attn_softcap=0.0).eval()
+    cfg = model.cfg
+    hf_cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, sliding_window=4,
+        layer_types=list(cfg.layer_types), query_pre_attn_scalar=10,
+        final_logit_softcapping=2.0, tie_word_embeddings=True, max_position_embeddings=16,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.Gemma3ForCausalLM(hf_cfg).eval()
+    ours = dict(model.named_parameters())
+    q, kv = 4 * 16, 2 * 16
+    names = {"input_layernorm": "norm1", "post_attention_layernorm": "post_attn_norm",
+             "pre_feedforward_layernorm": "norm2", "post_feedforward_layernorm": "post_mlp_norm",
+             "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            parts = name.removeprefix("model.").split(".")
+            if parts[0] == "embed_tokens":
+                p.copy_(ours["embedding.weight"][:VOCAB])
+            elif parts[0] == "norm":
+                p.copy_(ours["final_norm.weight"] - 1)
+            elif parts[0] == "layers":
+                i, rest = parts[1], ".".join(parts[2:-1])
+                qkv, up = ours[f"layers.{i}.attn.qkv.weight"], ours[f"layers.{i}.mlp.up.weight"]
+                f = up.shape[0] // 2
+                value = {"self_attn.q_proj": qkv[:q], "self_attn.k_proj": qkv[q:q + kv],
+                         "self_attn.v_proj": qkv[q + kv:], "self_attn.o_proj": ours[f"layers.{i}.attn.out.weight"],
+                         "mlp.gate_proj": up[:f], "mlp.up_proj": up[f:],
+                         "mlp.down_proj": ours[f"layers.{i}.mlp.down.weight"]}.get(rest)
+                p.copy_(value if value is not None else ours[f"layers.{i}.{names[rest]}.weight"] - 1)
+        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(8))
+        want = hf(ids).logits
+        assert torch.allclose(model(ids)[..., :VOCAB], want, atol=2e-5), (model(ids)[..., :VOCAB] - want).abs().max()
