@@ -79,10 +79,11 @@ def test_the_estimator_prices_windowed_layers_at_what_they_compute() -> None:
 
 
 def test_the_estimate_says_its_window_convention_and_kv_cache() -> None:
-    import subprocess
-    import sys
+    from megalite.perfmodel.config_inputs import _resolved_dims
+    from megalite.perfmodel.report import window_lines
 
-    out = subprocess.run([sys.executable, "tools/estimate.py", "--preset", "gemma3-1b", "--device", "h100"],
-                         capture_output=True, text=True, check=True).stdout
-    assert "sliding-window layers: 22 of 26 (W = 512): MFU counts their attention at min(s, W) keys" in out
-    assert "KV cache for generation at 32768 tokens: 0.1458 GB per sequence" in out  # 4 x 32768 + 22 x 512 positions
+    lines = window_lines(_resolved_dims(presets()["gemma3-1b"]), 2)  # bf16
+    assert lines[0].startswith("sliding-window layers: 22 of 26 (W = 512): MFU counts their attention at min(s, W) keys")
+    # 4 full layers x 32768 positions + 22 sliding x 512, 1 kv head of 256, K and V in bf16: 0.1458 GB
+    assert "KV cache for generation at 32768 tokens: 0.1458 GB per sequence" in lines[1]
+    assert 2 * 2 * 256 * (4 * 32768 + 22 * 512) == pytest.approx(0.1458e9, rel=1e-3)
