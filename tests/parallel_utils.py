@@ -47,7 +47,8 @@ def tiny_model_cfg(arch: str = "llama", **overrides: object):
                 mtp=MTPConfig())
     from megalite.config.schema import ModelConfig
 
-    base.update({k: v for k, v in vars(ModelConfig()).items() if k.startswith("rope_") and k not in base})  # no scaling
+    # every other [model] field at its default: no RoPE scaling, no layer pattern or attention variant
+    base.update({k: v for k, v in vars(ModelConfig()).items() if k not in base})
     base.update(overrides)
     return SimpleNamespace(**base)
 

@@ -18,6 +18,7 @@ from megalite.config.schema import ModelConfig
 from megalite.mla.config import MLAConfig
 from megalite.moe.config import MoEConfig
 from megalite.mtp.config import MTPConfig
+from megalite.config.layers import variant_info_problems
 from megalite.errors import CheckpointError, ConfigError
 from megalite.moe import config as moe_config
 
@@ -61,7 +62,7 @@ def model_info_problems(info: Any) -> list[str]:
         out.append(f"qk_norm={info['qk_norm']!r} must be true or false")
     if out:
         return out
-    out += moe_info_problems(info)
+    out += moe_info_problems(info) + variant_info_problems(info)
     h, nh, nkv = info["hidden_size"], info["num_heads"], info["num_kv_heads"]
     if h % nh:
         out.append(f"hidden_size={h} is not divisible by num_heads={nh}")

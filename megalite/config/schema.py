@@ -46,6 +46,7 @@ class ModelConfig:
     rope_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (0 = unset); MLA's softmax scale x mscale(factor, it)^2")
     rope_low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / this are divided by factor")
     rope_high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / this are kept")
+    rope_truncate: bool = _f(True, "yarn: round the ramp's dims to whole ones (transformers' truncate; gpt-oss: false)")
     dropout: float = _f(0.0, "dropout probability on the embedding and the residual branches")
     tie_embeddings: bool | None = _f(None, "share input/output embedding; unset = arch default (llama no, gpt2 yes)")
     init_std: float = _f(0.02, "std of the normal weight init")
@@ -54,6 +55,33 @@ class ModelConfig:
     # Qwen3's per-head RMSNorm of q and k before RoPE (q_norm / k_norm, one [head_dim] weight each, llama arch).
     qk_norm: bool = _f(False, "RMSNorm each attention head's q and k before RoPE (Qwen3); llama arch only")
     head_dim: int = _f(0, "attention head width; 0 = hidden_size / num_heads (Qwen3 sets it apart); llama arch only")
+    # The layer pattern and the attention / MLP variants (megalite/model/pattern.py, docs/attention.md).
+    layer_types: list[str] = _lf("each layer's mixer in Hugging Face's vocabulary: full_attention | "
+                                 "sliding_attention; fewer entries than layers = a period repeated (Gemma 3: 5 x "
+                                 "sliding_attention then full_attention); empty = full_attention everywhere")
+    sliding_window: int = _f(0, "W of sliding_attention layers: query i sees keys i - W < j <= i (W keys, its own "
+                                "included: transformers' sliding_window)")
+    rope_local_theta: float = _f(0.0, "RoPE base of sliding_attention layers (Gemma 3: 10000); 0 = rope_theta")
+    rope_fraction: float = _f(1.0, "share of each head's dims RoPE rotates, the first ones (partial_rotary_factor; "
+                                   "Qwen3-Next 0.25); 0 = NoPE everywhere")
+    nope_layers: list[int] = _lf("layer indices (from 0) with no RoPE at all (NoPE)")
+    attn_sinks: bool = _f(False, "a learnable logit per query head in every attention softmax's denominator (gpt-oss)")
+    attn_output_gate: str = _f("none", "none | head | element: attention output x sigmoid(gate), the gate emitted by "
+                                       "the q projection per head or per element (Qwen3-Next)")
+    attn_softcap: float = _f(0.0, "attention logits -> c tanh(logits / c) after scaling (Gemma 2's "
+                                  "attn_logit_softcapping); 0 = off")
+    final_softcap: float = _f(0.0, "output logits -> c tanh(logits / c) (Gemma 2's final_logit_softcapping); 0 = off")
+    query_pre_attn_scalar: float = _f(0.0, "softmax scale = this^-1/2 (Gemma); 0 = head_dim")
+    attn_bias: bool = _f(False, "biases on q, k, v and o (gpt-oss); gpt2 has them always")
+    sandwich_norm: bool = _f(False, "a norm after attention and after the MLP too, before each residual add (Gemma 2/3's "
+                                    "post_attention / post_feedforward norms)")
+    embed_scale: bool = _f(False, "multiply the token embeddings by sqrt(hidden_size) (Gemma)")
+    mlp: str = _f("auto", "MLP activation: auto (llama swiglu, gpt2 gelu) | swiglu | geglu (tanh GeLU gate, Gemma) | "
+                          "clamped_swiglu (gpt-oss) | gelu; MoE experts use it too")
+    swiglu_limit: float = _f(7.0, "clamped_swiglu: gate clamped to <= limit, up to [-limit, limit] (gpt-oss)")
+    swiglu_alpha: float = _f(1.702, "clamped_swiglu: gate x sigmoid(alpha x gate) x (up + 1) (gpt-oss)")
+    mlp_bias: bool = _f(False, "biases on the dense MLP's and each routed expert's linears (gpt-oss); gpt2's dense MLP "
+                               "has them always")
     # torch.compile of each transformer block (megalite/model/compile.py, docs/performance.md "torch.compile").
     compile: bool = _f(False, "torch.compile each transformer block (inductor needs a C++ compiler on CPU)")
     compile_backend: str = _f("inductor", "torch.compile backend: inductor | aot_eager | eager (the last two only "

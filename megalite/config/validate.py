@@ -13,6 +13,7 @@ import copy
 from megalite.config import cli
 from megalite.config.derive import resolve
 from megalite.config.environment import compile_problems, environment_problems, path_problems
+from megalite.config.layers import layer_problems
 from megalite.config.layout import layout_problems, size_problems
 from megalite.config.schema import Config, ModelArgs, ModelConfig
 from megalite.config.values import field_problems, finite_problems, maximum_problems, text_problems, value_problems
@@ -67,6 +68,7 @@ def problems_of(cfg: Config, world_size: int, device_type: str) -> list[str]:
     problems += mtp_problems(cfg.mtp, cfg.model, cfg.parallel)
     if cfg.model.qk_norm and cfg.model.arch != "llama":  # Qwen3's q/k norm: an RMSNorm, llama arch only
         problems.append(f"model.qk_norm needs model.arch=llama, got {cfg.model.arch!r}")
+    problems += layer_problems(cfg)  # the layer pattern and the attention / MLP variants (layers.py)
     problems += optim_config.problems(cfg.optimizer, cfg.muon)
     from megalite.model.rope import RopeScaling, rope_scaling_problems  # torch: late, megalite.config stays light
 

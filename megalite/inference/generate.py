@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megalite.attention.variant import reference_attention
 from megalite.mla.attention import MLAttention
 from megalite.model.gpt import GPT
 from megalite.parallel import comm
@@ -47,18 +48,26 @@ class SamplingConfig:
 
 
 class KVCache:
-    """Per layer: keys and values [B, S_max, Hkv, D] preallocated for the model's seq_len. With multi-head latent
-    attention (megalite/mla) the compressed cache instead: `k` holds the latent c_kv [B, S_max, kv_lora_rank] and
-    `v` the RoPE key shared by the heads k_pe [B, S_max, 1, qk_rope_head_dim] (DeepSeek-V2 section 2.1)."""
+    """Per layer: keys and values [B, S_max, Hkv, D] preallocated for the model's seq_len. A sliding-window layer
+    (model.layer_types, window W) keeps only the last W - 1 positions' (all the next query can see besides its
+    own): [B, <= W - 1, Hkv, D], replaced each step. With multi-head latent attention (megalite/mla) the compressed
+    cache instead: `k` holds the latent c_kv [B, S_max, kv_lora_rank] and `v` the RoPE key shared by the heads
+    k_pe [B, S_max, 1, qk_rope_head_dim] (DeepSeek-V2 section 2.1)."""
 
     def __init__(self, model: GPT, batch: int, dtype: torch.dtype) -> None:
-        attn: Any = next(iter(model.layers.values())).attn
-        s = model.cfg.seq_len
-        k_shape, v_shape = (((batch, s, attn.kv_rank), (batch, s, 1, attn.rope_dim)) if isinstance(attn, MLAttention)
-                            else ((batch, s, attn.local_kv, attn.head_dim),) * 2)
-        device = _device(model)
-        self.k = {name: torch.zeros(k_shape, dtype=dtype, device=device) for name in model.layers}
-        self.v = {name: torch.zeros(v_shape, dtype=dtype, device=device) for name in model.layers}
+        device, s = _device(model), model.cfg.seq_len
+        self.k: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        for name, block in model.layers.items():
+            attn: Any = block.attn
+            k_shape: tuple[int, ...]
+            v_shape: tuple[int, ...]
+            if isinstance(attn, MLAttention):
+                k_shape, v_shape = (batch, s, attn.kv_rank), (batch, s, 1, attn.rope_dim)
+            else:
+                k_shape = v_shape = (batch, 0 if attn.window is not None else s, attn.local_kv, attn.head_dim)
+            self.k[name] = torch.zeros(k_shape, dtype=dtype, device=device)
+            self.v[name] = torch.zeros(v_shape, dtype=dtype, device=device)
         self.length = 0
 
 
@@ -66,18 +75,30 @@ def _device(model: GPT) -> torch.device:
     return next(model.parameters()).device
 
 
-def _cached_attention(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+def _cached_attention(attn: Any, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                      name: str) -> torch.Tensor:
     b, s, _ = x.shape
-    q, k, v = attn.project(x, cos[start:start + s], sin[start:start + s])
-    k_cache[:, start:start + s] = k
-    v_cache[:, start:start + s] = v
-    keys, values = k_cache[:, :start + s], v_cache[:, :start + s]
-    # New query i (absolute position start+i) sees keys 0..start+i.
-    mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(diagonal=start)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=mask, enable_gqa=attn.local_heads != attn.local_kv)
-    return attn.out(o.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
+    start, (cos, sin) = cache.length, tables
+    q, k, v, gate = attn.project(x, cos[start:start + s], sin[start:start + s])
+    variant = attn.variant()
+    if attn.window is not None:  # the last W - 1 positions before `start`, then the new ones
+        keys, values = torch.cat([cache.k[name], k], dim=1), torch.cat([cache.v[name], v], dim=1)
+        keep = max(attn.window - 1, 0)
+        cache.k[name], cache.v[name] = keys[:, keys.shape[1] - keep:], values[:, values.shape[1] - keep:]
+    else:
+        cache.k[name][:, start:start + s] = k
+        cache.v[name][:, start:start + s] = v
+        keys, values = cache.k[name][:, :start + s], cache.v[name][:, :start + s]
+    if variant.is_plain:
+        # New query i (absolute position start+i) sees keys 0..start+i.
+        mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=mask, enable_gqa=attn.local_heads != attn.local_kv)
+        return attn.finish(o.transpose(1, 2), gate)
+    # The variant's own math (window, sinks, soft-cap, scale) at the absolute positions of queries and keys.
+    key_pos = torch.arange(start + s - keys.shape[1], start + s, device=x.device)
+    o = reference_attention(q, keys, values, variant, torch.arange(start, start + s, device=x.device), key_pos)
+    return attn.finish(o, gate)
 
 
 def _cached_latent_attention(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -109,18 +130,20 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.d
     if start + s > model.cfg.seq_len:
         raise ValueError(f"{start + s} positions exceed the model's seq_len={model.cfg.seq_len}")
     assert model.embedding is not None and model.final_norm is not None and model.head is not None
-    x = model.embedding(ids)
+    x = model.scale_embedding(model.embedding(ids))
     if model.position is not None:
         x = x + model.position[start:start + s].to(x.dtype)
     x = x.to(dtype)
-    cos, sin = model.get_buffer("cos"), model.get_buffer("sin")
     for name, module in model.layers.items():
         block: Any = module
-        attend = _cached_latent_attention if isinstance(block.attn, MLAttention) else _cached_attention
-        x = x + attend(block.attn, block.norm1(x), cos, sin, cache.k[name], cache.v[name], start)
-        x = x + block.mlp(block.norm2(x))
+        if isinstance(block.attn, MLAttention):
+            cos, sin = model.rope_of(name)
+            a = _cached_latent_attention(block.attn, block.norm1(x), cos, sin, cache.k[name], cache.v[name], start)
+        else:
+            a = _cached_attention(block.attn, block.norm1(x), model.rope_of(name), cache, name)
+        x = block.after_mixer(x, a)
     cache.length = start + s
-    (logits,) = model.head(model.final_norm(x))
+    logits = model.logits(model.final_norm(x))
     # Under tensor parallelism (no SP) each rank holds a vocabulary slice: gather them, so every rank of
     # the group picks the same token from the same logits (a no-op at tp=1).
     logits = comm.all_gather(logits, model.state, "tp", dim=-1)

@@ -19,17 +19,20 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.attention.variant import PLAIN
+from megalite.attention.variant import AttentionVariant
 from megalite.context.attend import Masking
 from megalite.context.options import ContextOptions
 from megalite.context.documents import DocumentIds
+from megalite.layers.activation import MLPActivation
+from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.attend import attend
 from megalite.model.ops import Ops, apply_rope
+from megalite.model.pattern import LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
-from megalite.parallel.param_spec import REPLICATED, ParamSpec
+from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
 from megalite.parallel.random import RNGStreams
 from megalite.parallel.state import ParallelState
 
@@ -80,58 +83,102 @@ class HeadNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention of one layer under its variant (megalite/model/pattern.py `LayerSpec` and the
+    model.attn_* fields): window, sinks, soft-cap, softmax scale, partial / no RoPE, output gate, biases."""
+
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int,
-                 context: ContextOptions = ContextOptions()) -> None:
+                 context: ContextOptions = ContextOptions(), layer: LayerSpec = LayerSpec()) -> None:
         super().__init__()
         self.context = context
         h, nh, nkv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         if nh % state.tp or nkv % state.tp:
             raise ValueError(f"num_heads={nh} and num_kv_heads={nkv} must both be divisible by tp={state.tp}")
-        self.head_dim = head_dim(cfg)
+        self.head_dim = hd = head_dim(cfg)
         self.local_heads, self.local_kv = nh // state.tp, nkv // state.tp
-        self.state, self.ops, self.rope = state, ops, cfg.arch == "llama"
+        # RoPE on the first `rotary` dims of each head (all: rotary == head_dim; NoPE: 0; gpt2: learned positions)
+        self.rotary = layer.rotary_dim(hd) if cfg.arch == "llama" else 0
+        self.state, self.ops, self.rope = state, ops, self.rotary > 0
         self.selective = cfg.recompute == "selective"
-        bias = cfg.arch == "gpt2"
-        self.qkv = ColumnParallelLinear(h, [nh * self.head_dim, nkv * self.head_dim, nkv * self.head_dim],
+        bias = has_attention_bias(cfg)
+        # The output gate (Qwen3-Next) is one more part of the fused q/k/v projection: per element or per head.
+        self.gate = cfg.attn_output_gate
+        gate = gate_width(nh, hd, self.gate)
+        self.qkv = ColumnParallelLinear(h, [nh * hd, nkv * hd, nkv * hd] + ([gate] if gate else []),
                                         state, name=f"{name}.qkv", seed=seed, std=cfg.init_std,
                                         bias=bias, input_ready=True)
         # Scaled init of residual-branch outputs (GPT-2 / Megatron): std / sqrt(2 * num_layers).
-        self.out = RowParallelLinear(nh * self.head_dim, h, state, name=f"{name}.out", seed=seed,
+        self.out = RowParallelLinear(nh * hd, h, state, name=f"{name}.out", seed=seed,
                                      std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
         self.q_norm: HeadNorm | None = None
         self.k_norm: HeadNorm | None = None
         if cfg.qk_norm:  # model.qk_norm (Qwen3)
-            self.q_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
-            self.k_norm = HeadNorm(self.head_dim, cfg.norm_eps, state, ops)
+            self.q_norm = HeadNorm(hd, cfg.norm_eps, state, ops)
+            self.k_norm = HeadNorm(hd, cfg.norm_eps, state, ops)
+        # gpt-oss's sinks: one logit per query head, drawn in full and split with the heads (any tp: same numbers).
+        self.sinks: nn.Parameter | None = None
+        if cfg.attn_sinks:
+            full = full_normal((nh,), cfg.init_std, seed, f"{name}.sinks")
+            self.sinks = nn.Parameter(full[state.tp_rank * self.local_heads:(state.tp_rank + 1) * self.local_heads])
+        self.window = layer.window
+        self.softcap = cfg.attn_softcap or None
+        self.scale = softmax_scale(cfg)
+        self.num_heads = nh
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        specs = children_specs(self)
+        if self.sinks is not None:  # split over tp with the query heads, like a column linear's bias
+            specs["sinks"] = ParamSpec(column([self.num_heads]))
+        return specs
+
+    def variant(self) -> AttentionVariant:
+        """What this layer's attention computes beyond causal softmax(q k^T / sqrt(d)) v (megalite/attention)."""
+        return AttentionVariant(self.window, self.softcap, self.scale, self.sinks)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Callable | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v as [b, s, heads, head_dim] (this rank's heads), RoPE applied at the positions whose
-        cos/sin rows are given (one per token of x; the KV-cached decoder passes later positions)."""
+        cos/sin rows are given (one per token of x; the KV-cached decoder passes later positions), and the
+        output gate's logits (None without one)."""
         b, s, _ = x.shape
-        q, k, v = self.qkv(x)
+        q, k, v, *gate = self.qkv(x)
         q = q.view(b, s, self.local_heads, self.head_dim)
         k = k.view(b, s, self.local_kv, self.head_dim)
         v = v.view(b, s, self.local_kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
-            q, k = (rope or self.ops.apply_rope)(q, k, cos, sin)
-        return q, k, v
+            q, k = self._rotate(q, k, cos, sin, rope or self.ops.apply_rope)
+        return q, k, v, (gate[0] if gate else None)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Callable
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the first `rotary` dims of each head (transformers' partial_rotary_factor), the rest passed."""
+        r = self.rotary
+        if r == self.head_dim:
+            return rope(q, k, cos, sin)
+        qr, kr = rope(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        return torch.cat([qr, q[..., r:]], dim=-1), torch.cat([kr, k[..., r:]], dim=-1)
+
+    def finish(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of the attention rows o [b, s, heads, head_dim], times sigmoid(gate) if any."""
+        b, s = o.shape[:2]
+        if gate is not None:
+            o = o * torch.sigmoid(gate).view(b, s, self.local_heads, -1).to(o.dtype)
+        return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: DocumentIds | None = None) -> torch.Tensor:
         x = enter_tp_region(x, self.state)
-        b, s, _ = x.shape
+        s = x.shape[1]
         if docs is not None:
             # Document masking (megalite/context/documents.py): cos/sin are per sequence [b, s, d/2] (positions
             # restart at each document) and the mask is causal within each document. Torch RoPE (the kernel takes
             # no per-document positions).
-            q, k, v = self.project(x, cos, sin, rope=apply_rope)
+            q, k, v, gate = self.project(x, cos, sin, rope=apply_rope)
         else:
-            q, k, v = self.project(x, cos[:s], sin[:s])
-        o = attend(q, k, v, Masking(docs, PLAIN), self.state, self.context, self.ops, self._run)
-        return self.out(o.reshape(b, s, self.local_heads * self.head_dim))
+            q, k, v, gate = self.project(x, cos[:s], sin[:s])
+        o = attend(q, k, v, Masking(docs, self.variant()), self.state, self.context, self.ops, self._run)
+        return self.finish(o, gate)
 
     def _run(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
         if self.selective and torch.is_grad_enabled():
@@ -144,18 +191,22 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.state, self.ops, self.gated = state, ops, cfg.arch == "llama"
-        bias = cfg.arch == "gpt2"
-        parts = [f, f] if self.gated else [f]  # SwiGLU: gate and up fused in one column linear
+        self.state, self.ops = state, ops
+        self.activation = mlp_activation(cfg)
+        bias = has_mlp_bias(cfg)
+        parts = [f, f] if self.activation.gated else [f]  # gated: gate and up fused in one column linear
         self.up = ColumnParallelLinear(h, parts, state, name=f"{name}.up", seed=seed, std=cfg.init_std,
                                        bias=bias, input_ready=True)
         self.down = RowParallelLinear(f, h, state, name=f"{name}.down", seed=seed,
                                       std=cfg.init_std / math.sqrt(2 * cfg.num_layers), bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ys = self.up(enter_tp_region(x, self.state))
-        y = self.ops.swiglu(*ys) if self.gated else self.ops.gelu_tanh(ys[0])
-        return self.down(y)
+        return self.down(self.activation(self.ops, self.up(enter_tp_region(x, self.state))))
+
+
+def mlp_activation(cfg: ModelSpec) -> MLPActivation:
+    """The MLP activation model config `cfg` asks for (`model.mlp`, its clamp for clamped_swiglu)."""
+    return MLPActivation(mlp_kind(cfg), cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
 @dataclass(frozen=True)
@@ -167,15 +218,24 @@ class BlockFeatures:
 
 
 class Block(nn.Module):
+    """Built from its layer's spec (`pattern.layer_spec(cfg, index)`): the mixer, then the MLP (dense or MoE).
+    With model.sandwich_norm (Gemma 2/3) each branch's output is normed too before its residual add."""
+
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
                  context: ContextOptions = ContextOptions(), features: BlockFeatures = BlockFeatures()) -> None:
         super().__init__()
         moe, mla = features.moe, features.mla
         name = f"layers.{index}"
+        self.layer = layer_spec(cfg, index)  # the mixer kind: a new kind (linear attention) is one more branch here
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.attn: nn.Module = (Attention(cfg, state, ops, f"{name}.attn", seed, context) if mla is None  # MLA:
+        self.attn: nn.Module = (Attention(cfg, state, ops, f"{name}.attn", seed, context, self.layer) if mla is None
                                 else MLAttention(cfg, mla, state, ops, f"{name}.attn", seed, context))  # megalite/mla
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
+        self.post_attn_norm: Norm | None = None
+        self.post_mlp_norm: Norm | None = None
+        if cfg.sandwich_norm:
+            self.post_attn_norm = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
+            self.post_mlp_norm = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.mlp: nn.Module
         if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
             self.mlp = MoELayer(cfg, moe, state, ops, f"{name}.mlp", seed, MLP)
@@ -189,7 +249,17 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: DocumentIds | None = None) -> torch.Tensor:
+        return self.after_mixer(x, self.attn(self.norm1(x), cos, sin, docs))
+
+    def after_mixer(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The block past its mixer, from the block input x and the mixer's output a (the KV-cached decoder's
+        entry too): [post-norm,] residual add, norm, MLP, [post-norm,] residual add."""
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
         # x = x + attention branch; h = norm2(x): fused into one pass (the sum is written once and read by
         # the norm in the same kernel) when the backend has the fused kernel.
-        h, x = self.norm2.add_norm(self._drop(self.attn(self.norm1(x), cos, sin, docs)), x)
-        return x + self._drop(self.mlp(h))
+        h, x = self.norm2.add_norm(self._drop(a), x)
+        m = self.mlp(h)
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return x + self._drop(m)

@@ -21,7 +21,9 @@ from megalite.errors import ConfigError
 from megalite.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from megalite.layers.init import full_normal
 from megalite.layers.linear import ColumnParallelLinear
-from megalite.model.block import Block, BlockFeatures, Norm
+from megalite.model.block import Block, BlockFeatures, Norm, mlp_activation
+from megalite.model.layer_rope import LayerRope, RopeKey
+from megalite.model.pattern import layer_spec
 from megalite.mla.attention import MLAContext
 from megalite.model.ops import TORCH_OPS, get_ops, masked_attention, resolve_kernels
 from megalite.model.rope import RopeScaling, rope_tables, softmax_scale_factor
@@ -64,8 +66,8 @@ class GPT(nn.Module):
                 self.position = nn.Parameter(full_normal((cfg.seq_len, h), cfg.init_std, seed, "position"))
         resolved_moe = moe_settings(cfg)
         self.aux_scale = AuxScale()
-        moe = (MoEContext(resolved_moe, self.aux_scale, len(cfg.moe.layers(cfg.num_layers)))
-               if resolved_moe is not None else None)
+        moe = (MoEContext(resolved_moe, self.aux_scale, len(cfg.moe.layers(cfg.num_layers)), mlp_activation(cfg),
+                          bool(cfg.mlp_bias)) if resolved_moe is not None else None)
         mla = cfg.mla
         self.mla = mla if mla.enabled else None  # recorded by checkpoints (`model_info`)
         rope = RopeScaling.of(cfg)
@@ -114,6 +116,16 @@ class GPT(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # Layers whose RoPE differs (the layer pattern: another base, partial RoPE) read their own tables.
+        self.rope_keys: dict[str, RopeKey] = {}
+        if latent is None and cfg.arch == "llama":
+            for i in self.layer_ids:
+                spec = layer_spec(cfg, i)
+                key = (spec.rope_theta, spec.rotary_dim(rope_dim))
+                if key[1] and key != (cfg.rope_theta, rope_dim):
+                    self.rope_keys[str(i)] = key
+        self.layer_rope = LayerRope(sorted(set(self.rope_keys.values())), cfg.seq_len, rope, positions,
+                                    self.document_eod is not None)
 
     def _build_mtp(self, mtp: MTPConfig, seed: int) -> MultiTokenPrediction:
         """The MTP modules (megalite/mtp), depth k's block built as global layer num_layers + k - 1 (its init
@@ -177,6 +189,7 @@ class GPT(nn.Module):
             raise ValueError(f"context parallel: got {ids.shape[1]} tokens per sequence, expected this rank's "
                              f"zigzag split of seq_len {self.cfg.seq_len}: {self.local_seq_len()}")
         x = self.embedding(ids)  # [B, S/tp, H] under SP (reduce-scattered), else [B, S, H]
+        x = self.scale_embedding(x)
         if self.position is not None:
             if docs is not None:  # positions restart at each document: [B, S, H]
                 rows, seq_dim = self.position[docs.positions], 1
@@ -186,6 +199,15 @@ class GPT(nn.Module):
             pos = rows.to(x.dtype)
             x = x + (comm.split(pos, self.state, "tp", dim=seq_dim) if self.state.sp else pos)
         return self.rng.dropout(x, self.cfg.dropout, self.training, tp_local=self.state.sp)
+
+    def scale_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        """Token embeddings times sqrt(hidden) with model.embed_scale (Gemma), else as they are."""
+        return x * (self.cfg.hidden_size ** 0.5) if self.cfg.embed_scale else x
+
+    def rope_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `name`'s RoPE tables at every position (cp = 1: the KV-cached decoder)."""
+        key = self.rope_keys.get(name)
+        return self.layer_rope.whole(key) if key is not None else (self.cos, self.sin)
 
     def _documents(self, ids: torch.Tensor | None) -> tuple[Documents | None, DocumentIds | None]:
         """Document masking: this rank's tokens' documents and positions, and the document ids attention
@@ -238,11 +260,13 @@ class GPT(nn.Module):
         else:
             assert hidden is not None, "a non-first pipeline stage needs the hidden states from the previous stage"
             x = hidden
-        for block in self.layers.values():
+        tables = self.layer_rope.tables(None if docs is None else docs.positions)
+        for name, block in self.layers.items():
+            c, s = tables[self.rope_keys[name]] if name in self.rope_keys else (cos, sin)
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(self._replayable(block), x, cos, sin, doc_ids, use_reentrant=False)
+                x = checkpoint(self._replayable(block), x, c, s, doc_ids, use_reentrant=False)
             else:
-                x = block(x, cos, sin, doc_ids)
+                x = block(x, c, s, doc_ids)
         if not self.post_process:
             return x
         assert self.final_norm is not None and self.head is not None
@@ -251,10 +275,18 @@ class GPT(nn.Module):
             depths = self.mtp.hidden(x, ids, labels, self._mtp_embed, cos, sin, doc_ids, self.document_eod)
             losses = self._head_loss([self.final_norm(x), *(h for h, _ in depths)], [labels, *(t for _, t in depths)])
             return self.mtp.add_loss(losses[0], losses[1:], [t for _, t in depths], self.aux_scale.value)
-        (logits,) = self.head(self.final_norm(x))  # [B, S, V/tp]: never gathered
+        logits = self.logits(self.final_norm(x))  # [B, S, V/tp]: never gathered
         if labels is None:
             return logits
         return self._token_loss(logits, labels)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the output logits, soft-capped by model.final_softcap (Gemma 2:
+        c tanh(logits / c), elementwise, so it holds on vocab-parallel columns as on whole rows)."""
+        assert self.head is not None
+        (logits,) = self.head(normed)
+        cap = self.cfg.final_softcap
+        return logits if not cap else cap * torch.tanh(logits / cap)
 
     def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         b, s = labels.shape
@@ -270,7 +302,7 @@ class GPT(nn.Module):
         """Per-token losses [B, S'] of normed hidden states (the main model's and each MTP depth's) through one
         call of the shared output head on them stacked along the batch."""
         assert self.head is not None
-        (logits,) = self.head(torch.cat(hidden))
+        logits = self.logits(torch.cat(hidden))
         return list(self._token_loss(logits, torch.cat(labels)).chunk(len(hidden)))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

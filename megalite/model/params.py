@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.mla.costs import MLAShape, attention_params
+from megalite.model.pattern import gate_width, has_attention_bias, has_mlp_bias, mlp_kind
 from megalite.moe.settings import moe_layers, moe_settings
 
 
@@ -54,20 +55,42 @@ def count_params(shape: ParamShape) -> int:
 
 
 def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
-    """Parameters of model config `m` (resolved), its experts included: each MoE layer's dense MLP replaced by
-    a router (E x h), E routed experts (llama 3·h·F, gpt2 2·h·F: no biases) and the shared experts' fused MLP
-    (n_s·F_s wide, a gpt2 MLP with its biases). The MoE dims are read by `moe_settings` only (`m.moe`); `mla`:
-    the attention is multi-head latent attention of these widths."""
+    """Parameters of model config `m` (resolved), its experts and its attention / MLP variants included
+    (`variant_params`): each MoE layer's dense MLP replaced by a router (E x h, + E with moe.router_bias), E routed
+    experts (a gated MLP 3·h·F, else 2·h·F; with model.mlp_bias each expert's biases) and the shared experts' fused
+    MLP (n_s·F_s wide, a dense MLP with the dense MLP's biases). The MoE dims are read by `moe_settings` only
+    (`m.moe`); `mla`: the attention is multi-head latent attention of these widths."""
     dense = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
                                     m.ffn_hidden_size, max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings),
-                                    m.head_dim or None, mla))
+                                    m.head_dim or None, mla)) + m.num_layers * variant_params(m)
     s = moe_settings(m)
     if s is None:
         return dense
-    h, gpt2 = m.hidden_size, m.arch == "gpt2"
-    width = 2 if gpt2 else 3
-    dense_mlp = width * h * m.ffn_hidden_size + (m.ffn_hidden_size + h if gpt2 else 0)
-    fs = s.shared_experts * s.shared_ffn_hidden_size
-    shared = width * h * fs + (fs + h if gpt2 and fs else 0)
-    per_layer = h * s.experts + s.experts * width * h * s.ffn_hidden_size + shared
-    return dense + len(moe_layers(m)) * (per_layer - dense_mlp)
+    h, gated, bias = m.hidden_size, mlp_kind(m) != "gelu", has_mlp_bias(m)
+    experts = s.experts * _mlp_params(h, s.ffn_hidden_size, gated, bool(m.mlp_bias))
+    shared = _mlp_params(h, s.shared_experts * s.shared_ffn_hidden_size, gated, bias) if s.shared_experts else 0
+    per_layer = h * s.experts + (s.experts if s.router_bias else 0) + experts + shared
+    return dense + len(moe_layers(m)) * (per_layer - _mlp_params(h, m.ffn_hidden_size, gated, bias))
+
+
+def _mlp_params(hidden: int, ffn: int, gated: bool, bias: bool) -> int:
+    """A dense MLP's: up (gate and up when gated) and down, with their biases."""
+    return (3 if gated else 2) * hidden * ffn + (((2 if gated else 1) * ffn + hidden) if bias else 0)
+
+
+def variant_params(m: Any) -> int:
+    """Parameters one layer of model config `m` has beyond `count_params`'s (llama: no biases, SwiGLU; gpt2: biases,
+    GeLU): q/k norm, q/k/v/o biases on llama (model.attn_bias), the output gate's projection (and its bias), the sinks, the
+    sandwich norms, and the dense MLP of another kind (model.mlp) or with biases (model.mlp_bias). 0 for the
+    default fields (megalite/model/pattern.py)."""
+    h, nh, gpt2 = m.hidden_size, m.num_heads, m.arch == "gpt2"
+    hd = m.head_dim or h // max(nh, 1)
+    extra = (nh * hd + 2 * max(1, m.num_kv_heads) * hd + h) if (m.attn_bias and not gpt2) else 0
+    gate = gate_width(nh, hd, m.attn_output_gate)
+    extra += h * gate + (gate if has_attention_bias(m) else 0)
+    extra += nh if m.attn_sinks else 0
+    extra += 2 * hd if m.qk_norm else 0  # q_norm and k_norm, one [head_dim] weight each
+    extra += (4 if gpt2 else 2) * h if m.sandwich_norm else 0
+    f = m.ffn_hidden_size
+    before = 2 * h * f + f + h if gpt2 else 3 * h * f
+    return extra + _mlp_params(h, f, mlp_kind(m) != "gelu", has_mlp_bias(m)) - before

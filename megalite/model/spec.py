@@ -40,6 +40,8 @@ class RopeFields(Protocol):
     def rope_low_freq_factor(self) -> float: ...
     @property
     def rope_high_freq_factor(self) -> float: ...
+    @property
+    def rope_truncate(self) -> bool: ...
 
 
 class ModelSpec(RopeFields, Protocol):
@@ -79,6 +81,41 @@ class ModelSpec(RopeFields, Protocol):
     def qk_norm(self) -> bool: ...  # Qwen3's per-head RMSNorm of q and k
     @property
     def head_dim(self) -> int: ...  # 0 = hidden_size / num_heads
+    # The layer pattern and the variants (megalite/model/pattern.py resolves them; docs/attention.md).
+    @property
+    def layer_types(self) -> list[str]: ...  # HF's layer_types names, one per layer or a period
+    @property
+    def sliding_window(self) -> int: ...  # W of sliding_attention layers
+    @property
+    def rope_local_theta(self) -> float: ...  # sliding_attention layers' RoPE base; 0 = rope_theta
+    @property
+    def rope_fraction(self) -> float: ...  # share of each head's dims rotated (partial RoPE); 0 = NoPE
+    @property
+    def nope_layers(self) -> list[int]: ...  # layers with no RoPE
+    @property
+    def attn_sinks(self) -> bool: ...  # a learnable per-head logit in the softmax denominator (gpt-oss)
+    @property
+    def attn_output_gate(self) -> str: ...  # none | head | element (Qwen3-Next)
+    @property
+    def attn_softcap(self) -> float: ...  # 0 = off (Gemma 2)
+    @property
+    def final_softcap(self) -> float: ...  # 0 = off (Gemma 2)
+    @property
+    def query_pre_attn_scalar(self) -> float: ...  # 0 = head_dim (Gemma)
+    @property
+    def attn_bias(self) -> bool: ...  # q/k/v/o biases (gpt-oss)
+    @property
+    def sandwich_norm(self) -> bool: ...  # post-attention and post-MLP norms (Gemma 2/3)
+    @property
+    def embed_scale(self) -> bool: ...  # embeddings x sqrt(hidden) (Gemma)
+    @property
+    def mlp(self) -> str: ...  # auto | swiglu | geglu | clamped_swiglu | gelu
+    @property
+    def swiglu_limit(self) -> float: ...
+    @property
+    def swiglu_alpha(self) -> float: ...
+    @property
+    def mlp_bias(self) -> bool: ...  # dense MLP and expert biases (gpt-oss)
     @property
     def moe(self) -> MoEConfig: ...  # the [moe] section; experts = 0 is a dense model
     @property

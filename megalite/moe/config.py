@@ -41,6 +41,7 @@ class MoEConfig:
     z_loss: float = _f(0.0, "router z-loss coefficient (ST-MoE)")
     capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
                                              "unset = dropless")
+    router_bias: bool = _f(False, "a learned bias on the router logits (gpt-oss), apart from deepseek's balancing bias")
 
     def resolved(self, ffn_hidden_size: int) -> MoEConfig | None:
         """This section with the widths that default to the model's filled in; None for a dense model."""

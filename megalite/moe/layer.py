@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from megalite.layers.activation import MLPActivation
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatch import combine, dispatch
 from megalite.moe.experts import Activations, Experts, ExpertShape
@@ -39,11 +40,14 @@ def _eager_under_compile(forward: Callable[..., torch.Tensor]) -> Callable[..., 
 @dataclass(frozen=True)
 class MoEContext:
     """What a block needs to build a MoE FFN: the resolved `[moe]` section (`MoEConfig.resolved`), the model's shared
-    aux-loss scale, the MoE layer count."""
+    aux-loss scale, the MoE layer count; the experts' activation (`model.mlp`; None: the arch's) and whether they
+    have biases (`model.mlp_bias`)."""
 
     settings: MoEConfig
     aux_scale: AuxScale
     num_layers: int
+    activation: MLPActivation | None = None
+    expert_bias: bool = False
 
 
 class MoELayer(nn.Module):
@@ -55,7 +59,8 @@ class MoELayer(nn.Module):
         n = max(1, moe.num_layers)  # each loss is averaged over the model's MoE layers
         self.coef = LossCoefficients(s.aux_loss / n, s.seq_aux_loss / n, s.z_loss / n, s.top_k)
         self.router = Router(cfg.hidden_size, s, state.sp, f"{name}.router", seed, cfg.init_std)
-        shape = ExpertShape(s.experts, cfg.hidden_size, s.ffn_hidden_size, cfg.arch == "llama")
+        shape = ExpertShape(s.experts, cfg.hidden_size, s.ffn_hidden_size, cfg.arch == "llama", moe.activation,
+                            moe.expert_bias)
         self.experts = Experts(shape, state, ops, f"{name}.experts", seed, cfg.init_std, cfg.num_layers)
         self.shared: nn.Module | None = None
         if s.shared_experts:

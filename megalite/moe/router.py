@@ -42,13 +42,18 @@ class Router(nn.Module):
         # DeepSeek's balancing bias: a buffer (no gradient), saved with the model.
         self.bias: torch.Tensor
         self.register_buffer("bias", torch.zeros(s.experts), persistent=True)
+        # gpt-oss's learned router bias (`moe.router_bias`; the hub's router.bias), added to the logits.
+        self.logit_bias = nn.Parameter(torch.zeros(s.experts)) if s.router_bias else None
 
     def param_specs(self) -> dict[str, ParamSpec]:
         # Replicated over TP; under SP each TP rank routes its own 1/tp of the tokens: partial gradient sums.
-        return {"weight": ParamSpec(REPLICATED, sp_partial=self.sp)}
+        spec = ParamSpec(REPLICATED, sp_partial=self.sp)
+        return {"weight": spec} if self.logit_bias is None else {"weight": spec, "logit_bias": spec}
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = x.float() @ self.weight.float().t()
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias.float()
         s = self.s
         if s.router == "mixtral":
             top, idx = logits.topk(s.top_k, dim=-1)

@@ -1,0 +1,191 @@
+"""The layer pattern: what each layer of the model is, resolved once from the config into a typed spec.
+
+A layer is a mixer (its token-mixing part: today full or sliding-window attention) and an MLP. The config names
+the mixers in Hugging Face's vocabulary (`model.layer_types`, transformers' `layer_types`: "full_attention",
+"sliding_attention"; Megatron's hybrid_override_pattern is the same idea); a list shorter than the model is a
+period, repeated (`["sliding_attention"] * 5 + ["full_attention"]` is Gemma 3's 5 local : 1 global). Every consumer
+(the block, the pipeline partition, the estimator, generation's KV cache) reads `layer_specs`, never the raw
+fields: one home, so a new mixer kind (linear attention) is one more entry in `MIXERS` and one more branch where
+a block builds its mixer.
+
+Torch-free: config validation and the cost model read it without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+MIXERS = (FULL, SLIDING)  # transformers' `layer_types` names this implementation computes
+MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu")
+OUTPUT_GATES = ("none", "head", "element")
+
+
+# The fields of the layer pattern and the variants at their defaults (the model before them): a checkpoint records
+# each one that differs (index.json "model", `variant_info`), so a run loading it builds the same layers.
+VARIANT_DEFAULTS: dict[str, Any] = dict(
+    layer_types=[], sliding_window=0, rope_local_theta=0.0, rope_fraction=1.0, nope_layers=[], attn_sinks=False,
+    attn_output_gate="none", attn_softcap=0.0, final_softcap=0.0, query_pre_attn_scalar=0.0, attn_bias=False,
+    sandwich_norm=False, embed_scale=False, mlp="auto", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_bias=False,
+    rope_truncate=True)
+
+
+def variant_info(m: Any) -> dict[str, Any]:
+    """The layer-pattern and variant fields of model config `m` that differ from their defaults."""
+    return {k: getattr(m, k) for k, default in VARIANT_DEFAULTS.items() if getattr(m, k) != default}
+
+
+def gated_mlp(arch: str, mlp: str) -> bool:
+    """The MLP takes a gate and an up projection (its fused up linear is 2F wide)."""
+    return mlp != "gelu" if mlp != "auto" else arch == "llama"
+
+
+def gate_width(num_heads: int, head_dim: int, gate: str) -> int:
+    """Columns the attention output gate adds to the q/k/v projection: per head or per element; 0 without."""
+    return {"head": num_heads, "element": num_heads * head_dim}.get(gate, 0)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's mixer. `window`: a sliding_attention layer's W (query i sees keys i - W < j <= i), None for
+    full causal attention; `rope_theta` and `rope_fraction` (the share of each head's dims RoPE rotates, the first
+    ones as transformers' partial_rotary_factor; 0 = NoPE) are this layer's."""
+
+    mixer: str = FULL
+    window: int | None = None
+    rope_theta: float = 10000.0
+    rope_fraction: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Dims of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor)); 0 = NoPE."""
+        return int(head_dim * self.rope_fraction)
+
+
+def mixer_of(m: Any, index: int) -> str:
+    """Layer `index`'s mixer: its entry of model.layer_types repeated as a period (full_attention if empty).
+    Layers past num_layers (the MTP modules' blocks) continue the period."""
+    types = list(m.layer_types)
+    return types[index % len(types)] if types else FULL
+
+
+def layer_spec(m: Any, index: int) -> LayerSpec:
+    """The spec of global layer `index` of model config `m` (a `megalite.model.spec.ModelSpec`)."""
+    mixer = mixer_of(m, index)
+    sliding = mixer == SLIDING
+    theta = m.rope_local_theta if sliding and m.rope_local_theta else m.rope_theta
+    fraction = 0.0 if index in m.nope_layers else m.rope_fraction
+    return LayerSpec(mixer, m.sliding_window if sliding else None, theta, fraction)
+
+
+def layer_specs(m: Any) -> tuple[LayerSpec, ...]:
+    """Every layer's spec, in model order."""
+    return tuple(layer_spec(m, i) for i in range(m.num_layers))
+
+
+def mlp_kind(m: Any) -> str:
+    """The MLP's activation: model.mlp, or the arch's own (llama: swiglu, gpt2: gelu) for auto."""
+    return str(m.mlp) if m.mlp != "auto" else "swiglu" if m.arch == "llama" else "gelu"
+
+
+
+def has_attention_bias(m: Any) -> bool:
+    """Biases on q, k, v and o: gpt2 always, llama when model.attn_bias (gpt-oss)."""
+    return m.arch == "gpt2" or bool(m.attn_bias)
+
+
+def has_mlp_bias(m: Any) -> bool:
+    """Biases on the dense MLP's linears: gpt2 always, llama when model.mlp_bias (gpt-oss)."""
+    return m.arch == "gpt2" or bool(m.mlp_bias)
+
+
+def softmax_scale(m: Any) -> float | None:
+    """The attention softmax scale: query_pre_attn_scalar^-1/2 (Gemma), None = 1/sqrt(head_dim)."""
+    return float(m.query_pre_attn_scalar) ** -0.5 if m.query_pre_attn_scalar else None
+
+
+def is_uniform(m: Any) -> bool:
+    """Every layer is the same (the model before layer patterns): full attention, one RoPE."""
+    return len(set(layer_specs(m))) <= 1
+
+
+def pattern_problems(m: Any, head_dim: int) -> list[str]:
+    """One line per bad layer-pattern or variant field of model config `m` (config validation calls it);
+    `head_dim` is the resolved head width."""
+    out: list[str] = []
+    bad = [t for t in m.layer_types if t not in MIXERS]
+    if bad:
+        out.append(f"model.layer_types: {bad[0]!r} is not a mixer megalite has; expected one of {', '.join(MIXERS)}")
+    if len(m.layer_types) > m.num_layers > 0:
+        out.append(f"model.layer_types has {len(m.layer_types)} entries for model.num_layers={m.num_layers}: give "
+                   "one per layer, or a shorter period that repeats")
+    sliding = SLIDING in m.layer_types
+    if sliding and m.sliding_window < 1:
+        out.append(f"model.sliding_window={m.sliding_window}: sliding_attention layers need a window W >= 1 "
+                   "(keys seen, the query's own included)")
+    if not sliding and m.sliding_window:
+        out.append(f"model.sliding_window={m.sliding_window} is set but no layer is sliding_attention: add "
+                   "'sliding_attention' to model.layer_types or set sliding_window=0")
+    if m.rope_local_theta < 0 or (m.rope_local_theta and not sliding):
+        out.append(f"model.rope_local_theta={m.rope_local_theta} applies to sliding_attention layers only and must "
+                   "be > 0 (0 = rope_theta)")
+    if not 0.0 <= m.rope_fraction <= 1.0:
+        out.append(f"model.rope_fraction={m.rope_fraction} must be in [0, 1] (0 = NoPE, 1 = every dim rotated)")
+    elif int(head_dim * m.rope_fraction) % 2:
+        out.append(f"model.rope_fraction={m.rope_fraction} rotates int({head_dim} x {m.rope_fraction}) = "
+                   f"{int(head_dim * m.rope_fraction)} dims of each head: RoPE rotates pairs, make it even")
+    if any(not 0 <= i < m.num_layers for i in m.nope_layers):
+        out.append(f"model.nope_layers={list(m.nope_layers)}: each must be a layer index in [0, {m.num_layers})")
+    if m.arch != "llama" and (m.rope_fraction != 1.0 or m.nope_layers or m.rope_local_theta):
+        out.append("model.rope_fraction, nope_layers and rope_local_theta need model.arch=llama (gpt2 has no RoPE)")
+    for key in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+        if getattr(m, key) < 0:
+            out.append(f"model.{key}={getattr(m, key)} must be > 0 (0 = off)")
+    if m.attn_output_gate not in OUTPUT_GATES:
+        out.append(f"model.attn_output_gate={m.attn_output_gate!r}: expected one of {', '.join(OUTPUT_GATES)}")
+    if m.mlp not in MLP_KINDS:
+        out.append(f"model.mlp={m.mlp!r}: expected one of {', '.join(MLP_KINDS)}")
+    if m.mlp == "clamped_swiglu" and not (m.swiglu_limit > 0 and m.swiglu_alpha > 0):
+        out.append(f"model.swiglu_limit={m.swiglu_limit} and model.swiglu_alpha={m.swiglu_alpha} must be > 0")
+    return out
+
+
+def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list[str]:
+    """The variant fields against the parallel layout and the other attention features, one line each."""
+    out: list[str] = []
+    if m.attn_output_gate != "none" and m.num_heads % max(tp, 1):
+        out.append(f"model.attn_output_gate needs num_heads={m.num_heads} divisible by parallel.tp={tp} (the gate "
+                   "is split with its heads)")
+    variant = (list(m.layer_types) != [] or m.attn_sinks or m.attn_output_gate != "none" or m.attn_softcap
+               or m.query_pre_attn_scalar or m.rope_fraction != 1.0 or m.nope_layers or m.attn_bias)
+    if mla and variant:
+        out.append("model.layer_types and the attention variants (sinks, gate, softcap, query_pre_attn_scalar, "
+                   "rope_fraction, nope_layers, attn_bias) apply to grouped-query attention, not MLA ([mla])")
+    if mtp_layers and not is_uniform(m):
+        out.append("multi-token prediction ([mtp]) with a layer pattern of unequal layers is not supported yet: "
+                   "set mtp.num_layers=0")
+    return out
+
+
+def layer_costs(m: Any) -> list[float]:
+    """Each layer's training FLOPs per token, up to a common factor: 2 x its matmul weights (a MoE layer: the top_k
+    experts a token goes through, the shared ones and the router) + 4 x heads x head_dim x the keys each query sees
+    (a sliding layer: sum_i min(i + 1, W) / s, what it computes; `attention.costs.visible_pairs`). What the pipeline
+    partition balances (`balanced_counts`) when layers differ."""
+    from megalite.attention.costs import visible_pairs
+
+    h, nh, nkv, s = m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len
+    hd = m.head_dim or h // nh
+    attn = h * (nh * hd + 2 * nkv * hd) + nh * hd * h + h * gate_width(nh, hd, m.attn_output_gate)
+    width = 3 if gated_mlp(m.arch, m.mlp) else 2
+    moe = m.moe.resolved(m.ffn_hidden_size)
+    out = []
+    for i, spec in enumerate(layer_specs(m)):
+        if moe is not None and moe.is_moe_layer(i):
+            mlp = width * h * (moe.top_k * moe.ffn_hidden_size + moe.shared_experts * moe.shared_ffn_hidden_size)
+            mlp += h * moe.experts
+        else:
+            mlp = width * h * m.ffn_hidden_size
+        keys = visible_pairs(s, spec.window) / s
+        out.append(2.0 * (attn + mlp) + 4.0 * nh * hd * keys)
+    return out
