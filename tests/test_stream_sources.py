@@ -1,0 +1,224 @@
+"""Raw sources are read whole or refused (megalite/data/readers.py, sources.py, checks.py): a cut compressed
+file is an error naming the file and offset, a directory reads every supported kind and names what it skips,
+special files are refused before the run, a file rewritten to the same size is named on resume (or read from
+its start with data.on_change restart), an all-bad source stops before step 1 with exit 3 and the counts, and a
+SIGTERM while the loader waits ends the run at once."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megalite.data.readers import content_digest, file_kind, lines
+from megalite.data.sources import Source
+from megalite.errors import DataError
+from megalite.training.trainer import main as pretrain_main
+from tests.tokenizer_utils import TEXTS, train_hf_bpe
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDS = [f"{t} #{i}" for i, t in enumerate(TEXTS * 2)]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(train_hf_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+
+
+def _jsonl(records: list[Any], key: str = "text") -> bytes:
+    return "".join(json.dumps({key: r}) + "\n" for r in records).encode()
+
+
+def _zst(raw: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(raw)
+
+
+def _args(path: str, tok: str, run: Path, *more: str) -> list[str]:
+    return ["--data.path", path, "--data.tokenizer", tok, "--data.workers", "0", "--model.seq_len", "16",
+            "--model.num_layers", "1", "--model.hidden_size", "32", "--train.global_batch_size", "2",
+            "--train.micro_batch_size", "2", "--train.steps", "2", "--train.eval_interval", "0",
+            "--logging.interval", "1", "--logging.dir", str(run), *more]
+
+
+def _refused(args: list[str], capsys: pytest.CaptureFixture[str], code: int, pattern: str) -> str:
+    got = pretrain_main(args)
+    err = capsys.readouterr().err
+    assert got == code, err
+    lines_ = [line for line in err.splitlines() if line.startswith("megalite: error")]
+    assert len(lines_) == 1 and pytest.importorskip("re").search(pattern, lines_[0]), err
+    return lines_[0]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
+def test_a_compressed_file_cut_mid_frame_is_refused_with_its_offset(tmp_path: Path, suffix: str) -> None:
+    raw = _jsonl(RECORDS * 20)
+    packed = gzip.compress(raw) if suffix == ".jsonl.gz" else _zst(raw)
+    whole = tmp_path / f"whole{suffix}"
+    whole.write_bytes(packed + packed)  # two members / frames: both read
+    kind = file_kind(str(whole))
+    assert kind is not None
+    assert b"".join(line for _, line in lines(str(whole), kind)) == raw + raw
+    cut = tmp_path / f"cut{suffix}"
+    cut.write_bytes(packed + packed[: len(packed) // 2])  # the second member cut in its middle
+    with pytest.raises(DataError, match=rf"'{cut}' is truncated: .* ends at byte {len(packed) + len(packed) // 2} "
+                                        "in the middle of a frame"):
+        for _ in lines(str(cut), kind):
+            pass
+
+
+def test_a_cut_zst_stops_the_run_with_exit_3(tmp_path: Path, tok: str, capsys: pytest.CaptureFixture[str]) -> None:
+    packed = _zst(_jsonl(RECORDS))
+    (tmp_path / "cut.jsonl.zst").write_bytes(packed[: len(packed) - 7])
+    _refused(_args(str(tmp_path / "cut.jsonl.zst"), tok, tmp_path / "run", "--train.steps", "30"), capsys, 3,
+             r"cut\.jsonl\.zst' is truncated")
+
+
+def test_a_directory_reads_every_kind_and_names_what_it_skips(tmp_path: Path, tok: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    d = tmp_path / "mixed"
+    (d / "sub").mkdir(parents=True)
+    parts = [RECORDS[i::4] for i in range(4)]
+    (d / "a.jsonl").write_bytes(_jsonl(parts[0]))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(_jsonl(parts[1])))
+    (d / "c.jsonl.zst").write_bytes(_zst(_jsonl(parts[2])))
+    pq.write_table(pa.table({"text": parts[3]}), d / "d.parquet")
+    (d / "README.md").write_text("about the data")
+    src = Source.open(str(d), "text", 0)
+    assert [os.path.basename(f) for f in src.files] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet"]
+    got = [raw for f in range(4) for _, _, raw in src.records(f, 0, 0)]
+    assert [json.loads(r)["text"] if isinstance(r, bytes) else r for r in got] == sum(parts, [])
+    assert pretrain_main(_args(str(d), tok, tmp_path / "run")) == 0
+    out = capsys.readouterr().out
+    assert f"data.path {str(d)!r}: read 4 file(s); skipped 2: README.md (not .jsonl, .jsonl.gz, .jsonl.zst or " \
+           ".parquet), sub/ (a subdirectory: not read)" in out, out
+
+
+def test_special_files_are_refused_before_the_run(tmp_path: Path, tok: str) -> None:
+    """A FIFO in a data directory, or given itself, would block the reader forever: refused at start. The run in
+    a child process, so that a regression blocks only it (killed by the timeout) and not the test run."""
+    from megalite.config.schema import Config
+    from megalite.data.checks import check_data
+
+    d = tmp_path / "shards"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(_jsonl(RECORDS))
+    os.mkfifo(d / "b.jsonl")
+    os.mkfifo(tmp_path / "c.idx")
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), *_args(str(d), tok, tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 3, proc.stderr
+    assert "b.jsonl' is a FIFO (named pipe), not a regular file" in proc.stderr and "step" not in proc.stdout, \
+        proc.stderr
+    for path, what in ((d / "b.jsonl", "b.jsonl' is a FIFO"), (tmp_path / "c", "c.idx' is a FIFO")):
+        cfg = Config()
+        cfg.data.path = [str(path)]
+        with pytest.raises(DataError, match=what):
+            check_data(cfg)  # checks by stat, opens nothing
+
+
+@pytest.mark.parametrize("kind", ["invalid_json", "parquet_without_column", "chat_read_as_text", "many_invalid"])
+def test_an_all_bad_source_stops_before_step_1(tmp_path: Path, tok: str, capsys: pytest.CaptureFixture[str],
+                                               kind: str) -> None:
+    """Every record bad: the limits act as records are read (1,000 records for the share), and a whole epoch
+    with no usable record ends a small file: exit 3 with the counts by kind, no step logged."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    path = tmp_path / "d.jsonl"
+    if kind == "invalid_json":
+        path.write_text("{oops\n" * 30)
+    elif kind == "many_invalid":
+        path.write_text("{oops\n" * 3000)
+    elif kind == "chat_read_as_text":
+        path.write_bytes(_jsonl([[{"role": "user", "content": "hi"}]] * 30, key="messages"))
+    else:
+        path = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"body": RECORDS}), path)
+    want = {"invalid_json": "invalid_json", "many_invalid": "invalid_json"}.get(kind, "missing_key")
+    for more in ([], ["--data.valid_fraction", "0", "--data.max_bad_fraction", "1.0"]):
+        line = _refused(_args(str(path), tok, tmp_path / "run", "--train.steps", "50", *more), capsys, 3,
+                        rf"\d+ bad \({want} \d+\) of \d+ records")
+        assert ("whole epoch" in line) == (kind != "many_invalid" or bool(more)), line
+        assert not (tmp_path / "run" / "metrics.jsonl").exists() or '"loss"' not in \
+            (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_a_rewritten_file_is_named_on_resume_or_read_from_its_start(tmp_path: Path, tok: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(_jsonl(RECORDS))
+    ck = ["--checkpoint.dir", str(tmp_path / "ck")]
+    assert pretrain_main(_args(str(data), tok, tmp_path / "run", *ck)) == 0
+    swapped = _jsonl([r.swapcase() for r in RECORDS])
+    assert len(swapped) == data.stat().st_size
+    data.write_bytes(swapped)  # the same size, other text
+    capsys.readouterr()
+    _refused(_args(str(data), tok, tmp_path / "run", *ck, "--train.steps", "4"), capsys, 3,
+             rf"the data changed since the checkpoint \('{data}': 'd.jsonl' was rewritten since the checkpoint "
+             r"\(same size, other content\)\).*--data.on_change restart")
+    assert pretrain_main(_args(str(data), tok, tmp_path / "run", *ck, "--train.steps", "4", "--data.on_change",
+                               "restart")) == 0
+    out = capsys.readouterr().out
+    assert "data.on_change restart: reading the data from its start" in out and "step     4/4" in out, out
+
+
+def test_content_digest_sees_same_size_edits(tmp_path: Path) -> None:
+    f = tmp_path / "big.jsonl"
+    body = bytearray(os.urandom(3 << 20))  # over the whole-file bound: sampled blocks (first and last included)
+    f.write_bytes(body)
+    before = content_digest([str(f)])
+    body[-1] ^= 1
+    f.write_bytes(body)
+    assert content_digest([str(f)]) != before
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(b"a" * 1000)
+    first = content_digest([str(small)])
+    small.write_bytes(b"a" * 500 + b"b" + b"a" * 499)  # whole-file below 1 MiB: any byte counts
+    assert content_digest([str(small)]) != first
+
+
+def test_chat_flags_on_token_files_are_refused(tmp_path: Path, tok: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(_args(str(tmp_path / "c"), tok, tmp_path / "run", "--data.format", "chat"), capsys, 2,
+             r"data.format chat with '.*c': a .bin/.idx dataset holds token ids")
+    _refused(["--data.format", "chat", "--train.steps", "1"], capsys, 2, r"data.format chat with 'the demo corpus")
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(RECORDS))
+    _refused(_args(str(tmp_path / "d.jsonl"), tok, tmp_path / "run", "--data.chat_template", "t.jinja"), capsys, 2,
+             r"data.chat_template 't.jinja' is set but data.format is 'text'")
+    _refused(_args(str(tmp_path / "d.jsonl"), tok, tmp_path / "run", "--data.on_change", "ignore"), capsys, 2,
+             r"data.on_change = 'ignore': choose refuse")
+
+
+def test_sigterm_while_the_loader_waits_stops_the_run(tmp_path: Path, tok: str) -> None:
+    """A source slow by construction (a billion invalid lines in 2 MB of gzip members, the bad-record limits
+    off): the loader never makes step 1, and the first SIGTERM ends the wait: exit 0, one line, nothing trained.
+    The signal is sent once the run has printed its banner (the loop starts after it), not after a delay."""
+    member = gzip.compress(b"{\n" * (1 << 19))
+    with open(tmp_path / "slow.jsonl.gz", "wb") as f:
+        for _ in range(2000):
+            f.write(member)
+    cmd = [sys.executable, str(REPO / "pretrain.py"),
+           *_args(str(tmp_path / "slow.jsonl.gz"), tok, tmp_path / "run", "--data.max_bad_fraction", "1.0",
+                  "--data.valid_fraction", "0")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert banner.startswith("megalite:"), banner
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stop requested by signal while waiting for data: exiting before step 1" in out, out + err
