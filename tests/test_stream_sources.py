@@ -222,3 +222,33 @@ def test_sigterm_while_the_loader_waits_stops_the_run(tmp_path: Path, tok: str) 
         proc.kill()
     assert proc.returncode == 0, err
     assert "stop requested by signal while waiting for data: exiting before step 1" in out, out + err
+
+
+def test_preprocess_takes_what_streaming_takes(tmp_path: Path, tok: str) -> None:
+    """tools/preprocess_data.py reads through the streaming readers: .gz, .zst, parquet and a directory give the
+    plain .jsonl's dataset byte for byte; a cut file is refused as streaming refuses it."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    from megalite.data.preprocess import ReadOptions, preprocess
+
+    raw = _jsonl(RECORDS)
+    (tmp_path / "a.jsonl").write_bytes(raw)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(raw))
+    (tmp_path / "a.jsonl.zst").write_bytes(_zst(raw))
+    pq.write_table(pa.table({"text": RECORDS}), tmp_path / "a.parquet")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "1.jsonl.gz").write_bytes(gzip.compress(_jsonl(RECORDS[:5])))
+    pq.write_table(pa.table({"text": RECORDS[5:]}), tmp_path / "dir" / "2.parquet")
+    read = ReadOptions(json_key="text")
+
+    def bin_of(name: str) -> bytes:
+        prefix = preprocess([str(tmp_path / name)], tok, str(tmp_path / "out" / name), read, show_progress=False)
+        return Path(prefix + ".bin").read_bytes()
+
+    want = bin_of("a.jsonl")
+    for name in ("a.jsonl.gz", "a.jsonl.zst", "a.parquet", "dir"):
+        assert bin_of(name) == want, name
+    (tmp_path / "cut.jsonl.zst").write_bytes(_zst(raw)[:-5])
+    with pytest.raises(DataError, match="cut.jsonl.zst' is truncated"):
+        bin_of("cut.jsonl.zst")
