@@ -252,3 +252,31 @@ def test_preprocess_takes_what_streaming_takes(tmp_path: Path, tok: str) -> None
     (tmp_path / "cut.jsonl.zst").write_bytes(_zst(raw)[:-5])
     with pytest.raises(DataError, match="cut.jsonl.zst' is truncated"):
         bin_of("cut.jsonl.zst")
+
+
+def test_a_rewritten_token_file_is_named_on_resume(tmp_path: Path, tok: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The `.bin`/`.idx` sampler's position carries the files' digest too: the same documents and tokens, other
+    ids, refused on resume (or read from the start with data.on_change restart)."""
+    from megalite.data.indexed import IndexedDatasetWriter
+    from megalite.data.tokenizer import document_ids, load_tokenizer
+
+    t = load_tokenizer(tok)
+
+    def write(records: list[str]) -> None:
+        with IndexedDatasetWriter(str(tmp_path / "c"), t.vocab_size) as w:
+            for r in records:
+                w.add_document(document_ids(t, r))
+            w.finalize()
+
+    write(RECORDS)
+    args = _args(str(tmp_path / "c"), tok, tmp_path / "run", "--checkpoint.dir", str(tmp_path / "ck"),
+                 "--data.valid_fraction", "0")
+    assert pretrain_main(args) == 0
+    before = (tmp_path / "c.bin").read_bytes()
+    write(list(reversed(RECORDS)))  # the same documents in another order: same sizes, other content
+    assert len((tmp_path / "c.bin").read_bytes()) == len(before) and (tmp_path / "c.bin").read_bytes() != before
+    capsys.readouterr()
+    _refused([*args, "--train.steps", "3"], capsys, 3, r"'c' was rewritten since the checkpoint \(same size")
+    assert pretrain_main([*args, "--train.steps", "3", "--data.on_change", "restart"]) == 0
+    assert "data.on_change restart: reading the data from its start" in capsys.readouterr().out

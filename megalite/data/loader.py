@@ -26,8 +26,7 @@ from megalite.data.encode import BAD_KINDS, EncodeOptions, EncoderPool
 from megalite.data.gpt_dataset import GPTDataset, split_documents
 from megalite.data.indexed import IndexedDataset
 from megalite.data.packing import Cancelled, Counts, ReadLimits
-from megalite.data.readers import content_digest
-from megalite.data.position import check_resume, check_streams, owned_streams, position
+from megalite.data.position import check_resume, check_streams, owned_streams, position, token_file_fingerprint
 from megalite.data.sampler import cp_split
 from megalite.data.sources import Source, is_streaming
 from megalite.data.stream import SourceSpec, Stream, StreamSpec
@@ -100,8 +99,7 @@ class StreamLoader:
                 train.append(GPTDataset(ix, t_docs, self.seq_len, self.seed, name="train"))
                 if len(v_docs):
                     valid.append(GPTDataset(ix, v_docs, self.seq_len, self.seed, name="validation"))
-                self.fingerprints.append({"path": p, "kind": "bin", "documents": len(ix), "tokens": ix.num_tokens,
-                                          "names": [p], "content": [content_digest([p + ".idx", p + ".bin"])]})
+                self.fingerprints.append({**token_file_fingerprint(p), "documents": len(ix), "tokens": ix.num_tokens})
         self.has_valid = float(data.valid_fraction) > 0 and len(valid) == len(train)
         self._train, self._valid = train, valid
         self.streams = int(data.streams) or ranks.dp
@@ -213,7 +211,8 @@ class StreamLoader:
 
     def _build_validation(self) -> None:
         streams = [Stream(self._spec(True), v, self.pool, None, self._limits()) for v in self.owned()]
-        self._valid_batches = [b for _ in range(int(self.cfg.train.eval_steps)) for b in self._make_step(streams).batches]
+        steps = int(self.cfg.train.eval_steps)
+        self._valid_batches = [b for _ in range(steps) for b in self._make_step(streams).batches]
         self._valid_ready.set()
 
     def next_step(self, stop: Callable[[], bool] | None = None) -> list[Batch] | None:
@@ -257,7 +256,8 @@ class StreamLoader:
                 "ahead": self._queue.qsize()}
 
     def validation(self, eval_steps: int) -> list[Batch] | None:
-        """The same `eval_steps` steps of held-out samples every time (built at the first call, in this thread)."""
+        """The same `eval_steps` steps of held-out samples every time (built once: by the loader thread before
+        step 1's data when the run evaluates, else at the first call, in this thread)."""
         if not self.has_valid:
             return None
         if self._valid_first and self._thread is not None:  # the loader thread built it before step 1's data

@@ -11,8 +11,10 @@ reads the same streams from the same positions, token for token.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from megalite.data.readers import content_digest
 from megalite.errors import ConfigError, DataError
 
 FORMAT = "megalite-stream-1"
@@ -40,6 +42,13 @@ def position(streams: int, seq_len: int, seed: int, sources: list[dict[str, Any]
              steps: int) -> dict[str, Any]:
     return {"format": FORMAT, "streams": streams, "seq_len": seq_len, "seed": seed, "sources": sources,
             "states": states, "steps": steps}
+
+
+def token_file_fingerprint(prefix: str) -> dict[str, Any]:
+    """A `.bin`/`.idx` pair's fingerprint: its content digest (megalite/data/readers.py `content_digest`)."""
+    files = [prefix + ".idx", prefix + ".bin"]
+    return {"path": prefix, "kind": "bin", "names": [os.path.basename(prefix)],
+            "sizes": [sum(os.path.getsize(f) for f in files)], "content": [content_digest(files)]}
 
 
 def source_change(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
@@ -75,7 +84,8 @@ FIX = ("resume with the checkpointed run's data.path, model.seq_len and train.se
 def resume_mismatch(saved: dict[str, Any], seq_len: int, seed: int, sources: list[dict[str, Any]]) -> str | None:
     """Why the checkpoint's data position does not mean this run's data (one phrase), or None when it does."""
     if int(saved["seq_len"]) != seq_len:
-        return f"the checkpoint's data was packed into samples of model.seq_len {saved['seq_len']}, this run has {seq_len}"
+        return (f"the checkpoint's data was packed into samples of model.seq_len {saved['seq_len']}, this run has "
+                f"{seq_len}")
     if int(saved["seed"]) != seed:
         return f"the checkpoint's data order used train.seed {saved['seed']}, this run uses {seed}"
     theirs = saved.get("sources", [])

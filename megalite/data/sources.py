@@ -1,10 +1,11 @@
 """Raw record sources read as they come: JSON lines (plain, .gz, .zst), parquet, and Hugging Face datasets.
 
-A source is a list of files (a file, or every matching file of a directory, sorted) read record by record. A
-record's position is `RecordPos(epoch, file, record, byte)`: the epoch, the index of its file in that epoch's
-file order, its index in the file and, for plain JSON lines only, its byte offset (so resuming seeks there;
-compressed files are decompressed from their start and the lines before it skipped, parquet and datasets jump
-by row index). What a record holds is not interpreted here: a JSON line is handed on as its raw bytes and a
+A source is a list of files (a file, or every data file of a directory, of any of the kinds, sorted by name:
+megalite/data/readers.py lists them, refuses special files and verifies compressed ones to their end) read
+record by record. A record's position is `RecordPos(epoch, file, record, byte)`: the epoch, the index of its
+file in that epoch's file order, its index in the file and, for plain JSON lines only, its byte offset (so
+resuming seeks there; compressed files are decompressed from their start and the lines before it skipped,
+parquet and datasets jump by row index). What a record holds is not interpreted here: a JSON line is handed on as its raw bytes and a
 table row as the value of its column, so decoding, parsing and tokenizing happen in the tokenizer workers
 (megalite/data/encode.py), which also classify the bad ones.
 
@@ -68,7 +69,7 @@ def kind_of(path: str) -> PathKind | None:
     if os.path.isdir(path):
         if any(os.path.isfile(os.path.join(path, n)) for n in HF_MARKERS):
             return "hf"
-        return "dir"
+        return None if os.path.exists(path + ".idx") else "dir"  # `data/web` beside data/web.idx: the prefix
     kind = file_kind(path)
     if kind is not None:
         return kind

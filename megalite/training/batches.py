@@ -18,7 +18,8 @@ from megalite.config import Config
 from megalite.data import DataBundle, DataSampler, make_batch
 from megalite.data.loader import RankSlice, StreamLoader, counts_of, counts_vector
 from megalite.data.packing import Counts, bad_summary, check_bad_records
-from megalite.errors import CheckpointError
+from megalite.data.position import FIX, source_change, token_file_fingerprint
+from megalite.errors import CheckpointError, DataError
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
 from megalite.training.stop import StopFlag
@@ -55,6 +56,8 @@ class IndexedBatches:
         self.cfg, self.data, self.state = cfg, data, state
         self.sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank,
                                    state.dp, tr.seed)
+        # Each token file's content digest: a resume on files rewritten since is refused, naming them.
+        self.sources = [token_file_fingerprint(p) for p in cfg.data.path]
 
     def next_step(self, stop: StopFlag) -> list[Batch] | None:
         assert self.data.train is not None
@@ -70,9 +73,23 @@ class IndexedBatches:
         return [make_batch(valid, idx, state.cp, state.cp_rank) for _ in range(tr.eval_steps) for idx in sampler.next_step()]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        return {**self.sampler.state_dict(), "sources": self.sources}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        saved = d.get("sources")  # absent in a checkpoint written before the digests: not compared
+        if isinstance(saved, list) and all(isinstance(s, dict) for s in saved):
+            why = (f"the checkpoint read {len(saved)} data paths, this run has {len(self.sources)}"
+                   if len(saved) != len(self.sources)
+                   else next((c for a, b in zip(saved, self.sources) if (c := source_change(a, b)) is not None), None))
+            if why is not None:
+                if self.cfg.data.on_change != "restart":
+                    raise DataError(f"{why}: {FIX}")
+                if self.state.rank == 0:
+                    print(f"data: {why}; data.on_change restart: reading the data from its start", flush=True)
+                return
+        elif saved is not None:
+            raise CheckpointError(f"the checkpoint's extra.sampler.sources is garbled ({type(saved).__name__}): load "
+                                  "an earlier checkpoint")
         self.sampler.load_state_dict(d)
 
     def after_step(self) -> dict[str, Any] | None:
