@@ -280,3 +280,13 @@ def test_a_rewritten_token_file_is_named_on_resume(tmp_path: Path, tok: str,
     _refused([*args, "--train.steps", "3"], capsys, 3, r"'c' was rewritten since the checkpoint \(same size")
     assert pretrain_main([*args, "--train.steps", "3", "--data.on_change", "restart"]) == 0
     assert "data.on_change restart: reading the data from its start" in capsys.readouterr().out
+
+
+def test_an_overlong_line_is_not_held_whole(tmp_path: Path) -> None:
+    """A line past data.max_record_bytes is read as its first max + 1 bytes (so it counts as oversized) and the
+    rest skipped: a binary file named .jsonl cannot fill the memory; the offsets stay the lines' own."""
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b"a" * 200_000 + b"\n" + b'{"text": "x"}\n' + b"b" * 50)
+    got = list(lines(str(f), "jsonl", max_line=10))
+    assert [(o, len(line)) for o, line in got] == [(0, 11), (200_001, 11), (200_015, 11)]
+    assert list(lines(str(f), "jsonl", max_line=100))[1] == (200_001, b'{"text": "x"}\n')

@@ -87,7 +87,7 @@ class StreamLoader:
         key = data.messages_key if data.format == "chat" else data.text_key
         for p in paths:
             if is_streaming(p):
-                src = Source.open(p, key, self.seed)
+                src = Source.open(p, key, self.seed, max(0, int(data.max_record_bytes)))
                 train.append(src)
                 valid.append(src)
                 self.fingerprints.append(src.fingerprint())

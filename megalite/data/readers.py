@@ -66,6 +66,8 @@ def check_regular(path: str, what: str = "data.path") -> None:
                         "would block the run; copy the data into a file)")
     if not stat.S_ISREG(mode):
         raise DataError(f"{what} {path!r} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{what} {path!r} cannot be read (permission denied): check its permissions")
 
 
 @dataclass
@@ -182,17 +184,30 @@ def open_bytes(path: str, kind: Kind) -> BinaryIO:
     return raw
 
 
-def lines(path: str, kind: Kind, byte: int = 0) -> Iterator[tuple[int, bytes]]:
+def lines(path: str, kind: Kind, byte: int = 0, max_line: int = 0) -> Iterator[tuple[int, bytes]]:
     """(byte offset in the decompressed stream, line) of a JSON-lines file, blank lines included; `byte` > 0
-    seeks there first (plain files only)."""
+    seeks there first (plain files only). With `max_line` > 0 a longer line is not held whole: its first
+    `max_line + 1` bytes stand for it (a record that long is counted as oversized) and the rest is skipped, so
+    a file with no line breaks (a binary file named .jsonl) cannot fill the memory."""
     with open_bytes(path, kind) as f:
         offset = 0
         if byte > 0:
             f.seek(byte)
             offset = byte
-        for line in f:
-            yield offset, line
-            offset += len(line)
+        while True:
+            line = f.readline(max_line + 1) if max_line > 0 else f.readline()
+            if not line:
+                return
+            here, length = offset, len(line)
+            while max_line > 0 and not line.endswith(b"\n") and length > max_line:
+                rest = f.readline(_CHUNK)  # the rest of an oversized line, dropped chunk by chunk
+                if not rest:
+                    break
+                length += len(rest)
+                if rest.endswith(b"\n"):
+                    break
+            offset += length
+            yield here, line
 
 
 def content_digest(paths: list[str], whole_below: int = 1 << 20, blocks: int = 64, block: int = 16 << 10) -> str:

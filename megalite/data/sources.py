@@ -159,14 +159,15 @@ class Source:
     key: str
     seed: int
     skipped: str | None = None
+    max_line: int = 0  # data.max_record_bytes: a longer JSON line is read as its first max_line + 1 bytes
 
     @classmethod
-    def open(cls, path: str, key: str, seed: int) -> Source:
+    def open(cls, path: str, key: str, seed: int, max_line: int = 0) -> Source:
         kind = kind_of(path)
         if kind is None:
             raise ConfigError(f"data.path {path!r} is not a streaming source")
         listing = list_files(path, kind)
-        src = cls(path, kind, listing.files, key, seed, listing.note(path))
+        src = cls(path, kind, listing.files, key, seed, listing.note(path), max_line)
         if kind == "hf":
             src._hf = _load_hf(path)
         return src
@@ -201,7 +202,7 @@ class Source:
             plain = kind == "jsonl"
             seek = byte if plain and byte > 0 else 0
             index = start if seek else 0
-            for offset, line in lines(path, kind, seek):
+            for offset, line in lines(path, kind, seek, self.max_line):
                 if not line.strip():
                     continue  # a blank line is no record (a trailing newline, a separator)
                 if index >= start:
