@@ -9,9 +9,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
-import subprocess
-import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from megalite.errors import DataError
 from megalite.training.trainer import main as pretrain_main
 from tests.tokenizer_utils import TEXTS, train_hf_bpe
 
-REPO = Path(__file__).resolve().parents[1]
 RECORDS = [f"{t} #{i}" for i, t in enumerate(TEXTS * 2)]
 
 
@@ -54,7 +53,7 @@ def _refused(args: list[str], capsys: pytest.CaptureFixture[str], code: int, pat
     err = capsys.readouterr().err
     assert got == code, err
     lines_ = [line for line in err.splitlines() if line.startswith("megalite: error")]
-    assert len(lines_) == 1 and pytest.importorskip("re").search(pattern, lines_[0]), err
+    assert len(lines_) == 1 and re.search(pattern, lines_[0]), err
     return lines_[0]
 
 
@@ -105,27 +104,36 @@ def test_a_directory_reads_every_kind_and_names_what_it_skips(tmp_path: Path, to
            ".parquet), sub/ (a subdirectory: not read)" in out, out
 
 
-def test_special_files_are_refused_before_the_run(tmp_path: Path, tok: str) -> None:
-    """A FIFO in a data directory, or given itself, would block the reader forever: refused at start. The run in
-    a child process, so that a regression blocks only it (killed by the timeout) and not the test run."""
-    from megalite.config.schema import Config
-    from megalite.data.checks import check_data
+def _unblock_later(fifo: Path, done: threading.Event) -> None:
+    """Only a regression needs this: a reader blocked on `fifo` gets a writer (and so an end of file) once the
+    test has waited long, so the test fails instead of hanging the suite."""
+    while not done.wait(60):
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader has it open: nothing blocked on it
+            pass
 
+
+def test_special_files_are_refused_before_the_run(tmp_path: Path, tok: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO in a data directory, or given itself, or as a .idx, would block the reader forever: refused at
+    start, by stat, before anything opens it."""
     d = tmp_path / "shards"
     d.mkdir()
     (d / "a.jsonl").write_bytes(_jsonl(RECORDS))
     os.mkfifo(d / "b.jsonl")
     os.mkfifo(tmp_path / "c.idx")
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), *_args(str(d), tok, tmp_path / "run")],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 3, proc.stderr
-    assert "b.jsonl' is a FIFO (named pipe), not a regular file" in proc.stderr and "step" not in proc.stdout, \
-        proc.stderr
-    for path, what in ((d / "b.jsonl", "b.jsonl' is a FIFO"), (tmp_path / "c", "c.idx' is a FIFO")):
-        cfg = Config()
-        cfg.data.path = [str(path)]
-        with pytest.raises(DataError, match=what):
-            check_data(cfg)  # checks by stat, opens nothing
+    (tmp_path / "c.bin").write_bytes(b"")
+    done = threading.Event()
+    for fifo in (d / "b.jsonl", tmp_path / "c.idx"):
+        threading.Thread(target=_unblock_later, args=(fifo, done), daemon=True).start()
+    try:
+        for path, what in ((d, "b.jsonl"), (d / "b.jsonl", "b.jsonl"), (tmp_path / "c", "c.idx")):
+            _refused(_args(str(path), tok, tmp_path / "run"), capsys, 3, rf"{what}' is a FIFO \(named pipe\), not a "
+                     "regular file")
+    finally:
+        done.set()
+    assert not (tmp_path / "run").exists()  # refused before the run wrote anything
 
 
 @pytest.mark.parametrize("kind", ["invalid_json", "parquet_without_column", "chat_read_as_text", "many_invalid"])
@@ -200,28 +208,42 @@ def test_chat_flags_on_token_files_are_refused(tmp_path: Path, tok: str, capsys:
              r"data.on_change = 'ignore': choose refuse")
 
 
-def test_sigterm_while_the_loader_waits_stops_the_run(tmp_path: Path, tok: str) -> None:
-    """A source slow by construction (a billion invalid lines in 2 MB of gzip members, the bad-record limits
-    off): the loader never makes step 1, and the first SIGTERM ends the wait: exit 0, one line, nothing trained.
-    The signal is sent once the run has printed its banner (the loop starts after it), not after a delay."""
+def _slow_source(path: Path, good: bytes = b"") -> None:
+    """`good` records, then a billion invalid lines in 2 MB of gzip members: with the bad-record limits off, a
+    loader reading it makes no sample for much longer than any test runs."""
     member = gzip.compress(b"{\n" * (1 << 19))
-    with open(tmp_path / "slow.jsonl.gz", "wb") as f:
+    with open(path, "wb") as f:
+        if good:
+            f.write(gzip.compress(good))
         for _ in range(2000):
             f.write(member)
-    cmd = [sys.executable, str(REPO / "pretrain.py"),
-           *_args(str(tmp_path / "slow.jsonl.gz"), tok, tmp_path / "run", "--data.max_bad_fraction", "1.0",
-                  "--data.valid_fraction", "0")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _signal_when_loading(signum: int, done: threading.Event) -> None:
+    """Send `signum` to this process once the loader thread runs (the loop has asked for step 1's data)."""
+    while not done.is_set():
+        if any(t.name == "megalite-data" for t in threading.enumerate()):
+            os.kill(os.getpid(), signum)
+            return
+        done.wait(0.05)
+
+
+def test_sigterm_while_the_loader_waits_stops_the_run(tmp_path: Path, tok: str,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    """The loader never makes step 1 (a slow all-bad source, the limits off); the first SIGTERM ends the wait:
+    exit 0, one line, nothing trained. The signal is sent once the loader thread exists, not after a delay."""
+    _slow_source(tmp_path / "slow.jsonl.gz")
+    done = threading.Event()
+    threading.Thread(target=_signal_when_loading, args=(signal.SIGTERM, done), daemon=True).start()
     try:
-        assert proc.stdout is not None
-        banner = proc.stdout.readline()
-        assert banner.startswith("megalite:"), banner
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=300)
+        code = pretrain_main(_args(str(tmp_path / "slow.jsonl.gz"), tok, tmp_path / "run", "--data.max_bad_fraction",
+                                   "1.0", "--data.valid_fraction", "0"))
     finally:
-        proc.kill()
-    assert proc.returncode == 0, err
+        done.set()
+    out, err = capfd.readouterr()  # the signal handler writes to fd 2 itself (megalite/training/stop.py)
+    assert code == 0, err
     assert "stop requested by signal while waiting for data: exiting before step 1" in out, out + err
+    assert "SIGTERM: stopping" in err
 
 
 def test_preprocess_takes_what_streaming_takes(tmp_path: Path, tok: str) -> None:
@@ -290,3 +312,52 @@ def test_an_overlong_line_is_not_held_whole(tmp_path: Path) -> None:
     got = list(lines(str(f), "jsonl", max_line=10))
     assert [(o, len(line)) for o, line in got] == [(0, 11), (200_001, 11), (200_015, 11)]
     assert list(lines(str(f), "jsonl", max_line=100))[1] == (200_001, b'{"text": "x"}\n')
+
+
+def _signal_after_steps(metrics: Path, steps: int, done: threading.Event) -> None:
+    while not done.is_set():
+        if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        done.wait(0.05)
+
+
+def _pretrain_rank_signalled(rank: int, world: int, argv: list[str], metrics: str, steps: int) -> tuple[int, str, str]:
+    """A warm rank's pretrain.py run that sends itself Ctrl-C once `steps` steps are logged (every rank gets the
+    signal, as a terminal's Ctrl-C or a scheduler's SIGTERM reaches every rank)."""
+    from tests.pool_pretrain import _pretrain_rank
+
+    done = threading.Event()
+    threading.Thread(target=_signal_after_steps, args=(Path(metrics), steps, done), daemon=True).start()
+    try:
+        return _pretrain_rank(rank, world, argv)
+    finally:
+        done.set()
+
+
+def test_ctrl_c_at_dp_2_while_both_ranks_wait_saves_the_last_step(dist_world: Any, tmp_path: Path, tok: str) -> None:
+    """Two ranks, each waiting for data that never comes (its good records used up, then a billion invalid
+    lines): Ctrl-C ends both waits, the ranks agree before the step, the last finished step is saved with its
+    data position and the run exits 0. The signal comes once every step the good records can make is logged,
+    so the ranks are then waiting by construction, not by timing."""
+    from megalite.data.sources import Selection
+    from megalite.data.tokenizer import document_ids, load_tokenizer
+
+    t, seq = load_tokenizer(tok), 16  # global batch 2 over 2 streams: one sample per stream and step
+    good = RECORDS[:5]
+    _slow_source(tmp_path / "d.jsonl.gz", _jsonl(good))
+    tokens = [sum(len(document_ids(t, r)) for i, r in enumerate(good) if Selection(v, 2, False, 0.0, 0).mine(0, i, 0))
+              for v in range(2)]
+    steps = min((n - 1) // seq for n in tokens)  # samples of seq + 1 tokens, each seq after the last
+    assert steps >= 1
+    log, ck = tmp_path / "run", tmp_path / "ck"
+    args = [*_args(str(tmp_path / "d.jsonl.gz"), tok, log, "--checkpoint.dir", str(ck), "--train.steps", "1000",
+                   "--data.max_bad_fraction", "1.0", "--data.valid_fraction", "0", "--train.seed", "0"),
+            "--parallel.dp", "2", "--train.micro_batch_size", "1", "--data.streams", "2"]
+    results = dist_world(2).run(_pretrain_rank_signalled, 2, args, str(log / "metrics.jsonl"), steps)
+    out = "".join(o for _, o, _ in results)
+    assert [code for code, _, _ in results] == [0, 0], "".join(e for _, _, e in results)[-3000:]
+    assert f"stop requested by signal while waiting for data: exiting before step {steps + 1}" in out, out[-2000:]
+    assert (ck / "latest").read_text().strip() == f"step_{steps:08d}"
+    saved = json.loads((ck / f"step_{steps:08d}" / "index.json").read_text())["extra"]["data_stream"]
+    assert saved["steps"] == steps
