@@ -361,3 +361,23 @@ def test_ctrl_c_at_dp_2_while_both_ranks_wait_saves_the_last_step(dist_world: An
     assert (ck / "latest").read_text().strip() == f"step_{steps:08d}"
     saved = json.loads((ck / f"step_{steps:08d}" / "index.json").read_text())["extra"]["data_stream"]
     assert saved["steps"] == steps
+
+
+def test_a_record_longer_than_a_step_counts_as_read(tmp_path: Path, tok: str) -> None:
+    """After step 1 of a source whose records are longer than a step, the record being read is counted (the log
+    said "0 records read" while training on it)."""
+    from megalite.config.schema import Config
+    from megalite.data.loader import RankSlice, StreamLoader
+    from megalite.data.tokenizer import load_tokenizer
+
+    (tmp_path / "d.jsonl").write_bytes(_jsonl([" ".join(RECORDS) * 4] * 3))
+    cfg = Config()
+    cfg.data.path, cfg.data.tokenizer = [str(tmp_path / "d.jsonl")], tok
+    cfg.data.workers, cfg.data.valid_fraction = 0, 0.0
+    cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size = 16, 2, 2
+    loader = StreamLoader(cfg, RankSlice(1, 0), load_tokenizer(tok))
+    try:
+        loader.next_step()
+        assert loader.counts().records == 1
+    finally:
+        loader.close()

@@ -56,7 +56,14 @@ class RecordStream:
         return {"cursor": self.packer.cursor().to_dict()}
 
     def counts(self) -> Counts:
-        return self.packer.cursor().counts
+        """Records read up to the next sample's start: the cursor's counts (those before its record, what a
+        resume restarts from) and its record when part of it was used (a record longer than a step is read)."""
+        cursor = self.packer.cursor()
+        if cursor.offset == 0:
+            return cursor.counts
+        counts = cursor.counts.copy()
+        counts.records += 1
+        return counts
 
     def tokens_in(self) -> int:
         return self.packer.tokens_in
