@@ -228,16 +228,18 @@ def _signal_when_loading(signum: int, done: threading.Event) -> None:
         done.wait(0.05)
 
 
-def test_sigterm_while_the_loader_waits_stops_the_run(tmp_path: Path, tok: str,
-                                                      capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_sigterm_while_the_loader_waits_stops_the_run(tmp_path: Path, tok: str, capfd: pytest.CaptureFixture[str],
+                                                      workers: str) -> None:
     """The loader never makes step 1 (a slow all-bad source, the limits off); the first SIGTERM ends the wait:
-    exit 0, one line, nothing trained. The signal is sent once the loader thread exists, not after a delay."""
+    exit 0, one line, nothing trained, in the loader thread or with a tokenizer worker (the loader stops between
+    two records or while waiting for the worker). The signal is sent once the loader thread exists."""
     _slow_source(tmp_path / "slow.jsonl.gz")
     done = threading.Event()
     threading.Thread(target=_signal_when_loading, args=(signal.SIGTERM, done), daemon=True).start()
     try:
         code = pretrain_main(_args(str(tmp_path / "slow.jsonl.gz"), tok, tmp_path / "run", "--data.max_bad_fraction",
-                                   "1.0", "--data.valid_fraction", "0"))
+                                   "1.0", "--data.valid_fraction", "0", "--data.workers", workers))
     finally:
         done.set()
     out, err = capfd.readouterr()  # the signal handler writes to fd 2 itself (megalite/training/stop.py)

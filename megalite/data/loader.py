@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from megalite.data.encode import BAD_KINDS, EncodeOptions, EncoderPool
+from megalite.data.encode import BAD_KINDS, Cancelled, EncodeOptions, EncoderPool
 from megalite.data.gpt_dataset import GPTDataset, split_documents
 from megalite.data.indexed import IndexedDataset
-from megalite.data.packing import Cancelled, Counts, ReadLimits
+from megalite.data.packing import Counts, ReadLimits
 from megalite.data.position import check_resume, check_streams, owned_streams, position, token_file_fingerprint
 from megalite.data.sampler import cp_split
 from megalite.data.sources import Source, is_streaming

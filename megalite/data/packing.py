@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from megalite.data.encode import BAD_KINDS, Encoded, Result
+from megalite.data.encode import BAD_KINDS, Cancelled, Encoded, Result
 from megalite.data.sources import START, RecordPos
 from megalite.errors import DataError
 
@@ -68,10 +68,6 @@ def check_bad_records(counts: Counts, max_records: int, max_fraction: float) -> 
                  else f"data.max_bad_fraction = {max_fraction} of {counts.records} records")
         raise DataError(f"data: {bad_summary(counts)} of {counts.records} records read, over {limit}: fix the "
                         "records (the kinds are listed in docs/data.md) or raise the limit")
-
-
-class Cancelled(Exception):
-    """The reader was told to stop (the loader is closing): raised between two records."""
 
 
 class ReadLimits:

@@ -47,7 +47,8 @@ class RecordStream:
         start = Cursor.of(state["cursor"]) if state else Cursor(START, 0, Counts())
         split = "validation" if sel.valid else "training"
         name = f"data.path {source.path!r} ({split} stream {sel.stream} of {sel.streams})"
-        self.packer = Packer(encoded(stream_records(source, sel, start.pos), pool), seq_len, start, limits, name)
+        records = encoded(stream_records(source, sel, start.pos), pool, cancel=limits.cancel)
+        self.packer = Packer(records, seq_len, start, limits, name)
 
     def next_sample(self) -> Sample:
         return self.packer.next_sample()
