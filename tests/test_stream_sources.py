@@ -383,3 +383,19 @@ def test_a_record_longer_than_a_step_counts_as_read(tmp_path: Path, tok: str) ->
         assert loader.counts().records == 1
     finally:
         loader.close()
+
+
+def test_a_validation_split_too_small_is_refused_before_step_1(tmp_path: Path, tok: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The run evaluates, and the held-out share of a small corpus is empty: refused before step 1 (the loader
+    builds the validation batches first), not after training up to the first evaluation."""
+    from megalite.data.sources import Selection
+
+    records = RECORDS[:6]
+    seed = next(s for s in range(100) if not any(Selection(0, 1, True, 0.05, s).mine(0, i, 0) for i in range(6)))
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(records))
+    run = tmp_path / "run"
+    _refused(_args(str(tmp_path / "d.jsonl"), tok, run, "--data.valid_fraction", "0.05", "--train.seed", str(seed),
+                   "--train.eval_interval", "3", "--train.steps", "6"), capsys, 3,
+             "got no validation record in a whole epoch")
+    assert not (run / "metrics.jsonl").exists() or '"loss"' not in (run / "metrics.jsonl").read_text()
