@@ -59,7 +59,7 @@ def _refused(args: list[str], capsys: pytest.CaptureFixture[str], code: int, pat
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
 def test_a_compressed_file_cut_mid_frame_is_refused_with_its_offset(tmp_path: Path, suffix: str) -> None:
-    raw = _jsonl(RECORDS * 20)
+    raw = _jsonl([f"{r} {i}" for i in range(400) for r in RECORDS])  # over 64 KiB: several reads a member
     packed = gzip.compress(raw) if suffix == ".jsonl.gz" else _zst(raw)
     whole = tmp_path / f"whole{suffix}"
     whole.write_bytes(packed + packed)  # two members / frames: both read

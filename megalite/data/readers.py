@@ -114,7 +114,8 @@ class _Verified(io.RawIOBase):
         self.path, self.raw, self.decoder, self.chunk, self.bounded = path, raw, decoder, chunk, bounded
         self.dec = decoder()
         self.pending = b""     # compressed bytes read but not yet given to the decoder
-        self.out = b""         # decompressed bytes not yet returned
+        self.out = b""         # decompressed bytes, returned from `self.at` on
+        self.at = 0
         self.consumed = 0      # compressed bytes read from the file
         self.started = False   # the current member has had input
         self.done = False
@@ -123,11 +124,12 @@ class _Verified(io.RawIOBase):
         return True
 
     def readinto(self, buf: Any) -> int:
-        while not self.out and not self.done:
+        while self.at >= len(self.out) and not self.done:
+            self.out, self.at = b"", 0
             self._step(len(buf))
-        n = min(len(buf), len(self.out))
-        buf[:n] = self.out[:n]
-        self.out = self.out[n:]
+        n = min(len(buf), len(self.out) - self.at)
+        buf[:n] = memoryview(self.out)[self.at: self.at + n]
+        self.at += n
         return n
 
     def _step(self, want: int) -> None:
@@ -147,7 +149,8 @@ class _Verified(io.RawIOBase):
         try:
             if self.bounded:  # at most `want` bytes out; the input it did not use comes back first next time
                 self.out = self.dec.decompress(data, max(want, _CHUNK))
-                self.pending = self.dec.unconsumed_tail + self.pending
+                if not self.dec.eof:  # at the member's end what is left is in unused_data (and also here)
+                    self.pending = self.dec.unconsumed_tail + self.pending
             else:
                 self.out = self.dec.decompress(data)
         except Exception as e:  # zlib.error, zstandard.ZstdError (not an OSError): a corrupt file either way
