@@ -54,7 +54,8 @@ def test_preprocess_bad_arguments_and_outputs(files: dict[str, Any], tmp_path: P
           "text"], DATA, "broken.jsonl:2"),
         (["--input", str(files["surrogates"]), "--output-prefix", str(out), "--json-key", "body"], DATA, "'body'"),
         (["--input", str(files["good"]), "--output-prefix", str(files["a_file"] / "x")], STORAGE, "a_file"),
-        (["--input", str(files["root"]), "--output-prefix", str(out)], DATA, "input file not found"),
+        (["--input", str(files["root"]), "--output-prefix", str(out)], DATA, "pass --json-key"),
+        (["--input", str(files["root"] / "none.txt"), "--output-prefix", str(out)], DATA, "input file not found"),
         (["--output-prefix", str(out)], CONFIG, "--input"),
     ]
     for argv, code, needle in cases:

@@ -15,7 +15,8 @@ import torch
 
 from megalite.config.schema import Config
 from megalite.data.indexed import IndexedDatasetWriter
-from megalite.data.loader import RankSlice, StreamLoader, check_bad_records
+from megalite.data.loader import RankSlice, StreamLoader
+from megalite.data.packing import check_bad_records
 from megalite.data.packing import Counts
 from megalite.data.tokenizer import document_ids, load_tokenizer
 from megalite.errors import ConfigError, DataError

@@ -3,6 +3,12 @@
     python tools/preprocess_data.py --input a.txt b.txt --tokenizer tok.model --output-prefix data/mine
     python tools/preprocess_data.py --input corpus.jsonl --json-key text --tokenizer tokenizer.json \\
         --output-prefix data/mine
+    python tools/preprocess_data.py --input shards/ --json-key text --tokenizer tokenizer.json \\
+        --output-prefix data/mine
+
+--input takes what `--data.path` streams, read by the same readers: JSON lines plain, .gz or .zst, parquet (the
+--json-key column), a directory of them (every such file, sorted; what else it holds is named), a datasets
+save_to_disk directory. Text files are one document each (--split-paragraphs: one per paragraph).
 
 --tokenizer is a SentencePiece .model, a Hugging Face tokenizer.json (or a model directory holding one) or
 a tiktoken encoding file; the kind is read from the file. Each document is followed by the tokenizer's
@@ -33,13 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = one_line_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="text files (one document each) or .jsonl files (with --json-key)")
+                   help="text files (one document each), or with --json-key: .jsonl / .jsonl.gz / .jsonl.zst / "
+                        ".parquet files, directories of them, datasets save_to_disk directories")
     p.add_argument("--tokenizer", required=True, metavar="FILE",
                    help="SentencePiece .model, Hugging Face tokenizer.json or tiktoken encoding file")
     p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
                    help="prepend BOS to every document (default: the tokenizer's convention)")
     p.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin and P.idx")
-    p.add_argument("--json-key", default=None, metavar="K", help="inputs are JSON lines; documents are obj[K]")
+    p.add_argument("--json-key", default=None, metavar="K",
+                   help="inputs are records; documents are obj[K] (JSON lines) or column K (parquet, datasets)")
     p.add_argument("--split-paragraphs", action="store_true",
                    help="text inputs: one document per blank-line-separated paragraph")
     p.add_argument("--workers", type=int, default=None, metavar="N",

@@ -195,6 +195,9 @@ class DataConfig:
                                   "count limit")
     max_bad_fraction: float = _f(0.01, "stop the run when more than this share of the raw records read were bad "
                                        "(checked from the 1,000th record on)")
+    on_change: str = _f("refuse", "a resumed run whose raw data changed since the checkpoint (files, sizes, content): "
+                                  "refuse (name the file) | restart (read the data from its start; weights, optimizer "
+                                  "and step are resumed)")
 
 
 @dataclass

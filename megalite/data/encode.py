@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,8 +180,25 @@ class _Done:
         return self.value
 
 
+class Cancelled(Exception):
+    """The reader was told to stop (the loader is closing): raised between two records or while waiting for the
+    workers."""
+
+
+def _results(handle: Any, cancel: threading.Event | None) -> list[Result]:
+    """A batch's results; a closing loader does not wait for them (a worker may be busy with a slow record)."""
+    if cancel is None or isinstance(handle, _Done):
+        return handle.get()  # type: ignore[no-any-return]
+    while True:
+        try:
+            return handle.get(timeout=0.1)  # type: ignore[no-any-return]
+        except mp.TimeoutError:
+            if cancel.is_set():
+                raise Cancelled() from None
+
+
 def encoded(records: Iterator[tuple[Any, Any]], pool: EncoderPool, batch: int = 64,
-            depth: int = 4) -> Iterator[tuple[Any, Result]]:
+            depth: int = 4, cancel: threading.Event | None = None) -> Iterator[tuple[Any, Result]]:
     """(position, result) for each (position, raw) of `records`, in order, with up to `depth` batches of
     `batch` records in the workers ahead of the one being read."""
     pending: deque[tuple[list[Any], Any]] = deque()
@@ -199,4 +217,4 @@ def encoded(records: Iterator[tuple[Any, Any]], pool: EncoderPool, batch: int = 
         if not pending:
             return
         positions, handle = pending.popleft()
-        yield from zip(positions, handle.get())
+        yield from zip(positions, _results(handle, cancel))

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from megalite.data.encode import BAD_KINDS, EncodeOptions, EncoderPool
+from megalite.data.encode import BAD_KINDS, Cancelled, EncodeOptions, EncoderPool
 from megalite.data.gpt_dataset import GPTDataset, split_documents
 from megalite.data.indexed import IndexedDataset
-from megalite.data.packing import Counts
-from megalite.data.position import check_resume, check_streams, owned_streams, position
+from megalite.data.packing import Counts, ReadLimits
+from megalite.data.position import check_resume, check_streams, owned_streams, position, token_file_fingerprint
 from megalite.data.sampler import cp_split
 from megalite.data.sources import Source, is_streaming
 from megalite.data.stream import SourceSpec, Stream, StreamSpec
@@ -87,7 +87,7 @@ class StreamLoader:
         key = data.messages_key if data.format == "chat" else data.text_key
         for p in paths:
             if is_streaming(p):
-                src = Source.open(p, key, self.seed)
+                src = Source.open(p, key, self.seed, max(0, int(data.max_record_bytes)))
                 train.append(src)
                 valid.append(src)
                 self.fingerprints.append(src.fingerprint())
@@ -99,7 +99,7 @@ class StreamLoader:
                 train.append(GPTDataset(ix, t_docs, self.seq_len, self.seed, name="train"))
                 if len(v_docs):
                     valid.append(GPTDataset(ix, v_docs, self.seq_len, self.seed, name="validation"))
-                self.fingerprints.append({"path": p, "kind": "bin", "documents": len(ix), "tokens": ix.num_tokens})
+                self.fingerprints.append({**token_file_fingerprint(p), "documents": len(ix), "tokens": ix.num_tokens})
         self.has_valid = float(data.valid_fraction) > 0 and len(valid) == len(train)
         self._train, self._valid = train, valid
         self.streams = int(data.streams) or ranks.dp
@@ -109,6 +109,7 @@ class StreamLoader:
         self._states: dict[int, dict[str, Any]] = {}
         self.steps = 0
         self._consumed: _Step | None = None
+        self._previous: _Step | None = None
         self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=max(1, int(data.prefetch)))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,6 +118,14 @@ class StreamLoader:
         self.wait_s = 0.0          # the last step's wait for data
         self.total_wait_s = 0.0
         self._valid_batches: list[Batch] | None = None
+        # Validation is built first, by the loader thread, when the run evaluates: a split too small for it is
+        # refused before step 1, not at the first evaluation.
+        self._valid_first = self.has_valid and int(tr.eval_interval) > 0
+        self._valid_ready = threading.Event()
+        self.skipped = [s.skipped for s in train if isinstance(s, Source) and s.skipped]
+
+    def _limits(self) -> ReadLimits:
+        return ReadLimits(int(self.cfg.data.max_bad_records), float(self.cfg.data.max_bad_fraction), self._stop)
 
     def _spec(self, valid: bool) -> StreamSpec:
         return StreamSpec(self._valid if valid else self._train, self.weights, self.seq_len, self.seed,
@@ -126,14 +135,20 @@ class StreamLoader:
         return owned_streams(self.streams, self.ranks.dp, self.ranks.dp_rank)
 
     # -- the data position ------------------------------------------------------------------------------------
-    def load_position(self, saved: dict[str, Any]) -> None:
-        """Resume at a checkpoint's position (before the first `next_step`)."""
+    def load_position(self, saved: dict[str, Any]) -> str | None:
+        """Resume at a checkpoint's position (before the first `next_step`). When the data changed since, a
+        DataError, or with `data.on_change restart` the data read from its start and a note saying so."""
         if self._thread is not None:
             raise RuntimeError("load_position after the loader started")
-        self.streams = check_resume(saved, self.seq_len, self.seed, self.fingerprints)
+        streams, why = check_resume(saved, self.seq_len, self.seed, self.fingerprints,
+                                    restart=self.cfg.data.on_change == "restart")
+        if streams is None:
+            return f"data: {why}; data.on_change restart: reading the data from its start"
+        self.streams = streams
         check_streams(self.streams, self.ranks.dp, self.global_batch)
         self._states = {v: saved["states"][v] for v in self.owned()}
         self.steps = int(saved["steps"])
+        return None
 
     def local_states(self) -> dict[int, dict[str, Any]]:
         """This rank's streams' states after the last step it consumed."""
@@ -153,7 +168,12 @@ class StreamLoader:
     # -- batches ----------------------------------------------------------------------------------------------
     def _make_step(self, streams: list[Stream]) -> _Step:
         per = self.global_batch // self.streams
-        samples = [s.next_sample() for s in streams for _ in range(per)]
+        samples = []
+        for s in streams:
+            for _ in range(per):
+                if self._stop.is_set():  # closing: a slow source must not hold the run's exit
+                    raise Cancelled()
+                samples.append(s.next_sample())
         batches = [to_batch(samples[i: i + self.micro], self.ranks.cp, self.ranks.cp_rank)
                    for i in range(0, len(samples), self.micro)]
         counts = Counts()
@@ -164,7 +184,10 @@ class StreamLoader:
 
     def _produce(self) -> None:
         try:
-            streams = [Stream(self._spec(False), v, self.pool, self._states.get(v)) for v in self.owned()]
+            if self._valid_first:
+                self._build_validation()
+            limits = self._limits()
+            streams = [Stream(self._spec(False), v, self.pool, self._states.get(v), limits) for v in self.owned()]
             first = True
             while not self._stop.is_set():
                 t0 = time.perf_counter()
@@ -179,25 +202,48 @@ class StreamLoader:
                         break
                     except queue.Full:
                         continue
+        except Cancelled:
+            pass
         except BaseException as e:  # handed to the training thread, which raises it at its next step
             self._queue.put(e)
+        finally:
+            self._valid_ready.set()  # a validation() waiting on a loader that failed first gets the error
 
-    def next_step(self) -> list[Batch]:
-        """This rank's micro-batches of the next step."""
+    def _build_validation(self) -> None:
+        streams = [Stream(self._spec(True), v, self.pool, None, self._limits()) for v in self.owned()]
+        steps = int(self.cfg.train.eval_steps)
+        self._valid_batches = [b for _ in range(steps) for b in self._make_step(streams).batches]
+        self._valid_ready.set()
+
+    def next_step(self, stop: Callable[[], bool] | None = None) -> list[Batch] | None:
+        """This rank's micro-batches of the next step; None when `stop()` turned true while waiting for them (a
+        stop signal: the wait for a slow or failing source never outlasts it)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, name="megalite-data", daemon=True)
             self._thread.start()
         t0 = time.perf_counter()
-        item = self._queue.get()
+        while True:
+            try:
+                item = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if stop is not None and stop():
+                    return None
         self.wait_s = time.perf_counter() - t0
         self.total_wait_s += self.wait_s
         if isinstance(item, BaseException):
             if isinstance(item, (DataError, ConfigError)):
                 raise item
             raise DataError(f"the data loader failed: {type(item).__name__}: {item}") from item
-        self._consumed = item
+        self._previous, self._consumed = self._consumed, item
         self.steps += 1
         return item.batches
+
+    def untake(self) -> None:
+        """The last step's batches were not trained on (the run stopped before the step): the position goes
+        back to before them, so a resumed run reads them."""
+        self._consumed = self._previous
+        self.steps -= 1
 
     def counts(self) -> Counts:
         """Records read and bad records of this rank's streams, up to the last consumed step."""
@@ -210,11 +256,14 @@ class StreamLoader:
                 "ahead": self._queue.qsize()}
 
     def validation(self, eval_steps: int) -> list[Batch] | None:
-        """The same `eval_steps` steps of held-out samples every time (built at the first call, in this thread)."""
+        """The same `eval_steps` steps of held-out samples every time (built once: by the loader thread before
+        step 1's data when the run evaluates, else at the first call, in this thread)."""
         if not self.has_valid:
             return None
+        if self._valid_first and self._thread is not None:  # the loader thread built it before step 1's data
+            self._valid_ready.wait()
         if self._valid_batches is None:
-            streams = [Stream(self._spec(True), v, self.pool, None) for v in self.owned()]
+            streams = [Stream(self._spec(True), v, self.pool, None, self._limits()) for v in self.owned()]
             self._valid_batches = [b for _ in range(eval_steps) for b in self._make_step(streams).batches]
         return self._valid_batches
 
@@ -228,26 +277,6 @@ class StreamLoader:
                     pass
                 self._thread.join(timeout=0.1)
         self.pool.close()
-
-
-def bad_summary(counts: Counts) -> str:
-    bad = {k: v for k, v in counts.bad.items() if v}
-    if not bad:
-        return "no bad records"
-    return f"{sum(bad.values())} bad (" + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())) + ")"
-
-
-def check_bad_records(counts: Counts, max_records: int, max_fraction: float) -> None:
-    """A DataError when the run's bad records (summed over its ranks) pass `data.max_bad_records` or, from the
-    1,000th record on, the share `data.max_bad_fraction`."""
-    bad = sum(counts.bad.values())
-    over_count = max_records >= 0 and bad > max_records
-    over_share = counts.records >= 1000 and bad > max_fraction * counts.records
-    if over_count or over_share:
-        limit = (f"data.max_bad_records = {max_records}" if over_count
-                 else f"data.max_bad_fraction = {max_fraction} of {counts.records} records")
-        raise DataError(f"data: {bad_summary(counts)} of {counts.records} records read, over {limit}: fix the "
-                        "records (the kinds are listed in docs/data.md) or raise the limit")
 
 
 COUNT_FIELDS = ("records",) + BAD_KINDS

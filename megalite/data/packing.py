@@ -12,6 +12,7 @@ plus the bad-record counts *before* that record: restarting the record stream at
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from megalite.data.encode import BAD_KINDS, Encoded, Result
-from megalite.data.sources import RecordPos
+from megalite.data.encode import BAD_KINDS, Cancelled, Encoded, Result
+from megalite.data.sources import START, RecordPos
+from megalite.errors import DataError
 
 
 @dataclass
@@ -46,6 +48,52 @@ class Counts:
         bad = {k: 0 for k in BAD_KINDS}
         bad.update({str(k): int(v) for k, v in d.get("bad", {}).items()})
         return cls(int(d.get("records", 0)), bad)
+
+
+def bad_summary(counts: Counts) -> str:
+    bad = {k: v for k, v in counts.bad.items() if v}
+    if not bad:
+        return "no bad records"
+    return f"{sum(bad.values())} bad (" + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())) + ")"
+
+
+def check_bad_records(counts: Counts, max_records: int, max_fraction: float) -> None:
+    """A DataError when `counts` pass `data.max_bad_records` or, from the 1,000th record on, the share
+    `data.max_bad_fraction`."""
+    bad = sum(counts.bad.values())
+    over_count = max_records >= 0 and bad > max_records
+    over_share = counts.records >= 1000 and bad > max_fraction * counts.records
+    if over_count or over_share:
+        limit = (f"data.max_bad_records = {max_records}" if over_count
+                 else f"data.max_bad_fraction = {max_fraction} of {counts.records} records")
+        raise DataError(f"data: {bad_summary(counts)} of {counts.records} records read, over {limit}: fix the "
+                        "records (the kinds are listed in docs/data.md) or raise the limit")
+
+
+class ReadLimits:
+    """The bad-record limits, checked as each record is read (not after a step: a source whose every record is
+    bad never completes one). One per rank and split, shared by its streams: a rank's own bad records passing
+    `data.max_bad_records` means the run's do; the share is judged on the records this rank has read. `cancel`
+    set stops the reading at the next record (a long stretch of bad records must not hold up a closing run)."""
+
+    def __init__(self, max_records: int, max_fraction: float, cancel: threading.Event | None = None) -> None:
+        self.max_records, self.max_fraction, self.cancel = max_records, max_fraction, cancel
+        self.total = Counts()
+
+    def start(self, counts: Counts) -> None:
+        """A stream (re)starts with `counts` already read (a resume)."""
+        self.total.add(counts)
+
+    def read(self, bad: str | None) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled()
+        self.total.records += 1
+        if bad is not None:
+            self.total.bad[bad] = self.total.bad.get(bad, 0) + 1
+            check_bad_records(self.total, self.max_records, self.max_fraction)
+
+
+NO_LIMITS = ReadLimits(-1, 1.0)
 
 
 @dataclass(frozen=True)
@@ -75,9 +123,16 @@ class _Segment:
 class Packer:
     """Samples of `seq_len + 1` tokens from (position, encode result) items, in order."""
 
-    def __init__(self, items: Iterator[tuple[RecordPos, Result]], seq_len: int, start: Cursor) -> None:
-        self.items, self.seq_len = items, seq_len
+    def __init__(self, items: Iterator[tuple[RecordPos, Result]], seq_len: int, start: Cursor,
+                 limits: ReadLimits = NO_LIMITS, name: str = "the data") -> None:
+        self.items, self.seq_len, self.limits, self.name = items, seq_len, limits, name
         self.counts = start.counts.copy()
+        limits.start(self.counts)
+        # The last epoch that gave a good record: a whole epoch after it without one means none will come (an
+        # all-bad source would otherwise be read epoch after epoch, never making a sample). A stream resumed
+        # mid-epoch has only part of its epoch left, so that epoch does not count as whole.
+        whole = start.pos.file == START.file and start.pos.record == START.record and start.offset == 0
+        self._good_epoch = start.pos.epoch - 1 if whole else start.pos.epoch
         self._skip = start.offset  # tokens of the first good record already used before the restart
         self._start = start
         self._buf: deque[_Segment] = deque()
@@ -97,7 +152,15 @@ class Packer:
             if not isinstance(result, Encoded):
                 self.counts.records += 1
                 self.counts.bad[result] = self.counts.bad.get(result, 0) + 1
+                self.limits.read(result)
+                if pos.epoch >= self._good_epoch + 2:
+                    raise DataError(f"{self.name}: every record of a whole epoch was bad "
+                                    f"({bad_summary(self.counts)} of {self.counts.records} records read): fix the "
+                                    "records (the kinds are listed in docs/data.md), or check data.text_key / "
+                                    "data.messages_key / data.format")
                 continue
+            self.limits.read(None)
+            self._good_epoch = pos.epoch
             targets = result.targets if result.targets is not None else np.ones(len(result.tokens), dtype=bool)
             seg = _Segment(pos, self.counts.copy(), result.tokens, targets)
             self.counts.records += 1

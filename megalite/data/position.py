@@ -11,8 +11,10 @@ reads the same streams from the same positions, token for token.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from megalite.data.readers import content_digest
 from megalite.errors import ConfigError, DataError
 
 FORMAT = "megalite-stream-1"
@@ -42,26 +44,74 @@ def position(streams: int, seq_len: int, seed: int, sources: list[dict[str, Any]
             "states": states, "steps": steps}
 
 
-def check_resume(saved: dict[str, Any], seq_len: int, seed: int, sources: list[dict[str, Any]]) -> int:
-    """The saved stream count, after checking that the saved position means the same data; else a DataError."""
+def token_file_fingerprint(prefix: str) -> dict[str, Any]:
+    """A `.bin`/`.idx` pair's fingerprint: its content digest (megalite/data/readers.py `content_digest`)."""
+    files = [prefix + ".idx", prefix + ".bin"]
+    return {"path": prefix, "kind": "bin", "names": [os.path.basename(prefix)],
+            "sizes": [sum(os.path.getsize(f) for f in files)], "content": [content_digest(files)]}
+
+
+def source_change(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What differs between a checkpoint's fingerprint of a source and this run's, naming the file; None: the
+    same data. A fingerprint saved before content digests existed is compared without them."""
+    where = repr(now.get("path"))
+    for key in ("path", "kind", "files"):
+        if saved.get(key) != now.get(key):
+            return f"{where}: {key} {saved.get(key)!r} -> {now.get(key)!r}"
+    names = now.get("names") or [f"file {i}" for i in range(len(now.get("sizes", [])))]
+    if "names" in saved and saved["names"] != now.get("names"):
+        i = next(i for i, (a, b) in enumerate(zip(saved["names"], names)) if a != b)
+        return f"{where}: file {saved['names'][i]!r} -> {names[i]!r}"
+    for i, (a, b) in enumerate(zip(saved.get("sizes", []), now.get("sizes", []))):
+        if a != b:
+            return f"{where}: {names[i]!r} was {a} {'rows' if now.get('kind') == 'hf' else 'bytes'}, is {b}"
+    if "content" in saved and "content" in now:
+        for i, (a, b) in enumerate(zip(saved["content"], now["content"])):
+            if a != b:
+                return f"{where}: {names[i]!r} was rewritten since the checkpoint (same size, other content)"
+    rest = {k for k in set(saved) | set(now) if k not in ("path", "kind", "files", "names", "sizes", "content")}
+    for key in sorted(rest):  # a .bin/.idx source: its documents and tokens
+        if saved.get(key) != now.get(key):
+            return f"{where}: {key} {saved.get(key)!r} -> {now.get(key)!r}"
+    return None
+
+
+FIX = ("resume with the checkpointed run's data.path, model.seq_len and train.seed; or pass --data.on_change restart "
+       "to read this data from its start (weights, optimizer and step are resumed); or start afresh with "
+       "--train.init_from CKPT (the weights only)")
+
+
+def resume_mismatch(saved: dict[str, Any], seq_len: int, seed: int, sources: list[dict[str, Any]]) -> str | None:
+    """Why the checkpoint's data position does not mean this run's data (one phrase), or None when it does."""
+    if int(saved["seq_len"]) != seq_len:
+        return (f"the checkpoint's data was packed into samples of model.seq_len {saved['seq_len']}, this run has "
+                f"{seq_len}")
+    if int(saved["seed"]) != seed:
+        return f"the checkpoint's data order used train.seed {saved['seed']}, this run uses {seed}"
+    theirs = saved.get("sources", [])
+    if len(theirs) != len(sources):
+        return f"the checkpoint read {len(theirs)} data sources, this run has {len(sources)}"
+    for a, b in zip(theirs, sources):
+        change = source_change(a, b)
+        if change is not None:
+            return f"the data changed since the checkpoint ({change}): its saved positions would point at other records"
+    return None
+
+
+def check_resume(saved: dict[str, Any], seq_len: int, seed: int, sources: list[dict[str, Any]],
+                 restart: bool = False) -> tuple[int | None, str | None]:
+    """(the saved stream count, None) after checking that the saved position means the same data; else a
+    DataError, or with `restart` (data.on_change restart) (None, why) and the data is read from its start."""
     if saved.get("format") != FORMAT:
         raise DataError(f"the checkpoint's data position has format {saved.get('format')!r}, this megalite reads "
                         f"{FORMAT!r}")
-    fix = "resume with the checkpointed run's data.path, model.seq_len and train.seed, or start the data afresh " \
-          "(--train.init_from CKPT keeps the weights only)"
-    if int(saved["seq_len"]) != seq_len:
-        raise DataError(f"the checkpoint's data was packed into samples of model.seq_len {saved['seq_len']}, this run "
-                        f"has {seq_len}: {fix}")
-    if int(saved["seed"]) != seed:
-        raise DataError(f"the checkpoint's data order used train.seed {saved['seed']}, this run uses {seed}: {fix}")
-    theirs = saved.get("sources", [])
-    if len(theirs) != len(sources) or any(a != b for a, b in zip(theirs, sources)):
-        diff = next((f"{a} -> {b}" for a, b in zip(theirs, sources) if a != b),
-                    f"{len(theirs)} -> {len(sources)} sources")
-        raise DataError(f"the checkpoint's data sources differ from this run's ({diff}): the saved positions would "
-                        f"point into other records; {fix}")
+    why = resume_mismatch(saved, seq_len, seed, sources)
+    if why is not None:
+        if restart:
+            return None, why
+        raise DataError(f"{why}: {FIX}")
     streams = int(saved["streams"])
     if len(saved.get("states", [])) != streams:
         raise DataError(f"the checkpoint's data position holds {len(saved.get('states', []))} stream states for "
                         f"{streams} streams: it is corrupt")
-    return streams
+    return streams, None

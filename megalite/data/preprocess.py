@@ -62,7 +62,7 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, r
     check_inputs(inputs, json_key)
     tok = load_tokenizer(tokenizer_path)  # fail here, in the parent, if the file is missing or unreadable
     document_ids(tok, "", add_bos)  # an impossible --add-bos fails here too, not in a worker
-    docs = iter_documents(inputs, json_key, split_paragraphs, replaced)
+    docs = iter_documents(inputs, json_key, split_paragraphs, replaced, checked=True)
     encode = functools.partial(encode_document, tokenizer_path, add_bos)
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as writer, \
             Progress(desc=f"tokenizing into {output_prefix}", unit="docs", enabled=show_progress) as bar:

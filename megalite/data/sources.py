@@ -1,10 +1,11 @@
 """Raw record sources read as they come: JSON lines (plain, .gz, .zst), parquet, and Hugging Face datasets.
 
-A source is a list of files (a file, or every matching file of a directory, sorted) read record by record. A
-record's position is `RecordPos(epoch, file, record, byte)`: the epoch, the index of its file in that epoch's
-file order, its index in the file and, for plain JSON lines only, its byte offset (so resuming seeks there;
-compressed files are decompressed from their start and the lines before it skipped, parquet and datasets jump
-by row index). What a record holds is not interpreted here: a JSON line is handed on as its raw bytes and a
+A source is a list of files (a file, or every data file of a directory, of any of the kinds, sorted by name:
+megalite/data/readers.py lists them, refuses special files and verifies compressed ones to their end) read
+record by record. A record's position is `RecordPos(epoch, file, record, byte)`: the epoch, the index of its
+file in that epoch's file order, its index in the file and, for plain JSON lines only, its byte offset (so
+resuming seeks there; compressed files are decompressed from their start and the lines before it skipped,
+parquet and datasets jump by row index). What a record holds is not interpreted here: a JSON line is handed on as its raw bytes and a
 table row as the value of its column, so decoding, parsing and tokenizing happen in the tokenizer workers
 (megalite/data/encode.py), which also classify the bad ones.
 
@@ -17,21 +18,18 @@ spreads over every stream), and to the validation split when a seeded hash of (f
 
 from __future__ import annotations
 
-import glob
-import gzip
-import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from megalite.errors import ConfigError, DataError
+from megalite.data.readers import (HF_MARKERS, Listing, check_regular, content_digest, file_kind, lines,
+                                   list_directory)
+from megalite.errors import ConfigError, DataError, one_line
 
-Kind = Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf"]
-SUFFIXES: dict[str, Kind] = {".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl.gz", ".json.gz": "jsonl.gz",
-                             ".jsonl.zst": "jsonl.zst", ".json.zst": "jsonl.zst", ".parquet": "parquet"}
+PathKind = Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf", "dir"]
 MISSING = object()  # a table row without the column: the worker counts it as `missing_key`
 _MASK64 = (1 << 64) - 1
 
@@ -65,18 +63,16 @@ class RecordPos:
 START = RecordPos(0, 0, 0, 0)
 
 
-def kind_of(path: str) -> Kind | None:
-    """The streaming kind of a `data.path` entry, or None for a `.bin`/`.idx` prefix."""
+def kind_of(path: str) -> PathKind | None:
+    """The streaming kind of a `data.path` entry, or None for a `.bin`/`.idx` prefix. A directory is a datasets
+    save_to_disk directory ("hf") or a directory of data files ("dir"), never a prefix."""
     if os.path.isdir(path):
-        if any(os.path.isfile(os.path.join(path, n)) for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        if any(os.path.isfile(os.path.join(path, n)) for n in HF_MARKERS):
             return "hf"
-        for suffix, kind in SUFFIXES.items():
-            if glob.glob(os.path.join(path, "*" + suffix)):
-                return kind
-        return None
-    for suffix, kind in sorted(SUFFIXES.items(), key=lambda kv: -len(kv[0])):
-        if path.endswith(suffix):
-            return kind
+        return None if os.path.exists(path + ".idx") else "dir"  # `data/web` beside data/web.idx: the prefix
+    kind = file_kind(path)
+    if kind is not None:
+        return kind
     if path.startswith("hf:"):
         return "hf"
     return None
@@ -86,30 +82,37 @@ def is_streaming(path: str) -> bool:
     return kind_of(path) is not None
 
 
-def _files(path: str, kind: Kind) -> list[str]:
+def _parquet_file(path: str) -> Any:
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    check_regular(path)
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid / OSError: a cut or foreign file
+        raise DataError(f"{path!r} is not a readable parquet file ({type(e).__name__}: {one_line(str(e))}): a "
+                        "truncated copy has no footer; fetch the file again") from None
+
+
+def list_files(path: str, kind: PathKind) -> Listing:
+    """The files `path` stands for, each checked to be a regular file (a parquet file's footer read too), so a
+    FIFO, a device or a cut parquet file is refused before the run, not met by the loader."""
     if kind == "hf":
-        return [path]
-    if os.path.isdir(path):
-        found = sorted(f for suffix, k in SUFFIXES.items() if k == kind
-                       for f in glob.glob(os.path.join(path, "*" + suffix)))
-        return [f for i, f in enumerate(found) if f not in found[:i]]
-    if not os.path.isfile(path):
+        return Listing([path])
+    if kind == "dir":
+        listing = list_directory(path)
+        if not listing.files:
+            raise DataError(f"data.path {path!r}: the directory holds no .jsonl, .jsonl.gz, .jsonl.zst or .parquet "
+                            "file" + (f" (it holds {', '.join(listing.skipped)})" if listing.skipped else ""))
+    elif not os.path.lexists(path):
         raise DataError(f"data.path {path!r}: no such file (a .jsonl/.jsonl.gz/.jsonl.zst/.parquet file, a "
                         "directory of them, a datasets save_to_disk directory, or hf:NAME of a cached dataset)")
-    return [path]
-
-
-def _open_bytes(path: str, kind: Kind) -> BinaryIO:
-    if kind == "jsonl.gz":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    if kind == "jsonl.zst":
-        try:
-            import zstandard
-        except ImportError as e:  # a dependency of megalite: only a broken install lacks it
-            raise DataError(f"{path!r} is zstd-compressed: pip install zstandard") from e
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))  # type: ignore[arg-type]
-    return open(path, "rb")
+    else:
+        listing = Listing([path])
+    for f in listing.files:
+        check_regular(f)
+        if file_kind(f) == "parquet":
+            _parquet_file(f)
+    return listing
 
 
 def _load_hf(path: str) -> Any:
@@ -147,23 +150,24 @@ def _load_hf(path: str) -> Any:
 
 @dataclass
 class Source:
-    """One `data.path` entry that is read as raw records. `key` is the column / JSON key read."""
+    """One `data.path` entry that is read as raw records. `key` is the column / JSON key read. `skipped` names
+    what a directory held besides its data files (a note for the log)."""
 
     path: str
-    kind: Kind
+    kind: PathKind
     files: list[str]
     key: str
     seed: int
+    skipped: str | None = None
+    max_line: int = 0  # data.max_record_bytes: a longer JSON line is read as its first max_line + 1 bytes
 
     @classmethod
-    def open(cls, path: str, key: str, seed: int) -> Source:
+    def open(cls, path: str, key: str, seed: int, max_line: int = 0) -> Source:
         kind = kind_of(path)
         if kind is None:
             raise ConfigError(f"data.path {path!r} is not a streaming source")
-        files = _files(path, kind)
-        if not files:
-            raise DataError(f"data.path {path!r}: the directory holds no {kind} files")
-        src = cls(path, kind, files, key, seed)
+        listing = list_files(path, kind)
+        src = cls(path, kind, listing.files, key, seed, listing.note(path), max_line)
         if kind == "hf":
             src._hf = _load_hf(path)
         return src
@@ -171,9 +175,16 @@ class Source:
     _hf: Any = None
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must be the same for a saved position to mean the same records (checked on resume)."""
-        sizes = [len(self._hf)] if self.kind == "hf" else [os.path.getsize(f) for f in self.files]
-        return {"path": self.path, "kind": self.kind, "files": len(self.files), "sizes": sizes}
+        """What must be the same for a saved position to mean the same records (checked on resume): the files,
+        their sizes and a digest of each one's content (megalite/data/readers.py `content_digest`)."""
+        if self.kind == "hf":
+            cached = sorted(str(c["filename"]) for c in getattr(self._hf, "cache_files", []) or [])
+            return {"path": self.path, "kind": self.kind, "files": 1, "sizes": [len(self._hf)],
+                    "names": [self.path], "content": [content_digest(cached) if cached else ""]}
+        names = [os.path.relpath(f, self.path) if self.kind == "dir" else os.path.basename(f) for f in self.files]
+        return {"path": self.path, "kind": self.kind, "files": len(self.files),
+                "sizes": [os.path.getsize(f) for f in self.files], "names": names,
+                "content": [content_digest([f]) for f in self.files]}
 
     def file_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
@@ -182,31 +193,24 @@ class Source:
         """(record index, byte offset or -1, raw) of file `file_id` from record `start` on."""
         if self.kind == "hf":
             yield from self._hf_rows(start)
-        elif self.kind == "parquet":
-            yield from self._parquet_rows(self.files[file_id], start)
-        else:
-            yield from self._lines(self.files[file_id], start, byte)
-
-    def _lines(self, path: str, start: int, byte: int) -> Iterator[tuple[int, int, Any]]:
-        plain = self.kind == "jsonl"
-        with _open_bytes(path, self.kind) as f:
-            index, offset = 0, 0
-            if plain and byte > 0:
-                f.seek(byte)
-                index, offset = start, byte
-            for line in f:
-                here = offset
-                offset += len(line)
+            return
+        path = self.files[file_id]
+        kind = file_kind(path)
+        if kind == "parquet":
+            yield from self._parquet_rows(path, start)
+        elif kind is not None:
+            plain = kind == "jsonl"
+            seek = byte if plain and byte > 0 else 0
+            index = start if seek else 0
+            for offset, line in lines(path, kind, seek, self.max_line):
                 if not line.strip():
                     continue  # a blank line is no record (a trailing newline, a separator)
                 if index >= start:
-                    yield index, here if plain else -1, line
+                    yield index, offset if plain else -1, line
                 index += 1
 
     def _parquet_rows(self, path: str, start: int) -> Iterator[tuple[int, int, Any]]:
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]
-
-        pf = pq.ParquetFile(path)
+        pf = _parquet_file(path)
         has_key = self.key in pf.schema_arrow.names
         first = 0
         for g in range(pf.num_row_groups):
@@ -214,7 +218,11 @@ class Source:
             if first + rows <= start:
                 first += rows
                 continue
-            values = pf.read_row_group(g, columns=[self.key]).column(0).to_pylist() if has_key else [MISSING] * rows
+            try:
+                values = pf.read_row_group(g, columns=[self.key]).column(0).to_pylist() if has_key else [MISSING] * rows
+            except Exception as e:  # pyarrow's errors: a row group that does not decode
+                raise DataError(f"{path!r}: row group {g} does not decode ({type(e).__name__}: {one_line(str(e))}): "
+                                "the file is damaged; fetch it again") from None
             for j in range(max(0, start - first), rows):
                 yield first + j, -1, values[j]
             first += rows

@@ -22,7 +22,7 @@ import numpy as np
 
 from megalite.data.encode import EncoderPool, encoded
 from megalite.data.gpt_dataset import GPTDataset
-from megalite.data.packing import Counts, Cursor, Packer
+from megalite.data.packing import Counts, Cursor, Packer, ReadLimits
 from megalite.data.sampler import DataSampler
 from megalite.data.sources import START, Selection, Source, stream_records
 
@@ -43,9 +43,12 @@ class RecordStream:
     """A raw source's records for one stream, encoded and packed."""
 
     def __init__(self, source: Source, sel: Selection, seq_len: int, pool: EncoderPool,
-                 state: dict[str, Any] | None) -> None:
+                 state: dict[str, Any] | None, limits: ReadLimits) -> None:
         start = Cursor.of(state["cursor"]) if state else Cursor(START, 0, Counts())
-        self.packer = Packer(encoded(stream_records(source, sel, start.pos), pool), seq_len, start)
+        split = "validation" if sel.valid else "training"
+        name = f"data.path {source.path!r} ({split} stream {sel.stream} of {sel.streams})"
+        records = encoded(stream_records(source, sel, start.pos), pool, cancel=limits.cancel)
+        self.packer = Packer(records, seq_len, start, limits, name)
 
     def next_sample(self) -> Sample:
         return self.packer.next_sample()
@@ -54,7 +57,14 @@ class RecordStream:
         return {"cursor": self.packer.cursor().to_dict()}
 
     def counts(self) -> Counts:
-        return self.packer.cursor().counts
+        """Records read up to the next sample's start: the cursor's counts (those before its record, what a
+        resume restarts from) and its record when part of it was used (a record longer than a step is read)."""
+        cursor = self.packer.cursor()
+        if cursor.offset == 0:
+            return cursor.counts
+        counts = cursor.counts.copy()
+        counts.records += 1
+        return counts
 
     def tokens_in(self) -> int:
         return self.packer.tokens_in
@@ -106,7 +116,8 @@ class StreamSpec:
 class Stream:
     """Stream `index` of `spec.streams`: the greedy blend of one sub-stream per source."""
 
-    def __init__(self, spec: StreamSpec, index: int, pool: EncoderPool, state: dict[str, Any] | None) -> None:
+    def __init__(self, spec: StreamSpec, index: int, pool: EncoderPool, state: dict[str, Any] | None,
+                 limits: ReadLimits) -> None:
         self.spec, self.index = spec, index
         self.taken = [int(t) for t in state["taken"]] if state else [0] * len(spec.sources)
         subs = state["subs"] if state else [None] * len(spec.sources)
@@ -114,7 +125,7 @@ class Stream:
         for src, sub in zip(spec.sources, subs):
             if isinstance(src, Source):
                 sel = Selection(index, spec.streams, spec.valid, spec.valid_fraction, spec.seed)
-                self.subs.append(RecordStream(src, sel, spec.seq_len, pool, sub))
+                self.subs.append(RecordStream(src, sel, spec.seq_len, pool, sub, limits))
             else:
                 self.subs.append(IndexedStream(src, index, spec.streams, spec.seed, sub))
         total = sum(spec.weights)

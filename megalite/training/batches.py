@@ -16,12 +16,13 @@ import torch
 
 from megalite.config import Config
 from megalite.data import DataBundle, DataSampler, make_batch
-from megalite.data.loader import (RankSlice, StreamLoader, bad_summary, check_bad_records, counts_of,
-                                  counts_vector)
-from megalite.data.packing import Counts
-from megalite.errors import CheckpointError
+from megalite.data.loader import RankSlice, StreamLoader, counts_of, counts_vector
+from megalite.data.packing import Counts, bad_summary, check_bad_records
+from megalite.data.position import FIX, source_change, token_file_fingerprint
+from megalite.errors import CheckpointError, DataError
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
+from megalite.training.stop import StopFlag
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,7 +30,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class TrainBatches(Protocol):
     extra_key: str
 
-    def next_step(self) -> list[Batch]: ...
+    def next_step(self, stop: StopFlag) -> list[Batch] | None: ...
 
     def validation(self) -> list[Batch] | None: ...
 
@@ -55,8 +56,10 @@ class IndexedBatches:
         self.cfg, self.data, self.state = cfg, data, state
         self.sampler = DataSampler(len(data.train), tr.global_batch_size, tr.micro_batch_size, state.dp_rank,
                                    state.dp, tr.seed)
+        # Each token file's content digest: a resume on files rewritten since is refused, naming them.
+        self.sources = [token_file_fingerprint(p) for p in cfg.data.path]
 
-    def next_step(self) -> list[Batch]:
+    def next_step(self, stop: StopFlag) -> list[Batch] | None:
         assert self.data.train is not None
         return [make_batch(self.data.train, idx, self.state.cp, self.state.cp_rank) for idx in self.sampler.next_step()]
 
@@ -70,9 +73,23 @@ class IndexedBatches:
         return [make_batch(valid, idx, state.cp, state.cp_rank) for _ in range(tr.eval_steps) for idx in sampler.next_step()]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        return {**self.sampler.state_dict(), "sources": self.sources}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        saved = d.get("sources")  # absent in a checkpoint written before the digests: not compared
+        if isinstance(saved, list) and all(isinstance(s, dict) for s in saved):
+            why = (f"the checkpoint read {len(saved)} data paths, this run has {len(self.sources)}"
+                   if len(saved) != len(self.sources)
+                   else next((c for a, b in zip(saved, self.sources) if (c := source_change(a, b)) is not None), None))
+            if why is not None:
+                if self.cfg.data.on_change != "restart":
+                    raise DataError(f"{why}: {FIX}")
+                if self.state.rank == 0:
+                    print(f"data: {why}; data.on_change restart: reading the data from its start", flush=True)
+                return
+        elif saved is not None:
+            raise CheckpointError(f"the checkpoint's extra.sampler.sources is garbled ({type(saved).__name__}): load "
+                                  "an earlier checkpoint")
         self.sampler.load_state_dict(d)
 
     def after_step(self) -> dict[str, Any] | None:
@@ -95,9 +112,24 @@ class StreamBatches:
         self.cfg, self.state = cfg, state
         self.loader = StreamLoader(cfg, RankSlice(state.dp, state.dp_rank, state.cp, state.cp_rank), data.tokenizer)
         self.counts = Counts()
+        for note in self.loader.skipped:
+            self._note(note)
 
-    def next_step(self) -> list[Batch]:
-        return self.loader.next_step()
+    def _note(self, text: str) -> None:
+        if self.state.rank == 0:
+            print(text, flush=True)
+
+    def next_step(self, stop: StopFlag) -> list[Batch] | None:
+        """The step's batches, or None when a stop signal came while a rank waited for them: the loader's wait
+        is cut short by the signal, and every rank agrees before the step (a rank whose data was ready stops
+        too, its batches put back, so a resumed run reads them)."""
+        batches = self.loader.next_step(lambda: stop.requested)
+        stopping = stop.agreed(self.state) if self.state.world_size > 1 else batches is None
+        if not stopping:
+            return batches
+        if batches is not None:
+            self.loader.untake()
+        return None
 
     def validation(self) -> list[Batch] | None:
         return self.loader.validation(self.cfg.train.eval_steps)
@@ -108,10 +140,12 @@ class StreamBatches:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         try:
-            self.loader.load_position(d)
+            note = self.loader.load_position(d)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CheckpointError(f"the checkpoint's data position (extra.data_stream) is garbled ({type(e).__name__}: "
                                   f"{e}): load an earlier checkpoint") from e
+        if note is not None:
+            self._note(note)
 
     def after_step(self) -> dict[str, Any]:
         """The run's records and bad records so far (summed over dp; every rank agrees), checked against the

@@ -23,6 +23,7 @@ from megalite import config as config_mod
 from megalite.checkpoint import sharded
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.config.values import check_text_fields
+from megalite.data.checks import check_data
 from megalite.errors import ConfigError
 from megalite.training.checkpointing import check_same_optimizer
 from megalite.training.init_from import resolve_init_from
@@ -74,6 +75,7 @@ def check_config(argv: list[str], request: CheckRequest) -> int:
     cfg = config_mod.resolve(with_checkpoint(config_mod.parse_args(argv), argv), request.world_size)
     device = config_mod.resolved_device(cfg)
     config_mod.validate(cfg, request.world_size, device)
+    check_data(cfg)
     cfg.model.vocab_size = tokenizer_vocab_size(cfg)
     processes = request.local_processes if device == "cpu" else 1
     check_memory_of(cfg, torch.device(device), processes)

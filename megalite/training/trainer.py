@@ -22,6 +22,7 @@ from megalite.checkpoint.claim import DirectoryClaim, claim_directory, claim_log
 from megalite.training.init_from import resolve_init_from
 from megalite.context.options import ContextOptions
 from megalite.data import DataBundle, build_data
+from megalite.data.checks import check_data
 from megalite.data.tokenizer import Tokenizer
 from megalite.dp import OverlapSettings, mib_to_bytes
 from megalite.errors import ConfigError, DataError, LaunchError, MegaliteError, from_os_error, report
@@ -58,6 +59,7 @@ def setup_config(argv: list[str] | None) -> tuple[config_mod.Config, int]:
     _, world, _ = launcher_env()
     cfg = config_mod.resolve(cfg, world)
     config_mod.validate(cfg, world, config_mod.resolved_device(cfg))
+    check_data(cfg)  # data flags that cannot apply, files that cannot be read whole: before any process group
     return cfg, world
 
 
@@ -239,7 +241,14 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
             state.counter.reset()
             written.start()
             t0 = time.perf_counter()
-            batches = r.batches.next_step()
+            batches = r.batches.next_step(stop)
+            if batches is None:  # a stop signal while the data loader waited: stop before this step
+                if step > start_step and not r.checkpoints.due(step, tr.steps):
+                    saved = r.checkpoints.save(step, logger.note)
+                    if saved is not None:
+                        logger.note(f"saved checkpoint {saved}")
+                logger.note(f"stop requested by signal while waiting for data: exiting before step {done}")
+                break
             result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
