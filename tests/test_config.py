@@ -177,6 +177,9 @@ def test_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model.preset", "gpt3"], "unknown preset 'gpt3'"),
     (["--model.preset", "gpt2-smal"], "(did you mean 'gpt2-small'?)"),
     (["stray"], "unexpected argument 'stray'"),
+    # The docs' old blend spelling: a list is one comma-separated value, and the error says so.
+    (["--data.path", "a.jsonl", "data/web"], "'data/web' (after --data.path a.jsonl): options look like --section.field "
+                                             "VALUE, and a list is one comma-separated value"),
     (["--train.lr"], "--train.lr needs a value"),
     (["--config", "a.toml", "--config", "b.toml"], "--config given twice"),
 ])

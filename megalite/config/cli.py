@@ -166,7 +166,9 @@ def split_argv(argv: Sequence[str], bool_keys: set[str]) -> ParsedArgv:
             out.want_help = True
             continue
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.field VALUE")
+            after = f" (after --{out.overrides[-1][0]} {out.overrides[-1][1]})" if out.overrides else ""
+            raise ConfigError(f"unexpected argument {arg!r}{after}: options look like --section.field VALUE, and a "
+                              "list is one comma-separated value (--data.path a.jsonl,data/web)")
         name, eq, value = arg[2:].partition("=")
         if "." in name:
             section, _, fname = name.partition(".")
