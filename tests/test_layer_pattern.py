@@ -17,7 +17,7 @@ from megalite.inference.generate import KVCache, SamplingConfig, forward_cached,
 from megalite.layers.activation import MLPActivation
 from megalite.model.gpt import GPT
 from megalite.model.ops import TORCH_OPS
-from megalite.model.pattern import FULL, SLIDING, LayerSpec, layer_specs
+from megalite.model.pattern import FULL, SLIDING, LayerSpec, layer_specs, variant_info
 from megalite.parallel.state import ParallelState
 from tests.layer_pattern_utils import gated_cfg, gemma3_cfg, gpt_oss_cfg, perturb
 from tests.parallel_utils import tiny_model_cfg
@@ -164,9 +164,9 @@ def test_kv_cached_generation_equals_the_full_forward(kind: str) -> None:
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
     prompt = [5, 17, 3, 42, 8, 9]
     cached = list(generate_ids(model, prompt, SamplingConfig(10), use_cache=True))
-    full = list(generate_ids(model, prompt, SamplingConfig(10), use_cache=False))
-    assert cached == full and len(cached) == 10
     ids = torch.tensor([prompt + cached])
+    with torch.no_grad():  # each new token is the full forward's argmax at the position before it
+        assert model(ids)[0, len(prompt) - 1:-1, :VOCAB].argmax(-1).tolist() == cached and len(cached) == 10
     cache = KVCache(model, 1, torch.float32)
     got = torch.cat([forward_cached(model, ids[:, :6], cache)] +
                     [forward_cached(model, ids[:, i:i + 1], cache) for i in range(6, ids.shape[1])], dim=1)
@@ -220,3 +220,66 @@ def test_the_parameter_count_is_the_built_models(kind: str) -> None:
     cfg = CONFIGS[kind](vocab_size=VOCAB, make_vocab_divisible_by=1)
     built = sum(p.numel() for p in GPT(cfg, ParallelState(), seed=3).parameters())
     assert count_model_params(cfg) == built
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3", "gated"])
+def test_a_checkpoint_records_the_pattern_and_reshards(tmp_path, kind: str) -> None:
+    """index.json records every non-default variant field, so the loader builds the same model (equal logits);
+    and the offline resharder's layouts (`layout_for`, no model) are the built model's, sinks and gate included."""
+    from megalite.checkpoint.layout import layout_for, layout_of, model_info
+    from megalite.checkpoint.offline import reshard
+    from megalite.checkpoint.sharded import save_sharded
+    from megalite.errors import ConfigError
+    from megalite.inference.load import load_model
+    from megalite.parallel.param_spec import named_param_specs
+
+    model = _model(kind).eval()
+    info = model_info(model.cfg)
+    recorded = variant_info(model.cfg)
+    assert recorded and all(info[k] == v for k, v in recorded.items())
+    specs = named_param_specs(model, ConfigError)
+    assert {n: layout_for(n, info) for n in specs} == {n: layout_of(n, s.layout) for n, s in specs.items()}
+    src = save_sharded(tmp_path / "a", 1, model, None, {}, ParallelState(), keep=0)
+    back = reshard(reshard(src, tmp_path / "b", tp=2, show_progress=False), tmp_path / "c", show_progress=False)
+    loaded, _ = load_model(back)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids)[..., :VOCAB], model(ids)[..., :VOCAB])  # padded columns: not saved
+
+
+def test_a_bad_recorded_field_is_refused() -> None:
+    from megalite.checkpoint.index_check import model_info_problems
+    from megalite.checkpoint.layout import model_info
+
+    info = model_info(gemma3_cfg(vocab_size=VOCAB))
+    assert model_info_problems(info) == []
+    assert "is not a mixer" in model_info_problems({**info, "layer_types": ["mamba"]})[0]
+    assert "model.sliding_window" in model_info_problems({**info, "sliding_window": "wide"})[0]
+
+
+@pytest.mark.parametrize("preset,params", [("gpt-oss-20b", 20_914_757_184), ("gemma3-1b", 999_885_952)])
+def test_the_real_presets_have_the_published_parameter_counts(preset: str, params: int) -> None:
+    """The presets' shapes, counted by `count_model_params` (held to built models above), are the released models':
+    transformers' GptOssForCausalLM (openai/gpt-oss-20b) and Gemma3ForCausalLM (google/gemma-3-1b-pt) counts."""
+    from megalite.config import ModelArgs, parse_args
+    from megalite.model.params import count_model_params
+
+    cfg = resolve(parse_args(["--model.preset", preset]), 1)
+    assert count_model_params(ModelArgs.from_config(cfg)) == params
+
+
+def test_yarn_without_truncation_is_gpt_oss() -> None:
+    """model.rope_truncate=false: YaRN's ramp between unrounded dims, as gpt-oss releases it (transformers'
+    `truncate`); the tables equal transformers' GptOssRotaryEmbedding's."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers import GptOssConfig
+
+    from megalite.model.rope import RopeScaling, inv_freq
+
+    hf = GptOssConfig(head_dim=64, num_attention_heads=4, hidden_size=256, num_hidden_layers=2,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+    want = gpt_oss.GptOssRotaryEmbedding(hf).inv_freq
+    scaling = RopeScaling("yarn", 32.0, 4096, 32.0, 1.0, truncate=False)
+    assert torch.allclose(inv_freq(64, 150000.0, scaling), want, rtol=1e-6)
+    assert not torch.allclose(inv_freq(64, 150000.0, RopeScaling("yarn", 32.0, 4096, 32.0, 1.0)), want, rtol=1e-6)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megalite.config.cli import coerce, field_types
+from megalite.config.layers import variant_info_problems
 from megalite.errors import CheckpointError, ConfigError
 from megalite.moe import config as moe_config
 
@@ -56,7 +57,7 @@ def model_info_problems(info: Any) -> list[str]:
         out.append(f"qk_norm={info['qk_norm']!r} must be true or false")
     if out:
         return out
-    out += moe_info_problems(info)
+    out += moe_info_problems(info) + variant_info_problems(info)
     h, nh, nkv = info["hidden_size"], info["num_heads"], info["num_kv_heads"]
     if h % nh:
         out.append(f"hidden_size={h} is not divisible by num_heads={nh}")

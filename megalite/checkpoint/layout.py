@@ -29,6 +29,7 @@ from typing import Any
 from megalite.errors import CheckpointError
 from megalite.layers.embedding import padded_vocab_size
 from megalite.mla.config import MLAConfig
+from megalite.model.pattern import gate_width, gated_mlp, variant_info
 from megalite.model.spec import ModelSpec
 from megalite.moe.config import MoEConfig
 from megalite.parallel.param_spec import REPLICATED, ROW, VOCAB, TPLayout, column, logical_name
@@ -116,6 +117,7 @@ def model_info(cfg: ModelSpec | Any, mla: MLAConfig | None = None) -> dict[str, 
         info.update({k: getattr(cfg, k) for k in ROPE_INFO_KEYS})
     if mla is not None and mla.enabled:
         info["mla"] = dataclasses.asdict(mla)
+    info.update(variant_info(cfg))  # the layer pattern and the attention / MLP variants, where not the defaults
     return info
 
 
@@ -140,10 +142,13 @@ def layout_for(name: str, info: dict[str, Any]) -> TPLayout:
         return VOCAB
     hd = info.get("head_dim") or info["hidden_size"] // info["num_heads"]
     f = info["ffn_hidden_size"]
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-        return column((info["num_heads"] * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd))
+    nh, gate = info["num_heads"], gate_width(info["num_heads"], hd, info.get("attn_output_gate", "none"))
+    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):  # the output gate: a 4th part
+        return column((nh * hd, info["num_kv_heads"] * hd, info["num_kv_heads"] * hd) + ((gate,) if gate else ()))
+    if name.endswith("attn.sinks"):  # split with the query heads
+        return column((nh,))
     if name.endswith("mlp.up.weight") or name.endswith("mlp.up.bias"):
-        return column((f, f) if info["arch"] == "llama" else (f,))
+        return column((f, f) if gated_mlp(info["arch"], info.get("mlp", "auto")) else (f,))
     if name.endswith("attn.out.weight") or name.endswith("mlp.down.weight"):
         return ROW
     mla = info.get("mla")

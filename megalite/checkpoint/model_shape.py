@@ -22,6 +22,7 @@ from megalite.checkpoint.sharded import find, read_index
 from megalite.config import aliases, cli, parse
 from megalite.config.presets import PRESETS
 from megalite.config.schema import Config
+from megalite.model.pattern import VARIANT_DEFAULTS
 from megalite.errors import CheckpointError
 
 # Every recorded field that changes the computation (make_vocab_divisible_by only pads: taken, never refused).
@@ -32,6 +33,7 @@ SHAPE_FIELDS: tuple[str, ...] = ("arch", "num_layers", "hidden_size", "num_heads
 TAKEN_FIELDS = ("make_vocab_divisible_by", "moe_bias_rate", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss",
                 "moe_capacity_factor")
 SHAPE_FIELDS += tuple(k for k in MOE_INFO_KEYS if k not in TAKEN_FIELDS) + ("qk_norm", "head_dim") + ROPE_INFO_KEYS
+SHAPE_FIELDS += tuple(VARIANT_DEFAULTS)  # the layer pattern and the variants (megalite/model/pattern.py)
 # "Derive me" values: given explicitly they still ask for the default, so they contradict nothing.
 _DERIVED = {"head_dim": 0, "num_kv_heads": 0, "ffn_hidden_size": 0, "vocab_size": 0, "tie_embeddings": None}
 

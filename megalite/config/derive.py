@@ -24,7 +24,8 @@ def resolve(cfg: Config, world_size: int) -> Config:
     dp = world_size // (tp*cp*pp) (at least 1, so a bad layout is reported by `validate` with its
     numbers rather than as dp=0); num_kv_heads = num_heads; ffn_hidden_size = llama's SwiGLU
     width round_up(int(8h/3), 64) (LLaMA, Touvron et al. 2023) or gpt2's 4h; tie_embeddings = the
-    arch default; global_batch_size = micro_batch_size * dp.
+    arch default; global_batch_size = micro_batch_size * dp; pp_layers, where layers differ in cost (a layer
+    pattern), the split that balances the pipeline stages by cost (`layers.balanced_pp_layers`).
     """
     out = copy.deepcopy(cfg)
     m, par, tr = out.model, out.parallel, out.train
@@ -41,6 +42,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
         m.tie_embeddings = m.arch == "gpt2"
     if tr.global_batch_size == 0 and par.dp > 0:
         tr.global_batch_size = tr.micro_batch_size * par.dp
+    if not par.pp_layers:  # layers of unequal cost (model.layer_types): stages balanced by cost, not by count
+        from megalite.config.layers import balanced_pp_layers
+
+        par.pp_layers = balanced_pp_layers(out)
     return out
 
 

@@ -17,6 +17,13 @@ def _frozen(d: dict[str, dict[str, object]]) -> Mapping[str, Mapping[str, object
 _YARN_40 = dict(rope_scaling="yarn", rope_factor=40.0, rope_original_max_positions=4096, rope_beta_fast=32.0,
                 rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0)
 
+# The layer-pattern and variant fields of gpt-oss and Gemma 3 (megalite/model/pattern.py): sizes apart.
+_GPT_OSS = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=128, attn_sinks=True, attn_bias=True,
+                mlp="clamped_swiglu", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_bias=True, norm_eps=1e-5)
+_GEMMA3 = dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=512, rope_theta=1e6,
+               rope_local_theta=10000.0, qk_norm=True, sandwich_norm=True, mlp="geglu", embed_scale=True,
+               query_pre_attn_scalar=256.0, tie_embeddings=True, norm_eps=1e-6)
+
 # Values of well-known sizes (read-only). Sources: GPT-2 (Radford et al. 2019),
 # Pythia-160m-like llama, Llama 3.2 1B (GQA 32/8, tied embeddings), Llama 2 7B.
 PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
@@ -64,6 +71,25 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
                           mla=dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32,
                                    v_head_dim=24),
                           mtp=dict(num_layers=1)),
+    # Layer patterns and attention variants (docs/attention.md). gpt-oss-20b and gemma3-1b are the published shapes
+    # (their HF configs and transformers' GptOssConfig / Gemma3TextConfig defaults) for the estimator and planner:
+    # gpt-oss alternates 128-token sliding windows with full layers, learnable sinks, q/k/v/o biases, 32 experts
+    # (top-4 softmax over the chosen logits, router and expert biases, the clamped SwiGLU), YaRN 32x over 4K;
+    # Gemma 3 1B has 5 local layers (window 512, RoPE base 10k) to 1 global (base 1M), q/k norm, pre- and post-norms,
+    # GeGLU, embeddings x sqrt(h), query_pre_attn_scalar 256. The tiny ones train on the demo corpus on a CPU.
+    "gpt-oss-20b": dict(arch="llama", num_layers=24, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                        ffn_hidden_size=2880, seq_len=4096, vocab_size=201088, rope_theta=150000.0,
+                        rope_scaling="yarn", rope_factor=32.0, rope_original_max_positions=4096,
+                        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False, **_GPT_OSS,
+                        moe=dict(experts=32, top_k=4, router="mixtral", router_bias=True, aux_loss=0.001)),
+    "tiny-gpt-oss": dict(arch="llama", num_layers=4, hidden_size=128, num_heads=8, num_kv_heads=2, head_dim=16,
+                         ffn_hidden_size=128, seq_len=128, **{**_GPT_OSS, "sliding_window": 32},
+                         moe=dict(experts=8, top_k=2, router="mixtral", router_bias=True, aux_loss=0.01)),
+    "gemma3-1b": dict(arch="llama", num_layers=26, hidden_size=1152, num_heads=4, num_kv_heads=1, head_dim=256,
+                      ffn_hidden_size=6912, seq_len=32768, vocab_size=262144, **_GEMMA3),
+    "tiny-gemma3": dict(arch="llama", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                        ffn_hidden_size=384, seq_len=128, **{**_GEMMA3, "sliding_window": 32,
+                                                             "query_pre_attn_scalar": 32.0}),
 })
 
 

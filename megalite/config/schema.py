@@ -46,6 +46,7 @@ class ModelConfig:
     rope_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (0 = unset); MLA's softmax scale x mscale(factor, it)^2")
     rope_low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / this are divided by factor")
     rope_high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / this are kept")
+    rope_truncate: bool = _f(True, "yarn: round the ramp's dims to whole ones (transformers' truncate; gpt-oss: false)")
     dropout: float = _f(0.0, "dropout probability on the embedding and the residual branches")
     tie_embeddings: bool | None = _f(None, "share input/output embedding; unset = arch default (llama no, gpt2 yes)")
     init_std: float = _f(0.02, "std of the normal weight init")

@@ -29,7 +29,7 @@ from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, ente
 from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.attend import attend
 from megalite.model.ops import Ops, apply_rope
-from megalite.model.pattern import LayerSpec, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
+from megalite.model.pattern import LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
@@ -102,8 +102,8 @@ class Attention(nn.Module):
         bias = has_attention_bias(cfg)
         # The output gate (Qwen3-Next) is one more part of the fused q/k/v projection: per element or per head.
         self.gate = cfg.attn_output_gate
-        gate_parts = {"none": [], "head": [nh], "element": [nh * hd]}[self.gate]
-        self.qkv = ColumnParallelLinear(h, [nh * hd, nkv * hd, nkv * hd] + gate_parts,
+        gate = gate_width(nh, hd, self.gate)
+        self.qkv = ColumnParallelLinear(h, [nh * hd, nkv * hd, nkv * hd] + ([gate] if gate else []),
                                         state, name=f"{name}.qkv", seed=seed, std=cfg.init_std,
                                         bias=bias, input_ready=True)
         # Scaled init of residual-branch outputs (GPT-2 / Megatron): std / sqrt(2 * num_layers).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.mla.costs import MLAShape, attention_params
-from megalite.model.pattern import has_attention_bias, has_mlp_bias, mlp_kind
+from megalite.model.pattern import gate_width, has_attention_bias, has_mlp_bias, mlp_kind
 from megalite.moe.settings import moe_layers, moe_settings
 
 
@@ -86,7 +86,7 @@ def variant_params(m: Any) -> int:
     h, nh, gpt2 = m.hidden_size, m.num_heads, m.arch == "gpt2"
     hd = m.head_dim or h // max(nh, 1)
     extra = (nh * hd + 2 * max(1, m.num_kv_heads) * hd + h) if (m.attn_bias and not gpt2) else 0
-    gate = {"head": nh, "element": nh * hd}.get(m.attn_output_gate, 0)
+    gate = gate_width(nh, hd, m.attn_output_gate)
     extra += h * gate + (gate if has_attention_bias(m) else 0)
     extra += nh if m.attn_sinks else 0
     extra += 2 * hd if m.qk_norm else 0  # q_norm and k_norm, one [head_dim] weight each

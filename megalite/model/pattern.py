@@ -22,6 +22,30 @@ MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu")
 OUTPUT_GATES = ("none", "head", "element")
 
 
+# The fields of the layer pattern and the variants at their defaults (the model before them): a checkpoint records
+# each one that differs (index.json "model", `variant_info`), so a run loading it builds the same layers.
+VARIANT_DEFAULTS: dict[str, Any] = dict(
+    layer_types=[], sliding_window=0, rope_local_theta=0.0, rope_fraction=1.0, nope_layers=[], attn_sinks=False,
+    attn_output_gate="none", attn_softcap=0.0, final_softcap=0.0, query_pre_attn_scalar=0.0, attn_bias=False,
+    sandwich_norm=False, embed_scale=False, mlp="auto", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_bias=False,
+    rope_truncate=True)
+
+
+def variant_info(m: Any) -> dict[str, Any]:
+    """The layer-pattern and variant fields of model config `m` that differ from their defaults."""
+    return {k: getattr(m, k) for k, default in VARIANT_DEFAULTS.items() if getattr(m, k) != default}
+
+
+def gated_mlp(arch: str, mlp: str) -> bool:
+    """The MLP takes a gate and an up projection (its fused up linear is 2F wide)."""
+    return mlp != "gelu" if mlp != "auto" else arch == "llama"
+
+
+def gate_width(num_heads: int, head_dim: int, gate: str) -> int:
+    """Columns the attention output gate adds to the q/k/v projection: per head or per element; 0 without."""
+    return {"head": num_heads, "element": num_heads * head_dim}.get(gate, 0)
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer's mixer. `window`: a sliding_attention layer's W (query i sees keys i - W < j <= i), None for
@@ -61,9 +85,8 @@ def layer_specs(m: Any) -> tuple[LayerSpec, ...]:
 
 def mlp_kind(m: Any) -> str:
     """The MLP's activation: model.mlp, or the arch's own (llama: swiglu, gpt2: gelu) for auto."""
-    if m.mlp != "auto":
-        return str(m.mlp)
-    return "swiglu" if m.arch == "llama" else "gelu"
+    return str(m.mlp) if m.mlp != "auto" else "swiglu" if m.arch == "llama" else "gelu"
+
 
 
 def has_attention_bias(m: Any) -> bool:
@@ -141,4 +164,28 @@ def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list
     if mtp_layers and not is_uniform(m):
         out.append("multi-token prediction ([mtp]) with a layer pattern of unequal layers is not supported yet: "
                    "set mtp.num_layers=0")
+    return out
+
+
+def layer_costs(m: Any) -> list[float]:
+    """Each layer's training FLOPs per token, up to a common factor: 2 x its matmul weights (a MoE layer: the top_k
+    experts a token goes through, the shared ones and the router) + 4 x heads x head_dim x the keys each query sees
+    (a sliding layer: sum_i min(i + 1, W) / s, what it computes; `attention.costs.visible_pairs`). What the pipeline
+    partition balances (`balanced_counts`) when layers differ."""
+    from megalite.attention.costs import visible_pairs
+
+    h, nh, nkv, s = m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len
+    hd = m.head_dim or h // nh
+    attn = h * (nh * hd + 2 * nkv * hd) + nh * hd * h + h * gate_width(nh, hd, m.attn_output_gate)
+    width = 3 if gated_mlp(m.arch, m.mlp) else 2
+    moe = m.moe.resolved(m.ffn_hidden_size)
+    out = []
+    for i, spec in enumerate(layer_specs(m)):
+        if moe is not None and moe.is_moe_layer(i):
+            mlp = width * h * (moe.top_k * moe.ffn_hidden_size + moe.shared_experts * moe.shared_ffn_hidden_size)
+            mlp += h * moe.experts
+        else:
+            mlp = width * h * m.ffn_hidden_size
+        keys = visible_pairs(s, spec.window) / s
+        out.append(2.0 * (attn + mlp) + 4.0 * nh * hd * keys)
     return out

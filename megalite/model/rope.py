@@ -38,12 +38,14 @@ class RopeScaling:
     mscale_all_dim: float = 0.0  # yarn; 0 = unset
     low_freq_factor: float = 1.0   # llama3
     high_freq_factor: float = 4.0  # llama3
+    truncate: bool = True  # yarn: floor / ceil the ramp's ends (transformers' `truncate`; gpt-oss releases false)
 
     @classmethod
     def of(cls, m: RopeFields) -> RopeScaling:
         """The scaling a model config asks for (validation has checked the values)."""
         return cls(m.rope_scaling, m.rope_factor, m.rope_original_max_positions, m.rope_beta_fast, m.rope_beta_slow,
-                   m.rope_mscale, m.rope_mscale_all_dim, m.rope_low_freq_factor, m.rope_high_freq_factor)
+                   m.rope_mscale, m.rope_mscale_all_dim, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                   m.rope_truncate)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -74,8 +76,10 @@ def inv_freq(dim: int, theta: float, r: RopeScaling = RopeScaling()) -> torch.Te
     if r.kind == "yarn":
         def correction_dim(rotations: float) -> float:  # the dim whose wavelength turns `rotations` times
             return dim * math.log(r.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-        low = max(math.floor(correction_dim(r.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(r.beta_slow)), dim - 1)
+        low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+        if r.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         span = (high - low) if high != low else 0.001  # transformers' guard against a zero-width ramp
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
         keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)

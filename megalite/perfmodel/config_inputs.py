@@ -5,10 +5,12 @@ dtype of `auto`). The tools' flags win over these; the argument parsing stays in
 from __future__ import annotations
 
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any
 
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
+from megalite.model.pattern import layer_specs
 from megalite.model.spec import ModelSpec
 from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import PRESETS
@@ -48,7 +50,13 @@ def spec_dims(m: ModelSpec) -> ModelDims:
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
                      make_vocab_divisible_by=m.make_vocab_divisible_by or 1, head_dim=m.head_dim or None,
                      mla=MLADims.of(m.mla), mtp_layers=m.mtp.num_layers,
-                     moe=moe_dims(m.num_layers, m.ffn_hidden_size, m.moe))
+                     moe=moe_dims(m.num_layers, m.ffn_hidden_size, m.moe), windows=layer_windows(m))
+
+
+def layer_windows(m: object) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window (megalite/model/pattern.py) when some layer has one, else None (all full)."""
+    windows = tuple(spec.window for spec in layer_specs(m))
+    return windows if any(w is not None for w in windows) else None
 
 
 def _resolved_dims(kwargs: dict) -> ModelDims:
@@ -67,8 +75,9 @@ def presets() -> dict[str, dict]:
     except ImportError:
         return table
     for name, values in CONFIG_PRESETS.items():
-        table[name] = _model_dims_kwargs({**asdict(ModelConfig()), **section_values(values)},
-                                         DataConfig().demo_vocab_size)
+        model = {**asdict(ModelConfig()), **section_values(values)}
+        table[name] = _model_dims_kwargs(model, DataConfig().demo_vocab_size)
+        table[name]["windows"] = layer_windows(SimpleNamespace(**model))  # gpt-oss, Gemma 3: their windowed layers
         if mla := section_values(values, "mla"):  # deepseek-v3: its attention and MTP modules, as a --config's
             table[name]["mla"] = MLADims.of(MLAConfig(**mla))
         table[name]["mtp_layers"] = section_values(values, "mtp").get("num_layers")

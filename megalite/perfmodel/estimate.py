@@ -25,7 +25,7 @@ from megalite.mtp.costs import mtp_flops_per_token, mtp_params
 from megalite.perfmodel.inputs import PRESETS, Hardware, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
-from megalite.perfmodel.flops import flops_per_token, hfu_ratio
+from megalite.perfmodel.flops import attention_keys, flops_per_token, hfu_ratio, pipeline_imbalance
 from megalite.perfmodel.fp8 import fp8_estimate
 from megalite.perfmodel.stage_params import (StageParams, block_params, dims_params, layer_params,  # noqa: F401
                                              stage_params)  # (re-exported: their old home)
@@ -307,8 +307,10 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     model_per_token, hardware_per_token = model_per_token + mtp_flops, hardware_per_token + mtp_flops
     est.model_flops_per_step = tokens * model_per_token
     est.hardware_flops_per_step = tokens * hardware_per_token  # what recompute repeats included
-    est.model_flops_causal_per_step = est.model_flops_per_step - tokens * 6.0 * dims.num_layers * dims.num_heads \
-        * dims.hd * dims.seq_len
+    # The causal-halved count (`mfu_causal`): each layer's attention term at the pairs it computes (`attention_keys`).
+    halved = attention_keys(dims.seq_len, dims.num_layers, dims.windows or ()) \
+        - attention_keys(dims.seq_len, dims.num_layers, dims.windows or (), causal=True)
+    est.model_flops_causal_per_step = est.model_flops_per_step - tokens * 12.0 * dims.num_heads * dims.hd * halved
     est.hfu_ratio, est.hfu_convention = hfu_ratio(dims, layout.recompute, hfu_convention), hfu_convention
     fp8_fraction = 0.0
     if fp8 is not None:
@@ -323,7 +325,8 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     fp8_speedup = (fp8_peak_flops / peak_flops) if fp8 is not None and fp8_peak_flops else 1.0
     ideal = est.hardware_flops_per_step * (1.0 - fp8_fraction + fp8_fraction / fp8_speedup) / layout.world \
         / (peak_flops * efficiency)
-    est.compute_seconds = ideal / (1.0 - est.bubble)
+    # Layers of unequal cost (sliding windows): the slowest stage sets the pace (flops.pipeline_imbalance).
+    est.compute_seconds = ideal * pipeline_imbalance(dims, layout.pp * layout.vpp) / (1.0 - est.bubble)
     if est.comm_seconds or not any(comm.values()):
         other = sum(sec for g, sec in est.comm_seconds.items() if g not in ("dp", "cp"))
         dp_s, cp_s = est.comm_seconds.get("dp", 0.0), est.comm_seconds.get("cp", 0.0)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Sequence
 
+from megalite.attention.costs import dense_pairs, visible_pairs
 from megalite.errors import ConfigError
 from megalite.mla import costs as mla_costs
 from megalite.perfmodel.inputs import ModelDims
@@ -62,8 +64,20 @@ _DTYPE_ALIASES: dict[str, str] = {
 # "fp8" is the dense FP8 tensor-core rate; devices without FP8 tensor cores (A100, A10, V100) have none.
 
 
+def attention_keys(seq_len: int, num_layers: int, windows: Sequence[int | None] = (), causal: bool = False) -> float:
+    """The keys each query is counted against, summed over the layers (`windows`: each layer's sliding window, None
+    for full attention; empty: every layer full). Full count: s per full layer, min(s, W) per windowed one (its dense
+    S x min(S, W) block: `attention.costs.dense_pairs` / S). Causal-halved (`causal`): s / 2 per full layer (PaLM's
+    half), and per windowed layer the pairs it computes, sum_i min(i + 1, W) / S (`attention.costs.visible_pairs`)."""
+    if not windows:
+        return num_layers * seq_len / (2.0 if causal else 1.0)
+    full = seq_len / 2.0 if causal else float(seq_len)
+    pairs = visible_pairs if causal else dense_pairs
+    return sum(full if w is None else pairs(seq_len, w) / seq_len for w in windows)
+
+
 def model_flops_per_token(num_params: int, num_layers: int, hidden_size: float, seq_len: int,
-                          causal: bool = False) -> float:
+                          causal: bool = False, windows: Sequence[int | None] = ()) -> float:
     """Training FLOPs per token: 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B).
 
     * 6N: every weight is used in one multiply-add (2 FLOPs) in the forward pass and two in the
@@ -81,7 +95,11 @@ def model_flops_per_token(num_params: int, num_layers: int, hidden_size: float, 
     strictest count pass N minus the input embedding (and learned position) table.
 
     causal=True halves the attention term (6·L·h·s): the causal-halved convention (`mfu_causal`).
+    `windows` (each layer's sliding window, model.layer_types): a windowed layer's term counts its window only,
+    12·h·min(s, W), or causal-halved what it computes (`attention_keys`).
     """
+    if windows:
+        return 6.0 * num_params + 12.0 * hidden_size * attention_keys(seq_len, num_layers, windows, causal)
     return 6.0 * num_params + (6.0 if causal else 12.0) * num_layers * hidden_size * seq_len
 
 
@@ -131,14 +149,35 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     `megatron_flops_per_iteration` / (B·s) with or without full recompute.
     """
     layers, head = matmul_params(dims)
-    attn = float(dims.num_layers) * dims.num_heads * dims.hd * dims.seq_len
-    model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len)
+    windows = dims.windows or ()  # sliding-window layers: their window's keys only (executed: the kernels skip tiles)
+    attn = dims.num_heads * dims.hd * attention_keys(dims.seq_len, dims.num_layers, windows)
+    model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len,
+                                  windows=windows)
     if dims.mla is not None:  # MLA: QK^T at d = nope + rope, AV at v_head_dim; executed at the padded width
         width = mla_costs.attention_width(dims.num_heads, dims.mla)
         model = model_flops_per_token(int(num_params), dims.num_layers, width, dims.seq_len)
         attn = dims.num_layers * mla_costs.core_flops_per_token(dims.seq_len, dims.num_heads, dims.mla)[1] / 4.0
         # (executed_flops counts the core as 12 x attn: 4·s·H·D forward, twice that backward)
     return model, executed_flops(layers, head, attn, recompute)
+
+
+def pipeline_imbalance(dims: ModelDims, stages: int) -> float:
+    """The costliest pipeline stage over the mean one (1.0: balanced) for a model whose layers differ in attention
+    cost (`dims.windows`), its layers split by cost as a run splits them (`pipeline.partition.balanced_counts`);
+    the step waits for the slowest stage. Per-layer cost: its matmul weights (all layers alike) and the keys its
+    queries see (`attention_keys`, causal-halved: what the kernels compute)."""
+    if not dims.windows or stages <= 1 or stages > dims.num_layers:
+        return 1.0
+    from megalite.pipeline.partition import balanced_counts
+
+    layers, _ = matmul_params(dims)
+    per_layer = 2.0 * layers / dims.num_layers
+    costs = [per_layer + 4.0 * dims.num_heads * dims.hd * attention_keys(dims.seq_len, 1, (w,), causal=True)
+             for w in dims.windows]
+    counts, start, worst = balanced_counts(costs, stages), 0, 0.0
+    for c in counts:
+        worst, start = max(worst, sum(costs[start:start + c])), start + c
+    return worst * stages / sum(costs)
 
 
 def executed_flops(layer_weights: float, head_weights: float, attn: float, recompute: str) -> float:

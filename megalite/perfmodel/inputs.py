@@ -52,6 +52,7 @@ class ModelDims:
     mla: MLADims | None = None  # multi-head latent attention's widths (`[mla]`, megalite/mla/costs.py); None: off
     mtp_layers: int = 0  # multi-token prediction depth D (docs/mtp.md): D more blocks and logits on the last stage
     moe: MoEDims | None = None  # None: a dense model
+    windows: tuple[int | None, ...] | None = None  # each layer's sliding window (model.layer_types); None: all full
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gpt2"):

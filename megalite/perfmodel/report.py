@@ -3,9 +3,11 @@ step time and MFU of one `Estimate`, with the layout it was computed for."""
 
 from __future__ import annotations
 
+from megalite.attention.costs import kv_cache_bytes
 from megalite.fp8.costs import is_block_recipe
 from megalite.mla import costs as mla_costs
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
+from megalite.perfmodel.flops import attention_keys
 from megalite.perfmodel.peak_memory import PeakMemory, run_peak
 
 
@@ -84,9 +86,27 @@ def render(est: Estimate, kw: dict) -> str:
                        f"({f8['fp8_peak_flops'] / 1e12:.0f} TFLOP/s) it is {est.predicted_mfu_fp8_peak:.1%}")
     if dims is not None and dims.mla is not None:
         out.append(mla_cache_line(dims, prec.activation))
+    if dims is not None and dims.windows:
+        out += window_lines(dims, prec.activation)
     for w in est.warnings:
         out.append(f"WARNING: {w}")
     return "\n".join(out)
+
+
+def window_lines(dims: ModelDims, bytes_per_element: int) -> list[str]:
+    """What the sliding-window layers (model.layer_types) change: the FLOPs convention and the KV cache."""
+    assert dims.windows
+    s, kv, hd = dims.seq_len, dims.kv_heads, dims.hd
+    sliding = [w for w in dims.windows if w is not None]
+    cache = sum(kv_cache_bytes(1, s, kv, hd, bytes_per_element, w) for w in dims.windows)
+    full = kv_cache_bytes(1, s, kv, hd, bytes_per_element) * len(dims.windows)
+    share = attention_keys(s, len(dims.windows), dims.windows) / (s * len(dims.windows))
+    widths = ", ".join(map(str, sorted(set(sliding))))
+    return [f"sliding-window layers: {len(sliding)} of {len(dims.windows)} (W = {widths}): MFU counts their attention "
+            f"at min(s, W) keys per query (the full count, 12·h·min(s, W)), the causal-halved MFU at the pairs they "
+            f"compute (sum_i min(i + 1, W) / s); the attention term is {share:.1%} of all-full attention's",
+            f"KV cache for generation at {s} tokens: {cache / GB:.4g} GB per sequence (a windowed layer keeps "
+            f"min(s, W) positions), against {full / GB:.4g} GB with every layer full"]
 
 
 def mla_cache_line(dims: ModelDims, bytes_per_element: int) -> str:

@@ -32,6 +32,34 @@ def virtual_stage_layers(num_layers: int, pp: int, vpp: int, pp_layers: list[int
     return out
 
 
+def balanced_counts(costs: list[float], stages: int) -> list[int]:
+    """Layers per stage, contiguous in model order and at least one each, whose costliest stage is as cheap as any
+    split makes it (layers of unequal cost: sliding-window beside full attention, MoE beside dense). Exact: dynamic
+    programming over (layers placed, stages used); among equal splits the one that fills earlier stages less."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ConfigError(f"{n} layers cannot fill {stages} pipeline stages of at least one layer each")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the least possible costliest stage placing the first i layers on k stages; cut[k][i]: its last cut
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i] - 1e-12 * abs(v):
+                    best[k][i], cut[k][i] = v, j
+    counts, i = [], n
+    for k in range(stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
 def chunk_virtual_stages(pp_rank: int, pp: int, vpp: int, v_shape: bool = False) -> list[int]:
     """The virtual stages rank `pp_rank` holds, as its chunks 0..vpp-1. With `v_shape` (the ZB-V
     placement, Qi et al. 2024; vpp = 2) rank r holds stages r and 2P-1-r: the model runs down the
