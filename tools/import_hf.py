@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.interop.hf import import_hf  # noqa: E402
-from megalite.checkpoint.interop.hf_deepseek import MAPPING  # noqa: E402
+from megalite.checkpoint.interop.hf_families import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "import_hf"]
