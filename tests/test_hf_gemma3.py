@@ -162,3 +162,21 @@ def test_megalite_models_export_or_are_refused(tmp_path: Path, capsys: pytest.Ca
         err = capsys.readouterr().err.strip()
         assert code == CheckpointError.exit_code and words in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / f"out{i}").exists()
+
+
+def test_init_from_takes_the_hf_directory(tmp_path: Path) -> None:
+    """`train.init_from` imports a Gemma 3 directory through the same MAPPING as tools/import_hf.py, and the run
+    builds its layer pattern and variants from the import (checkpoint.model_shape), refusing a contradicting flag."""
+    from megalite.checkpoint.model_shape import apply_checkpoint_shape
+    from megalite.config.schema import Config
+    from megalite.training.init_from import resolve_init_from
+
+    hf_model("local3_global1").save_pretrained(tmp_path / "hf")
+    path = resolve_init_from(str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
+    m = apply_checkpoint_shape(Config(), [], init_from=path).model
+    assert (m.layer_types, m.sliding_window, m.rope_local_theta, m.sandwich_norm, m.embed_scale, m.mlp, m.qk_norm) == \
+        ([S, S, S, F_], 4, 1e4, True, True, "geglu", True)
+    cfg = Config()
+    cfg.model.sliding_window = 8
+    with pytest.raises(CheckpointError, match="model.sliding_window=8 but the checkpoint has 4"):
+        apply_checkpoint_shape(cfg, ["--model.sliding_window", "8"], init_from=path)

@@ -206,3 +206,60 @@ def test_megalite_gpt_oss_exports(tmp_path: Path) -> None:
     assert export_main(["--input", str(ckpt), "--output", str(tmp_path / "no"), "--quiet"]) == \
         CheckpointError.exit_code
     assert not (tmp_path / "no").exists()
+
+
+# The released configs' fields the presets must reproduce (openai/gpt-oss-20b, google/gemma-3-1b-pt config.json).
+RELEASED: dict[str, dict[str, Any]] = {
+    "gpt-oss-20b": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        sliding_window=128, vocab_size=201088, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                        attention_bias=True, tie_word_embeddings=False,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, original_max_position_embeddings=4096, truncate=False)),
+    "gemma3-1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144, rms_norm_eps=1e-6,
+                      query_pre_attn_scalar=256, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")}
+
+
+@pytest.mark.parametrize("preset", list(RELEASED))
+def test_real_presets_export_the_released_configs(preset: str) -> None:
+    """The gpt-oss-20b and gemma3-1b presets (megalite/config/presets.py) export to the released config.json's
+    fields and layer pattern; transformers builds from it (on the meta device) exactly the tensors the export
+    writes, shape for shape; and the import reads that config back to the same model fields."""
+    from megalite.checkpoint.interop.hf import _swapped
+    from megalite.checkpoint.interop.hf_families import MAPPING
+    from megalite.checkpoint.layout import model_info
+    from megalite.config import ModelArgs, parse_args, resolve
+    from megalite.config.schema import ModelConfig
+
+    info = model_info(ModelArgs.from_config(resolve(parse_args(["--model.preset", preset]), 1)))
+    config = MAPPING.hf_config(info)
+    assert {k: config[k] for k in RELEASED[preset]} == RELEASED[preset]
+    n = config["num_hidden_layers"]
+    want_types = (["sliding_attention", "full_attention"] * n if preset == "gpt-oss-20b" else
+                  (["sliding_attention"] * 5 + ["full_attention"]) * n)[:n]
+    assert config["layer_types"] == want_types
+    if preset == "gemma3-1b":
+        assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+        assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
+    kind = transformers.GptOssConfig if preset == "gpt-oss-20b" else transformers.Gemma3TextConfig
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(kind(**config))
+    theirs = {k: tuple(v.shape) for k, v in built.state_dict().items() if k != "lm_head.weight" or
+              not config["tie_word_embeddings"]}
+    shapes = MAPPING.expected_shapes(info)
+    ours = {}
+    for name, hf_names, split, transposed in MAPPING.rules(info):
+        for hf_name, rows in zip(hf_names, split or [shapes[name][0]]):
+            s = (rows,) + shapes[name][1:]
+            ours[hf_name] = _swapped(s) if transposed else s
+    assert ours == theirs
+    back = MAPPING.info_from_hf(config)
+    if "moe_experts" in info:  # 0 = the model's FFN width, which the import writes out; the bias rate is deepseek's
+        info = {**info, "moe_ffn_hidden_size": info["moe_ffn_hidden_size"] or info["ffn_hidden_size"],
+                "moe_bias_rate": back["moe_bias_rate"]}
+    assert {k: back[k] for k in info if k in back} == {k: info[k] for k in info if k in back}
+    # what the import leaves out is at its default (another scaling's rope_* fields), or a training loss HF configs
+    # have no field for
+    missing = set(info) - set(back)
+    assert all(k == "moe_seq_aux_loss" or info[k] == getattr(ModelConfig(), k) for k in missing), missing
