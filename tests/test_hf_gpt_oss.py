@@ -191,7 +191,8 @@ def _saved_megalite(cfg: Any, path: Path) -> tuple[Any, Path]:
 
 def test_megalite_gpt_oss_exports(tmp_path: Path) -> None:
     """A megalite-built gpt-oss (tests/layer_pattern_utils.py's: the clamp reached at init) loads into transformers
-    and computes its logits; one without expert biases has no GptOss equivalent and is refused by name."""
+    and computes its logits, and its bf16 export is those tensors in bf16; one without expert biases has no GptOss
+    equivalent and is refused by name."""
     from tests.layer_pattern_utils import gpt_oss_cfg
 
     model, ckpt = _saved_megalite(gpt_oss_cfg(), tmp_path / "ckpt")
@@ -202,6 +203,10 @@ def test_megalite_gpt_oss_exports(tmp_path: Path) -> None:
     ids = torch.randint(0, 61, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(model(ids)[..., :61], back(ids).logits, atol=ATOL, rtol=0)
+    half = tmp_path / "hf_bf16"  # --dtype bf16: the same tensors rounded to bf16, which transformers loads as such
+    assert export_main(["--input", str(ckpt), "--output", str(half), "--dtype", "bf16", "--quiet"]) == 0
+    halved = transformers.AutoModelForCausalLM.from_pretrained(half).state_dict()
+    assert all(torch.equal(halved[k], v.to(torch.bfloat16)) for k, v in back.state_dict().items())
     _, ckpt = _saved_megalite(gpt_oss_cfg(mlp_bias=False), tmp_path / "nobias")
     assert export_main(["--input", str(ckpt), "--output", str(tmp_path / "no"), "--quiet"]) == \
         CheckpointError.exit_code

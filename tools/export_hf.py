@@ -6,7 +6,9 @@
 Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for LlamaForCausalLM
 (model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2); a MoE model as MixtralForCausalLM (mixtral router)
 or Qwen3MoeForCausalLM (qwen3 router with model.qk_norm), a dense one with model.qk_norm as Qwen3ForCausalLM,
-one with multi-head latent attention ([mla]) as DeepseekV3ForCausalLM (its MTP layers as the hub stores them).
+one with multi-head latent attention ([mla]) as DeepseekV3ForCausalLM (its MTP layers as the hub stores them),
+one with attention sinks as GptOssForCausalLM, one with Gemma's post-norms and embedding scale as
+Gemma3ForCausalLM; a layer pattern or attention variant no such family computes is refused by name.
 With --tokenizer (a Hugging Face tokenizer.json, a tiktoken file, or a SentencePiece .model from
 tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
 `AutoTokenizer.from_pretrained("hf_model")` and `AutoModelForCausalLM.from_pretrained("hf_model")` give
