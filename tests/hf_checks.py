@@ -93,3 +93,14 @@ def assert_exported_back(theirs: Any, ckpt: Path, out: Path, atol: Callable[[str
     for name, value in orig.items():
         torch.testing.assert_close(mine[name], value, rtol=0, atol=atol(name), msg=name)
     return back
+
+
+def import_with_config(base: Path, config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The index.json of tools/import_hf.py's import of HF directory `base`'s weights under another config.json."""
+    from tools.import_hf import main as import_main
+
+    (where / "hf").mkdir(parents=True)
+    (where / "hf" / "model.safetensors").symlink_to(base / "model.safetensors")
+    (where / "hf" / "config.json").write_text(json.dumps(config))
+    assert import_main(["--input", str(where / "hf"), "--output", str(where / "ckpt"), "--quiet"]) == 0
+    return read_index(where / "ckpt")

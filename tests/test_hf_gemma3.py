@@ -180,3 +180,19 @@ def test_init_from_takes_the_hf_directory(tmp_path: Path) -> None:
     cfg.model.sliding_window = 8
     with pytest.raises(CheckpointError, match="model.sliding_window=8 but the checkpoint has 4"):
         apply_checkpoint_shape(cfg, ["--model.sliding_window", "8"], init_from=path)
+
+
+def test_older_config_format_reads_the_same(tmp_path: Path) -> None:
+    """The hub's older Gemma 3 config.json (rope_theta, rope_local_base_freq, sliding_window_pattern, no layer_types
+    or rope_parameters: google/gemma-3-1b-pt's) imports to the same model as transformers 5's format."""
+    import json
+
+    from tests.hf_checks import import_with_config
+
+    theirs = hf_model("local3_global1")
+    new = read_index(_imported(theirs, tmp_path))["model"]
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        del cfg[key]
+    cfg |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 4, "rope_scaling": None}
+    assert import_with_config(tmp_path / "hf", cfg, tmp_path / "old")["model"] == new

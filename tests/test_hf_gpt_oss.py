@@ -268,3 +268,16 @@ def test_real_presets_export_the_released_configs(preset: str) -> None:
     # have no field for
     missing = set(info) - set(back)
     assert all(k == "moe_seq_aux_loss" or info[k] == getattr(ModelConfig(), k) for k in missing), missing
+
+
+def test_hub_config_format_reads_the_same(tmp_path: Path) -> None:
+    """openai/gpt-oss-20b's config.json names its YaRN `rope_scaling` beside a top-level rope_theta (and says
+    experts_per_token too): the same model as transformers 5's rope_parameters."""
+    from tests.hf_checks import import_with_config
+
+    theirs = hf_model()
+    new = read_index(_imported(theirs, tmp_path))["model"]
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "experts_per_token": 2}
+    assert import_with_config(tmp_path / "hf", cfg, tmp_path / "old")["model"] == new
