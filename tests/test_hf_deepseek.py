@@ -22,10 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from megalite.checkpoint.interop.hf import _to_hf
 from megalite.checkpoint.interop.hf_deepseek import export_tensor, rules
 from megalite.checkpoint.sharded import load_sharded, read_index, save_sharded
 from megalite.checkpoint.storage import SlabReader
@@ -33,6 +31,7 @@ from megalite.inference.load import load_model, model_config_from_info
 from megalite.model.gpt import GPT
 from megalite.mtp.config import MTPConfig
 from megalite.parallel.state import ParallelState
+from tests.hf_checks import assert_one_step
 from tests.parallel_utils import with_sections
 from tests.test_hf_moe import assert_same_greedy
 from tools.export_hf import main as export_main
@@ -132,37 +131,11 @@ def test_import_export_against_transformers(tmp_path: Path, q_lora: int | None) 
 
 def test_training_step_equals_transformers(tmp_path: Path) -> None:
     """One step's loss and every weight gradient (mapped to the hub's tensors) equal transformers'."""
-    theirs = hf_model().train()
+    theirs = hf_model()
     theirs.save_pretrained(tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
     assert import_main(["--input", str(tmp_path / "hf"), "--output", str(ckpt), "--quiet"]) == 0
-    info = read_index(ckpt)["model"]
-    ours, _ = load_model(ckpt)
-    ours.train()
-    ids = _ids(2, 17)
-    inputs, labels = ids[:, :-1], ids[:, 1:]
-    want = theirs(ids, labels=ids).loss  # transformers' loss: it shifts, predicting ids[1:] from ids[:-1]
-    with torch.no_grad():  # ... which is megalite's (inputs, labels) cut (causal: the last position changes nothing)
-        same = F.cross_entropy(theirs(inputs).logits.reshape(-1, VOCAB), labels.reshape(-1))
-    assert torch.allclose(want, same, atol=1e-6)
-    got = ours(inputs, labels).mean()
-    assert abs(got.item() - want.item()) <= ATOL
-    want.backward()
-    got.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters()}
-    hf_grads = {n: p.grad for n, p in theirs.named_parameters()}
-    checked = set()
-    for name, hf_names, split, transposed in rules(info):
-        if name.startswith("buffer/") or name not in grads:
-            continue
-        g = grads[name]
-        if name in ("embedding.weight", "head.weight"):
-            g = g[:VOCAB]
-        for hf_name, piece in zip(hf_names, _to_hf(g, split, transposed)):
-            torch.testing.assert_close(export_tensor(hf_name, piece, info), hf_grads[hf_name], atol=ATOL, rtol=0,
-                                       msg=hf_name)
-            checked.add(hf_name)
-    assert checked == {n for n, g in hf_grads.items() if g is not None}
+    assert_one_step(theirs, ckpt, _ids(2, 17), rules, export_tensor, ATOL)
     bias = [b for n, b in theirs.named_buffers() if n.endswith("e_score_correction_bias")]
     assert bias and all(not b.requires_grad for b in bias)
 

@@ -6,7 +6,9 @@
 Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for LlamaForCausalLM
 (model.arch=llama) or GPT2LMHeadModel (model.arch=gpt2); a MoE model as MixtralForCausalLM (mixtral router)
 or Qwen3MoeForCausalLM (qwen3 router with model.qk_norm), a dense one with model.qk_norm as Qwen3ForCausalLM,
-one with multi-head latent attention ([mla]) as DeepseekV3ForCausalLM (its MTP layers as the hub stores them).
+one with multi-head latent attention ([mla]) as DeepseekV3ForCausalLM (its MTP layers as the hub stores them),
+one with attention sinks as GptOssForCausalLM, one with Gemma's post-norms and embedding scale as
+Gemma3ForCausalLM; a layer pattern or attention variant no such family computes is refused by name.
 What the target format has no place for (the MTP modules of a model without MLA) is named on the last line.
 With --tokenizer (a Hugging Face tokenizer.json, a tiktoken file, or a SentencePiece .model from
 tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that
@@ -25,7 +27,7 @@ if __package__ in (None, ""):  # run as `python tools/export_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.interop.hf import export_hf, not_exported  # noqa: E402
-from megalite.checkpoint.interop.hf_deepseek import MAPPING  # noqa: E402
+from megalite.checkpoint.interop.hf_families import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "export_hf"]

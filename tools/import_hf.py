@@ -1,5 +1,6 @@
 """Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel / MixtralForCausalLM / Qwen3MoeForCausalLM /
-Qwen3ForCausalLM / DeepseekV3ForCausalLM directory (DeepSeek's FP8 release too) as a megalite checkpoint.
+Qwen3ForCausalLM / DeepseekV3ForCausalLM (DeepSeek's FP8 release too) / GptOssForCausalLM (the hub's MXFP4 release
+too) / Gemma3ForCausalLM directory as a megalite checkpoint.
 
     python tools/import_hf.py --input hf_model --output ckpt_from_hf
     python pretrain.py --checkpoint.load ckpt_from_hf --data.path ... --data.tokenizer hf_model
@@ -8,7 +9,7 @@ The checkpoint is at step 0 with no optimizer state (the optimizer starts fresh)
 layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"): pretrain.py takes
 them from there (no model flags needed), and refuses model flags that contradict them, naming each. A MoE
 model's routing (the [moe] section, as moe_* keys; docs/moe.md) and Qwen3's q/k norm (model.qk_norm) are
-recorded there too.
+recorded there too, as are gpt-oss's and Gemma 3's layer pattern and attention variants (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if __package__ in (None, ""):  # run as `python tools/import_hf.py`: make `megal
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.interop.hf import import_hf  # noqa: E402
-from megalite.checkpoint.interop.hf_deepseek import MAPPING  # noqa: E402
+from megalite.checkpoint.interop.hf_families import MAPPING  # noqa: E402
 from megalite.errors import entry_point, one_line_arguments  # noqa: E402
 
 __all__ = ["main", "import_hf"]

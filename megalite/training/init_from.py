@@ -49,7 +49,7 @@ def resolve_init_from(path: str, cache_dir: str = "", quiet: bool = True) -> Pat
         raise CheckpointError(f"train.init_from {path!r} is neither a megalite checkpoint (no {INDEX}) nor a Hugging "
                               "Face model directory (no config.json)")
     from megalite.checkpoint.interop.hf import import_hf
-    from megalite.checkpoint.interop.hf_deepseek import MAPPING  # every architecture tools/import_hf.py takes
+    from megalite.checkpoint.interop.hf_families import MAPPING
 
     out = Path(default_cache_dir(cache_dir)) / "init_from" / f"{p.name}-{_hf_key(p)}"
     if (out / INDEX).is_file():

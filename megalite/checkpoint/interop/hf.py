@@ -47,7 +47,8 @@ from megalite.errors import CheckpointError, one_line
 from megalite.observability.progress import Progress
 from megalite.untrusted import loads_json
 
-# (megalite name, HF names, split sizes along megalite dim 0 or None, transposed)
+# (megalite name, HF names, split sizes along megalite dim 0 or None, transposed: HF stores the last two dims swapped,
+# as GPT-2's Conv1D [in, out] and gpt-oss's stacked experts [E, in, out])
 Rule = tuple[str, list[str], list[int] | None, bool]
 
 
@@ -107,7 +108,12 @@ def _dims_text(info: dict[str, Any]) -> str:
 
 def _to_hf(t: torch.Tensor, split: list[int] | None, transposed: bool) -> list[torch.Tensor]:
     pieces = list(t.split(split, dim=0)) if split else [t]
-    return [p.t().contiguous() if transposed else p.contiguous() for p in pieces]
+    return [p.transpose(-1, -2).contiguous() if transposed else p.contiguous() for p in pieces]
+
+
+def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` with its last two dims swapped (a transposed rule's HF shape)."""
+    return shape[:-2] + (shape[-1], shape[-2])
 
 
 def hf_config(info: dict[str, Any]) -> dict[str, Any]:
@@ -265,7 +271,7 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
                                   f"{list(want[name])}: index.json is inconsistent")
         for hf_name, n in zip(hf_names, split or [shape[0]]):
             s = (n,) + shape[1:]
-            plan.append((hf_name, torch_dtype, s[::-1] if transposed else s))
+            plan.append((hf_name, torch_dtype, _swapped(s) if transposed else s))
     out = Path(out)
     created = not out.exists()
     try:
@@ -370,12 +376,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
     want = mapping.expected_shapes(info)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, (hf_names, transposed) in table.items():
-        parts = [shape_of(n) for n in hf_names]
+        parts = [tuple(shape_of(n)) for n in hf_names]
         if any(len(s) != len(want[name]) for s in parts):
-            raise CheckpointError(f"{hf_dir}: {hf_names[0]} has shape {parts[0]}, not a {len(want[name])}-D tensor")
-        rows = sum(s[1 if transposed else 0] for s in parts)
+            raise CheckpointError(f"{hf_dir}: {hf_names[0]} has shape {list(parts[0])}, not a {len(want[name])}-D tensor")
+        ours = [_swapped(s) if transposed else s for s in parts]  # each part in megalite's layout
         key = tensor_key(name)
-        shapes[key] = (rows, parts[0][0]) if transposed else (rows,) + tuple(parts[0][1:])
+        shapes[key] = (sum(s[0] for s in ours),) + ours[0][1:]
         if shapes[key] != want[name]:
             raise CheckpointError(f"{hf_dir}: the tensors of {name} ({', '.join(hf_names)}) have shapes {parts}, which "
                                   f"disagree with config.json ({_dims_text(info)}): the config does not describe these "
@@ -384,10 +390,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
     def fetch(key: str) -> torch.Tensor:
         hf_names, transposed = table[key.removeprefix("param/")]
         parts = [get(n) for n in hf_names]
-        if any(p.dtype == torch.float8_e4m3fn for p in parts):
-            raise CheckpointError(f"{hf_dir}: {hf_names[0]} is float8 and this architecture's import does not "
-                                  "dequantise it: convert the model to bf16/fp32 first")
-        return torch.cat([p.t() if transposed else p for p in parts], dim=0)
+        if any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in parts):
+            raise CheckpointError(f"{hf_dir}: {hf_names[0]} is {parts[0].dtype} and this architecture's import does "
+                                  "not dequantise it: convert the model to bf16/fp32 first")
+        return torch.cat([p.transpose(-1, -2) if transposed else p for p in parts], dim=0)
 
     extra = {"imported_from": str(hf_dir), "model": info}
     return write_checkpoint(Path(out), shapes, fetch, info, carried=Carried(extra, step=0), show_progress=show_progress)

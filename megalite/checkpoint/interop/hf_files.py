@@ -59,8 +59,8 @@ def hf_tensor_source(hf_dir: Path) -> tuple[Callable[[str], torch.Tensor], Calla
     def get(name: str) -> torch.Tensor:
         handle, key = open_(name)
         dtype = handle.get_slice(key).get_dtype()
-        if dtype == "F8_E4M3":  # as stored: a block-FP8 reader (hf_deepseek) dequantises it, import_hf refuses it
-            return handle.get_tensor(key)
+        if dtype in ("F8_E4M3", "U8"):  # as stored: a block-FP8 (hf_deepseek) or MXFP4 (hf_gpt_oss) reader
+            return handle.get_tensor(key)  # dequantises it; import_hf refuses it as a weight
         if dtype not in HF_WEIGHT_DTYPES:  # an integer tensor read as weights would be a silent misread
             raise CheckpointError(f"{hf_dir}: tensor {key} is {dtype}; weights must be one of "
                                   f"{', '.join(HF_WEIGHT_DTYPES)}")

@@ -13,18 +13,18 @@ from megalite.model.rope import RopeScaling, rope_scaling_problems
 # model.rope_* <- transformers' rope_parameters keys (megalite/model/rope.py computes them as transformers does).
 ROPE_KEYS = {"yarn": {"rope_factor": "factor", "rope_original_max_positions": "original_max_position_embeddings",
                       "rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow", "rope_mscale": "mscale",
-                      "rope_mscale_all_dim": "mscale_all_dim"},
+                      "rope_mscale_all_dim": "mscale_all_dim", "rope_truncate": "truncate"},
              "llama3": {"rope_factor": "factor", "rope_original_max_positions": "original_max_position_embeddings",
                         "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor"}}
 
 
 def rope_scaling_info(given: dict[str, Any], cfg: dict[str, Any], key: str) -> dict[str, Any]:
     """The `model.rope_*` fields of an HF rope_parameters / rope_scaling object ({} for plain RoPE); refuses a
-    scaling megalite does not compute (linear, dynamic, longrope, an explicit attention_factor, truncate false)."""
+    scaling megalite does not compute (linear, dynamic, longrope, an explicit attention_factor)."""
     kind = given.get("rope_type", given.get("type", "default"))  # "type": legacy spelling
     if kind == "default":
         return {}
-    if kind not in ROPE_KEYS or given.get("attention_factor") is not None or given.get("truncate", True) is not True:
+    if kind not in ROPE_KEYS or given.get("attention_factor") is not None:
         raise CheckpointError(f"this config cannot be imported: rope scaling {kind!r} ({key}) is not "
                               f"supported (megalite computes plain RoPE, {' and '.join(ROPE_KEYS)}; importing it "
                               "would be another model)")
@@ -34,7 +34,11 @@ def rope_scaling_info(given: dict[str, Any], cfg: dict[str, Any], key: str) -> d
             value = given.get(theirs)
             if theirs == "factor" and value is None and kind == "yarn":  # transformers' default: the length ratio
                 value = cfg["max_position_embeddings"] / given["original_max_position_embeddings"]
-            if value is not None:
+            if ours == "rope_truncate":  # a flag (gpt-oss: false), not a number
+                if not isinstance(value, (bool, type(None))):
+                    raise TypeError(f"{theirs}={value!r} is not true or false")
+                out[ours] = value is not False
+            elif value is not None:
                 if isinstance(value, (bool, str)):
                     raise TypeError(f"{theirs}={value!r} is not a number")
                 out[ours] = int(value) if ours == "rope_original_max_positions" else float(value)
@@ -53,4 +57,5 @@ def hf_rope_parameters(info: dict[str, Any]) -> dict[str, Any]:
     if kind == "none":
         return {"rope_type": "default"}
     return {"rope_type": kind, **{theirs: info[ours] for ours, theirs in ROPE_KEYS[kind].items()
-                                  if ours in info and not (theirs.startswith("mscale") and not info[ours])}}
+                                  if ours in info and not (theirs.startswith("mscale") and not info[ours])
+                                  and not (theirs == "truncate" and info[ours])}}  # unset: transformers' true
