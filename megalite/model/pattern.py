@@ -33,7 +33,9 @@ VARIANT_DEFAULTS: dict[str, Any] = dict(
 
 def variant_info(m: Any) -> dict[str, Any]:
     """The layer-pattern and variant fields of model config `m` that differ from their defaults."""
-    return {k: getattr(m, k) for k, default in VARIANT_DEFAULTS.items() if getattr(m, k) != default}
+    own = {"mlp": "swiglu" if m.arch == "llama" else "gelu"}  # `auto` resolved (config.derive): still the default
+    return {k: getattr(m, k) for k, default in VARIANT_DEFAULTS.items()
+            if getattr(m, k) != default and getattr(m, k) != own.get(k)}
 
 
 def gated_mlp(arch: str, mlp: str) -> bool:
