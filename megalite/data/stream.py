@@ -54,7 +54,10 @@ class RecordStream:
         return {"cursor": self.packer.cursor().to_dict()}
 
     def counts(self) -> Counts:
-        return self.packer.cursor().counts
+        # What the packer has read, the record it is cutting sequences from included. The cursor's counts
+        # (saved for the exact resume) stop before that record: a corpus of documents longer than a step's
+        # tokens read as "0 records read" after step 1.
+        return self.packer.counts.copy()
 
     def tokens_in(self) -> int:
         return self.packer.tokens_in
