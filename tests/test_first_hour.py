@@ -197,3 +197,18 @@ def test_plan_hfu_is_never_below_mfu(capsys: pytest.CaptureFixture[str]) -> None
     out = json.loads(capsys.readouterr().out)
     rows = out.get("ranked") or out.get("layouts") or []
     assert rows and all(r["hfu"] >= r["mfu"] for r in rows)
+
+
+def test_bare_torchrun_report_ends_on_megalites_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun reads a failed worker's TORCHELASTIC_ERROR_FILE into its "Root Cause" (the last lines it prints):
+    rank 0 writes megalite's line there, in the format torchrun parses (its own ProcessFailure reads it back)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv("RANK", raising=False)  # one process: rank 0, the reporting one
+    assert main(["--model.num_layers", "-3"]) == 2
+    line = capsys.readouterr().err.strip()
+    report = ChildFailedError("pretrain.py", {0: ProcessFailure(0, 1, 2, str(error_file))}).format_msg()
+    assert line.startswith("megalite: error: ") and f"traceback : {line}\n" in report
