@@ -114,3 +114,101 @@ def test_progress_rate_counts_from_the_first_item(monkeypatch: pytest.MonkeyPatc
     clock[0] = 70.0
     bar.update(100)
     assert "10.0 docs/s (first after 60.0 s)" in bar.line() and "ETA 0:01:29" in bar.line()
+
+
+# ----------------------------------------------------------------------------- issue 51: the first hour, round 4
+
+
+def test_slow_phase_speaks_only_when_slow() -> None:
+    """A phase quicker than its threshold prints nothing; one past it says what runs, then how long it took."""
+    import io
+
+    from megalite.observability.phases import SlowPhase
+
+    quiet, loud = io.StringIO(), io.StringIO()
+    with SlowPhase("building the model", after_s=3600, stream=quiet):
+        pass
+    with SlowPhase("building the model", after_s=0, stream=loud):
+        assert loud.getvalue() == "megalite: building the model (still running after 0 s)\n"
+    assert quiet.getvalue() == ""
+    assert loud.getvalue().splitlines()[1].startswith("megalite: building the model: done in ")
+
+
+def test_check_config_prints_the_memory_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that fits says what was predicted and compared (it printed only "config ok")."""
+    assert main(["--check-config", "--model.preset", "tiny"]) == 0
+    err = capsys.readouterr().err
+    assert "megalite: memory check: predicted peak per process" in err and "GiB" in err and "config ok" in err
+
+
+def test_summary_best_step_is_a_logged_step_and_eta_skips_the_warm_up(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from megalite.observability.metrics import MetricsLogger
+    from megalite.observability.tracking import Tracker
+
+    log = MetricsLogger(str(tmp_path), True, Tracker("", "", "", {}, str(tmp_path), enabled=False), 100)
+    for step, loss, seconds in ((1, 5.0, 40.0), (2, 1.0, 1.0), (3, 3.0, 1.0)):  # step 2 best, not logged
+        log.step_done(step, loss, False, seconds, 10)
+        if step != 2:
+            log.log({"step": step, "loss": loss, "lr": 0.1, "grad_norm": 1.0})
+    lines = capsys.readouterr().out.splitlines()
+    assert "ETA" not in lines[0]  # after the first step alone: no rate to trust yet
+    assert "ETA 1m37s" in lines[1]  # 97 steps x 1 s: the 40 s warm-up is left out
+    assert "best 3.0000 at step 3" in log.summary(None, str(tmp_path))
+
+
+def test_help_names_the_launcher_flags_and_fits_the_terminal(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from megalite.config import parse_args
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--check-config" in out and "--world-size N" in out and "--local-processes N" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_missing_tokenizer_hint_trains_the_kind_asked() -> None:
+    from megalite.data.tokenizer import load_tokenizer
+
+    with pytest.raises(DataError, match=r"--model-prefix data/tokenizer --vocab-size 32000 --kind hf` writes "
+                                        r"data/tokenizer\.json"):
+        load_tokenizer("data/tokenizer.json")
+    with pytest.raises(DataError, match=r"--model-prefix tok --vocab-size 32000` writes tok\.model"):
+        load_tokenizer("tok.model")
+
+
+def test_plot_labels_the_communication_of_one_process() -> None:
+    from tools.plot_metrics import comm_note
+
+    assert comm_note({"a": [{"step": 1, "comm_bytes": {}}]}) is not None
+    assert comm_note({"a": [{"step": 1, "comm_bytes": {"dp": 0.0}}]}) is not None
+    assert comm_note({"a": [{"step": 1, "comm_bytes": {"dp": 5.0}}]}) is None
+
+
+def test_plan_hfu_is_never_below_mfu(capsys: pytest.CaptureFixture[str]) -> None:
+    """An untied model's PaLM 6N counts the input embedding, a gather: HFU read below MFU (101.7% vs 100%)."""
+    import json
+
+    from tools.plan import main as plan_main
+
+    assert plan_main(["--preset", "llama-7b", "--nodes", "4", "--global-batch-size", "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out.get("ranked") or out.get("layouts") or []
+    assert rows and all(r["hfu"] >= r["mfu"] for r in rows)
+
+
+def test_bare_torchrun_report_ends_on_megalites_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun reads a failed worker's TORCHELASTIC_ERROR_FILE into its "Root Cause" (the last lines it prints):
+    rank 0 writes megalite's line there, in the format torchrun parses (its own ProcessFailure reads it back)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv("RANK", raising=False)  # one process: rank 0, the reporting one
+    assert main(["--model.num_layers", "-3"]) == 2
+    line = capsys.readouterr().err.strip()
+    report = ChildFailedError("pretrain.py", {0: ProcessFailure(0, 1, 2, str(error_file))}).format_msg()
+    assert line.startswith("megalite: error: ") and f"traceback : {line}\n" in report

@@ -81,10 +81,27 @@ positive_float = _number(float, 0.0, False)
 fraction = _number(float, 0.0, False, 1.0)
 
 
+def estimate_only_presets() -> list[str]:
+    """The presets this tool and tools/plan.py know but pretrain.py's `--model.preset` does not."""
+    from megalite.config import PRESETS as RUNNABLE
+
+    return sorted(set(presets()) - set(RUNNABLE))
+
+
+def estimate_only_note(preset: str | None) -> str | None:
+    """One line for a preset pretrain.py would refuse: the estimate stands, the run needs the dims spelled out."""
+    if preset is None or preset not in estimate_only_presets():
+        return None
+    return (f"note: --preset {preset} is estimate-only: pretrain.py has no such preset (its presets: "
+            "python pretrain.py --help); train this shape with --model.num_layers/--model.hidden_size/... flags")
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The model flags shared with tools/plan.py: a preset and/or explicit dims."""
     m = ap.add_argument_group("model (a preset, explicit dims, or both: flags override the preset)")
-    m.add_argument("--preset", choices=sorted(presets()))
+    m.add_argument("--preset", choices=sorted(presets()), metavar="NAME",
+                   help=f"{', '.join(sorted(presets()))} ({', '.join(estimate_only_presets())}: estimate-only, "
+                        "published shapes pretrain.py has no preset for; give it their dims as --model.* flags)")
     m.add_argument("--arch", choices=["llama", "gpt2"])
     for name in MODEL_FLAGS[1:]:
         m.add_argument("--" + name.replace("_", "-"), type=positive_int,
@@ -404,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"inputs": inputs, **est.to_dict(), "peak_memory": peak_of(kw), **sections}, indent=2))
     else:
         print("\n".join([render(est, kw)] + (["", *lines] if lines else [])))
+        if (note := estimate_only_note(args.preset)) is not None:
+            print(note, file=sys.stderr)
     return 0
 
 

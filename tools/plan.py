@@ -28,8 +28,8 @@ from megalite.perfmodel.compare import PUBLISHED, compare  # noqa: E402
 from megalite.perfmodel.plan import Cluster, Plan, Search, make_plan  # noqa: E402
 from megalite.perfmodel.moe import moe_preset_model  # noqa: E402
 from megalite.perfmodel.moe_plan import make_moe_plan, render_moe  # noqa: E402
-from tools.estimate import (OneLineParser, add_model_args, check_dims, fraction, mla_from_flags, positive_float,  # noqa: E402
-                            positive_int, presets)  # (model flags, sizes and argument checks shared)
+from tools.estimate import (OneLineParser, add_model_args, check_dims, estimate_only_note, fraction,  # noqa: E402
+                            mla_from_flags, positive_float, positive_int, presets)  # (model flags, sizes, checks shared)
 
 _DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
          "seq_len", "head_dim", "mtp_layers")
@@ -131,6 +131,8 @@ def render(plan: Plan, top: int) -> str:
            f"{c.memory_limit / GB:.0f} GB usable each, global batch {plan.global_batch_size}",
            f"{plan.considered} layouts sized, {plan.costed} fit and were costed; times assume "
            f"{c.efficiency:.0%} of {c.peak_flops / 1e12:.0f} TFLOP/s, DP traffic overlapped with compute",
+           "MFU counts PaLM's 6N + 12·L·H·Q·s (N: every parameter, an untied input embedding too, so it can pass "
+           "100%); HFU = MFU x the recompute ratio",
            "",
            f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'vpp':>3} {'mbs':>3} {'M':>5} "
            f"{'recomp':>9} {'step s':>8} {'MFU':>6} {'HFU':>6} {'bubble':>6} {'mem GB':>7} {'states':>7} "
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(render(plan, args.top))
+    if (note := estimate_only_note(args.preset)) is not None:
+        print(note, file=sys.stderr)
     return 0
 
 

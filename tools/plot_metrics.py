@@ -116,6 +116,17 @@ def _series(records: Records, key: str) -> tuple[list[float], list[float]]:
     return [s for s, _ in pts], [v for _, v in pts]
 
 
+def comm_note(runs: dict[str, Records]) -> str | None:
+    """What the communication panel says when it has nothing to draw: a one-process run moves no bytes
+    between ranks (its metrics hold no group, or only zeros)."""
+    values = [v for recs in runs.values() for r in recs for v in (r.get("comm_bytes") or {}).values()
+              if isinstance(v, (int, float))]
+    if any(values):
+        return None
+    return ("no communication: every run here is one process (no bytes between ranks)" if not values
+            else "no communication: every group moved 0 bytes (one process, or dp/tp/pp/cp all 1)")
+
+
 def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
     """Write a 3x2 PNG comparing `runs` (label -> records); returns the path written."""
     try:
@@ -154,12 +165,16 @@ def plot_runs(runs: dict[str, Records], out: str | Path) -> Path:
                    if isinstance((r.get("comm_bytes") or {}).get(g), (int, float))]
             ax.plot([s for s, _ in pts], [v for _, v in pts], label=f"{label}: {g}")
     ax.set_title("communication per step per rank (GB, wire bytes)")
+    notes = {id(axes[2][1]): comm_note(runs)}
     for row in axes:
         for a in row:
             a.set_xlabel("step")
             a.grid(alpha=0.3)
             if a.get_legend_handles_labels()[0]:
                 a.legend(fontsize=8)
+            note = notes.get(id(a)) or (None if a.lines else "no data: metrics.jsonl has no values for this panel")
+            if note:  # an empty box would read as a plotting failure
+                a.text(0.5, 0.5, note, ha="center", va="center", transform=a.transAxes, fontsize=9, wrap=True)
     fig.tight_layout()
     out = output_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@
 
 --kind sentencepiece writes `<model-prefix>.model` (megalite/data/tokenizer_spm.py; ids: unk=0, bos=1, eos=2 =
 end of document, no pad). --kind hf writes `<model-prefix>.json`, a GPT-2-style byte-level BPE
-(`<|endoftext|>` = 0 ends documents). Both export for `AutoTokenizer` (tools/export_hf.py --tokenizer).
+(`<|endoftext|>` = 0 ends documents): `--model-prefix tokenizer` makes the `tokenizer.json` the README's next
+commands read. Both export for `AutoTokenizer` (tools/export_hf.py --tokenizer).
 
 To start from a tokenizer people already use instead (GPT-2's or Llama 3's `tokenizer.json`, a tiktoken
 file such as `cl100k_base.tiktoken`), skip this tool: tools/preprocess_data.py and `--data.tokenizer`
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="text files (one document each) or .jsonl files (with --json-key)")
-    p.add_argument("--model-prefix", required=True, metavar="P", help="writes P.model (sentencepiece) or P.json (hf)")
+    p.add_argument("--model-prefix", required=True, metavar="P", help="writes P.model (sentencepiece) or P.json (hf: P=tokenizer gives tokenizer.json)")
     p.add_argument("--kind", default="sentencepiece", choices=("sentencepiece", "hf"),
                    help="sentencepiece .model (default) or Hugging Face tokenizer.json")
     p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="number of ids (>= 300)")

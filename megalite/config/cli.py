@@ -301,20 +301,59 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return "(required)"
 
 
-def format_help(sections: dict[str, type], section_docs: dict[str, str], presets: Iterable[str]) -> str:
-    """Every field grouped by section: `--section.field  TYPE  (default D)  doc`."""
+HELP_WIDTH = 120  # docs/config.md's copy; `--help` wraps to the terminal instead (`terminal_width`)
+
+# The flags pretrain.py reads before the config (megalite/training/preflight.py): launchers use them.
+COMMAND_FLAGS = (
+    ("--check-config", "validate the config and its predicted memory in one process, print both, exit (0 = ok); "
+                       "launch/torchrun.sh and launch/slurm.sbatch run it before starting workers"),
+    ("--world-size N", "with --check-config: the processes the launcher will start (default 1)"),
+    ("--local-processes N", "with --check-config: how many of them share this machine (default: --world-size)"),
+    ("--config FILE.toml", "read a config file (a run's saved config.toml, configs/*.toml)"),
+    ("--help, -h", "this text"),
+)
+
+
+def terminal_width() -> int:
+    """The terminal's columns (COLUMNS when set), at least 60; HELP_WIDTH when not a terminal."""
+    import shutil
+
+    return max(60, shutil.get_terminal_size((HELP_WIDTH, 24)).columns)
+
+
+def _entry(name: str, middle: str, doc: str, width: int) -> list[str]:
+    """`  NAME  MIDDLE  doc`, the doc wrapped under the type column (or 6 spaces in on a narrow terminal)."""
+    import textwrap
+
+    head = f"  {name:<32} {middle}".rstrip() if middle else f"  {name:<31}"
+    indent = " " * (35 if width >= 100 else 6)
+    return textwrap.wrap(f"{head}  {doc}" if doc else head, width, subsequent_indent=indent,
+                         break_on_hyphens=False, break_long_words=False, drop_whitespace=True) or [head]
+
+
+def format_help(sections: dict[str, type], section_docs: dict[str, str], presets: Iterable[str],
+                width: int = HELP_WIDTH) -> str:
+    """The pretrain.py flags, then every field grouped by section: `--section.field  TYPE  (default D)  doc`,
+    each entry wrapped at `width`."""
+    import textwrap
+
     lines = [
         "usage: pretrain.py [--config FILE.toml] [--section.field VALUE ...]",
+        "       pretrain.py --check-config [--world-size N] [--local-processes N] [--section.field VALUE ...]",
         "",
         "Precedence: defaults < model.preset < --config file < command line.",
         "Bools: true/false/1/0/yes/no (a bare flag means true). Lists: comma-separated.",
-        f"Presets (model.preset): {', '.join(presets)}",
+        *textwrap.wrap(f"Presets (model.preset): {', '.join(presets)}", width, subsequent_indent="  ",
+                       break_on_hyphens=False),
+        "",
+        "[pretrain.py]  flags read before the config",
     ]
+    for flag, doc in COMMAND_FLAGS:
+        lines += _entry(flag, "", doc, width)
     for section, cls in sections.items():
         lines += ["", f"[{section}]  {section_docs.get(section, '')}".rstrip()]
         types_ = field_types(cls)
         for f in dataclasses.fields(cls):
-            flag = f"--{section}.{f.name}"
-            lines.append(f"  {flag:<32} {type_name(types_[f.name]):<12} "
-                         f"(default {_default_text(f)})  {f.metadata.get('doc', '')}")
+            lines += _entry(f"--{section}.{f.name}", f"{type_name(types_[f.name]):<12} (default {_default_text(f)})",
+                            f.metadata.get("doc", ""), width)
     return "\n".join(lines) + "\n"

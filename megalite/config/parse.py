@@ -44,10 +44,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return config_from_dict(cli.read_toml(Path(path)))
 
 
-def help_text() -> str:
-    """The `--help` text: every field by section with its type, default and doc."""
+def help_text(width: int = cli.HELP_WIDTH) -> str:
+    """The `--help` text: every field by section with its type, default and doc, wrapped at `width`
+    (docs/config.md holds it at the default width; `--help` wraps it to the terminal)."""
     docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(Config)}
-    return cli.format_help(_sections(), docs, PRESETS)
+    return cli.format_help(_sections(), docs, PRESETS, width)
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     sections = _sections()
     parsed = cli.split_argv(args, bool_keys())
     if parsed.want_help:
-        print(help_text(), end="")
+        print(help_text(cli.terminal_width()), end="")
         raise SystemExit(0)
     errors: list[str] = []
     entries: list[cli.Entry] = []

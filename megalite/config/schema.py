@@ -220,6 +220,7 @@ class LoggingConfig:
     sample_interval: int = _f(0, "steps between greedy text samples (stdout, metrics.jsonl, wandb; pp=1, no sp); 0 = never")
     sample_prompt: str = _f("", "text the samples continue; empty = the start of a new document")
     sample_tokens: int = _f(32, "new tokens per sample at most")
+    verbose: bool = _f(False, "print the start-up details too: malloc and thread settings, the model-state bytes")
 
 
 def _section(cls: type, doc: str) -> Any:

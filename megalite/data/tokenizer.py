@@ -59,6 +59,17 @@ def _resolve(path: str) -> str:
     return path
 
 
+def train_command(path: str) -> str:
+    """The tools/train_tokenizer.py command that writes `path`: the kind its name asks for (a `.json` name is a
+    Hugging Face tokenizer.json, anything else a SentencePiece `.model`), the prefix that makes that name."""
+    if path.endswith(".json"):
+        return (f"`python tools/train_tokenizer.py --input corpus.jsonl --json-key text --model-prefix "
+                f"{path[:-len('.json')]} --vocab-size 32000 --kind hf` writes {path}")
+    prefix = path[:-len(".model")] if path.endswith(".model") else path
+    return (f"`python tools/train_tokenizer.py --input corpus.jsonl --json-key text --model-prefix {prefix} "
+            f"--vocab-size 32000` writes {prefix}.model")
+
+
 def detect_kind(path: str) -> str:
     """'hf', 'tiktoken' or 'sentencepiece', from the first bytes of the file."""
     with open(path, "rb") as f:
@@ -76,8 +87,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     path = _resolve(str(path))
     if not os.path.isfile(path):
         raise DataError(f"tokenizer not found: {path!r}; pass a SentencePiece .model, a Hugging Face "
-                        "tokenizer.json or a tiktoken encoding file (or train one with `python "
-                        "tools/train_tokenizer.py --input FILE... --model-prefix P --vocab-size N`)")
+                        f"tokenizer.json or a tiktoken encoding file (or train one: {train_command(path)})")
     try:
         kind = detect_kind(path)
     except OSError as e:

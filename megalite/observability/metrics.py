@@ -147,19 +147,23 @@ class MetricsLogger:
             self.rotated = start_metrics_file(self.path, resumed_step)
 
     def step_done(self, step: int, loss: float, skipped: bool, seconds: float, tokens: int) -> None:
+        """Every step: the console's averages, the ETA's step times and the final loss."""
         self._window_s += seconds
         self._window_tokens += tokens
         self._window_steps += 1
-        self._step_times = (self._step_times + [seconds])[-ETA_WINDOW:]
+        if step > self.totals.first_step + 1:  # the first step warms up (several times slower): not in the ETA
+            self._step_times = (self._step_times + [seconds])[-ETA_WINDOW:]
         t = self.totals
         t.last_step, t.tokens_seen = step, t.tokens_seen + tokens
         t.final_loss = loss
-        if not skipped and loss < t.best_loss:
-            t.best_loss, t.best_step = loss, step
 
     def log(self, record: dict[str, Any]) -> None:
+        t = self.totals
         if record.get("valid_loss") is not None:
-            self.totals.valid_loss = record["valid_loss"]
+            t.valid_loss = record["valid_loss"]
+        # The summary's best loss is a logged one: its step is a line of metrics.jsonl to look up.
+        if not record.get("skipped") and record["loss"] < t.best_loss:
+            t.best_loss, t.best_step = record["loss"], record["step"]
         if not self.enabled:
             return
         record = {**record, "timestamp": round(time.time(), 3)}

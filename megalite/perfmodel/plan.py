@@ -114,8 +114,12 @@ class Candidate:
 
     @property
     def hfu(self) -> float | None:
-        """Hardware FLOPs utilization at the ranked step time (recomputed work counted)."""
-        return self.utilization(self.est.hardware_flops_per_step)
+        """Hardware FLOPs utilization at the ranked step time: MFU x `hfu_ratio`, recomputed work counted from
+        the same count as MFU (`megalite.perfmodel.flops`), so HFU >= MFU always and == without recompute.
+        (Dividing the matmul-only hardware count instead read below MFU for an untied model: PaLM's 6N counts
+        the input embedding table, a gather, not a matmul.)"""
+        mfu = self.mfu
+        return None if mfu is None else mfu * self.est.hfu_ratio
 
     @property
     def dp_exposed_seconds(self) -> float:

@@ -31,16 +31,19 @@ def render(est: Estimate, kw: dict) -> str:
            f"vpp={lay.vpp} schedule={lay.schedule} recompute={lay.recompute} "
            f"micro-batch={lay.micro_batch_size} micro-batches/step={est.num_microbatches}",
            f"pipeline bubble: {est.bubble:.1%}", "",
-           f"memory per device (worst stage), GB   [{est.params_per_device / 1e9:.3f} B params here]"]
+           f"memory per device (worst stage), GB   [{est.params_per_device / 1e9:.3f} B params here]",
+           "  the papers' formulas (ZeRO's states; Korthikanti et al.'s activations, unfused attention's "
+           "scores kept):"]
     mem = est.memory
     for label, value in (("parameters", mem.params), ("gradients", mem.grads),
                          ("fp32 master weights", mem.master), ("optimizer states", mem.optimizer),
-                         ("model states", mem.model_states), ("activations", mem.activations),
-                         ("total", mem.total)):
+                         ("model states", mem.model_states), ("activations", mem.activations)):
         out.append(f"  {label:<22}{_gb(value)}")
+    out.append(f"  {'sum (not a peak)':<22}{_gb(mem.total)}   model states + activations by those formulas")
     if dims is not None:
         peak = _peak(kw)
-        out.append(f"  {'peak (docs/estimator.md)':<22}{_gb(peak.total)}   {peak.peak_phase} phase, stage {peak.pp_rank}:")
+        out.append(f"  {'peak (size by this)':<22}{_gb(peak.total)}   what the device holds at its worst moment: the "
+                   f"{peak.peak_phase} phase, stage {peak.pp_rank} (docs/estimator.md):")
         out += [f"    {t.name:<28}{_gb(t.bytes)}   {t.formula}" for t in peak.terms() if t.bytes > 0]
     header = "communication per step per rank (wire bytes), GB"
     out += ["", header + ("      seconds" if est.comm_seconds else "")]

@@ -146,11 +146,12 @@ def _with(cfg: Config, section: str, **values: object) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
 
-def check_memory(cfg: Config, world_size: int, local_rank: int = 0, available: int | None = None) -> None:
+def check_memory(cfg: Config, world_size: int, local_rank: int = 0, available: int | None = None) -> str:
     """Before any process group exists (so a refusing rank leaves none of the others waiting in a
     collective): raise ConfigError when the predicted peak exceeds `available` (default: what this
     machine or this rank's GPU has). The vocabulary is the tokenizer's where the config leaves it
-    at 0; a tokenizer that cannot be read is a DataError here (a check that cannot run is no pass)."""
+    at 0; a tokenizer that cannot be read is a DataError here (a check that cannot run is no pass).
+    Returns the one line that says what was predicted and compared (`check_memory_of`)."""
     device = torch.device(resolved_device(cfg))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -158,7 +159,7 @@ def check_memory(cfg: Config, world_size: int, local_rank: int = 0, available: i
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
     vocab = tokenizer_vocab_size(cfg)
     sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    check_memory_of(sized, device, processes, available)
+    return check_memory_of(sized, device, processes, available)
 
 
 def tokenizer_vocab_size(cfg: Config) -> int:
@@ -173,22 +174,26 @@ def tokenizer_vocab_size(cfg: Config) -> int:
     return load_tokenizer(cfg.data.tokenizer).vocab_size
 
 
-def check_memory_of(cfg: Config, device: torch.device, processes: int, available: int | None = None) -> None:
-    """`check_memory` for `processes` processes of this config sharing `device`'s memory."""
+def check_memory_of(cfg: Config, device: torch.device, processes: int, available: int | None = None) -> str:
+    """`check_memory` for `processes` processes of this config sharing `device`'s memory; the line that says
+    the prediction and what it was compared with (printed at start and by `--check-config`, a run that
+    fits included), or a ConfigError naming the flags that fit."""
     if not cfg.train.memory_check:
-        return
-    available = available_bytes(device) if available is None else available
-    if available is None:
-        return
+        return "memory check: off (train.memory_check=false)"
     peak = predicted_peak(cfg)
     needed = peak.total * processes
-    if fits(peak.total, available, processes):  # the comparison tools/plan.py's fit filter makes
-        return
+    per = f" ({processes} processes x {needed / processes / GiB:.1f} GiB)" if processes > 1 else ""
+    predicted = f"predicted peak per process {peak.summary(top=3)}" + (
+        f", {needed / GiB:.1f} GiB for the {processes} processes" if processes > 1 else "")
     where = "free RAM (MemAvailable)" if device.type == "cpu" else f"free memory on {device}"
+    available = available_bytes(device) if available is None else available
+    if available is None:
+        return f"memory check: {predicted}; {where} unknown, not compared"
+    if fits(peak.total, available, processes):  # the comparison tools/plan.py's fit filter makes
+        return f"memory check: {predicted}; fits in {available / GiB:.1f} GiB {where}"
     found = alternatives(cfg, processes, available)
     hint = ("; these fit: " + ", ".join(f"{a.flags} ({a.needed / GiB:.1f} GiB)" for a in found) if found
             else "; no single change fits: use a machine with more memory or more processes (tp/pp/zero)")
-    per = f" ({processes} processes x {needed / processes / GiB:.1f} GiB)" if processes > 1 else ""
     raise ConfigError(f"this run needs about {needed / GiB:.1f} GiB{per} (peak per process {peak.summary()}, as "
                       f"tools/estimate.py counts it) but {where} is {available / GiB:.1f} GiB{hint}; "
                       "train.memory_check=false runs it anyway")

@@ -9,7 +9,7 @@ costs one clean line and no process group:
 
 It resolves and validates the config exactly as the workers will, and compares the predicted peak
 memory with this machine's (megalite.training.memory_check), taking the vocabulary size from the
-tokenizer when the config leaves it to the tokenizer.
+tokenizer when the config leaves it to the tokenizer. It prints that prediction, then "config ok".
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from megalite.checkpoint import sharded
 from megalite.checkpoint.model_shape import apply_checkpoint_shape
 from megalite.config.values import check_text_fields
 from megalite.data.checks import check_data
-from megalite.errors import ConfigError
+from megalite.errors import ConfigError, one_line
 from megalite.training.checkpointing import check_same_optimizer
 from megalite.training.init_from import resolve_init_from
 from megalite.training.memory_check import check_memory_of, tokenizer_vocab_size
@@ -78,8 +78,30 @@ def check_config(argv: list[str], request: CheckRequest) -> int:
     check_data(cfg)
     cfg.model.vocab_size = tokenizer_vocab_size(cfg)
     processes = request.local_processes if device == "cpu" else 1
-    check_memory_of(cfg, torch.device(device), processes)
+    memory = check_memory_of(cfg, torch.device(device), processes)
     par = cfg.parallel
+    print(f"megalite: {memory}", file=sys.stderr)
     print(f"megalite: config ok for {request.world_size} processes (tp={par.tp} pp={par.pp} dp={par.dp} "
           f"zero={par.zero}, {device})", file=sys.stderr)
     return 0
+
+
+def tell_torchrun(error: Exception) -> None:
+    """Under torchrun (which sets TORCHELASTIC_ERROR_FILE for each worker), write megalite's one line where
+    torchrun's report of the failed processes reads a worker's error: its "Root Cause" then ends on that line
+    ("traceback : megalite: error: ...") instead of "To enable traceback see ...". Only the reporting rank
+    writes (the others wait for the launcher to stop them); a file that cannot be written changes nothing."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    line = f"megalite: error: {one_line(str(error))}"
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass

@@ -47,11 +47,13 @@ class StepReport:
                     + (f"cp={par.cp} " if par.cp > 1 else "") + (f"ep={par.ep} " if par.ep > 1 else "") + f"pp={par.pp} dp={par.dp} "
                     f"sp={par.sp} | {st.device.type} {str(dtype).removeprefix('torch.')} | vocab "
                     f"{self.cfg.model.vocab_size} | {self.tokens_per_step} tokens/step | {self.data_note}"
-                    + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else "")
-                    + f" | {malloc_note}")
-        mem = self.optimizer.memory_bytes()
-        logger.note("model-state bytes on rank 0 at start: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())
-                    + f" (zero={par.zero}; exact, from the tensors; per step in metrics.jsonl mem_bytes)")
+                    + (f" | resumed from {resumed_from} at step {start_step}" if resumed_from else ""))
+        if self.cfg.logging.verbose:  # the details most runs never need (docs/tracking.md#the-console)
+            logger.note(f"megalite: {malloc_note}")
+            mem = self.optimizer.memory_bytes()
+            logger.note("model-state bytes on rank 0 at start: "
+                        + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items())
+                        + f" (zero={par.zero}; exact, from the tensors; per step in metrics.jsonl mem_bytes)")
         if start_step >= self.cfg.train.steps:
             logger.note(f"checkpoint {resumed_from} is already at step {start_step} >= train.steps="
                         f"{self.cfg.train.steps}: nothing to do (raise train.steps to train further)")

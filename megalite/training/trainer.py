@@ -31,6 +31,7 @@ from megalite.fp8.enable import enable_fp8, fp8_settings, gemm_note
 from megalite.model.compile import compile_blocks
 from megalite.model.ops import resolve_kernels
 from megalite.observability.metrics import MetricsLogger
+from megalite.observability.phases import SlowPhase
 from megalite.observability.tracking import Tracker
 from megalite.observability.wire import WrittenBytes
 from megalite.optim import SyncOptions, build_distributed_optimizer
@@ -47,7 +48,7 @@ from megalite.training.batches import StreamBatches, TrainBatches, build_batches
 from megalite.training.checkpointing import RunCheckpoints
 from megalite.training.memory_check import check_memory
 from megalite.training.policy import StepHealth
-from megalite.training.preflight import CheckRequest, check_config, with_checkpoint
+from megalite.training.preflight import CheckRequest, check_config, tell_torchrun, with_checkpoint
 from megalite.training.reporting import DTYPE_NAMES, StepReport
 from megalite.training.step import StepContext, evaluate, train_step
 from megalite.training.stop import StopFlag
@@ -111,7 +112,9 @@ def build_run(cfg: config_mod.Config) -> Run:
     layout = ParallelState(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, sp=par.sp)
     state = init_distributed(layout, backend=par.backend, device=device, timeout_s=par.timeout_s)
     torch.manual_seed(tr.seed)
-    data = build_data(cfg)
+    talk = state.rank == 0  # the phases that outlast a few seconds say so (megalite/observability/phases.py)
+    with SlowPhase("reading the data (tokenizer, index, validation split)", talk):
+        data = build_data(cfg)
     tok_vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tok_vocab
@@ -122,20 +125,24 @@ def build_run(cfg: config_mod.Config) -> Run:
     pin_resolved(cfg)  # config.toml is written by `run`, once every check that can refuse the run has passed
     rng = RNGStreams(tr.seed, state)
     model_args = config_mod.ModelArgs.from_config(cfg)
-    engine = build_pipeline(model_args, state, tr.seed, tr.micro_batch_size, dtype,
-                            StagePlan(par.vpp, par.pp_layers or None, par.schedule), rng=rng,
-                            context=ContextOptions.of(par.cp_mode, data.tokenizer.eod_id if cfg.data.document_mask else None,
-                                                      par.cp_a2a if par.cp_mode == "hybrid" else 1))
-    enable_fp8(engine.chunks, fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
-    if cfg.model.compile:  # each block's forward, after FP8 swapped its linears (megalite/model/compile.py)
-        compile_blocks(engine.chunks, cfg.model.compile_backend)
+    with SlowPhase("building the model and initialising its weights", talk):
+        engine = build_pipeline(model_args, state, tr.seed, tr.micro_batch_size, dtype,
+                                StagePlan(par.vpp, par.pp_layers or None, par.schedule), rng=rng,
+                                context=ContextOptions.of(par.cp_mode,
+                                                          data.tokenizer.eod_id if cfg.data.document_mask else None,
+                                                          par.cp_a2a if par.cp_mode == "hybrid" else 1))
+        enable_fp8(engine.chunks, fp8_settings(cfg.fp8.recipe, cfg.fp8.min_dim), state)
+        if cfg.model.compile:  # each block's forward, after FP8 swapped its linears (megalite/model/compile.py)
+            compile_blocks(engine.chunks, cfg.model.compile_backend)
     model = nn.ModuleList(engine.chunks)  # this rank's chunks: one unless pp > 1 with vpp > 1
     overlap = OverlapSettings(mib_to_bytes(par.bucket_mb), mib_to_bytes(par.first_bucket_mb), par.overlap_param_gather,
                               par.zero3_prefetch)
-    optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, dtype, cfg.optimizer, cfg.muon,
-                                            SyncOptions(overlap, fold_weight_grads=not cfg.model.compile))
+    with SlowPhase("building the optimizer and its states", talk):
+        optimizer = build_distributed_optimizer(engine.chunks, state, par.zero, dtype, cfg.optimizer, cfg.muon,
+                                                SyncOptions(overlap, fold_weight_grads=not cfg.model.compile))
     scaler = LossScaler(enabled=dtype == torch.float16)
-    batches = build_batches(cfg, data, state)
+    with SlowPhase("starting the data loader", talk):
+        batches = build_batches(cfg, data, state)
     checkpoints = RunCheckpoints(cfg.checkpoint, config_mod.config_to_dict(cfg), model, optimizer, batches, scaler,
                                  rng, state)
     # SFT (chat records): labels off the assistant tokens are ignored, so the loss is one mean over the step's
@@ -151,11 +158,12 @@ def validation_loss(run: Run, step: int) -> float | None:
     tr, state = run.cfg.train, run.state
     if tr.eval_interval <= 0 or not (step % tr.eval_interval == 0 or step == tr.steps):
         return None
-    batches = run.batches.validation()  # the same batches every time, so successive values compare
-    if batches is None:
-        return None
-    run.optimizer.finish_param_sync()  # explicit, although the forward's hooks would wait too
-    return evaluate(run.ctx.engine, batches, state, run.ctx.engine.dtype, run.ctx.global_token_mean)
+    with SlowPhase(f"validation loss over {tr.eval_steps} batches (train.eval_steps)", state.rank == 0):
+        batches = run.batches.validation()  # the same batches every time, so successive values compare
+        if batches is None:
+            return None
+        run.optimizer.finish_param_sync()  # explicit, although the forward's hooks would wait too
+        return evaluate(run.ctx.engine, batches, state, run.ctx.engine.dtype, run.ctx.global_token_mean)
 
 
 def run(cfg: config_mod.Config) -> dict[str, float]:
@@ -165,7 +173,10 @@ def run(cfg: config_mod.Config) -> dict[str, float]:
     _, world_size, local_rank = launcher_env()
     # Intra-op threads = cores / processes on this machine unless OMP_NUM_THREADS says (runtime/threads.py).
     malloc_note += " | " + configure_threads(local_processes(world_size))
-    check_memory(cfg, world_size, local_rank)
+    with SlowPhase("checking the memory this run needs", launcher_rank() == 0):
+        memory_note = check_memory(cfg, world_size, local_rank)
+    if launcher_rank() == 0:
+        print(f"megalite: {memory_note}", flush=True)
     # From here on Ctrl-C/SIGTERM/SIGUSR1 end the run cleanly, even before step 1; the caller's handlers
     # come back when the run ends.
     with StopFlag(saves=bool(cfg.checkpoint.dir), rank=launcher_rank()) as stop:
@@ -184,11 +195,12 @@ def _train(cfg: config_mod.Config, stop: StopFlag, malloc_note: str) -> dict[str
 
 def _resume_and_loop(cfg: config_mod.Config, r: Run, stop: StopFlag, malloc_note: str) -> dict[str, float]:
     state = r.state
-    resumed_from, start_step = r.checkpoints.resume()
-    init = resolve_init_from(cfg.train.init_from, cfg.data.cache_dir) if resumed_from is None and cfg.train.init_from \
-        else None
-    if init is not None:  # weights only: optimizer, schedule, data position and RNG start fresh
-        r.checkpoints.init_weights(init)
+    with SlowPhase("loading the checkpoint", state.rank == 0):
+        resumed_from, start_step = r.checkpoints.resume()
+        init = resolve_init_from(cfg.train.init_from, cfg.data.cache_dir) \
+            if resumed_from is None and cfg.train.init_from else None
+        if init is not None:  # weights only: optimizer, schedule, data position and RNG start fresh
+            r.checkpoints.init_weights(init)
     if stop.agreed(state):
         print(f"megalite: stop requested by signal before step {start_step + 1}: exiting, nothing trained",
               file=sys.stderr)
@@ -241,7 +253,13 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
             state.counter.reset()
             written.start()
             t0 = time.perf_counter()
-            batches = r.batches.next_step(stop)
+            # The first step also warms up (allocator, kernel choice): said when it takes a while.
+            with SlowPhase(f"step {done} (the first: it includes the warm-up)", state.rank == 0 and step == start_step):
+                batches = r.batches.next_step(stop)
+                if batches is not None:
+                    result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
+                    if state.device.type == "cuda":
+                        torch.cuda.synchronize(state.device)
             if batches is None:  # a stop signal while the data loader waited: stop before this step
                 if step > start_step and not r.checkpoints.due(step, tr.steps):
                     saved = r.checkpoints.save(step, logger.note)
@@ -249,9 +267,6 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
                         logger.note(f"saved checkpoint {saved}")
                 logger.note(f"stop requested by signal while waiting for data: exiting before step {done}")
                 break
-            result = train_step(r.ctx, optimizer, batches, step, poison_grads=faults.poison_grads(done))
-            if state.device.type == "cuda":
-                torch.cuda.synchronize(state.device)
             seconds = time.perf_counter() - t0
             step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
             step_written = written.stop()
@@ -305,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     except MegaliteError as e:
         if check is None and (isinstance(e, ConfigError) or setup) and launcher_rank() != 0:
             _leave_it_to_rank_0()
+        tell_torchrun(e)  # under bare torchrun the line closes its report of the failed processes too
         return report(e, "megalite: error")
     except OSError as e:  # e.g. a full disk for the logs: one line too
         return report(from_os_error(e), "megalite: error")
