@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.fp8.enable import Fp8Settings, enable_fp8
 from megalite.model.gpt import GPT
@@ -32,13 +33,14 @@ from tests.test_fp8_training import GRAD_RTOL, MIN_DIM, PARAM_MAX, PARAM_MEAN
 # sp, step 1) and parameters up to 3.1e-4 (gpt-oss tp2 + sp, an embedding row). A wrong shard, mask or reduction moves
 # parameters by O(lr) = 1e-2 and the first step's norm by far more than 1e-5.
 PARAM_ATOL, LATER_NORM_RTOL = 1e-3, 1e-4
-VOCAB = 61
+VOCAB, EOD = 61, 0
 CONFIGS = {"gpt-oss": gpt_oss_cfg, "gemma3": gemma3_cfg, "gated": gated_cfg}
 
 
-def _reference(cfg: Any, data: list[torch.Tensor], fp8: str | None) -> tuple[GPT, list[tuple[float, float]]]:
+def _reference(cfg: Any, data: list[torch.Tensor], fp8: str | None, context: ContextOptions
+               ) -> tuple[GPT, list[tuple[float, float]]]:
     st = ParallelState()
-    ref = GPT(cfg, st, seed=5)
+    ref = GPT(cfg, st, seed=5, context=context)
     perturb(ref, st)
     if fp8:
         enable_fp8([ref], Fp8Settings(fp8, MIN_DIM), st)  # type: ignore[arg-type]
@@ -59,16 +61,21 @@ def _full(value: torch.Tensor, name: str, specs: dict, st: ParallelState) -> tor
 
 
 def check_layout(rank: int, kind: str, run: dict[str, Any]) -> None:
-    """Train `kind` at the layout `run` gives (tp, pp, sp, zero, ep, pp_layers, fp8) and compare each step's loss and
-    gradient norm and every parameter after the steps with the single-process run."""
+    """Train `kind` at the layout `run` gives (tp, pp, sp, zero, ep, pp_layers, fp8; cp with cp_mode, cp_a2a,
+    recompute and `docs`: document masking, token EOD ending about one token in five) and compare each step's loss
+    and gradient norm and every parameter after the steps with the single-process run."""
     tp, pp, zero, ep, fp8 = run.get("tp", 1), run.get("pp", 1), run.get("zero", 0), run.get("ep", 1), run.get("fp8")
-    st = moe_layout(tp=tp, pp=pp, ep=ep, sp=run.get("sp", False))
+    st = moe_layout(tp=tp, pp=pp, cp=run.get("cp", 1), ep=ep, sp=run.get("sp", False))
     what = f"{kind} {run}"
-    cfg = CONFIGS[kind](vocab_size=VOCAB)
+    cfg = CONFIGS[kind](vocab_size=VOCAB, recompute=run.get("recompute", "none"))
     data = random_steps(cfg, STEPS, MICRO * M * st.dp)
-    ref, ref_results = _reference(cfg, data, fp8)
+    eod = EOD if run.get("docs") else None
+    if eod is not None:  # documents of random lengths, some shorter than the window, some crossing cp chunks
+        data = [torch.where(d % 5 == 0, eod, d) for d in data]
+    context = ContextOptions.of(run.get("cp_mode", "ring"), eod, run.get("cp_a2a", 1))
+    ref, ref_results = _reference(cfg, data, fp8, context)
     engine = build_pipeline(cfg, st, seed=5, micro_batch_size=MICRO, dtype=torch.float32,
-                            stages=StagePlan(pp_layers=run.get("pp_layers", [])))
+                            stages=StagePlan(pp_layers=run.get("pp_layers", [])), context=context)
     for chunk in engine.chunks:
         perturb(chunk, st)
     if fp8:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -21,6 +21,14 @@ from megalite.parallel.comm import outside_graph
 from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
+# Runs an attention function on its tensors: directly, or under selective recompute's checkpoint.
+Runner = Callable[..., Tensor]
+
+
+def run_directly(fn: Callable[..., Tensor], *args: object) -> Tensor:
+    return fn(*args)
+
+
 class Attend(Protocol):
     """The model's whole-sequence attention: causal, or under an explicit `keep` [B, 1, S, S] mask."""
 
@@ -38,7 +46,8 @@ class Masking:
 
 @outside_graph  # `model.compile`: the ring / gather / all-to-all and their Python-driven overlap stay eager
 def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: ContextOptions,
-                      attend: Attend, backend: Backend, masking: Masking = Masking()) -> Tensor:
+                      attend: Attend, backend: Backend, masking: Masking = Masking(),
+                      run: Runner = run_directly) -> Tensor:
     """Causal attention of this rank's zigzag-split q/k/v against the whole sequence ([b, S/cp, h, d] in
     and out). ring / allgather compute block pairs on `backend` (torch block math or the flash kernel);
     a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`masking.docs`) the
@@ -48,7 +57,8 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
     `masking.variant` applies in every mode: ring and all-gather put the window in their block masks (the ring
     skips the block pairs wholly outside it and tallies them), the soft-cap in their scores and the sinks once
     per row after merging; a2a runs the variant's whole-sequence attention (megalite/attention/local.py) on its
-    heads with their slice of the sinks; hybrid both."""
+    heads with their slice of the sinks (under `run`: selective recompute's checkpoint, as `attend` is); hybrid
+    both."""
     docs, variant = masking.docs, masking.variant
     if options.mode == "ring":
         return ring_attention(q, k, v, state, backend=backend, docs=docs, variant=variant)
@@ -59,7 +69,8 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
             cp = state.size(GROUP)
             heads = variant_heads(variant, head_group(state, cp), cp)
             full = None if docs is None else docs.full
-            return a2a_attention(q, k, v, state, lambda q_, k_, v_: variant_attention(q_, k_, v_, heads, full, backend))
+            return a2a_attention(q, k, v, state,
+                                 lambda q_, k_, v_: run(variant_attention, q_, k_, v_, heads, full, backend))
         if docs is not None:
             keep = document_causal_mask(docs.full, docs.full)
             return a2a_attention(q, k, v, state, lambda q_, k_, v_: attend(q_, k_, v_, keep))

@@ -5,20 +5,16 @@ q, k, v come RoPE'd and split by heads; the result is this rank's attention rows
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from megalite.attention.local import variant_attention
-from megalite.context.attend import Masking, context_attention
+from megalite.context.attend import Masking, Runner, context_attention
 from megalite.context.documents import document_causal_mask
 from megalite.context.options import ContextOptions
 from megalite.model.ops import Ops, masked_attention
 from megalite.parallel.state import ParallelState
 
 Tensor = torch.Tensor
-# Runs an attention function on its tensors: directly, or under selective recompute's checkpoint.
-Runner = Callable[..., Tensor]
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, state: ParallelState, context: ContextOptions,
@@ -33,10 +29,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, state: ParallelSta
         # Context parallelism (parallel.cp_mode): ring / allgather compute block pairs (torch block math or
         # the Triton flash kernel) whose backward keeps only q, k, v, the output and the log-sum-exp and
         # recomputes the scores block by block, which is what selective recompute saves, so they are not
-        # checkpointed again (no second forward, no extra cp bytes); a2a runs `core` on heads/cp. Under
-        # document masking the blocks are in torch math (the flash blocks take no such mask yet).
+        # checkpointed again (no second forward, no extra cp bytes); a2a runs `core` (or the variant's attention
+        # under `run`) on heads/cp. Under document masking the blocks are in torch math (the flash blocks take no
+        # such mask yet).
         backend = "torch" if docs is not None else ops.block_backend
-        return context_attention(q, k, v, state, context, core, backend, masking)
+        return context_attention(q, k, v, state, context, core, backend, masking, run)
     if not variant.is_plain:
         return run(variant_attention, q, k, v, variant, None if docs is None else docs.local, ops.block_backend)
     if docs is not None:
