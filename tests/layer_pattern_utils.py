@@ -49,6 +49,16 @@ def gated_cfg(**overrides: object) -> Any:
     return tiny_model_cfg("llama", **{**base, **overrides})
 
 
+def hybrid_cfg(**overrides: object) -> Any:
+    """Qwen3.5-like: 3 Gated DeltaNet layers then 1 full-attention layer, value heads twice the key heads and widths
+    unlike the attention's, a sequence of 40 (not a multiple of the recurrence's chunk of 64)."""
+    base: dict[str, object] = dict(num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, seq_len=40,
+                                   layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                                   attn_output_gate="element", rope_fraction=0.25)
+    return tiny_model_cfg("llama", **{**base, **overrides})
+
+
 def perturb(model: nn.Module, state: ParallelState) -> None:
     """Add N(0, 0.5^2) to every bias and sink: drawn in full by name, then this rank's shard taken (tp parts of
     a column layout, the ep rows of an expert stack), so every layout holds the same numbers."""

@@ -188,7 +188,7 @@ def _problems(**model: object) -> str:
 
 @pytest.mark.parametrize("fields,text", [
     (dict(layer_types=["sliding_attention"]), "need a window W >= 1"),
-    (dict(layer_types=["linear_attention"]), "is not a mixer"),
+    (dict(layer_types=["mamba"]), "is not a mixer"),
     (dict(layer_types=["full_attention"] * 5), "has 5 entries for model.num_layers=4"),
     (dict(sliding_window=4), "no layer is sliding_attention"),
     (dict(rope_fraction=1.5), "must be in [0, 1]"),

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from megalite.attention.variant import reference_attention
 from megalite.mla.attention import MLAttention
 from megalite.model.gpt import GPT
+from megalite.model.linear_mixer import LinearMixer
+from megalite.recurrent.gated_deltanet import RecurrentCache
 from megalite.parallel import comm
 
 
@@ -52,14 +54,20 @@ class KVCache:
     (model.layer_types, window W) keeps only the last W - 1 positions' (all the next query can see besides its
     own): [B, <= W - 1, Hkv, D], replaced each step. With multi-head latent attention (megalite/mla) the compressed
     cache instead: `k` holds the latent c_kv [B, S_max, kv_lora_rank] and `v` the RoPE key shared by the heads
-    k_pe [B, S_max, 1, qk_rope_head_dim] (DeepSeek-V2 section 2.1)."""
+    k_pe [B, S_max, 1, qk_rope_head_dim] (DeepSeek-V2 section 2.1). A linear_attention layer (Gated DeltaNet) keeps
+    its `RecurrentCache` in `recurrent` instead: the conv's last W - 1 inputs and the state [B, H, K, V], constant
+    in size (None before the prompt)."""
 
     def __init__(self, model: GPT, batch: int, dtype: torch.dtype) -> None:
         device, s = _device(model), model.cfg.seq_len
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
+        self.recurrent: dict[str, RecurrentCache | None] = {}
         for name, block in model.layers.items():
             attn: Any = block.attn
+            if isinstance(attn, LinearMixer):
+                self.recurrent[name] = None
+                continue
             k_shape: tuple[int, ...]
             v_shape: tuple[int, ...]
             if isinstance(attn, MLAttention):
@@ -136,7 +144,9 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.d
     x = x.to(dtype)
     for name, module in model.layers.items():
         block: Any = module
-        if isinstance(block.attn, MLAttention):
+        if isinstance(block.attn, LinearMixer):
+            a, cache.recurrent[name] = block.attn.cached(block.norm1(x), cache.recurrent[name])
+        elif isinstance(block.attn, MLAttention):
             cos, sin = model.rope_of(name)
             a = _cached_latent_attention(block.attn, block.norm1(x), cos, sin, cache.k[name], cache.v[name], start)
         else:

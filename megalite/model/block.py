@@ -29,7 +29,8 @@ from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, ente
 from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.attend import attend
 from megalite.model.ops import Ops, apply_rope
-from megalite.model.pattern import LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
+from megalite.model.linear_mixer import LinearMixer
+from megalite.model.pattern import LINEAR, LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
@@ -226,10 +227,15 @@ class Block(nn.Module):
         super().__init__()
         moe, mla = features.moe, features.mla
         name = f"layers.{index}"
-        self.layer = layer_spec(cfg, index)  # the mixer kind: a new kind (linear attention) is one more branch here
+        self.layer = layer_spec(cfg, index)  # the mixer kind
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.attn: nn.Module = (Attention(cfg, state, ops, f"{name}.attn", seed, context, self.layer) if mla is None
-                                else MLAttention(cfg, mla, state, ops, f"{name}.attn", seed, context))  # megalite/mla
+        self.attn: nn.Module  # the mixer, whatever its kind (one name: checkpoints and hooks find it the same way)
+        if self.layer.mixer == LINEAR:  # Gated DeltaNet (megalite/recurrent)
+            self.attn = LinearMixer(cfg, state, ops, f"{name}.attn", seed)
+        elif mla is None:
+            self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context, self.layer)
+        else:
+            self.attn = MLAttention(cfg, mla, state, ops, f"{name}.attn", seed, context)  # megalite/mla
         self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.post_attn_norm: Norm | None = None
         self.post_mlp_norm: Norm | None = None

@@ -1,12 +1,11 @@
 """The layer pattern: what each layer of the model is, resolved once from the config into a typed spec.
 
-A layer is a mixer (its token-mixing part: today full or sliding-window attention) and an MLP. The config names
+A layer is a mixer (its token-mixing part: full or sliding-window attention, or a linear one: Gated DeltaNet) and an MLP. The config names
 the mixers in Hugging Face's vocabulary (`model.layer_types`, transformers' `layer_types`: "full_attention",
-"sliding_attention"; Megatron's hybrid_override_pattern is the same idea); a list shorter than the model is a
+"sliding_attention", "linear_attention" as Qwen3-Next / Qwen3.5; Megatron's hybrid_override_pattern is the same idea); a list shorter than the model is a
 period, repeated (`["sliding_attention"] * 5 + ["full_attention"]` is Gemma 3's 5 local : 1 global). Every consumer
 (the block, the pipeline partition, the estimator, generation's KV cache) reads `layer_specs`, never the raw
-fields: one home, so a new mixer kind (linear attention) is one more entry in `MIXERS` and one more branch where
-a block builds its mixer.
+fields: one home, so a mixer kind is one entry in `MIXERS` and one branch where a block builds its mixer.
 
 Torch-free: config validation and the cost model read it without loading torch.
 """
@@ -16,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-MIXERS = (FULL, SLIDING)  # transformers' `layer_types` names this implementation computes
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+MIXERS = (FULL, SLIDING, LINEAR)  # transformers' `layer_types` names this implementation computes
 MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu")
 OUTPUT_GATES = ("none", "head", "element")
 
@@ -28,7 +27,38 @@ VARIANT_DEFAULTS: dict[str, Any] = dict(
     layer_types=[], sliding_window=0, rope_local_theta=0.0, rope_fraction=1.0, nope_layers=[], attn_sinks=False,
     attn_output_gate="none", attn_softcap=0.0, final_softcap=0.0, query_pre_attn_scalar=0.0, attn_bias=False,
     sandwich_norm=False, embed_scale=False, mlp="auto", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_bias=False,
-    rope_truncate=True)
+    rope_truncate=True, linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0,
+    linear_value_head_dim=0, linear_conv_kernel_dim=4)
+# megalite.recurrent.chunked.CHUNK, the chunk the linear layers run by (here without importing torch; a test holds
+# the two equal)
+LINEAR_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class LinearDims:
+    """A linear_attention layer's shape, the model.linear_* fields resolved (0 = derived)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+
+def linear_dims(m: Any, head_dim: int) -> LinearDims:
+    """Model config `m`'s linear layers' shape; `head_dim` is the attention's resolved head width."""
+    key_heads = m.linear_num_key_heads or m.num_heads
+    key_dim = m.linear_key_head_dim or head_dim
+    return LinearDims(key_heads, m.linear_num_value_heads or key_heads, key_dim, m.linear_value_head_dim or key_dim,
+                      m.linear_conv_kernel_dim)
 
 
 def variant_info(m: Any) -> dict[str, Any]:
@@ -138,6 +168,7 @@ def pattern_problems(m: Any, head_dim: int) -> list[str]:
                    f"{int(head_dim * m.rope_fraction)} dims of each head: RoPE rotates pairs, make it even")
     if any(not 0 <= i < m.num_layers for i in m.nope_layers):
         out.append(f"model.nope_layers={list(m.nope_layers)}: each must be a layer index in [0, {m.num_layers})")
+    out += _linear_problems(m, head_dim)
     if m.arch != "llama" and (m.rope_fraction != 1.0 or m.nope_layers or m.rope_local_theta):
         out.append("model.rope_fraction, nope_layers and rope_local_theta need model.arch=llama (gpt2 has no RoPE)")
     for key in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
@@ -152,6 +183,21 @@ def pattern_problems(m: Any, head_dim: int) -> list[str]:
     return out
 
 
+def _linear_problems(m: Any, head_dim: int) -> list[str]:
+    """The model.linear_* fields, one line each bad one."""
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    out = [f"model.{k}={getattr(m, k)} must be >= 0 (0 = derived)" for k in names if getattr(m, k) < 0]
+    if m.linear_conv_kernel_dim < 1:
+        out.append(f"model.linear_conv_kernel_dim={m.linear_conv_kernel_dim} must be >= 1 (Qwen3.5: 4)")
+    d = linear_dims(m, head_dim)
+    if not out and d.key_heads and d.value_heads % d.key_heads:
+        out.append(f"model.linear_num_value_heads={d.value_heads} must be a multiple of linear_num_key_heads="
+                   f"{d.key_heads} (each key head is read by value_heads / key_heads value heads)")
+    if LINEAR in m.layer_types and m.arch != "llama":
+        out.append("model.layer_types: linear_attention layers need model.arch=llama")
+    return out
+
+
 def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list[str]:
     """The variant fields against the parallel layout and the other attention features, one line each."""
     out: list[str] = []
@@ -160,6 +206,12 @@ def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list
                    "is split with its heads)")
     variant = (list(m.layer_types) != [] or m.attn_sinks or m.attn_output_gate != "none" or m.attn_softcap
                or m.query_pre_attn_scalar or m.rope_fraction != 1.0 or m.nope_layers or m.attn_bias)
+    if LINEAR in m.layer_types and m.num_heads and m.hidden_size:
+        d = linear_dims(m, m.head_dim or m.hidden_size // m.num_heads)
+        if d.key_heads % max(tp, 1) or d.value_heads % max(tp, 1):
+            out.append(f"linear_attention layers need linear_num_key_heads={d.key_heads} and linear_num_value_heads="
+                       f"{d.value_heads} divisible by parallel.tp={tp} (each rank keeps whole key heads with the "
+                       "value heads that read them)")
     if mla and variant:
         out.append("model.layer_types and the attention variants (sinks, gate, softcap, query_pre_attn_scalar, "
                    "rope_fraction, nope_layers, attn_bias) apply to grouped-query attention, not MLA ([mla])")
@@ -172,14 +224,22 @@ def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list
 def layer_costs(m: Any) -> list[float]:
     """Each layer's training FLOPs per token, up to a common factor: 2 x its matmul weights (a MoE layer: the top_k
     experts a token goes through, the shared ones and the router) + 4 x heads x head_dim x the keys each query sees
-    (a sliding layer: sum_i min(i + 1, W) / s, what it computes; `attention.costs.visible_pairs`). What the pipeline
+    (a sliding layer: sum_i min(i + 1, W) / s, what it computes; `attention.costs.visible_pairs`); a linear layer:
+2 x its weights + the chunked recurrence's forward FLOPs per token (`recurrent.costs.chunked_flops`). What the pipeline
     partition balances (`balanced_counts`) when layers differ."""
     from megalite.attention.costs import visible_pairs
+    from megalite.recurrent.costs import RecurrentDims, chunked_flops
 
     h, nh, nkv, s = m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len
     hd = m.head_dim or h // nh
     attn = h * (nh * hd + 2 * nkv * hd) + nh * hd * h + h * gate_width(nh, hd, m.attn_output_gate)
     width = 3 if gated_mlp(m.arch, m.mlp) else 2
+    d = linear_dims(m, hd)
+    conv = 2 * d.key_dim + d.value_dim
+    # Gated DeltaNet: in_proj (q, k, v, z, b, a), out_proj, the depthwise conv; the recurrence's chunked form
+    linear = h * (conv + d.value_dim + 2 * d.value_heads) + d.value_dim * h + conv * d.conv_kernel
+    rule = chunked_flops(RecurrentDims(d.value_heads, d.key_head_dim, d.value_head_dim, conv, d.conv_kernel), 1, s,
+                         LINEAR_CHUNK) / s
     moe = m.moe.resolved(m.ffn_hidden_size)
     out = []
     for i, spec in enumerate(layer_specs(m)):
@@ -188,6 +248,9 @@ def layer_costs(m: Any) -> list[float]:
             mlp += h * moe.experts
         else:
             mlp = width * h * m.ffn_hidden_size
+        if spec.mixer == LINEAR:
+            out.append(2.0 * (linear + mlp) + rule)
+            continue
         keys = visible_pairs(s, spec.window) / s
         out.append(2.0 * (attn + mlp) + 4.0 * nh * hd * keys)
     return out

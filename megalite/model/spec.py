@@ -87,6 +87,16 @@ class ModelSpec(RopeFields, Protocol):
     @property
     def sliding_window(self) -> int: ...  # W of sliding_attention layers
     @property
+    def linear_num_key_heads(self) -> int: ...  # linear_attention layers (Gated DeltaNet); 0 = num_heads
+    @property
+    def linear_num_value_heads(self) -> int: ...  # 0 = linear_num_key_heads
+    @property
+    def linear_key_head_dim(self) -> int: ...  # 0 = head_dim
+    @property
+    def linear_value_head_dim(self) -> int: ...  # 0 = linear_key_head_dim
+    @property
+    def linear_conv_kernel_dim(self) -> int: ...
+    @property
     def rope_local_theta(self) -> float: ...  # sliding_attention layers' RoPE base; 0 = rope_theta
     @property
     def rope_fraction(self) -> float: ...  # share of each head's dims rotated (partial RoPE); 0 = NoPE

@@ -39,7 +39,7 @@ from megalite.parallel.units import MadeOfUnits
 
 def takes_muon(p: nn.Parameter, spec: ParamSpec) -> bool:
     """`p` (a parameter of a block) is a hidden matrix: a 2-D weight of a tensor-parallel linear."""
-    return p.dim() == 2 and spec.layout.kind in ("column", "row") and p.requires_grad
+    return p.dim() == 2 and spec.matrix and spec.layout.kind in ("column", "row") and p.requires_grad
 
 
 def block_params(chunks: Sequence[nn.Module]) -> set[int]:

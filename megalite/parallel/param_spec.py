@@ -153,6 +153,9 @@ class ParamSpec:
     grads: GradReduction = DATA_PARALLEL
     # A stack of whole matrices along dim 0 (the MoE experts), not one tensor (`MatrixStack`), or None.
     stack: MatrixStack | None = None
+    # False for a 2-D parameter that is no linear map (a depthwise conv's kernel [channels, width]): Muon, which
+    # orthogonalises matrices, leaves it to AdamW.
+    matrix: bool = True
 
     @property
     def grad_group(self) -> GroupKind:

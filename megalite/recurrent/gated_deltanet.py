@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
     def param_specs(self) -> dict[str, ParamSpec]:
         heads = ParamSpec(column([self.cfg.num_value_heads]))
         return children_specs(self) | {
-            "conv_weight": ParamSpec(column(self.conv_parts)), "A_log": heads, "dt_bias": heads,
+            "conv_weight": ParamSpec(column(self.conv_parts), matrix=False), "A_log": heads, "dt_bias": heads,
             "norm_weight": ParamSpec(REPLICATED, sp_partial=self.state.tp > 1)}
 
     def forward(self, x: Tensor, docs: Optional[DocumentIds] = None) -> Tensor:

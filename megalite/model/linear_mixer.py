@@ -1,0 +1,50 @@
+"""The mixer of a linear_attention layer (model.layer_types): Gated DeltaNet (megalite/recurrent/gated_deltanet.py)
+behind the attention's call signature, so a block runs either the same way.
+
+RoPE does not apply (the conv and the decay carry position), so cos / sin are ignored. Packed documents: the block's
+`DocumentIds` go to the layer, whose conv window and recurrent state restart at every document's first token.
+Context parallelism is refused by config validation (megalite/config/layers.py) until its composition with the
+full layers' cp modes is tested.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from megalite.context.documents import DocumentIds
+from megalite.model.ops import Ops
+from megalite.model.pattern import linear_dims
+from megalite.model.spec import ModelSpec, head_dim
+from megalite.parallel.param_spec import ParamSpec, children_specs
+from megalite.parallel.state import ParallelState
+from megalite.recurrent.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, RecurrentCache
+
+
+def gated_deltanet_config(cfg: ModelSpec, ops: Ops) -> GatedDeltaNetConfig:
+    """The layer's shape from the model.linear_* fields; the Triton chunk kernel where the model runs Triton."""
+    d = linear_dims(cfg, head_dim(cfg))
+    return GatedDeltaNetConfig(cfg.hidden_size, d.key_heads, d.value_heads, d.key_head_dim, d.value_head_dim,
+                               d.conv_kernel, norm_eps=cfg.norm_eps, init_std=cfg.init_std, num_layers=cfg.num_layers,
+                               backend="triton" if ops.block_backend == "triton" else "chunked")
+
+
+class LinearMixer(nn.Module):
+    """forward(x, cos, sin, docs) -> [b, s, h] as `block.Attention`'s; `prefill` / `step` for generation."""
+
+    def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, name: str, seed: int) -> None:
+        super().__init__()
+        self.gdn = GatedDeltaNet(gated_deltanet_config(cfg, ops), state, name=f"{name}.gdn", seed=seed)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        return children_specs(self)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[DocumentIds] = None) -> torch.Tensor:
+        return self.gdn(x, docs)
+
+    def cached(self, x: torch.Tensor, cache: Optional[RecurrentCache]) -> tuple[torch.Tensor, RecurrentCache]:
+        """Generation: the prompt from nothing (`cache` None), else the next tokens from `cache`."""
+        return self.gdn.prefill(x) if cache is None else self.gdn.step(x, cache)
