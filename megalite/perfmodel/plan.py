@@ -114,12 +114,9 @@ class Candidate:
 
     @property
     def hfu(self) -> float | None:
-        """Hardware FLOPs utilization at the ranked step time: MFU x `hfu_ratio`, recomputed work counted from
-        the same count as MFU (`megalite.perfmodel.flops`), so HFU >= MFU always and == without recompute.
-        (Dividing the matmul-only hardware count instead read below MFU for an untied model: PaLM's 6N counts
-        the input embedding table, a gather, not a matmul.)"""
-        mfu = self.mfu
-        return None if mfu is None else mfu * self.est.hfu_ratio
+        """Hardware FLOPs utilization: MFU x `hfu_ratio` (recompute counted from MFU's count), so HFU >= MFU always
+        (a matmul-only count read below MFU for an untied model: PaLM's 6N counts the embedding gather)."""
+        return None if self.mfu is None else self.mfu * self.est.hfu_ratio
 
     @property
     def dp_exposed_seconds(self) -> float:
