@@ -18,7 +18,7 @@ CASES = [(name, with_docs) for name in ("window", "sinks", "softcap", "all", "wi
 
 def _rank_fn(rank: int, mode: str, cp: int, a2a: int) -> list[tuple[str, list[float], dict[str, int]]]:
     """Runs every case on this rank; returns per case its d sinks partial and the ring's tallies."""
-    from megalite.context.attend import Masking, context_attention
+    from megalite.context.attend import Local, Masking, context_attention
     from megalite.context.documents import DocumentIds
     from megalite.context.options import ContextOptions
     from megalite.context.zigzag import zigzag_split
@@ -36,7 +36,7 @@ def _rank_fn(rank: int, mode: str, cp: int, a2a: int) -> list[tuple[str, list[fl
         sf = sinks.float().requires_grad_()
         docs = None if full_docs is None else DocumentIds(zigzag_split(full_docs, cp, st.cp_rank), full_docs)
         st.counter.reset()
-        out = context_attention(*local, st, options, lambda *a: attention(*a[:3]), "torch",
+        out = context_attention(*local, st, options, Local(lambda *a: attention(*a[:3]), "torch"),
                                 Masking(docs, make_variant(name, sf)))
         out.backward(zigzag_split(d_out, cp, st.cp_rank).float())
         for label, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [grad(t) for t in local], want):

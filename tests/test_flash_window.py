@@ -93,7 +93,7 @@ def test_block_kernel_takes_the_window_in_positions_and_the_softcap(softcap: flo
 def _cp_triton_rank_fn(rank: int, mode: str) -> list[int]:
     """ring / all-gather at cp = 2 on the Triton blocks under window + sinks + soft-cap, vs the reference."""
     testing.use_interpreter()  # this worker may have been started before TRITON_INTERPRET was set
-    from megalite.context.attend import Masking, context_attention
+    from megalite.context.attend import Local, Masking, context_attention
     from megalite.context.options import ContextOptions
     from megalite.context.zigzag import zigzag_split
     from tests.parallel_utils import layout
@@ -103,7 +103,7 @@ def _cp_triton_rank_fn(rank: int, mode: str) -> list[int]:
     want = reference_grads(q, k, v, d_out, sinks, "all", None)
     local = [zigzag_split(t, 2, st.cp_rank).float().requires_grad_() for t in (q, k, v)]
     sf = sinks.float().requires_grad_()
-    out = context_attention(*local, st, ContextOptions.of(mode), lambda *a: a[0], "triton",
+    out = context_attention(*local, st, ContextOptions.of(mode), Local(lambda *a: a[0], "triton"),
                             Masking(None, make_variant("all", sf)))
     out.backward(zigzag_split(d_out, 2, st.cp_rank).float())
     for label, a, b in zip(["out", "dq", "dk", "dv"], [out.detach()] + [grad(t) for t in local], want):

@@ -44,13 +44,23 @@ class Masking:
     variant: AttentionVariant = PLAIN
 
 
+@dataclass(frozen=True)
+class Local:
+    """What this rank computes with: the model's whole-sequence attention (`attend`), the block backend of ring /
+    all-gather (torch block math or the flash kernel), and `run`: how the model runs an attention function
+    (directly, or under selective recompute's checkpoint)."""
+
+    attend: Attend
+    backend: Backend
+    run: Runner = run_directly
+
+
 @outside_graph  # `model.compile`: the ring / gather / all-to-all and their Python-driven overlap stay eager
 def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: ContextOptions,
-                      attend: Attend, backend: Backend, masking: Masking = Masking(),
-                      run: Runner = run_directly) -> Tensor:
+                      local: Local, masking: Masking = Masking()) -> Tensor:
     """Causal attention of this rank's zigzag-split q/k/v against the whole sequence ([b, S/cp, h, d] in
-    and out). ring / allgather compute block pairs on `backend` (torch block math or the flash kernel);
-    a2a runs `attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`masking.docs`) the
+    and out). ring / allgather compute block pairs on `local.backend` (torch block math or the flash kernel);
+    a2a runs `local.attend`, the model's whole-sequence kernel, on its heads/cp. Under document masking (`masking.docs`) the
     ring and all-gather forms add the same-document test to their masks, and a2a runs `attend` under the whole
     sequence's document-causal mask; hybrid all-to-alls inside groups of
     `options.a2a_degree` cp ranks and runs the ring (on `backend`, under the documents) across them.
@@ -60,6 +70,7 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, opt
     heads with their slice of the sinks (under `run`: selective recompute's checkpoint, as `attend` is); hybrid
     both."""
     docs, variant = masking.docs, masking.variant
+    attend, backend, run = local.attend, local.backend, local.run
     if options.mode == "ring":
         return ring_attention(q, k, v, state, backend=backend, docs=docs, variant=variant)
     if options.mode == "allgather":

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megalite.context.attend import Masking, context_attention
+from megalite.context.attend import Local, Masking, context_attention
 from megalite.context.options import ContextOptions
 from megalite.context.blockwise import Backend
 from megalite.context.documents import DocumentIds, document_causal_mask
@@ -229,12 +229,12 @@ class MLAttention(nn.Module):
         """As `model.block.Attention.forward`'s core: whole sequences, document masking, or the cp modes."""
         if docs is not None:
             if self.state.cp > 1:
-                return context_attention(q, k, v, self.state, self.context, self._core, "torch", Masking(docs))
+                return context_attention(q, k, v, self.state, self.context, Local(self._core, "torch"), Masking(docs))
             if self.ops.document_attention is not None:
                 return self._run(self.ops.document_attention, q, k, v, docs.local)
             return self._core(q, k, v, document_causal_mask(docs.local, docs.local))
         if self.state.cp > 1:
-            return context_attention(q, k, v, self.state, self.context, self._core, self.ops.block_backend)
+            return context_attention(q, k, v, self.state, self.context, Local(self._core, self.ops.block_backend))
         return self._core(q, k, v)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor:

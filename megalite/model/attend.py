@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megalite.attention.local import variant_attention
-from megalite.context.attend import Masking, Runner, context_attention
+from megalite.context.attend import Local, Masking, Runner, context_attention
 from megalite.context.documents import document_causal_mask
 from megalite.context.options import ContextOptions
 from megalite.model.ops import Ops, masked_attention
@@ -19,9 +19,9 @@ Tensor = torch.Tensor
 
 def attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, state: ParallelState, context: ContextOptions,
            ops: Ops, run: Runner) -> Tensor:
-    def core(q_: Tensor, k_: Tensor, v_: Tensor, keep: Tensor | None = None) -> Tensor:
+    def core(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor:
         """Causal attention over whole sequences in position order (the model's kernel), or under `keep`."""
-        fn, args = (ops.attention, (q_, k_, v_)) if keep is None else (masked_attention, (q_, k_, v_, keep))
+        fn, args = (ops.attention, (q, k, v)) if keep is None else (masked_attention, (q, k, v, keep))
         return run(fn, *args)
 
     docs, variant = masking.docs, masking.variant
@@ -32,8 +32,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, state: ParallelSta
         # checkpointed again (no second forward, no extra cp bytes); a2a runs `core` (or the variant's attention
         # under `run`) on heads/cp. Under document masking the blocks are in torch math (the flash blocks take no
         # such mask yet).
-        backend = "torch" if docs is not None else ops.block_backend
-        return context_attention(q, k, v, state, context, core, backend, masking, run)
+        local = Local(core, "torch" if docs is not None else ops.block_backend, run)
+        return context_attention(q, k, v, state, context, local, masking)
     if not variant.is_plain:
         return run(variant_attention, q, k, v, variant, None if docs is None else docs.local, ops.block_backend)
     if docs is not None:
