@@ -249,13 +249,19 @@ def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     from megalite.mtp.config import MTPConfig
     from megalite.optim.config import MuonConfig, OptimizerConfig
 
+    import dataclasses
+
+    import megalite.config as real  # the stand-in keeps the presets the MoE report looks names up in
+
     seen: list[list[str]] = []
+    # The model section is a real one (the estimator checks it with pretrain.py's own rules), at the tiny preset.
+    model = real.parse_args(["--model.preset", "tiny"]).model
+    model = dataclasses.replace(model, vocab_size=model.vocab_size or PRESETS["tiny"].vocab_size)
 
     def parse_args(argv: list[str]) -> types.SimpleNamespace:
         seen.append(argv)
-        d = PRESETS["tiny"]
         return types.SimpleNamespace(
-            model=types.SimpleNamespace(**vars(d), recompute="none"),
+            model=model,
             parallel=types.SimpleNamespace(tp=2, pp=1, dp=4, zero=1, vpp=1, schedule="1f1b", sp=True, ep=1, cp=1,
                                            cp_mode="ring", cp_a2a=2),
             train=types.SimpleNamespace(micro_batch_size=2, global_batch_size=16, dtype="bf16", device="auto"),
@@ -263,8 +269,6 @@ def test_cli_config_mapping(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
             # the feature sections are the real ones: the estimator checks them with their own problems()
             moe=MoEConfig(), fp8=FP8Config(), optimizer=OptimizerConfig(), muon=MuonConfig(), mla=MLAConfig(),
             mtp=MTPConfig())
-
-    import megalite.config as real  # the stand-in keeps the presets the MoE report looks names up in
 
     monkeypatch.setitem(sys.modules, "megalite.config", types.SimpleNamespace(
         parse_args=parse_args, PRESETS=real.PRESETS, ModelConfig=real.ModelConfig))

@@ -38,7 +38,8 @@ def resolve(cfg: Config, world_size: int) -> Config:
             m.ffn_hidden_size = _round_up(int(8 * m.hidden_size / 3), 64)
         elif m.arch == "gpt2":
             m.ffn_hidden_size = 4 * m.hidden_size
-    if m.mlp == "auto" and m.arch in ("llama", "gpt2"):  # the arch's own activation, named in the saved config
+    # The arch's own activation, named in the saved config (a model namespace built by a tool may not carry it).
+    if getattr(m, "mlp", None) == "auto" and m.arch in ("llama", "gpt2"):
         m.mlp = "swiglu" if m.arch == "llama" else "gelu"
     if m.tie_embeddings is None and m.arch in ("llama", "gpt2"):
         m.tie_embeddings = m.arch == "gpt2"
