@@ -30,9 +30,11 @@ from tests.test_fp8_training import GRAD_RTOL, MIN_DIM, PARAM_MAX, PARAM_MEAN
 # models bend their round-off harder (soft-caps at 0.5 and 2, a clamp reached at init, q/k norms whose weight
 # gradient sums every head, a router whose logits feed a top-k). The first step's gradients agree to ~3e-6 relative
 # (measured per parameter at tp2 + sp); after it, measured: gradient norms up to 1.8e-5 relative apart (gemma3 tp2 +
-# sp, step 1) and parameters up to 3.1e-4 (gpt-oss tp2 + sp, an embedding row). A wrong shard, mask or reduction moves
-# parameters by O(lr) = 1e-2 and the first step's norm by far more than 1e-5.
-PARAM_ATOL, LATER_NORM_RTOL = 1e-3, 1e-4
+# sp, step 1) and parameters up to 3.1e-4 (gpt-oss tp2 + sp, an embedding row); with the windowed layers on the SDPA
+# path (megalite/attention/local.py) 1.36e-3 (gemma3 tp2 + sp, a qkv row: an element whose gradient is near zero,
+# which Adam's normalisation turns into an O(lr) step of either sign). A wrong shard, mask or reduction moves
+# many parameters by O(lr) = 1e-2 and the first step's norm by far more than 1e-5.
+PARAM_ATOL, LATER_NORM_RTOL = 3e-3, 1e-4
 VOCAB, EOD = 61, 0
 CONFIGS = {"gpt-oss": gpt_oss_cfg, "gemma3": gemma3_cfg, "gated": gated_cfg, "hybrid": hybrid_cfg}
 
