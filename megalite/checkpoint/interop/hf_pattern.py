@@ -94,7 +94,10 @@ Need = tuple[str, str, Callable[[Any], bool]]
 
 def unmet(info: dict[str, Any], needs: list[Need]) -> list[str]:
     """The needs `info` does not meet, each as "<phrase> (has <value>)"."""
-    return [f"{what} (has {field}={info.get(field)!r})" for field, what, ok in needs if not ok(info.get(field))]
+    # A field at the arch's own value is not recorded (megalite/model/pattern.py `variant_info`): show that value.
+    own = {"mlp": "swiglu" if info.get("arch") == "llama" else "gelu"}
+    return [f"{what} (has {field}={info.get(field, own.get(field))!r})" for field, what, ok in needs
+            if not ok(info.get(field, own.get(field)))]
 
 
 def off(value: Any) -> bool:
