@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +32,28 @@ def test_failure_names_the_rank_and_world_recovers(dist_world) -> None:
     with pytest.raises(AssertionError, match=r"rank 1 failed in _fail_on_rank_one(.|\n)*deliberate failure"):
         world.run(_fail_on_rank_one)
     assert world.run(_all_reduce_rank) == [1.0, 1.0]
+
+
+def _make_groups_and_count_threads(rank: int, groups: int) -> int:
+    import os
+    kept = [dist.new_group([0, 1]) for _ in range(groups)]  # noqa: F841 (alive until the task returns)
+    return len(os.listdir("/proc/self/task"))
+
+
+def _count_threads(rank: int) -> int:
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_groups_a_task_made_are_gone_before_the_next(dist_world) -> None:
+    """A gloo group holds three threads; a pool rank that kept every test's groups slowed the whole suite."""
+    world = dist_world(2)
+    before = world.run(_count_threads)
+    during = world.run(_make_groups_and_count_threads, 8)
+    after = world.run(_count_threads)
+    assert all(d >= b + 8 for b, d in zip(before, during))  # the groups did start their threads
+    assert after == before
 
 
 def test_rank_grid_tp_fastest_then_dp_then_pp() -> None:
