@@ -59,6 +59,13 @@ def hybrid_cfg(**overrides: object) -> Any:
     return tiny_model_cfg("llama", **{**base, **overrides})
 
 
+def hybrid_moe_cfg(**overrides: object) -> Any:
+    """`hybrid_cfg` with Qwen3.5-MoE's feed-forward: 4 routed experts (qwen3's softmax over all, top-2) and a
+    shared expert in every layer."""
+    moe = MoEConfig(experts=4, top_k=2, ffn_hidden_size=16, shared_experts=1, router="qwen3", aux_loss=0.01)
+    return hybrid_cfg(**{"moe": moe, **overrides})
+
+
 def perturb(model: nn.Module, state: ParallelState) -> None:
     """Add N(0, 0.5^2) to every bias and sink: drawn in full by name, then this rank's shard taken (tp parts of
     a column layout, the ep rows of an expert stack), so every layout holds the same numbers."""

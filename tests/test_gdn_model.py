@@ -1,7 +1,9 @@
 """Gated DeltaNet as the layer pattern's `linear_attention` mixer (megalite/model/linear_mixer.py): a tiny Qwen3.5-like
 hybrid (tests/layer_pattern_utils.py `hybrid_cfg`: 3 linear layers then 1 full-attention layer, sequence 40, not a
-multiple of the chunk) trained at tp2 + sp, pp2 (unequal stages) and ZeRO-3 against one process (losses, gradient
-norms, every parameter after 3 AdamW steps: tests/layer_pattern_ranks.py's check and tolerances), packed documents
+multiple of the chunk) trained at tp2 + sp, pp2 (unequal stages), ZeRO 1-3, ep2 (its MoE variant), full recompute,
+FP8 (against the single-process FP8 run) and cp in each cp mode (the linear layers by state passing, with and without
+packed documents; the 'cp' bytes counted equal to the formulas) against one process (losses, gradient norms, every
+parameter after 3 AdamW steps: tests/layer_pattern_ranks.py's check and tolerances), packed documents
 equal to each document alone, KV-cached generation with the recurrent state equal to the full forward, the config
 checks, the cost the pipeline balances by, Muon leaving the conv kernel to AdamW, and pretrain.py training one.
 
@@ -12,6 +14,7 @@ the recurrence token by token where the forward runs it by chunks, ~1e-6 apart).
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,27 +22,77 @@ import torch
 
 from megalite.config.layers import layer_problems
 from megalite.config.schema import Config
+from megalite.context.costs import cp_attention_bytes, document_ids_bytes
 from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.inference.generate import KVCache, SamplingConfig, forward_cached, generate_ids
 from megalite.model.gpt import GPT
 from megalite.model.linear_mixer import LinearMixer
-from megalite.model.pattern import LINEAR_CHUNK, layer_costs
+from megalite.model.pattern import LINEAR_CHUNK, layer_costs, linear_dims
 from megalite.optim.muon_plan import takes_muon
 from megalite.parallel.param_spec import named_param_specs
 from megalite.parallel.state import ParallelState
 from megalite.recurrent.chunked import CHUNK
+from megalite.recurrent.costs import RecurrentDims, cp_state_passing_bytes
 from tests.layer_pattern_ranks import check_layout
 from tests.layer_pattern_utils import hybrid_cfg
+from tests.test_cp_training import MICRO, M, STEPS
 from tests.test_document_mask import EOD, TOL, _losses_and_grads
 
 LINEAR_ARGS = ["linear_attention"] * 3 + ["full_attention"]
 
 
-@pytest.mark.parametrize("run", [dict(tp=2, sp=True), dict(pp=2, pp_layers=[1, 3]), dict(zero=3)],
-                         ids=["tp2-sp", "pp2-1-3", "zero3"])
-def test_hybrid_layouts_match_one_process(dist_world, run: dict) -> None:
-    dist_world(2).run(check_layout, "hybrid", run)
+LAYOUTS: list[tuple[str, dict]] = [
+    ("hybrid", dict(tp=2, sp=True)), ("hybrid", dict(pp=2, pp_layers=[1, 3])),
+    *[("hybrid", dict(zero=z)) for z in (1, 2, 3)],
+    ("hybrid-moe", dict(ep=2)),
+    ("hybrid", dict(tp=2, sp=True, recompute="full")),
+    # fp8.min_dim 4 puts in_proj in FP8 too (its gate parts are H = 4 wide); the reference runs the same recipe
+    ("hybrid", dict(tp=2, sp=True, fp8="tensorwise", fp8_min_dim=4)),
+]
+
+
+@pytest.mark.parametrize("kind,run", LAYOUTS, ids=lambda v: v if isinstance(v, str) else "-".join(
+    f"{k}{w}" for k, w in v.items()))
+def test_hybrid_layouts_match_one_process(dist_world, kind: str, run: dict) -> None:
+    dist_world(2).run(check_layout, kind, run)
+
+
+CP_RUNS: list[tuple[int, dict]] = [
+    (2, dict(cp=2, cp_mode="ring")),
+    (2, dict(cp=2, cp_mode="ring", docs=True)),
+    (2, dict(cp=2, cp_mode="a2a", docs=True)),
+    (2, dict(cp=2, cp_mode="allgather", docs=True, recompute="full")),
+    (4, dict(cp=2, cp_mode="ring", tp=2, sp=True, docs=True)),
+    (4, dict(cp=4, cp_mode="hybrid", cp_a2a=2, docs=True)),
+]
+
+
+def _cp_bytes(run: dict) -> Fraction:
+    """What the counter files under 'cp' over the training steps: per micro-batch, the full layer's cp mode
+    (`context.costs`), each linear layer's state passing (`recurrent.costs.cp_state_passing_bytes`), the document
+    ids' gather; full recompute runs every forward's share twice."""
+    cfg, tp, cp = hybrid_cfg(), run.get("tp", 1), run["cp"]
+    d = linear_dims(cfg, cfg.head_dim)
+    local = RecurrentDims(d.value_heads // tp, d.key_head_dim, d.value_head_dim, (2 * d.key_dim + d.value_dim) // tp,
+                          d.conv_kernel)
+    linear = cp_state_passing_bytes(local, MICRO, cp, act_bytes=4)
+    full = cp_attention_bytes(ContextOptions.of(run["cp_mode"], a2a_degree=run.get("cp_a2a", 1)), MICRO,
+                              cfg.seq_len, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim, cp, 4)
+    again = run.get("recompute") == "full"
+    per_micro = sum(n * (c.total + (c.forward if again else 0)) for n, c in ((3, linear), (1, full)))
+    ids = document_ids_bytes(MICRO, cfg.seq_len, cp) if run.get("docs") else 0
+    return Fraction(STEPS * M * (per_micro + ids))
+
+
+@pytest.mark.parametrize("world,run", CP_RUNS, ids=lambda v: v if isinstance(v, int) else "-".join(
+    f"{k}{w}" for k, w in v.items()))
+def test_hybrid_cp_by_state_passing_matches_one_process(dist_world, world: int, run: dict) -> None:
+    """Context parallelism in the hybrid model: the linear layers pass states between the zigzag slices, the full
+    layer runs the cp mode; losses, gradient norms and every parameter equal one process, with documents crossing
+    the slices (the conv and the state reset at each start), and every rank's 'cp' bytes equal the formulas."""
+    counted = dist_world(world).run(check_layout, "hybrid", run)
+    assert counted == [_cp_bytes(run)] * world
 
 
 def test_packed_documents_equal_each_document_alone() -> None:
@@ -54,7 +107,9 @@ def test_packed_documents_equal_each_document_alone() -> None:
     masked = GPT(cfg, ParallelState(), seed=5, context=ContextOptions(document_eod=EOD))
     got, got_grads = _losses_and_grads(masked, packed[None, :-1], packed[None, 1:])
     plain = GPT(cfg, ParallelState(), seed=5)
-    want, want_grads, start = [], {}, 0
+    want: list[torch.Tensor] = []
+    want_grads: dict[str, torch.Tensor] = {}
+    start = 0
     for doc in docs:
         n = len(doc)
         loss, grads = _losses_and_grads(plain, packed[None, start:start + n], packed[None, start + 1:start + n + 1])
@@ -98,18 +153,33 @@ def _cfg(**model: object) -> Config:
     return cfg
 
 
-@pytest.mark.parametrize("model,parallel,says", [
+@pytest.mark.parametrize("model,sets,says", [
     (dict(linear_num_key_heads=2, linear_num_value_heads=3), {}, "must be a multiple of linear_num_key_heads=2"),
     (dict(linear_conv_kernel_dim=0), {}, "linear_conv_kernel_dim=0 must be >= 1"),
-    (dict(linear_num_key_heads=3, linear_num_value_heads=6), dict(tp=2), "divisible by parallel.tp=2"),
-    ({}, dict(cp=2), "parallel.cp=2 with linear_attention layers is not supported yet"),
+    (dict(linear_num_key_heads=3, linear_num_value_heads=6), {"parallel.tp": 2}, "divisible by parallel.tp=2"),
+    (dict(seq_len=16), {"parallel.cp": 4}, "zigzag slices of 2 tokens, fewer than the conv window's 3 past inputs"),
+    (dict(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+          linear_value_head_dim=128), {"parallel.tp": 2, "fp8.recipe": "blockwise", "fp8.min_dim": 4},
+     "attn.gdn.in_proj splits a dimension of 4 into 2-wide shards"),
 ])
-def test_bad_linear_configs_say_what_is_wrong(model: dict, parallel: dict, says: str) -> None:
+def test_bad_linear_configs_say_what_is_wrong(model: dict, sets: dict, says: str) -> None:
     cfg = _cfg(**model)
-    for k, v in parallel.items():
-        setattr(cfg.parallel, k, v)
+    for key, v in sets.items():
+        section, field = key.split(".")
+        setattr(getattr(cfg, section), field, v)
     assert any(says in line for line in layer_problems(cfg)), layer_problems(cfg)
     assert not layer_problems(_cfg())
+
+
+def test_validation_takes_linear_layers_in_every_cp_mode() -> None:
+    """A hybrid model at cp > 1 is a valid config in each cp mode (state passing beside the mode: the runs above)."""
+    from tests.test_cp_training import problems
+
+    hybrid = ["--model.layer_types", ",".join(LINEAR_ARGS), "--model.num_layers", "4", "--model.seq_len", "32"]
+    for mode, world in (("ring", 2), ("allgather", 2), ("a2a", 2), ("hybrid", 4)):
+        got = problems(world, *hybrid, "--parallel.cp", str(world), "--parallel.cp_mode", mode, "--parallel.cp_a2a",
+                       str(world // 2))
+        assert got == "", (mode, got)
 
 
 def test_linear_layers_cost_their_chunked_form_and_pipeline_balances_by_it() -> None:

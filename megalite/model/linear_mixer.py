@@ -3,8 +3,9 @@ behind the attention's call signature, so a block runs either the same way.
 
 RoPE does not apply (the conv and the decay carry position), so cos / sin are ignored. Packed documents: the block's
 `DocumentIds` go to the layer, whose conv window and recurrent state restart at every document's first token.
-Context parallelism is refused by config validation (megalite/config/layers.py) until its composition with the
-full layers' cp modes is tested.
+Context parallelism: the layer passes states between the zigzag chunks the model's cp split gives every block
+(megalite/recurrent/state_passing.py), whatever the full layers' cp mode; its `full` document ids place every
+document start, on any rank.
 """
 
 from __future__ import annotations

@@ -18,11 +18,15 @@ Context parallelism by state passing (megalite/recurrent/state_passing.py): each
 each of its slices, S_out = M S_in + B, as one [H, K, K + V] tensor per sequence (fp32); an all-gather over cp
 brings the other ranks' (forward) and a reduce-scatter of the same size carries their gradients back:
 independent of S. The conv's halo (each slice's last W - 1 inputs) is all-gathered the same way.
+`cp_state_passing_bytes` is one layer's whole cp traffic per micro-batch, as the counter files it under 'cp' in a
+model (megalite's zigzag split: two slices per rank); full recompute re-runs the forward's half.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megalite.context.costs import CpBytes
 
 FP32 = 4
 
@@ -80,3 +84,12 @@ def cp_exchange_bytes(d: RecurrentDims, batch: int, cp: int, slices_per_rank: in
 def cp_conv_halo_bytes(d: RecurrentDims, batch: int, cp: int, act_bytes: int, slices_per_rank: int = 1) -> int:
     """The conv's halo, forward: the last W - 1 inputs of every slice, all-gathered (backward as much again)."""
     return (cp - 1) * slices_per_rank * batch * (d.conv_kernel - 1) * d.conv_channels * act_bytes
+
+
+def cp_state_passing_bytes(d: RecurrentDims, batch: int, cp: int, act_bytes: int, slices_per_rank: int = 2
+                           ) -> CpBytes:
+    """One linear layer's cp traffic per micro-batch (`d` per tp rank): forward the maps' and the halo's
+    all-gathers, backward their reduce-scatters, as much again (the zigzag split's two slices per rank by default)."""
+    forward = (cp_exchange_bytes(d, batch, cp, slices_per_rank)
+               + cp_conv_halo_bytes(d, batch, cp, act_bytes, slices_per_rank))
+    return CpBytes(forward, forward)
