@@ -394,13 +394,21 @@ def _position_args(positions: Positions, placeholder: torch.Tensor) -> tuple[tor
     return positions[0].contiguous(), positions[1].contiguous()
 
 
-def _segment_args(segments: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The QSEG, KSEG kernel arguments: the [B, S] document ids as contiguous int32 (queries and keys are the same
-    tokens), or a placeholder the kernel never reads."""
+# (query document ids [B, SQ], key document ids [B, SK]), integers >= 0: key j is visible to query i only when
+# their ids are equal. The whole-sequence kernel passes the same [B, S] ids twice; a context-parallel block passes
+# its query rows' and its keys' (megalite/attention/blocks.py PositionMask.docs).
+Segments = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _segment_args(segments: Segments, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QSEG, KSEG kernel arguments: the document ids as contiguous int32, or a placeholder never read."""
     if segments is None:
         return placeholder, placeholder
-    seg = segments.to(torch.int32).contiguous()
-    return seg, seg
+    query, key = segments
+    if query is key:  # the same tokens: one copy
+        seg = query.to(torch.int32).contiguous()
+        return seg, seg
+    return query.to(torch.int32).contiguous(), key.to(torch.int32).contiguous()
 
 
 @dataclass(frozen=True)
@@ -430,7 +438,7 @@ PLAIN = Variant()
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor,
-             causal: bool, scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None,
+             causal: bool, scale: float, positions: Positions = None, segments: Segments = None,
              variant: Variant = PLAIN) -> None:
     """Write O (any dtype and strides, unit last) and the base-2 logsumexp (fp32 [B*Hq, SQ], contiguous)
     of q [B, SQ, Hq, D] against k/v [B, SK, Hk, D]."""
@@ -452,7 +460,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor,
               delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-              scale: float, positions: Positions = None, segments: Optional[torch.Tensor] = None,
+              scale: float, positions: Positions = None, segments: Segments = None,
               variant: Variant = PLAIN) -> None:
     """Write dQ, dK, dV given the base-2 logsumexp and delta = rowsum(dO * O) (fp32 [B*Hq, SQ] each); with sinks,
     the forward's LSE and O had them folded in, which is all the backward needs of them (d sinks: `sink_grad`)."""
@@ -499,6 +507,11 @@ def _delta(o: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor) -> torch.Tenso
     return delta
 
 
+def _same(segments: Optional[torch.Tensor]) -> Segments:
+    """The whole-sequence kernel's [B, S] ids as both the queries' and the keys'."""
+    return None if segments is None else (segments, segments)
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
@@ -509,7 +522,7 @@ class _FlashAttention(torch.autograd.Function):
         o = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
         lse2 = torch.empty((B * Hq, S), dtype=torch.float32, device=q.device)
         variant = Variant(variant.window, variant.softcap, sinks, variant.tiles)
-        _forward(q, k, v, o, lse2, causal, scale, segments=segments, variant=variant)
+        _forward(q, k, v, o, lse2, causal, scale, segments=_same(segments), variant=variant)
         ctx.save_for_backward(q, k, v, o, lse2)
         ctx.causal, ctx.scale, ctx.segments, ctx.variant = causal, scale, segments, variant
         return o
@@ -523,7 +536,7 @@ class _FlashAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.empty((B, S, k.shape[2], D), dtype=k.dtype, device=k.device)
         dv = torch.empty((B, S, v.shape[2], D), dtype=v.dtype, device=v.device)
-        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale, segments=ctx.segments,
+        _backward(q, k, v, do, lse2, delta, dq, dk, dv, ctx.causal, ctx.scale, segments=_same(ctx.segments),
                   variant=ctx.variant)
         sinks = ctx.variant.sinks
         d_sinks = None if sinks is None else sink_grad(lse2, delta, sinks)
