@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .flash_attention import (LN2, LOG2E, Positions, Segments, Variant, _backward, _check, _forward, _scale,
-                              _unit_last, check_variant)
+from .flash_attention import Positions, _backward, _check, _forward, _scale, _unit_last
+from .flash_attention_variant import LN2, LOG2E, Segments, Variant, check_variant
 from .flash_attention_reference import _reference_scores, _reference_values
 
 
@@ -54,7 +54,7 @@ def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     key positions [SK]) for causal attention in global token positions (key j visible to query i iff
     key[j] <= query[i]: the all-gather form of context parallelism), or neither; `window` (with either mask:
     key j also needs query - key < W; tiles wholly outside are skipped), `softcap` (scores c tanh(s / c)),
-    `tiles` (an int32 [3] visit counter, `flash_attention.Variant`), `segments` = (query document ids [B, SQ],
+    `tiles` (an int32 [3] visit counter, `flash_attention_variant.Variant`), `segments` = (query document ids [B, SQ],
     key document ids [B, SK]): key j also needs query i's document (tiles sharing none are skipped). A row that sees no key of the block gets
     O = 0 and LSE = -inf. O: fp32 [B, SQ, Hq, D], a view of [B, Hq, SQ, D] memory; LSE: fp32 [B, Hq, SQ],
     LSE[b, h, i] = log sum_j exp(scale q_i . k_j) over the visible keys of this block.
