@@ -11,7 +11,8 @@ Per sequence length S and window W (gpt-oss's 128, Gemma 3's 1024):
   the closed form `ring_blocks_total`;
 - measured (CPU, Triton interpreter, 16 x 16 tiles): the kernels' own tile counters at short sequences, checked
   equal to the closed forms: the numbers above are the kernels', not a model of them;
-- GPU only: forward + backward milliseconds of the flash kernel, full vs windowed (bf16, batch 1, 8 heads of 64).
+- GPU only: forward + backward milliseconds of the flash kernel, full vs windowed (bf16, batch 1, 8 heads of 64);
+  bench/gpu.sh runs it (section 9) on a GPU machine: `OUT=bench/results bash bench/gpu.sh` publishes the table.
 
     python bench/attention_window.py                       # S 1k .. 128k, W 128 and 1024: seconds
     python bench/attention_window.py --smoke               # two short lengths, one window (the test's run)
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,6 +119,12 @@ def run(seqs: list[int], windows: list[int], measure: list[int]) -> dict[str, An
                          "flash_tiles": tiles, "tiles_vs_full": tiles / full_tiles,
                          "ring_blocks_computed": ring.computed, "ring_blocks_skipped": ring.skipped,
                          "ring_vs_full": ring.computed / full_ring.computed, "gpu_ms": gpu_ms(seq, window)})
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "ring_cp": RING_CP,
+            "gpu_tiles": GPU_TILES, "rows": rows, "interpreter_checks": interpreter_checks(measure, windows)}
+
+
+def count_tiles(measure: list[int], windows: list[int]) -> list[dict[str, Any]]:
+    """The kernels' tile counters (Triton interpreter) at the `measure` lengths, each checked against the closed form."""
     checks = []
     for seq in measure:
         for window in [None] + [w for w in windows if w < seq]:
@@ -123,8 +132,21 @@ def run(seqs: list[int], windows: list[int], measure: list[int]) -> dict[str, An
             want = flash_tiles(seq, window, (INTERPRETER_TILE,) * 2, (INTERPRETER_TILE,) * 2)
             assert got == want, (seq, window, got, want)
             checks.append({"seq": seq, "window": window, "tiles_measured": got, "tiles_closed_form": want})
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "ring_cp": RING_CP,
-            "gpu_tiles": GPU_TILES, "rows": rows, "interpreter_checks": checks}
+    return checks
+
+
+def interpreter_checks(measure: list[int], windows: list[int]) -> list[dict[str, Any]]:
+    """`count_tiles` here on a CPU; on a GPU machine in a child process with TRITON_INTERPRET=1 and no visible GPU:
+    Triton picks interpreter or compiled mode once per process, and the timing above has compiled the kernels."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return count_tiles(measure, windows)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--count-tiles", "--measure",
+                            ",".join(map(str, measure)), "--windows", ",".join(map(str, windows))],
+                           env=env, capture_output=True, text=True, check=True)
+    return json.loads(child.stdout)
 
 
 def _n(x: int | None) -> str:
@@ -160,10 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", default="64,128,256", help="lengths whose tiles the interpreter counts")
     p.add_argument("--smoke", action="store_true", help="S 256 and 512, W 32; the interpreter at S 64")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
+    p.add_argument("--count-tiles", action="store_true", help="only the interpreter's tile counts, JSON on stdout "
+                   "(how a GPU run gets them: interpreter_checks)")
     a = p.parse_args(argv)
     if a.smoke:
         a.seqs, a.windows, a.measure = "256,512", "32", "64"
     ints = [[int(x) for x in s.split(",") if x] for s in (a.seqs, a.windows, a.measure)]
+    if a.count_tiles:
+        print(json.dumps(count_tiles(ints[2], ints[1])))
+        return 0
     res = run(*ints)
     res["smoke"] = a.smoke
     write_results(a.out, "attention_window_smoke" if a.smoke else "attention_window", res, to_markdown)

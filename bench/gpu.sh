@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark for a single H200 (under 7 minutes 45 s: 3 min of sections + 90 + 50 + 60 + 40 + 45 s, so a 15-minute device lease
+# One prepared GPU benchmark for a single H200 (under 9 minutes 15 s: 3 min of sections + 90 + 50 + 60 + 40 + 45 + 90 s, so a 15-minute device lease
 # that also pays the machine's start can run it once and rerun some sections). What it measures:
 #   1. MFU, tokens/s and peak memory of the llama-1b preset (bf16, seq 2048, megalite's real
 #      train_step) with model.kernels=torch, model.kernels=triton and torch.compile;
@@ -16,7 +16,10 @@
 #      shapes (qwen3-30b-a3b, mixtral-8x7b), bf16 forward + backward, tokens/s. At most 40 more seconds.
 #   8. model.compile vs eager through pretrain.py (bench/compile_compare.py --gpu: 4 x 1024, seq 1024, bf16,
 #      one paired repeat). At most 45 more seconds.
-# Sections 1-3 share 3 min, so the whole script ends within 7 minutes 45 s.
+#   9. a sliding-window layer's cost vs full attention (bench/attention_window.py: S 1k-128k, W 128 and 1024; the
+#      flash kernel's forward + backward ms beside the exact pair, tile and ring-block counts; the interpreter's
+#      tile counts in a child process). At most 90 more seconds; OUT=bench/results publishes attention_window.md.
+# Sections 1-3 share 3 min, so the whole script ends within 9 minutes 15 s.
 # Results: one gpu_bench.json + gpu_bench.md (+ overlap_compare_cuda.{json,md}) in $OUT (the device runner's output folder) or
 # runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
@@ -90,5 +93,7 @@ wait  # the smoke's background sections
 if [ "$SMOKE" = 0 ]; then
   timeout 45 python bench/compile_compare.py --gpu --steps 6 --out "$OUT_DIR" > "$OUT_DIR/compile_compare.log" 2>&1 \
     || echo "compile_compare: failed or timed out, see compile_compare.log"
+  # 9. Windowed vs full attention, timed (not in --smoke: tests/test_bench_attention_window.py runs its --smoke).
+  section attention_window 90 bench/attention_window.py
 fi
 exit "$status"

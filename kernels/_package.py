@@ -8,6 +8,7 @@
 | gelu_tanh                      | gelu.py             | tanh-GeLU; backward recomputes tanh                      |
 | cross_entropy (+ vocab-parallel)| cross_entropy.py   | online softmax, grad written into the logits in place    |
 | flash_attention                | flash_attention.py  | causal GQA attention; saves O and logsumexp (FA-2)       |
+|   (its segment ids / variants) | flash_attention_variant.py | window, soft-cap, sinks, documents: helpers, checks |
 | flash_attention_block (+ bwd)  | flash_attention_block.py | one key block of a longer softmax: (O, LSE) out;     |
 |                                |                     | backward from the merged LSE (context parallelism)       |
 | ChunkGatedDelta                | gated_delta.py      | the gated delta rule by chunks, state in registers;      |

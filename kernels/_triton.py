@@ -9,7 +9,8 @@ Kernel files therefore decorate with `jit` from here (imported by name: a module
 would read as the real one), which records the function and builds the real `triton.jit` object
 on first launch: at that moment every kernel of the module is built and
 the module's globals are rebound (the kernels and `tl`), so kernels calling helper kernels and
-`tl.*` inside kernel bodies resolve to the real objects. Host code only needs `cdiv` and
+`tl.*` inside kernel bodies resolve to the real objects; a helper kernel imported from another kernel
+file has that file's globals rebound too (its body reads `tl` there). Host code only needs `cdiv` and
 `next_power_of_2`, which are plain Python here. Kernel files use `from __future__ import
 annotations`, so `x: tl.constexpr` annotations stay strings (Triton reads them as strings).
 """
@@ -73,10 +74,13 @@ def _materialize(module_globals: dict[str, Any]) -> None:
     import triton
     import triton.language
 
+    module_globals["tl"] = triton.language  # first: marks this module built (helper modules may import ours)
     for name, value in list(module_globals.items()):
         if isinstance(value, LazyKernel):
+            helper_globals = value.fn.__globals__
+            if helper_globals.get("tl") is not triton.language:  # a helper kernel of another file: its `tl` too
+                _materialize(helper_globals)
             module_globals[name] = triton.jit(value.fn)
-    module_globals["tl"] = triton.language
 
 
 class _LanguagePlaceholder:

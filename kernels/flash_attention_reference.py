@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .flash_attention import Positions, Variant, _check, _scale
+from .flash_attention import Positions, _check, _scale
+from .flash_attention_variant import Variant
 
 
 def _reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float | None,

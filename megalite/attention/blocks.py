@@ -29,8 +29,8 @@ Two backends compute a block pair, chosen by the `backend` argument (the resolve
 - "torch": the readable reference below; it materialises the [sq, sk] scores of one block pair.
 - "triton": the flash-attention kernel (`kernels.flash_attention_block` and its backward): the scores
   stay in on-chip tiles, O and L come out in fp32, and the backward takes the final L and D like the
-  math above. It takes the masks context parallelism needs: None, CAUSAL and a PositionMask (not an
-  arbitrary boolean tensor).
+  math above. It takes the masks context parallelism needs: None, CAUSAL and a PositionMask, documents
+  included (the kernels' segment ids), not an arbitrary boolean tensor.
 """
 
 from __future__ import annotations
@@ -50,15 +50,23 @@ CAUSAL: Final = "causal"
 @dataclass(frozen=True)
 class PositionMask:
     """Causal attention in global token positions: key j is visible to query i iff 0 <= query[i] - key[j], and
-    < window when there is one (a sliding-window layer, variant.py's convention). The all-gather form's mask,
-    whose keys are every rank's zigzag chunks (not in position order), and any block a window cuts into."""
+    < window when there is one (a sliding-window layer, variant.py's convention), and, under document masking,
+    both tokens are in the same document (`docs`). The all-gather form's mask, whose keys are every rank's zigzag
+    chunks (not in position order), and any block a window or the documents cut into. Both backends take it (the
+    flash kernels as positions and segment ids, skipping the tiles it leaves empty)."""
 
     query: Tensor  # [sq] integer positions of the query rows
     key: Tensor    # [sk] integer positions of the keys
     window: int | None = None
+    docs: tuple[Tensor, Tensor] | None = None  # (query rows' [b, sq], keys' [b, sk]) integer document ids >= 0
 
     def keep(self) -> Tensor:
-        return visible(self.query, self.key, self.window)
+        """[sq, sk] bool, or [b, sq, sk] under documents."""
+        pos = visible(self.query, self.key, self.window)
+        if self.docs is None:
+            return pos
+        query_docs, key_docs = self.docs
+        return pos & (query_docs[:, :, None] == key_docs[:, None, :])  # context/documents.py's same-document rule
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ def as_scores(scores: Scores | float) -> Scores:
 
 
 # Which keys each query row sees: None = all of them; CAUSAL = key i <= query i (square blocks: the
-# diagonal block of ring attention); a PositionMask; a bool tensor [sq, sk] = any mask (torch backend only).
+# diagonal block of ring attention); a PositionMask (with documents too); a bool tensor [sq, sk] or [b, sq, sk] =
+# any mask (torch backend only).
 # Any other string is refused at run time (typed `str` so that `CAUSAL if ... else None` passes as it is).
 Mask = Optional[Union[Tensor, str, PositionMask]]
 
@@ -96,10 +105,9 @@ def _mask_scores(s: Tensor, keep: Mask) -> Tensor:
     """-inf where `keep` excludes the key, in place."""
     if _is_causal(keep):
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
-    elif isinstance(keep, PositionMask):
-        s.masked_fill_(~keep.keep(), float("-inf"))
-    elif isinstance(keep, Tensor):  # [sq, sk], or [b, sq, sk] (document masks: one per sequence)
-        s.masked_fill_(~(keep if keep.dim() == 2 else keep[:, None, None]), float("-inf"))
+    elif isinstance(keep, (PositionMask, Tensor)):  # [sq, sk], or [b, sq, sk] (documents: one per sequence)
+        mask = keep.keep() if isinstance(keep, PositionMask) else keep
+        s.masked_fill_(~(mask if mask.dim() == 2 else mask[:, None, None]), float("-inf"))
     return s
 
 
@@ -157,13 +165,14 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse_delta: tu
 
 
 def _flash_mask(keep: Mask, scores: Scores) -> dict[str, Any]:
-    """The kernels' mask and score arguments (`causal`, `positions`, `window`, `softcap`) for `keep`."""
+    """The kernels' mask and score arguments (`causal`, `positions`, `window`, `segments`, `softcap`) for `keep`."""
     if isinstance(keep, Tensor):
         raise ValueError("the triton block backend takes the masks None, CAUSAL and PositionMask, not a mask "
                          "tensor; use backend='torch' for arbitrary masks")
-    positions = (keep.query, keep.key) if isinstance(keep, PositionMask) else None
-    window = keep.window if isinstance(keep, PositionMask) else None
-    return dict(causal=_is_causal(keep), positions=positions, window=window, softcap=scores.softcap)
+    if isinstance(keep, PositionMask):
+        return dict(causal=False, positions=(keep.query, keep.key), window=keep.window, segments=keep.docs,
+                    softcap=scores.softcap)
+    return dict(causal=_is_causal(keep), positions=None, window=None, segments=None, softcap=scores.softcap)
 
 
 def _seq_major(x: Tensor) -> Tensor:

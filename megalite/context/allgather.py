@@ -15,12 +15,14 @@ sequences, where holding the full K/V on every rank is what context parallelism 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from megalite.attention.blocks import Backend, Mask, PositionMask
+from megalite.attention.blocks import Backend, PositionMask
 from megalite.attention.local import BlockCall, rows_backward, rows_forward
 from megalite.attention.variant import PLAIN, AttentionVariant
-from megalite.context.documents import DocumentIds, document_mask
+from megalite.context.documents import DocumentIds
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.ring import RingCall, check_heads, stack_kv
 from megalite.context.zigzag import zigzag_positions, zigzag_split
@@ -43,10 +45,10 @@ def _global_causal_mask(seq_local: int, cpg: ContextGroup, device: torch.device,
 def _call(q: Tensor, positions: PositionMask, call: RingCall, sinks: Tensor | None) -> BlockCall:
     """The one block of the gathered K/V: the mask in global positions and (document masking) the same-document
     test, [b, sq, S]; the variant's scores and sinks."""
-    keep: Mask = positions
+    keep = positions
     if call.docs is not None:
         key_docs = torch.cat([zigzag_split(call.docs.full, call.cpg.cp, r) for r in range(call.cpg.cp)], dim=1)
-        keep = positions.keep() & document_mask(call.docs.local, key_docs, causal=False)  # the gathered order
+        keep = replace(positions, docs=(call.docs.local, key_docs))  # the keys in the gathered order
     return BlockCall(call.scores(q.shape[-1]), keep, call.backend, sinks)
 
 

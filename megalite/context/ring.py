@@ -41,7 +41,7 @@ from megalite.attention.blocks import (CAUSAL, Backend, Mask, PositionMask, Scor
                                        block_forward, from_grouped, merge_into, sink_grad, to_grouped)
 from megalite.attention.costs import chunk_pair_visible
 from megalite.attention.variant import PLAIN, AttentionVariant
-from megalite.context.documents import DocumentIds, document_mask
+from megalite.context.documents import DocumentIds
 from megalite.context.group import GROUP, ContextGroup
 from megalite.context.zigzag import zigzag_chunks, zigzag_positions, zigzag_split
 from megalite.errors import ConfigError
@@ -126,11 +126,9 @@ def plan_step(call: RingCall, owner: int, c: int, device: torch.device) -> tuple
     q_pos, k_pos = zigzag_positions(seq, cpg.cp, cpg.cp_rank, device), zigzag_positions(seq, cpg.cp, owner, device)
     key_docs = None if docs is None else zigzag_split(docs.full, cpg.cp, owner)
 
-    def keep(rows: slice, keys: slice) -> Mask:
-        pos = PositionMask(q_pos[rows], k_pos[keys], window)
-        if docs is None or key_docs is None:
-            return pos
-        return pos.keep() & document_mask(docs.local[:, rows], key_docs[:, keys], causal=False)
+    def keep(rows: slice, keys: slice) -> PositionMask:
+        both = None if docs is None or key_docs is None else (docs.local[:, rows], key_docs[:, keys])
+        return PositionMask(q_pos[rows], k_pos[keys], window, both)
 
     kept: dict[int, list[int]] = {0: [], 1: []}
     computed = skipped = 0
@@ -140,8 +138,7 @@ def plan_step(call: RingCall, owner: int, c: int, device: torch.device) -> tuple
                 continue
             visible = chunk_pair_visible(a, b, c, window)
             if visible and docs is not None:
-                mask = keep(_chunk(qi, c), _chunk(ki, c))
-                visible = bool(mask.any()) if isinstance(mask, Tensor) else True
+                visible = bool(keep(_chunk(qi, c), _chunk(ki, c)).keep().any())
             computed, skipped = computed + visible, skipped + (not visible)
             if visible:
                 kept[qi].append(ki)
@@ -241,7 +238,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, state: ParallelState, backen
     equal to the matching rows of causal attention over the unsplit sequence. Collective over the state's
     'cp' ring (bytes counted under 'cp'): every rank of the ring must call it with the same shapes.
     `backend` computes each block pair: the torch block math or the Triton flash kernel (the model's kernels).
-    `docs` (document masking, torch backend): attend within documents only; block pairs no query of which sees
+    `docs` (document masking, either backend): attend within documents only; block pairs no query of which sees
     any key are skipped (`plan_step`). `variant` (window, sinks, soft-cap, scale; variant.py): the window cuts the
     chunk pairs wholly outside it (skipped, counted: the counter's tallies "cp_blocks_computed" and
     "cp_blocks_skipped", per forward, in chunk pairs of S / (2 cp) tokens; attention/costs.py `ring_blocks`), the

@@ -30,9 +30,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, state: ParallelSta
         # the Triton flash kernel) whose backward keeps only q, k, v, the output and the log-sum-exp and
         # recomputes the scores block by block, which is what selective recompute saves, so they are not
         # checkpointed again (no second forward, no extra cp bytes); a2a runs `core` (or the variant's attention
-        # under `run`) on heads/cp. Under document masking the blocks are in torch math (the flash blocks take no
-        # such mask yet).
-        local = Local(core, "torch" if docs is not None else ops.block_backend, run)
+        # under `run`) on heads/cp. Document masking rides in the blocks' position masks (the flash blocks take
+        # the documents as segment ids).
+        local = Local(core, ops.block_backend, run)
         return context_attention(q, k, v, state, context, local, masking)
     if not variant.is_plain:
         return run(variant_attention, q, k, v, variant, None if docs is None else docs.local, ops.block_backend)

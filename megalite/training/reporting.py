@@ -7,6 +7,7 @@ import torch
 from megalite.config import Config, ModelArgs
 from megalite.observability.metrics import MetricsLogger, peak_memory_bytes
 from megalite.optim.protocol import DistributedOptimizer
+from megalite.parallel import comm
 from megalite.parallel.counter import COMM_CONVENTION
 from megalite.parallel.state import ParallelState
 from megalite.mla import costs as mla_costs
@@ -63,9 +64,13 @@ class StepReport:
         return step % self.cfg.logging.interval == 0 or step == self.cfg.train.steps or step == start_step + 1
 
     def record(self, step: int, result: StepResult, seconds: float, comm_bytes: dict[str, float],
-               valid_loss: float | None, spike: bool, written_bytes: int | None = None) -> dict:
+               valid_loss: float | None, spike: bool, written_bytes: int | None = None,
+               tallies: dict[str, int] | None = None) -> dict:
         """One metrics.jsonl line (docs/tracking.md lists the fields and which are per device).
-        `comm_bytes` is counted by the ring convention; `written_bytes` measured (None where it cannot be)."""
+        `comm_bytes` is counted by the ring convention; `written_bytes` measured (None where it cannot be);
+        `tallies` this rank's counter tallies of the step (`cp_blocks`). Collective over 'cp' when cp > 1: every
+        rank calls it for the same steps."""
+        blocks = cp_blocks(self.state, self.cfg.parallel.cp_mode, tallies or {})
         tps = self.tokens_per_step / seconds
         flops = self.flops_per_token * tps / self.state.world_size
         return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
@@ -76,4 +81,24 @@ class StepReport:
                 "skipped": result.skipped, "valid_loss": valid_loss, "step_time_s": seconds,
                 "loss_scale": self.ctx.scaler.scale, "spike": spike, "mem_bytes": self.optimizer.memory_bytes(),
                 "tokens_seen": step * self.tokens_per_step, **({"moe": result.moe} if result.moe else {}),
-                **({"mtp_loss": result.mtp} if result.mtp else {})}
+                **({"mtp_loss": result.mtp} if result.mtp else {}), **({"cp_blocks": blocks} if blocks else {})}
+
+
+# The ring's counter tallies (megalite/context/ring.py) and the names `cp_blocks` reports them under.
+CP_BLOCK_TALLIES = {"computed": "cp_blocks_computed", "skipped": "cp_blocks_skipped"}
+
+
+def cp_blocks(state: ParallelState, cp_mode: str, tallies: dict[str, int]) -> dict[str, int] | None:
+    """The step's ring chunk pairs, computed and skipped (a sliding window's pairs wholly outside it), summed over
+    the cp group: {"computed": N, "skipped": M}; None when cp = 1 or no ring ran (cp_mode allgather / a2a, or a
+    stage without attention layers). Counted per ring forward (attention/costs.py `ring_blocks` per rank and call:
+    every layer's call on every micro-batch, a full-recompute re-run counted again; the backward visits the same
+    pairs uncounted). One all-reduce of two integers over 'cp' when cp > 1 and the mode runs a ring (the same
+    decision on every rank of the group), filed under 'metrics'."""
+    if state.size("cp") == 1 or cp_mode not in ("ring", "hybrid"):
+        return None
+    counts = torch.tensor([tallies.get(name, 0) for name in CP_BLOCK_TALLIES.values()], dtype=torch.int64,
+                          device=state.device)
+    comm.all_reduce(counts, state, "cp", count_as="metrics")
+    computed, skipped = (int(n) for n in counts.tolist())
+    return {"computed": computed, "skipped": skipped} if computed else None  # a ring call always computes a pair

@@ -269,6 +269,7 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
                 break
             seconds = time.perf_counter() - t0
             step_comm = state.counter.bytes()  # the training step's traffic, before any evaluation adds to it
+            step_tallies = state.counter.tallies()  # and its counted work (the cp ring's blocks)
             step_written = written.stop()
             data_report = r.batches.after_step()  # streamed data: bad records summed over dp, checked against the limits
             spike = health.check(done, result)
@@ -276,7 +277,7 @@ def _loop(cfg: config_mod.Config, r: Run, resumed_from: str | None,
             last = {"loss": result.loss, "valid_loss": valid_loss if valid_loss is not None else math.nan}
             logger.step_done(done, result.loss, result.skipped, seconds, meter.tokens_per_step)
             if meter.due(done, start_step) or valid_loss is not None:
-                record = meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written)
+                record = meter.record(done, result, seconds, step_comm, valid_loss, spike, step_written, step_tallies)
                 logger.log({**record, "data": data_report} if data_report is not None else record)
                 if isinstance(r.batches, StreamBatches):
                     logger.note(r.batches.progress())
