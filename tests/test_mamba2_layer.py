@@ -38,10 +38,11 @@ def _hf_layer(layer: Mamba2, hf_chunk: int) -> Any:
                              use_conv_bias=c.conv_bias, time_step_limit=c.dt_limit, layer_norm_epsilon=c.norm_eps,
                              chunk_size=hf_chunk, layers_block_type=["linear_attention"])
     hf = NemotronHMamba2Mixer(hf_cfg, 0)
-    assert layer.conv_bias is not None
+    bias = hf.conv1d.bias
+    assert bias is not None and layer.conv_bias is not None
     with torch.no_grad():
         for dst, src in ((hf.in_proj.weight, layer.in_proj.weight), (hf.conv1d.weight, layer.conv_weight[:, None]),
-                         (hf.conv1d.bias, layer.conv_bias), (hf.A_log, layer.A_log), (hf.dt_bias, layer.dt_bias),
+                         (bias, layer.conv_bias), (hf.A_log, layer.A_log), (hf.dt_bias, layer.dt_bias),
                          (hf.D, layer.D), (hf.norm.weight, layer.norm_weight), (hf.out_proj.weight, layer.out_proj.weight)):
             dst.copy_(src)
     return hf
@@ -142,3 +143,57 @@ def test_tp2_matches_one_process(dist_world, sp: bool) -> None:
     """Groups split with their heads (one group per rank): forward, input gradient and every weight gradient."""
     dist_world(2).run(check_tp, sp, _build, CFG.hidden_size)
 
+
+def test_relu2_is_transformers_relu2() -> None:
+    """Nemotron-H's MLP activation (model.mlp=relu2): relu(x)^2 on one up projection, as transformers' "relu2"."""
+    from transformers.activations import ACT2FN
+
+    from megalite.layers.activation import MLPActivation
+    from megalite.model.ops import TORCH_OPS
+
+    act = MLPActivation("relu2")
+    x = torch.randn(3, 7)
+    assert not act.gated
+    torch.testing.assert_close(act(TORCH_OPS, [x]), ACT2FN["relu2"](x), rtol=0, atol=0)
+
+
+def _config(**model: object) -> Any:
+    from megalite.config.schema import Config
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.layer_types = 5, ["mamba", "mlp", "mamba", "attention", "mlp"]
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("model,parallel,says", [
+    (dict(mamba_num_heads=6, mamba_n_groups=4), {}, "mamba_num_heads=6 must be a multiple of mamba_n_groups=4"),
+    (dict(mamba_n_groups=1), dict(tp=2), "mamba_n_groups=1 divisible by parallel.tp=2"),
+    ({}, dict(cp=2), "parallel.cp=2 with mamba layers is not supported yet"),
+    (dict(mamba_state_size=0), {}, "model.mamba_state_size=0 must be >= 1"),
+])
+def test_bad_mamba_configs_say_what_is_wrong(model: dict, parallel: dict, says: str) -> None:
+    from megalite.config.layers import layer_problems
+
+    cfg = _config(**model)
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    assert any(says in line for line in layer_problems(cfg)), layer_problems(cfg)
+    assert not layer_problems(_config())
+
+
+def test_one_part_layers_cost_their_part() -> None:
+    """layer_costs prices Nemotron-H's one-part layers by the part they have: an mlp layer 2 x its MLP's weights, an
+    attention layer no MLP (cheaper than the same layer as full_attention with its MLP), the mamba layers alike."""
+    from megalite.model.pattern import layer_costs, layer_specs
+    from tests.layer_pattern_utils import nemotron_cfg
+
+    cfg = nemotron_cfg()
+    costs = layer_costs(cfg)
+    assert [(s.has_mixer, s.has_mlp) for s in layer_specs(cfg)] == [(True, False), (False, True), (True, False),
+                                                                     (True, False), (False, True)]
+    assert costs[1] == costs[4] == 2.0 * 2 * cfg.hidden_size * cfg.ffn_hidden_size  # relu2: up and down
+    assert costs[0] == costs[2]
+    with_mlp = layer_costs(nemotron_cfg(layer_types=["full_attention"] * 5))[3]
+    assert with_mlp - costs[3] == costs[1]
