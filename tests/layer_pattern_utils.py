@@ -66,6 +66,16 @@ def hybrid_moe_cfg(**overrides: object) -> Any:
     return hybrid_cfg(**{"moe": moe, **overrides})
 
 
+def nemotron_cfg(**overrides: object) -> Any:
+    """Nemotron-H-like ("M-M*-"): one-part layers (mamba, mlp, mamba, attention without RoPE, mlp), the squared-ReLU
+    MLP, 4 Mamba2 heads in 2 groups of B/C (one per rank at tp2), a sequence of 40 (not a multiple of the chunk)."""
+    base: dict[str, object] = dict(num_layers=5, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, seq_len=40,
+                                   layer_types=["mamba", "mlp", "mamba", "attention", "mlp"], mamba_num_heads=4,
+                                   mamba_head_dim=6, mamba_n_groups=2, mamba_state_size=8, mlp="relu2",
+                                   rope_fraction=0.0)
+    return tiny_model_cfg("llama", **{**base, **overrides})
+
+
 def perturb(model: nn.Module, state: ParallelState) -> None:
     """Add N(0, 0.5^2) to every bias and sink: drawn in full by name, then this rank's shard taken (tp parts of
     a column layout, the ep rows of an expert stack), so every layout holds the same numbers."""

@@ -9,7 +9,7 @@ leaves two orders of margin, while a wrong shard, a missed reset or a wrong gate
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -152,17 +152,23 @@ def test_bad_shapes_are_refused() -> None:
         CFG.check(4)
 
 
-def _check_tp(rank: int, sp: bool) -> None:
+def _gdn(st: ParallelState, name: str, seed: int) -> torch.nn.Module:
+    return GatedDeltaNet(CFG, st, name=name, seed=seed)
+
+
+def check_tp(rank: int, sp: bool, build: Callable[[ParallelState, str, int], torch.nn.Module], hidden: int) -> None:
+    """The layer `build` makes at tp2 (with or without SP) against one process: this rank's output and input
+    gradient, every weight gradient gathered whole (the sp_partial ones summed over tp first)."""
     from tests.parallel_utils import layout
 
     st = layout(2, sp=sp)
     torch.manual_seed(5)  # the same x, ids and upstream gradient on every rank
     lens = [9, 14, 9]
     ids = _packed(lens).expand(2, -1)
-    x, gy = torch.randn(2, sum(lens), CFG.hidden_size), torch.randn(2, sum(lens), CFG.hidden_size)
-    ref = GatedDeltaNet(CFG, ParallelState(), name="layers.1.mixer", seed=7)
+    x, gy = torch.randn(2, sum(lens), hidden), torch.randn(2, sum(lens), hidden)
+    ref = build(ParallelState(), "layers.1.mixer", 7)
     y_ref, gx_ref = _run(ref, x, gy, docs=DocumentIds(ids, ids))
-    layer = GatedDeltaNet(CFG, st, name="layers.1.mixer", seed=7)
+    layer = build(st, "layers.1.mixer", 7)
 
     def mine(t: torch.Tensor) -> torch.Tensor:  # this rank's tokens under SP
         return comm.split(t, st, "tp", dim=1) if sp else t
@@ -184,7 +190,7 @@ def _check_tp(rank: int, sp: bool) -> None:
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp2_matches_one_process(dist_world, sp: bool) -> None:
-    dist_world(2).run(_check_tp, sp)
+    dist_world(2).run(check_tp, sp, _gdn, CFG.hidden_size)
 
 
 def _check_cp(rank: int, tp: int, cp: int, sp: bool) -> None:

@@ -6,6 +6,8 @@ packed documents; the 'cp' bytes counted equal to the formulas) against one proc
 parameter after 3 AdamW steps: tests/layer_pattern_ranks.py's check and tolerances), packed documents
 equal to each document alone, KV-cached generation with the recurrent state equal to the full forward, the config
 checks, the cost the pipeline balances by, Muon leaving the conv kernel to AdamW, and pretrain.py training one.
+The layouts, packing and generation tests run a tiny Nemotron-H-like model too (`nemotron_cfg`: Mamba2, MLP and
+attention as one-part layers, megalite/model/pattern.py), its pp2 with stages of 2 and 3 layers.
 
 Tolerances: tests/test_document_mask.py's (the packed and separate runs sum the same terms in another order, fp32)
 and tests/test_layer_pattern.py's for generation (the argmax exactly, the logits to fp32 round-off: the step runs
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -35,7 +38,7 @@ from megalite.parallel.state import ParallelState
 from megalite.recurrent.chunked import CHUNK
 from megalite.recurrent.costs import RecurrentDims, cp_state_passing_bytes
 from tests.layer_pattern_ranks import check_layout
-from tests.layer_pattern_utils import hybrid_cfg
+from tests.layer_pattern_utils import hybrid_cfg, nemotron_cfg
 from tests.test_cp_training import MICRO, M, STEPS
 from tests.test_document_mask import EOD, TOL, _losses_and_grads
 
@@ -49,6 +52,7 @@ LAYOUTS: list[tuple[str, dict]] = [
     ("hybrid", dict(tp=2, sp=True, recompute="full")),
     # fp8.min_dim 4 puts in_proj in FP8 too (its gate parts are H = 4 wide); the reference runs the same recipe
     ("hybrid", dict(tp=2, sp=True, fp8="tensorwise", fp8_min_dim=4)),
+    ("nemotron", dict(tp=2, sp=True)), ("nemotron", dict(pp=2, pp_layers=[2, 3])), ("nemotron", dict(zero=3)),
 ]
 
 
@@ -95,11 +99,16 @@ def test_hybrid_cp_by_state_passing_matches_one_process(dist_world, world: int, 
     assert counted == [_cp_bytes(run)] * world
 
 
-def test_packed_documents_equal_each_document_alone() -> None:
+# The two recurrent models: their config, the name part of their recurrent layers' parameters, how many such layers
+MODELS = [pytest.param(hybrid_cfg, ".gdn.", 3, id="hybrid"), pytest.param(nemotron_cfg, ".mamba.", 2, id="nemotron")]
+
+
+@pytest.mark.parametrize("make,part,layers", MODELS)
+def test_packed_documents_equal_each_document_alone(make: Callable[..., Any], part: str, layers: int) -> None:
     """Three documents packed in one 40-token sample (lengths 13, 17, 9, each closed by its EOD): per-token losses
     and every gradient equal each document run alone; the conv window and the state restart at each document (the
     unmasked run differs: the test can fail)."""
-    cfg = hybrid_cfg(vocab_size=61)
+    cfg = make(vocab_size=61)
     gen = torch.Generator().manual_seed(3)
     docs = [torch.cat([torch.randint(1, cfg.vocab_size, (n - 1,), generator=gen), torch.tensor([EOD])])
             for n in (13, 17, 9)]
@@ -115,20 +124,22 @@ def test_packed_documents_equal_each_document_alone() -> None:
         loss, grads = _losses_and_grads(plain, packed[None, start:start + n], packed[None, start + 1:start + n + 1])
         want.append(loss[0])
         for name, g in grads.items():
-            want_grads[name] = want_grads.get(name, 0) + g
+            want_grads[name] = want_grads[name] + g if name in want_grads else g
         start += n
     torch.testing.assert_close(got[0], torch.cat(want), atol=TOL, rtol=0)
-    assert any(".gdn." in n for n in got_grads)
+    assert any(part in n for n in got_grads)
     for name, g in got_grads.items():
         torch.testing.assert_close(g, want_grads[name], atol=TOL, rtol=TOL, msg=lambda m: f"{name}: {m}")
     unmasked, _ = _losses_and_grads(plain, packed[None, :-1], packed[None, 1:])
     assert (unmasked[0] - got[0]).abs().max() > 1e-3
 
 
-def test_cached_generation_with_the_recurrent_state_equals_the_full_forward() -> None:
+@pytest.mark.parametrize("make,part,layers", MODELS)
+def test_cached_generation_with_the_recurrent_state_equals_the_full_forward(make: Callable[..., Any], part: str,
+                                                                            layers: int) -> None:
     """Greedy decoding (the linear layers carry their conv window and state, the full layer its KV cache) equals
     the full forward's argmax token for token, and the cached logits equal the forward's."""
-    model = GPT(hybrid_cfg(vocab_size=61), ParallelState(), seed=5).eval()
+    model = GPT(make(vocab_size=61), ParallelState(), seed=5).eval()
     with torch.no_grad():  # sharpen the distribution: a random init is near-uniform (ties)
         for p in model.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
@@ -141,7 +152,7 @@ def test_cached_generation_with_the_recurrent_state_equals_the_full_forward() ->
     cache = KVCache(model, 1, torch.float32)
     got = torch.cat([forward_cached(model, ids[:, :6], cache)] +
                     [forward_cached(model, ids[:, i:i + 1], cache) for i in range(6, ids.shape[1])], dim=1)
-    assert sum(c is not None for c in cache.recurrent.values()) == 3
+    assert sum(c is not None for c in cache.recurrent.values()) == layers
     torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-4)
 
 

@@ -188,7 +188,7 @@ def _problems(**model: object) -> str:
 
 @pytest.mark.parametrize("fields,text", [
     (dict(layer_types=["sliding_attention"]), "need a window W >= 1"),
-    (dict(layer_types=["mamba"]), "is not a mixer"),
+    (dict(layer_types=["hyena"]), "is not a mixer"),
     (dict(layer_types=["full_attention"] * 5), "has 5 entries for model.num_layers=4"),
     (dict(sliding_window=4), "no layer is sliding_attention"),
     (dict(rope_fraction=1.5), "must be in [0, 1]"),
@@ -253,7 +253,7 @@ def test_a_bad_recorded_field_is_refused() -> None:
 
     info = model_info(gemma3_cfg(vocab_size=VOCAB))
     assert model_info_problems(info) == []
-    assert "is not a mixer" in model_info_problems({**info, "layer_types": ["mamba"]})[0]
+    assert "is not a mixer" in model_info_problems({**info, "layer_types": ["hyena"]})[0]
     assert "model.sliding_window" in model_info_problems({**info, "sliding_window": "wide"})[0]
 
 

@@ -10,7 +10,8 @@ from typing import Any
 from megalite.config.cli import coerce, field_types
 from megalite.config.schema import Config, ModelArgs, ModelConfig
 from megalite.errors import ConfigError
-from megalite.model.pattern import (LINEAR, VARIANT_DEFAULTS, is_uniform, layer_costs, linear_dims, pattern_problems,
+from megalite.model.pattern import (LINEAR, MAMBA, VARIANT_DEFAULTS, is_uniform, layer_costs, linear_dims,
+                                    pattern_problems,
                                     variant_layout_problems)
 
 
@@ -26,6 +27,10 @@ def layer_problems(cfg: Config) -> list[str]:
     out += variant_layout_problems(m, cfg.parallel.tp, cfg.mla.enabled, cfg.mtp.num_layers)
     if LINEAR in m.layer_types and cfg.parallel.cp > 1:
         out += _linear_cp_problems(cfg)
+    if MAMBA in m.layer_types and cfg.parallel.cp > 1:
+        # Mamba2's layer has no cp path yet: state passing (megalite/recurrent/state_passing.py) takes the delta
+        # rule's erase only.
+        out.append(f"parallel.cp={cfg.parallel.cp} with mamba layers is not supported yet: set parallel.cp=1")
     if cfg.moe.router_bias and not cfg.moe.experts:
         out.append("moe.router_bias needs a mixture-of-experts model (moe.experts > 0)")
     return out

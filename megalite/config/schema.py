@@ -57,7 +57,8 @@ class ModelConfig:
     head_dim: int = _f(0, "attention head width; 0 = hidden_size / num_heads (Qwen3 sets it apart); llama arch only")
     # The layer pattern and the attention / MLP variants (megalite/model/pattern.py, docs/attention.md).
     layer_types: list[str] = _lf("each layer's mixer in Hugging Face's vocabulary: full_attention | "
-                                 "sliding_attention | linear_attention (Gated DeltaNet); fewer entries than layers = a period repeated (Gemma 3: 5 x "
+                                 "sliding_attention | linear_attention (Gated DeltaNet), each with its MLP; or Nemotron-H's one-part layers: "
+                                 "mamba (Mamba2) | attention (full, no MLP) | mlp (no mixer); fewer entries than layers = a period repeated (Gemma 3: 5 x "
                                  "sliding_attention then full_attention); empty = full_attention everywhere")
     sliding_window: int = _f(0, "W of sliding_attention layers: query i sees keys i - W < j <= i (W keys, its own "
                                 "included: transformers' sliding_window)")
@@ -68,6 +69,13 @@ class ModelConfig:
     linear_key_head_dim: int = _f(0, "linear_attention: key (and query) head width; 0 = the attention's head_dim")
     linear_value_head_dim: int = _f(0, "linear_attention: value head width; 0 = linear_key_head_dim")
     linear_conv_kernel_dim: int = _f(4, "linear_attention: the causal depthwise conv's kernel width")
+    # Mamba2, the mixer of `mamba` layers (Nemotron-H; megalite/recurrent/mamba2.py, docs/linear-attention.md), with
+    # transformers' NemotronH names.
+    mamba_num_heads: int = _f(0, "mamba: heads (mamba_num_heads); 0 = num_heads")
+    mamba_head_dim: int = _f(0, "mamba: head width (mamba_head_dim); 0 = the attention's head_dim")
+    mamba_n_groups: int = _f(1, "mamba: groups of heads sharing B and C (n_groups); divides mamba_num_heads")
+    mamba_state_size: int = _f(128, "mamba: the state's width per head (ssm_state_size)")
+    mamba_conv_kernel: int = _f(4, "mamba: the causal depthwise conv's kernel width (conv_kernel)")
     rope_local_theta: float = _f(0.0, "RoPE base of sliding_attention layers (Gemma 3: 10000); 0 = rope_theta")
     rope_fraction: float = _f(1.0, "share of each head's dims RoPE rotates, the first ones (partial_rotary_factor; "
                                    "Qwen3-Next 0.25); 0 = NoPE everywhere")
@@ -84,7 +92,8 @@ class ModelConfig:
                                     "post_attention / post_feedforward norms)")
     embed_scale: bool = _f(False, "multiply the token embeddings by sqrt(hidden_size) (Gemma)")
     mlp: str = _f("auto", "MLP activation: auto (llama swiglu, gpt2 gelu) | swiglu | geglu (tanh GeLU gate, Gemma) | "
-                          "clamped_swiglu (gpt-oss) | gelu; MoE experts use it too")
+                          "clamped_swiglu (gpt-oss) | gelu | relu2 (relu(x)^2, not gated: Nemotron-H); MoE experts use "
+                          "it too")
     swiglu_limit: float = _f(7.0, "clamped_swiglu: gate clamped to <= limit, up to [-limit, limit] (gpt-oss)")
     swiglu_alpha: float = _f(1.702, "clamped_swiglu: gate x sigmoid(alpha x gate) x (up + 1) (gpt-oss)")
     mlp_bias: bool = _f(False, "biases on the dense MLP's and each routed expert's linears (gpt-oss); gpt2's dense MLP "

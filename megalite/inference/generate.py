@@ -30,6 +30,7 @@ from megalite.attention.variant import reference_attention
 from megalite.mla.attention import MLAttention
 from megalite.model.gpt import GPT
 from megalite.model.linear_mixer import LinearMixer
+from megalite.model.mamba_mixer import Mamba2Mixer
 from megalite.recurrent.gated_deltanet import RecurrentCache
 from megalite.parallel import comm
 
@@ -65,8 +66,10 @@ class KVCache:
         self.recurrent: dict[str, RecurrentCache | None] = {}
         for name, block in model.layers.items():
             attn: Any = block.attn
-            if isinstance(attn, LinearMixer):
+            if isinstance(attn, (LinearMixer, Mamba2Mixer)):
                 self.recurrent[name] = None
+                continue
+            if attn is None:  # an mlp layer (no mixer, no cache)
                 continue
             k_shape: tuple[int, ...]
             v_shape: tuple[int, ...]
@@ -144,7 +147,9 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache, dtype: torch.d
     x = x.to(dtype)
     for name, module in model.layers.items():
         block: Any = module
-        if isinstance(block.attn, LinearMixer):
+        if block.attn is None:
+            a = None
+        elif isinstance(block.attn, (LinearMixer, Mamba2Mixer)):
             a, cache.recurrent[name] = block.attn.cached(block.norm1(x), cache.recurrent[name])
         elif isinstance(block.attn, MLAttention):
             cos, sin = model.rope_of(name)

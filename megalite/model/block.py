@@ -30,7 +30,8 @@ from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.attend import attend
 from megalite.model.ops import Ops, apply_rope
 from megalite.model.linear_mixer import LinearMixer
-from megalite.model.pattern import LINEAR, LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
+from megalite.model.mamba_mixer import Mamba2Mixer
+from megalite.model.pattern import LINEAR, MAMBA, LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
@@ -220,7 +221,9 @@ class BlockFeatures:
 
 class Block(nn.Module):
     """Built from its layer's spec (`pattern.layer_spec(cfg, index)`): the mixer, then the MLP (dense or MoE).
-    With model.sandwich_norm (Gemma 2/3) each branch's output is normed too before its residual add."""
+    With model.sandwich_norm (Gemma 2/3) each branch's output is normed too before its residual add. Nemotron-H's
+    one-part layers (pattern.py) build one branch: a mamba or attention layer no MLP (`mlp`, `norm2` None), an mlp
+    layer no mixer (`attn`, `norm1` None)."""
 
     def __init__(self, cfg: ModelSpec, state: ParallelState, ops: Ops, rng: RNGStreams, index: int, seed: int,
                  context: ContextOptions = ContextOptions(), features: BlockFeatures = BlockFeatures()) -> None:
@@ -228,22 +231,29 @@ class Block(nn.Module):
         moe, mla = features.moe, features.mla
         name = f"layers.{index}"
         self.layer = layer_spec(cfg, index)  # the mixer kind
-        self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.attn: nn.Module  # the mixer, whatever its kind (one name: checkpoints and hooks find it the same way)
-        if self.layer.mixer == LINEAR:  # Gated DeltaNet (megalite/recurrent)
+        spec = self.layer
+        self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops) if spec.has_mixer else None
+        self.attn: nn.Module | None  # the mixer, whatever its kind (one name: checkpoints and hooks find it the same way)
+        if not spec.has_mixer:
+            self.attn = None
+        elif spec.mixer == LINEAR:  # Gated DeltaNet (megalite/recurrent)
             self.attn = LinearMixer(cfg, state, ops, f"{name}.attn", seed)
+        elif spec.mixer == MAMBA:  # Mamba2 (megalite/recurrent/mamba2.py)
+            self.attn = Mamba2Mixer(cfg, state, f"{name}.attn", seed)
         elif mla is None:
             self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context, self.layer)
         else:
             self.attn = MLAttention(cfg, mla, state, ops, f"{name}.attn", seed, context)  # megalite/mla
-        self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
+        self.norm2 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops) if spec.has_mlp else None
         self.post_attn_norm: Norm | None = None
         self.post_mlp_norm: Norm | None = None
         if cfg.sandwich_norm:
-            self.post_attn_norm = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-            self.post_mlp_norm = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
-        self.mlp: nn.Module
-        if moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
+            self.post_attn_norm = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops) if spec.has_mixer else None
+            self.post_mlp_norm = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops) if spec.has_mlp else None
+        self.mlp: nn.Module | None = None
+        if not spec.has_mlp:
+            pass
+        elif moe is not None and moe.settings.is_moe_layer(index):  # the FFN is a mixture of experts (megalite/moe)
             self.mlp = MoELayer(cfg, moe, state, ops, f"{name}.mlp", seed, MLP)
         else:
             self.mlp = MLP(cfg, state, ops, f"{name}.mlp", seed)
@@ -255,16 +265,24 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: DocumentIds | None = None) -> torch.Tensor:
+        if self.attn is None or self.norm1 is None:  # an mlp layer (Nemotron-H's "-")
+            return self.after_mixer(x, None)
         return self.after_mixer(x, self.attn(self.norm1(x), cos, sin, docs))
 
-    def after_mixer(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """The block past its mixer, from the block input x and the mixer's output a (the KV-cached decoder's
-        entry too): [post-norm,] residual add, norm, MLP, [post-norm,] residual add."""
-        if self.post_attn_norm is not None:
+    def after_mixer(self, x: torch.Tensor, a: torch.Tensor | None) -> torch.Tensor:
+        """The block past its mixer, from the block input x and the mixer's output a (None: the layer has no mixer;
+        the KV-cached decoder's entry too): [post-norm,] residual add, norm, MLP, [post-norm,] residual add."""
+        if a is not None and self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
-        # x = x + attention branch; h = norm2(x): fused into one pass (the sum is written once and read by
-        # the norm in the same kernel) when the backend has the fused kernel.
-        h, x = self.norm2.add_norm(self._drop(a), x)
+        if self.mlp is None or self.norm2 is None:  # a mamba or attention layer (Nemotron-H's "M", "*")
+            assert a is not None
+            return x + self._drop(a)
+        if a is None:
+            h = self.norm2(x)
+        else:
+            # x = x + attention branch; h = norm2(x): fused into one pass (the sum is written once and read by
+            # the norm in the same kernel) when the backend has the fused kernel.
+            h, x = self.norm2.add_norm(self._drop(a), x)
         m = self.mlp(h)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)

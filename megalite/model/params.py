@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.mla.costs import MLAShape, attention_params
-from megalite.model.pattern import gate_width, has_attention_bias, has_mlp_bias, mlp_kind
+from megalite.model.pattern import gate_width, gated_mlp, has_attention_bias, has_mlp_bias
 from megalite.moe.settings import moe_layers, moe_settings
 
 
@@ -66,7 +66,7 @@ def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
     s = moe_settings(m)
     if s is None:
         return dense
-    h, gated, bias = m.hidden_size, mlp_kind(m) != "gelu", has_mlp_bias(m)
+    h, gated, bias = m.hidden_size, gated_mlp(m.arch, m.mlp), has_mlp_bias(m)
     experts = s.experts * _mlp_params(h, s.ffn_hidden_size, gated, bool(m.mlp_bias))
     shared = _mlp_params(h, s.shared_experts * s.shared_ffn_hidden_size, gated, bias) if s.shared_experts else 0
     per_layer = h * s.experts + (s.experts if s.router_bias else 0) + experts + shared
@@ -93,4 +93,4 @@ def variant_params(m: Any) -> int:
     extra += (4 if gpt2 else 2) * h if m.sandwich_norm else 0
     f = m.ffn_hidden_size
     before = 2 * h * f + f + h if gpt2 else 3 * h * f
-    return extra + _mlp_params(h, f, mlp_kind(m) != "gelu", has_mlp_bias(m)) - before
+    return extra + _mlp_params(h, f, gated_mlp(m.arch, m.mlp), has_mlp_bias(m)) - before

@@ -7,6 +7,15 @@ period, repeated (`["sliding_attention"] * 5 + ["full_attention"]` is Gemma 3's 
 (the block, the pipeline partition, the estimator, generation's KV cache) reads `layer_specs`, never the raw
 fields: one home, so a mixer kind is one entry in `MIXERS` and one branch where a block builds its mixer.
 
+Nemotron-H (and Megatron's hybrid models) make each layer ONE part instead: a Mamba2 layer, an attention layer or an
+MLP layer, each a pre-norm residual block (transformers' `layers_block_type`, Megatron's hybrid_override_pattern
+"M-M*-": M mamba, * attention, - MLP, E MoE). megalite names those kinds "mamba", "attention" and "mlp" in the same
+`model.layer_types`: a layer of kind "mamba" (Mamba2, megalite/recurrent/mamba2.py) or "attention" (full causal
+attention) has no MLP, a layer of kind "mlp" has no mixer (its MLP is the dense one, or MoE where the MoE config
+puts experts). `LayerSpec.has_mixer` / `has_mlp` say it; the block builds only its parts, and the pipeline partition
+balances each kind by its parts' cost (`layer_costs`; the estimator does not read it yet). A period may mix both styles (["mamba", "mlp",
+"full_attention"] is a mamba layer, an MLP layer and an attention layer with its MLP).
+
 Torch-free: config validation and the cost model read it without loading torch.
 """
 
@@ -16,8 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
-MIXERS = (FULL, SLIDING, LINEAR)  # transformers' `layer_types` names this implementation computes
-MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu")
+MIXERS: tuple[str, ...] = (FULL, SLIDING, LINEAR)  # transformers' `layer_types` names this implementation computes
+# Nemotron-H's one-part layers (above): two mixers without an MLP, an MLP without a mixer
+MAMBA, ATTENTION, MLP_ONLY = "mamba", "attention", "mlp"
+MIXER_ONLY = (MAMBA, ATTENTION)
+MIXERS += (MAMBA, ATTENTION, MLP_ONLY)
+MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu", "relu2")
 OUTPUT_GATES = ("none", "head", "element")
 
 
@@ -29,6 +42,8 @@ VARIANT_DEFAULTS: dict[str, Any] = dict(
     sandwich_norm=False, embed_scale=False, mlp="auto", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_bias=False,
     rope_truncate=True, linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0,
     linear_value_head_dim=0, linear_conv_kernel_dim=4)
+VARIANT_DEFAULTS.update(mamba_num_heads=0, mamba_head_dim=0, mamba_n_groups=1, mamba_state_size=128,
+                        mamba_conv_kernel=4)
 # megalite.recurrent.chunked.CHUNK, the chunk the linear layers run by (here without importing torch; a test holds
 # the two equal)
 LINEAR_CHUNK = 64
@@ -53,6 +68,28 @@ class LinearDims:
         return self.value_heads * self.value_head_dim
 
 
+@dataclass(frozen=True)
+class MambaDims:
+    """A mamba layer's shape, the model.mamba_* fields resolved (0 = derived)."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """x, B and C: what the conv mixes."""
+        return self.heads * self.head_dim + 2 * self.groups * self.state_size
+
+
+def mamba_dims(m: Any, head_dim: int) -> MambaDims:
+    """Model config `m`'s mamba layers' shape; `head_dim` is the attention's resolved head width."""
+    return MambaDims(m.mamba_num_heads or m.num_heads, m.mamba_head_dim or head_dim, m.mamba_n_groups,
+                     m.mamba_state_size, m.mamba_conv_kernel)
+
+
 def linear_dims(m: Any, head_dim: int) -> LinearDims:
     """Model config `m`'s linear layers' shape; `head_dim` is the attention's resolved head width."""
     key_heads = m.linear_num_key_heads or m.num_heads
@@ -70,7 +107,7 @@ def variant_info(m: Any) -> dict[str, Any]:
 
 def gated_mlp(arch: str, mlp: str) -> bool:
     """The MLP takes a gate and an up projection (its fused up linear is 2F wide)."""
-    return mlp != "gelu" if mlp != "auto" else arch == "llama"
+    return mlp not in ("gelu", "relu2") if mlp != "auto" else arch == "llama"
 
 
 def gate_width(num_heads: int, head_dim: int, gate: str) -> int:
@@ -88,6 +125,16 @@ class LayerSpec:
     window: int | None = None
     rope_theta: float = 10000.0
     rope_fraction: float = 1.0
+
+    @property
+    def has_mixer(self) -> bool:
+        """Every kind but Nemotron-H's "mlp" layers mixes tokens."""
+        return self.mixer != MLP_ONLY
+
+    @property
+    def has_mlp(self) -> bool:
+        """Nemotron-H's "mamba" and "attention" layers have no MLP."""
+        return self.mixer not in MIXER_ONLY
 
     def rotary_dim(self, head_dim: int) -> int:
         """Dims of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor)); 0 = NoPE."""
@@ -169,6 +216,7 @@ def pattern_problems(m: Any, head_dim: int) -> list[str]:
     if any(not 0 <= i < m.num_layers for i in m.nope_layers):
         out.append(f"model.nope_layers={list(m.nope_layers)}: each must be a layer index in [0, {m.num_layers})")
     out += _linear_problems(m, head_dim)
+    out += _mamba_problems(m, head_dim)
     if m.arch != "llama" and (m.rope_fraction != 1.0 or m.nope_layers or m.rope_local_theta):
         out.append("model.rope_fraction, nope_layers and rope_local_theta need model.arch=llama (gpt2 has no RoPE)")
     for key in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
@@ -198,6 +246,23 @@ def _linear_problems(m: Any, head_dim: int) -> list[str]:
     return out
 
 
+def _mamba_problems(m: Any, head_dim: int) -> list[str]:
+    """The model.mamba_* fields, one line each bad one (when a layer is a mamba layer)."""
+    if MAMBA not in m.layer_types:
+        return []
+    names = ("mamba_num_heads", "mamba_head_dim")
+    out = [f"model.{k}={getattr(m, k)} must be >= 0 (0 = derived)" for k in names if getattr(m, k) < 0]
+    out += [f"model.{k}={getattr(m, k)} must be >= 1" for k in ("mamba_n_groups", "mamba_state_size",
+                                                                 "mamba_conv_kernel") if getattr(m, k) < 1]
+    d = mamba_dims(m, head_dim)
+    if not out and d.heads % d.groups:
+        out.append(f"model.mamba_num_heads={d.heads} must be a multiple of mamba_n_groups={d.groups} (each group's "
+                   "B and C are read by heads / groups heads)")
+    if m.arch != "llama":
+        out.append("model.layer_types: mamba layers need model.arch=llama")
+    return out
+
+
 def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list[str]:
     """The variant fields against the parallel layout and the other attention features, one line each."""
     out: list[str] = []
@@ -212,6 +277,9 @@ def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list
             out.append(f"linear_attention layers need linear_num_key_heads={d.key_heads} and linear_num_value_heads="
                        f"{d.value_heads} divisible by parallel.tp={tp} (each rank keeps whole key heads with the "
                        "value heads that read them)")
+    if MAMBA in m.layer_types and m.mamba_n_groups % max(tp, 1):
+        out.append(f"mamba layers need model.mamba_n_groups={m.mamba_n_groups} divisible by parallel.tp={tp} (each "
+                   "rank keeps whole groups of B and C with the heads that read them)")
     if mla and variant:
         out.append("model.layer_types and the attention variants (sinks, gate, softcap, query_pre_attn_scalar, "
                    "rope_fraction, nope_layers, attn_bias) apply to grouped-query attention, not MLA ([mla])")
@@ -225,10 +293,12 @@ def layer_costs(m: Any) -> list[float]:
     """Each layer's training FLOPs per token, up to a common factor: 2 x its matmul weights (a MoE layer: the top_k
     experts a token goes through, the shared ones and the router) + 4 x heads x head_dim x the keys each query sees
     (a sliding layer: sum_i min(i + 1, W) / s, what it computes; `attention.costs.visible_pairs`); a linear layer:
-2 x its weights + the chunked recurrence's forward FLOPs per token (`recurrent.costs.chunked_flops`). What the pipeline
-    partition balances (`balanced_counts`) when layers differ."""
+2 x its weights + the chunked recurrence's forward FLOPs per token (`recurrent.costs.chunked_flops`); a mamba layer
+    likewise with SSD's (`recurrent.costs.ssd_chunked_flops`); Nemotron-H's one-part layers count only their part (a
+    mamba or attention layer no MLP, an mlp layer no mixer). What the pipeline partition balances
+    (`balanced_counts`) when layers differ."""
     from megalite.attention.costs import visible_pairs
-    from megalite.recurrent.costs import RecurrentDims, chunked_flops
+    from megalite.recurrent.costs import RecurrentDims, chunked_flops, ssd_chunked_flops
 
     h, nh, nkv, s = m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len
     hd = m.head_dim or h // nh
@@ -240,6 +310,12 @@ def layer_costs(m: Any) -> list[float]:
     linear = h * (conv + d.value_dim + 2 * d.value_heads) + d.value_dim * h + conv * d.conv_kernel
     rule = chunked_flops(RecurrentDims(d.value_heads, d.key_head_dim, d.value_head_dim, conv, d.conv_kernel), 1, s,
                          LINEAR_CHUNK) / s
+    # Mamba2: in_proj (z, x, B, C, dt), out_proj, the conv (+ bias); SSD's chunked form (no erase: no solve)
+    md = mamba_dims(m, hd)
+    inner = md.heads * md.head_dim
+    mamba = h * (inner + md.conv_channels + md.heads) + inner * h + md.conv_channels * (md.conv_kernel + 1)
+    ssd = ssd_chunked_flops(RecurrentDims(md.heads, md.state_size, md.head_dim, md.conv_channels, md.conv_kernel),
+                            1, s, LINEAR_CHUNK) / s
     moe = m.moe.resolved(m.ffn_hidden_size)
     out = []
     for i, spec in enumerate(layer_specs(m)):
@@ -248,8 +324,13 @@ def layer_costs(m: Any) -> list[float]:
             mlp += h * moe.experts
         else:
             mlp = width * h * m.ffn_hidden_size
+        if not spec.has_mlp:
+            mlp = 0
         if spec.mixer == LINEAR:
             out.append(2.0 * (linear + mlp) + rule)
+            continue
+        if spec.mixer in (MAMBA, MLP_ONLY):
+            out.append(2.0 * (mamba + mlp) + ssd if spec.mixer == MAMBA else 2.0 * mlp)
             continue
         keys = visible_pairs(s, spec.window) / s
         out.append(2.0 * (attn + mlp) + 4.0 * nh * hd * keys)

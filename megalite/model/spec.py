@@ -97,6 +97,16 @@ class ModelSpec(RopeFields, Protocol):
     @property
     def linear_conv_kernel_dim(self) -> int: ...
     @property
+    def mamba_num_heads(self) -> int: ...  # mamba layers (Mamba2); 0 = num_heads
+    @property
+    def mamba_head_dim(self) -> int: ...  # 0 = head_dim
+    @property
+    def mamba_n_groups(self) -> int: ...  # groups sharing B and C
+    @property
+    def mamba_state_size(self) -> int: ...
+    @property
+    def mamba_conv_kernel(self) -> int: ...
+    @property
     def rope_local_theta(self) -> float: ...  # sliding_attention layers' RoPE base; 0 = rope_theta
     @property
     def rope_fraction(self) -> float: ...  # share of each head's dims rotated (partial RoPE); 0 = NoPE

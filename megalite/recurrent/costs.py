@@ -62,6 +62,14 @@ def chunked_flops(d: RecurrentDims, batch: int, seq: int, chunk: int) -> int:
     return chunked_matmul_flops(d, batch, seq, chunk) + triangular_solve_flops(d, batch, seq, chunk)
 
 
+def ssd_chunked_flops(d: RecurrentDims, batch: int, seq: int, chunk: int) -> int:
+    """The chunked form without the erase (Mamba2's SSD, erase=False), forward, per layer: q k^T (2 C^2 K), its
+    product with the values (2 C^2 V), the state's read q S and update k^T V' (4 C K V); no triangular solve
+    (`key_dim` is the state size N, `value_dim` the head width P)."""
+    c, k, v = chunk, d.key_dim, d.value_dim
+    return batch * d.heads * chunks(seq, chunk) * (2 * c * c * k + 2 * c * c * v + 4 * c * k * v)
+
+
 def recurrent_flops(d: RecurrentDims, batch: int, seq: int) -> int:
     """Token by token, for comparison: per token and head the decay (K V), the read S^T k (2 K V), the write
     (2 K V) and the output S^T q (2 K V): linear in S with no C^2 term, but S sequential steps."""

@@ -32,13 +32,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.context.documents import DocumentIds
-from megalite.layers.init import name_seed
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
 from megalite.parallel.state import ParallelState
 from megalite.recurrent.chunked import CHUNK
 from megalite.recurrent.conv import causal_conv, gated_rms_norm, l2_normalize
 from megalite.recurrent.engine import Backend, gated_delta
+from megalite.recurrent.layer_init import conv_init, decay_init, shard_parts
 from megalite.recurrent.recurrence import RuleInputs
 from megalite.recurrent.state_passing import gather_slices, joined, owned_slices, state_passing_gated_delta
 
@@ -89,17 +89,6 @@ class RecurrentCache:
     state: Tensor
 
 
-def _seeded(shape: tuple[int, ...], seed: int, name: str) -> Tensor:
-    """U(0, 1) of `shape`, drawn whole from (seed, name): the same numbers at every layout."""
-    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
-    return torch.rand(shape, generator=gen, dtype=torch.float32)
-
-
-def _shard_parts(full: Tensor, parts: list[int], tp: int, rank: int) -> Tensor:
-    """Rank `rank`'s rows of each logical part of `full` (dim 0), concatenated: the column layout's shard."""
-    return torch.cat([p.chunk(tp, dim=0)[rank] for p in full.split(parts, dim=0)], dim=0).contiguous()
-
-
 class GatedDeltaNet(nn.Module):
     """forward(x [b, s, h], docs) -> [b, s, h] (s this rank's tokens under SP); `prefill` and `step` carry a
     `RecurrentCache` for generation. Parameter names: in_proj (q, k, v, z, b, a fused), conv_weight [C, W],
@@ -115,16 +104,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_parts = [kd, kd, vd]
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, [kd, kd, vd, vd, nv, nv], state, name=f"{name}.in_proj",
                                             seed=seed, std=cfg.init_std)
-        # nn.Conv1d's default bound for a depthwise kernel: U(-1/sqrt(W), 1/sqrt(W)).
-        bound = 1 / math.sqrt(cfg.conv_kernel)
-        conv = (2 * _seeded((kd * 2 + vd, cfg.conv_kernel), seed, f"{name}.conv_weight") - 1) * bound
-        self.conv_weight = nn.Parameter(_shard_parts(conv, self.conv_parts, tp, rank))
-        # Mamba2's ranges (Dao & Gu 2024), as Megatron-core's GDN: A ~ U(1, 16); dt log-uniform in [1e-3, 1e-1],
-        # stored as softplus^-1(dt) so that softplus(a + dt_bias) starts at dt for a = 0.
-        a_full = 1 + 15 * _seeded((nv,), seed, f"{name}.A_log")
-        dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * _seeded((nv,), seed, f"{name}.dt_bias"))
-        self.A_log = nn.Parameter(_shard_parts(torch.log(a_full), [nv], tp, rank))
-        self.dt_bias = nn.Parameter(_shard_parts(dt + torch.log(-torch.expm1(-dt)), [nv], tp, rank))
+        # Mamba2's decay init and nn.Conv1d's conv init (megalite/recurrent/layer_init.py)
+        self.conv_weight = nn.Parameter(shard_parts(conv_init((kd * 2 + vd, cfg.conv_kernel), cfg.conv_kernel, seed,
+                                                              f"{name}.conv_weight"), self.conv_parts, tp, rank))
+        a_log, dt_bias = decay_init(nv, seed, name)
+        self.A_log = nn.Parameter(shard_parts(a_log, [nv], tp, rank))
+        self.dt_bias = nn.Parameter(shard_parts(dt_bias, [nv], tp, rank))
         self.norm_weight = nn.Parameter(torch.ones(cfg.value_head_dim))
         self.out_proj = RowParallelLinear(vd, cfg.hidden_size, state, name=f"{name}.out_proj", seed=seed,
                                           std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
