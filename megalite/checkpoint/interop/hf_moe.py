@@ -23,7 +23,7 @@ megalite (as Megatron) takes the mean over the MoE layers of each layer's E sum_
 stage can compute alone. The two are equal with one MoE layer; with several, megalite's is the mean of
 transformers' function applied to each layer (tests/test_hf_moe_train.py checks both).
 
-Refused by name: Qwen2-MoE (its shared expert has a sigmoid gate megalite's shared experts lack),
+Refused by name: Qwen2-MoE (no converter; its gated shared expert is hf_qwen3_5.py's moe.shared_gate),
 DeepSeek-V2, and every field megalite would not compute as transformers does. DeepSeek-V3 is
 megalite/checkpoint/interop/hf_deepseek.py's (whose MAPPING the tools use).
 """
@@ -43,8 +43,8 @@ from megalite.moe.config import MoEConfig
 
 NAMES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 REFUSED = {
-    "qwen2_moe": "its shared expert is scaled by a sigmoid gate (shared_expert_gate) that megalite's shared "
-                 "experts do not have",
+    "qwen2_moe": "its converter is not written (its gated shared expert, shared_expert_gate, is megalite's "
+                 "moe.shared_gate: Qwen3-Next and Qwen3.5-MoE import with it)",
     "deepseek_v2": "its MoE routing (greedy / group_limited_greedy softmax) is not megalite's; DeepSeek-V3 imports",
     "deepseek_v3": "read it with megalite.checkpoint.interop.hf_deepseek.MAPPING (as tools/import_hf.py does)",
 }
