@@ -51,7 +51,8 @@ REFUSED = {
 _SHARED_KEYS = ("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size")
 # MoE defaults for what HF configs do not carry (no z-loss, dropless, no DeepSeek bias).
 MOE_DEFAULTS = {"moe_shared_experts": 0, "moe_shared_ffn_hidden_size": 0, "moe_route_scale": 1.0, "moe_groups": 1,
-                 "moe_group_top_k": 1, "moe_bias_rate": 0.0, "moe_z_loss": 0.0, "moe_capacity_factor": None}
+                 "moe_group_top_k": 1, "moe_bias_rate": 0.0, "moe_z_loss": 0.0, "moe_capacity_factor": None,
+                 "moe_shared_gate": False}
 
 
 # ----------------------------------------------------------------------------------------- config.json
