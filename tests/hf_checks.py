@@ -50,9 +50,9 @@ def assert_one_step(theirs: Any, ckpt: Path, ids: torch.Tensor, rules: Callable[
         if name not in grads:  # a buffer (DeepSeek's router bias): no gradient either side
             continue
         g = grads[name][:vocab] if name in ("embedding.weight", "head.weight") else grads[name]
-        for hf_name, piece in zip(hf_names, _to_hf(g, split, transposed)):
-            torch.testing.assert_close(layout(hf_name, piece, info), hf_grads[hf_name], atol=atol, rtol=0,
-                                       msg=hf_name)
+        for hf_name, pieces in hf.stacked(hf_names, _to_hf(g, split, transposed)).items():
+            torch.testing.assert_close(layout(hf_name, torch.cat(pieces), info), hf_grads[hf_name], atol=atol,
+                                       rtol=0, msg=hf_name)
             checked.add(hf_name)
     assert checked == set(hf_grads)
     return hf_grads

@@ -8,7 +8,8 @@ Writes config.json + model.safetensors (fp32, or bf16 with --dtype bf16) for Lla
 or Qwen3MoeForCausalLM (qwen3 router with model.qk_norm), a dense one with model.qk_norm as Qwen3ForCausalLM,
 one with multi-head latent attention ([mla]) as DeepseekV3ForCausalLM (its MTP layers as the hub stores them),
 one with attention sinks as GptOssForCausalLM, one with Gemma's post-norms and embedding scale as
-Gemma3ForCausalLM; a layer pattern or attention variant no such family computes is refused by name.
+Gemma3ForCausalLM, one with linear_attention layers (or a gated shared expert, or the element output gate with q/k
+norm) as Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM / Qwen3NextForCausalLM; a layer pattern or attention variant no such family computes is refused by name.
 What the target format has no place for (the MTP modules of a model without MLA) is named on the last line.
 With --tokenizer (a Hugging Face tokenizer.json, a tiktoken file, or a SentencePiece .model from
 tools/train_tokenizer.py) it also writes tokenizer.json + tokenizer_config.json, so that

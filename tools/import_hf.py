@@ -1,6 +1,7 @@
 """Import a Hugging Face LlamaForCausalLM / GPT2LMHeadModel / MixtralForCausalLM / Qwen3MoeForCausalLM /
 Qwen3ForCausalLM / DeepseekV3ForCausalLM (DeepSeek's FP8 release too) / GptOssForCausalLM (the hub's MXFP4 release
-too) / Gemma3ForCausalLM directory as a megalite checkpoint.
+too) / Gemma3ForCausalLM / Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM / Qwen3NextForCausalLM (the hub's
+Qwen3.5 ForConditionalGeneration releases: their text model) directory as a megalite checkpoint.
 
     python tools/import_hf.py --input hf_model --output ckpt_from_hf
     python pretrain.py --checkpoint.load ckpt_from_hf --data.path ... --data.tokenizer hf_model
@@ -9,7 +10,8 @@ The checkpoint is at step 0 with no optimizer state (the optimizer starts fresh)
 layout. The model dims it was imported with are in ckpt_from_hf/index.json ("model"): pretrain.py takes
 them from there (no model flags needed), and refuses model flags that contradict them, naming each. A MoE
 model's routing (the [moe] section, as moe_* keys; docs/moe.md) and Qwen3's q/k norm (model.qk_norm) are
-recorded there too, as are gpt-oss's and Gemma 3's layer pattern and attention variants (docs/attention.md).
+recorded there too, as are gpt-oss's, Gemma 3's and Qwen3.5's layer pattern and attention variants
+(docs/attention.md, docs/linear-attention.md).
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ def layer_problems(cfg: Config) -> list[str]:
         out.append(f"parallel.cp={cfg.parallel.cp} with mamba layers is not supported yet: set parallel.cp=1")
     if cfg.moe.router_bias and not cfg.moe.experts:
         out.append("moe.router_bias needs a mixture-of-experts model (moe.experts > 0)")
+    if cfg.moe.shared_gate and not (cfg.moe.experts and cfg.moe.shared_experts):
+        out.append("moe.shared_gate gates the shared experts: it needs moe.experts > 0 and moe.shared_experts > 0")
     return out
 
 

@@ -56,8 +56,8 @@ def count_params(shape: ParamShape) -> int:
 
 def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
     """Parameters of model config `m` (resolved), its experts and its attention / MLP variants included
-    (`variant_params`): each MoE layer's dense MLP replaced by a router (E x h, + E with moe.router_bias), E routed
-    experts (a gated MLP 3·h·F, else 2·h·F; with model.mlp_bias each expert's biases) and the shared experts' fused
+    (`variant_params`): each MoE layer's dense MLP replaced by a router (E x h, + E with moe.router_bias), the
+    shared experts' gate (h, with moe.shared_gate), E routed experts (a gated MLP 3·h·F, else 2·h·F; with model.mlp_bias each expert's biases) and the shared experts' fused
     MLP (n_s·F_s wide, a dense MLP with the dense MLP's biases). The MoE dims are read by `moe_settings` only
     (`m.moe`); `mla`: the attention is multi-head latent attention of these widths."""
     dense = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
@@ -69,7 +69,7 @@ def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
     h, gated, bias = m.hidden_size, gated_mlp(m.arch, m.mlp), has_mlp_bias(m)
     experts = s.experts * _mlp_params(h, s.ffn_hidden_size, gated, bool(m.mlp_bias))
     shared = _mlp_params(h, s.shared_experts * s.shared_ffn_hidden_size, gated, bias) if s.shared_experts else 0
-    per_layer = h * s.experts + (s.experts if s.router_bias else 0) + experts + shared
+    per_layer = h * s.experts + (s.experts if s.router_bias else 0) + experts + shared + (h if s.shared_gate else 0)
     return dense + len(moe_layers(m)) * (per_layer - _mlp_params(h, m.ffn_hidden_size, gated, bias))
 
 

@@ -42,6 +42,8 @@ class MoEConfig:
     capacity_factor: float | None = _f(None, "expert capacity = factor x tokens x top_k / experts per rank; "
                                              "unset = dropless")
     router_bias: bool = _f(False, "a learned bias on the router logits (gpt-oss), apart from deepseek's balancing bias")
+    shared_gate: bool = _f(False, "scale the shared experts' output by sigmoid(x . w), w one [hidden] vector per layer "
+                                  "(Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE's shared_expert_gate)")
 
     def resolved(self, ffn_hidden_size: int) -> MoEConfig | None:
         """This section with the widths that default to the model's filled in; None for a dense model."""

@@ -3,7 +3,9 @@
 x [B, S', H] (S' = S/tp under SP, S/cp under CP): each token is routed on its own, so the layer works
 on whatever tokens this rank holds. Without SP the tp ranks hold the same tokens and compute the same
 thing (experts replicated over tp, no tp communication); with SP each routes its own slice. Shared
-experts (DeepSeek) are one dense MLP of width shared x shared_ffn, tensor-parallel like the dense MLP.
+experts (DeepSeek) are one dense MLP of width shared x shared_ffn, tensor-parallel like the dense MLP; with
+moe.shared_gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) their output is scaled per token by sigmoid(x . w), the
+gate w [1, h] replicated over tp like the router (under SP each rank gates its own tokens: a partial gradient).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.activation import MLPActivation
+from megalite.layers.init import full_normal
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatch import combine, dispatch
 from megalite.moe.experts import Activations, Experts, ExpertShape
@@ -23,6 +26,7 @@ from megalite.moe.losses import AuxScale, LossCoefficients, attach, router_losse
 from megalite.moe.router import Router, Routing
 from megalite.moe.stats import LayerStats
 from megalite.parallel import comm
+from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.state import ParallelState
 
 # `model.compile` (megalite/model/compile.py) compiles the block around this layer, not the layer itself: its
@@ -50,6 +54,22 @@ class MoEContext:
     expert_bias: bool = False
 
 
+class SharedGate(nn.Module):
+    """sigmoid(x . w) per token, w [1, h] drawn whole from (seed, name): transformers' `shared_expert_gate`, a
+    bias-free Linear(h, 1), in fp32 as the router's logits."""
+
+    def __init__(self, hidden: int, sp: bool, name: str, seed: int, std: float) -> None:
+        super().__init__()
+        self.sp = sp
+        self.weight = nn.Parameter(full_normal((1, hidden), std, seed, f"{name}.weight"))
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec(REPLICATED, sp_partial=self.sp)}  # as the router's: partial sums under SP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x.float() @ self.weight.float().t())
+
+
 class MoELayer(nn.Module):
     def __init__(self, cfg, moe: MoEContext, state: ParallelState, ops: Activations, name: str, seed: int,
                  mlp_cls: type[nn.Module]) -> None:
@@ -67,6 +87,8 @@ class MoELayer(nn.Module):
             shared_cfg = copy.copy(cfg)  # the model config with the shared experts' fused width
             shared_cfg.ffn_hidden_size = s.shared_experts * s.shared_ffn_hidden_size
             self.shared = mlp_cls(shared_cfg, state, ops, f"{name}.shared", seed)
+        self.shared_gate = SharedGate(cfg.hidden_size, state.sp, f"{name}.shared_gate", seed, cfg.init_std) \
+            if s.shared_experts and s.shared_gate else None
         self.stats = LayerStats(s.experts)
 
     @_eager_under_compile
@@ -82,7 +104,10 @@ class MoELayer(nn.Module):
         y = combine(y, plan, routing.weights, flat.shape[0], self.state)
         out = y.view(b, s_, h).to(x.dtype)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * self.shared_gate(x).to(shared.dtype)
+            out = out + shared
         if torch.is_grad_enabled() and self.training:
             out = self._losses(out, routing, b, plan.dropped)
         return out

@@ -48,7 +48,9 @@ from megalite.observability.progress import Progress
 from megalite.untrusted import loads_json
 
 # (megalite name, HF names, split sizes along megalite dim 0 or None, transposed: HF stores the last two dims swapped,
-# as GPT-2's Conv1D [in, out] and gpt-oss's stacked experts [E, in, out])
+# as GPT-2's Conv1D [in, out] and gpt-oss's stacked experts [E, in, out]). An HF name may come more than once: its
+# pieces are stacked in order along dim 0 (Qwen3-Next's q_proj holds the query and the output gate, which megalite's
+# fused qkv keeps apart: [q; k; v; gate] -> q_proj [q; gate], k_proj, v_proj).
 Rule = tuple[str, list[str], list[int] | None, bool]
 
 
@@ -109,6 +111,14 @@ def _dims_text(info: dict[str, Any]) -> str:
 def _to_hf(t: torch.Tensor, split: list[int] | None, transposed: bool) -> list[torch.Tensor]:
     pieces = list(t.split(split, dim=0)) if split else [t]
     return [p.transpose(-1, -2).contiguous() if transposed else p.contiguous() for p in pieces]
+
+
+def stacked(hf_names: list[str], pieces: list[Any]) -> dict[str, list[Any]]:
+    """`pieces` grouped by their HF name, in rule order: what makes each HF tensor (a Rule may name one twice)."""
+    out: dict[str, list[Any]] = {}
+    for name, piece in zip(hf_names, pieces):
+        out.setdefault(name, []).append(piece)
+    return out
 
 
 def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -215,6 +225,9 @@ class HFMapping:
     source: Callable[[TensorSource, dict[str, Any], dict[str, Any]], TensorSource] | None = None
     # The export's last step on each HF tensor (HF name, tensor, model info), e.g. a row permutation; None: as is.
     export_tensor: Callable[[str, torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
+    # The shape `export_tensor` gives an HF tensor of megalite's layout and `shape` (HF name, shape, model info) where
+    # it reshapes (Qwen3.5's conv1d.weight [C, 1, W] of megalite's [C, W]); None: it keeps every shape.
+    export_shape: Callable[[str, tuple[int, ...], dict[str, Any]], tuple[int, ...]] | None = None
 
 
 def tensor_key(name: str) -> str:
@@ -269,9 +282,10 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
         if shape != want[name]:
             raise CheckpointError(f"checkpoint {src}: {name} has shape {list(shape)} but its model dims imply "
                                   f"{list(want[name])}: index.json is inconsistent")
-        for hf_name, n in zip(hf_names, split or [shape[0]]):
-            s = (n,) + shape[1:]
-            plan.append((hf_name, torch_dtype, _swapped(s) if transposed else s))
+        for hf_name, rows in stacked(hf_names, list(split or [shape[0]])).items():
+            s = (sum(rows),) + shape[1:]
+            s = _swapped(s) if transposed else s
+            plan.append((hf_name, torch_dtype, mapping.export_shape(hf_name, s, info) if mapping.export_shape else s))
     out = Path(out)
     created = not out.exists()
     try:
@@ -294,7 +308,8 @@ def export_hf(ckpt: str | Path, out: str | Path, show_progress: bool = True, tok
                     for name, hf_names, split, transposed in table:
                         shape = reader.shape(tensor_key(name))
                         full = reader.read_region(tensor_key(name), (0,) * len(shape), shape)
-                        for hf_name, t in zip(hf_names, _to_hf(full, split, transposed)):
+                        pieces = stacked(hf_names, _to_hf(full, split, transposed))
+                        for hf_name, t in ((n, torch.cat(p, dim=0)) for n, p in pieces.items()):
                             if mapping.export_tensor is not None:
                                 t = mapping.export_tensor(hf_name, t, info)
                             writer.write(hf_name, t.to(torch_dtype))
@@ -370,12 +385,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
     get, shape_of = hf_tensor_source(hf_dir)
     if mapping.source is not None:
         get, shape_of = mapping.source((get, shape_of), info, cfg)
-    table: dict[str, tuple[list[str], bool]] = {}  # a name's first rule; later ones are copies an export writes
-    for name, hf_names, _, transposed in mapping.rules(info):
-        table.setdefault(name, (hf_names, transposed))
+    table: dict[str, tuple[list[str], list[int] | None, bool]] = {}  # a name's first rule; later ones: export copies
+    for name, hf_names, split, transposed in mapping.rules(info):
+        table.setdefault(name, (hf_names, split, transposed))
     want = mapping.expected_shapes(info)
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, (hf_names, transposed) in table.items():
+    for name, (named, _, transposed) in table.items():
+        hf_names = list(dict.fromkeys(named))  # an HF tensor stacking several pieces: read (and sized) once
         parts = [tuple(shape_of(n)) for n in hf_names]
         if any(len(s) != len(want[name]) for s in parts):
             raise CheckpointError(f"{hf_dir}: {hf_names[0]} has shape {list(parts[0])}, not a {len(want[name])}-D tensor")
@@ -388,12 +404,17 @@ def import_hf(hf_dir: str | Path, out: str | Path, show_progress: bool = True, m
                                   "weights")
 
     def fetch(key: str) -> torch.Tensor:
-        hf_names, transposed = table[key.removeprefix("param/")]
-        parts = [get(n) for n in hf_names]
-        if any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in parts):
-            raise CheckpointError(f"{hf_dir}: {hf_names[0]} is {parts[0].dtype} and this architecture's import does "
-                                  "not dequantise it: convert the model to bf16/fp32 first")
-        return torch.cat([p.transpose(-1, -2) if transposed else p for p in parts], dim=0)
+        hf_names, split, transposed = table[key.removeprefix("param/")]
+        whole = {n: get(n) for n in dict.fromkeys(hf_names)}
+        if any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in whole.values()):
+            raise CheckpointError(f"{hf_dir}: {hf_names[0]} is {whole[hf_names[0]].dtype} and this architecture's "
+                                  "import does not dequantise it: convert the model to bf16/fp32 first")
+        ours = {n: p.transpose(-1, -2) if transposed else p for n, p in whole.items()}
+        taken, pieces = dict.fromkeys(ours, 0), []  # a name given twice: cut by the rule's split sizes, in order
+        for n, rows in zip(hf_names, split or [ours[n].shape[0] for n in hf_names]):
+            pieces.append(ours[n][taken[n]:taken[n] + rows])
+            taken[n] += rows
+        return torch.cat(pieces, dim=0)
 
     extra = {"imported_from": str(hf_dir), "model": info}
     return write_checkpoint(Path(out), shapes, fetch, info, carried=Carried(extra, step=0), show_progress=show_progress)

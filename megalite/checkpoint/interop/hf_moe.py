@@ -23,7 +23,7 @@ megalite (as Megatron) takes the mean over the MoE layers of each layer's E sum_
 stage can compute alone. The two are equal with one MoE layer; with several, megalite's is the mean of
 transformers' function applied to each layer (tests/test_hf_moe_train.py checks both).
 
-Refused by name: Qwen2-MoE (its shared expert has a sigmoid gate megalite's shared experts lack),
+Refused by name: Qwen2-MoE (no converter; its gated shared expert is hf_qwen3_5.py's moe.shared_gate),
 DeepSeek-V2, and every field megalite would not compute as transformers does. DeepSeek-V3 is
 megalite/checkpoint/interop/hf_deepseek.py's (whose MAPPING the tools use).
 """
@@ -43,15 +43,16 @@ from megalite.moe.config import MoEConfig
 
 NAMES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 REFUSED = {
-    "qwen2_moe": "its shared expert is scaled by a sigmoid gate (shared_expert_gate) that megalite's shared "
-                 "experts do not have",
+    "qwen2_moe": "its converter is not written (its gated shared expert, shared_expert_gate, is megalite's "
+                 "moe.shared_gate: Qwen3-Next and Qwen3.5-MoE import with it)",
     "deepseek_v2": "its MoE routing (greedy / group_limited_greedy softmax) is not megalite's; DeepSeek-V3 imports",
     "deepseek_v3": "read it with megalite.checkpoint.interop.hf_deepseek.MAPPING (as tools/import_hf.py does)",
 }
 _SHARED_KEYS = ("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size")
 # MoE defaults for what HF configs do not carry (no z-loss, dropless, no DeepSeek bias).
 MOE_DEFAULTS = {"moe_shared_experts": 0, "moe_shared_ffn_hidden_size": 0, "moe_route_scale": 1.0, "moe_groups": 1,
-                 "moe_group_top_k": 1, "moe_bias_rate": 0.0, "moe_z_loss": 0.0, "moe_capacity_factor": None}
+                 "moe_group_top_k": 1, "moe_bias_rate": 0.0, "moe_z_loss": 0.0, "moe_capacity_factor": None,
+                 "moe_shared_gate": False}
 
 
 # ----------------------------------------------------------------------------------------- config.json
