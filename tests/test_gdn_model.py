@@ -1,9 +1,11 @@
-"""Gated DeltaNet as the layer pattern's `linear_attention` mixer (megalite/model/linear_mixer.py): a tiny Qwen3.5-like
+"""Gated DeltaNet as the layer pattern's `linear_attention` mixer (megalite/model/linear_mixer.py), and Kimi Delta
+Attention as its `kimi_delta_attention` one: a tiny Qwen3.5-like
 hybrid (tests/layer_pattern_utils.py `hybrid_cfg`: 3 linear layers then 1 full-attention layer, sequence 40, not a
 multiple of the chunk) trained at tp2 + sp, pp2 (unequal stages) and ZeRO-3 against one process (losses, gradient
 norms, every parameter after 3 AdamW steps: tests/layer_pattern_ranks.py's check and tolerances), packed documents
 equal to each document alone, KV-cached generation with the recurrent state equal to the full forward, the config
-checks, the cost the pipeline balances by, Muon leaving the conv kernel to AdamW, and pretrain.py training one.
+checks, the cost the pipeline balances by (the layouts also for a tiny Kimi-Linear-like hybrid,
+layer_pattern_utils.py `kimi_cfg`), Muon leaving the conv kernel to AdamW, and pretrain.py training one.
 
 Tolerances: tests/test_document_mask.py's (the packed and separate runs sum the same terms in another order, fp32)
 and tests/test_layer_pattern.py's for generation (the argmax exactly, the logits to fp32 round-off: the step runs
@@ -38,8 +40,9 @@ LINEAR_ARGS = ["linear_attention"] * 3 + ["full_attention"]
 
 @pytest.mark.parametrize("run", [dict(tp=2, sp=True), dict(pp=2, pp_layers=[1, 3]), dict(zero=3)],
                          ids=["tp2-sp", "pp2-1-3", "zero3"])
-def test_hybrid_layouts_match_one_process(dist_world, run: dict) -> None:
-    dist_world(2).run(check_layout, "hybrid", run)
+@pytest.mark.parametrize("model", ["hybrid", "kimi"])  # Gated DeltaNet's or Kimi Delta Attention's layers
+def test_hybrid_layouts_match_one_process(dist_world, run: dict, model: str) -> None:
+    dist_world(2).run(check_layout, model, run)
 
 
 def test_packed_documents_equal_each_document_alone() -> None:

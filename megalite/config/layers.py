@@ -10,7 +10,7 @@ from typing import Any
 from megalite.config.cli import coerce, field_types
 from megalite.config.schema import Config, ModelArgs, ModelConfig
 from megalite.errors import ConfigError
-from megalite.model.pattern import (LINEAR, VARIANT_DEFAULTS, is_uniform, layer_costs, pattern_problems,
+from megalite.model.pattern import (VARIANT_DEFAULTS, has_linear, is_uniform, layer_costs, pattern_problems,
                                     variant_layout_problems)
 
 
@@ -22,7 +22,7 @@ def layer_problems(cfg: Config) -> list[str]:
     head_dim = m.head_dim or m.hidden_size // m.num_heads
     out = pattern_problems(m, head_dim)
     out += variant_layout_problems(m, cfg.parallel.tp, cfg.mla.enabled, cfg.mtp.num_layers)
-    if LINEAR in m.layer_types and cfg.parallel.cp > 1:
+    if has_linear(m) and cfg.parallel.cp > 1:
         # The layer has cp by state passing (megalite/recurrent/state_passing.py), but its composition with the
         # full layers' cp modes in one model is not tested yet.
         out.append(f"parallel.cp={cfg.parallel.cp} with linear_attention layers is not supported yet: set "

@@ -30,7 +30,7 @@ from megalite.mla.attention import MLAContext, MLAttention
 from megalite.model.attend import attend
 from megalite.model.ops import Ops, apply_rope
 from megalite.model.linear_mixer import LinearMixer
-from megalite.model.pattern import LINEAR, LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
+from megalite.model.pattern import LINEAR_MIXERS, LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
@@ -230,8 +230,8 @@ class Block(nn.Module):
         self.layer = layer_spec(cfg, index)  # the mixer kind
         self.norm1 = Norm(cfg.hidden_size, cfg.arch, cfg.norm_eps, state, ops)
         self.attn: nn.Module  # the mixer, whatever its kind (one name: checkpoints and hooks find it the same way)
-        if self.layer.mixer == LINEAR:  # Gated DeltaNet (megalite/recurrent)
-            self.attn = LinearMixer(cfg, state, ops, f"{name}.attn", seed)
+        if self.layer.mixer in LINEAR_MIXERS:  # Gated DeltaNet or Kimi Delta Attention (megalite/recurrent)
+            self.attn = LinearMixer(cfg, state, ops, f"{name}.attn", seed, self.layer.mixer)
         elif mla is None:
             self.attn = Attention(cfg, state, ops, f"{name}.attn", seed, context, self.layer)
         else:
