@@ -21,8 +21,8 @@ from megalite.parallel.sharding import unshard
 from megalite.parallel.state import ParallelState
 from megalite.pipeline import StagePlan, build_pipeline
 from megalite.training.step import StepContext, train_step
-from tests.layer_pattern_utils import (gated_cfg, gemma3_cfg, gpt_oss_cfg, hybrid_cfg, hybrid_moe_cfg, nemotron_cfg,
-                                       perturb)
+from tests.layer_pattern_utils import (gated_cfg, gemma3_cfg, gpt_oss_cfg, hybrid_cfg, hybrid_moe_cfg, kimi_cfg,
+                                       nemotron_cfg, perturb)
 from tests.moe_utils import moe_layout
 from tests.parallel_utils import ADAMW, HYPER, micro_batches, random_steps, tiny_train_cfg
 from tests.test_cp_training import LOSS_ATOL, MICRO, M, STEPS, local_batches
@@ -39,7 +39,7 @@ from tests.test_fp8_training import GRAD_RTOL, MIN_DIM, PARAM_MAX, PARAM_MEAN
 PARAM_ATOL, LATER_NORM_RTOL = 3e-3, 1e-4
 VOCAB, EOD = 61, 0
 CONFIGS = {"gpt-oss": gpt_oss_cfg, "gemma3": gemma3_cfg, "gated": gated_cfg, "hybrid": hybrid_cfg,
-           "hybrid-moe": hybrid_moe_cfg, "nemotron": nemotron_cfg}
+           "hybrid-moe": hybrid_moe_cfg, "nemotron": nemotron_cfg, "kimi": kimi_cfg}
 
 
 def _reference(cfg: Any, data: list[torch.Tensor], fp8: Fp8Settings | None, context: ContextOptions

@@ -76,6 +76,15 @@ def nemotron_cfg(**overrides: object) -> Any:
     return tiny_model_cfg("llama", **{**base, **overrides})
 
 
+def kimi_cfg(**overrides: object) -> Any:
+    """Kimi-Linear-like: 3 Kimi Delta Attention layers then 1 full-attention layer without RoPE (Kimi Linear's full
+    layers are NoPE; MLA there, grouped-query attention here), one head count and width for q, k and v."""
+    base: dict[str, object] = dict(layer_types=["kimi_delta_attention"] * 3 + ["full_attention"], nope_layers=[3],
+                                   linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+                                   linear_value_head_dim=8, attn_output_gate="none", rope_fraction=1.0)
+    return hybrid_cfg(**{**base, **overrides})
+
+
 def perturb(model: nn.Module, state: ParallelState) -> None:
     """Add N(0, 0.5^2) to every bias and sink: drawn in full by name, then this rank's shard taken (tp parts of
     a column layout, the ep rows of an expert stack), so every layout holds the same numbers."""

@@ -9,6 +9,8 @@ leaves two orders of margin, while a wrong shard, a missed reset or a wrong gate
 
 from __future__ import annotations
 
+from functools import partial
+
 from typing import Any, Callable
 
 import pytest
@@ -23,12 +25,20 @@ from megalite.errors import ConfigError
 from megalite.kernels.testing import use_interpreter
 from megalite.recurrent.costs import RecurrentDims, cp_conv_halo_bytes, cp_exchange_bytes
 from megalite.recurrent.engine import Backend
+from megalite.recurrent.delta_layer import DeltaLayerConfig, ShortConvDeltaRule
 from megalite.recurrent.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from megalite.recurrent.kimi_delta import KimiDeltaAttention
 
 ATOL = 1e-5
 # Key heads 2, value heads 4 (two value heads per key head), key width != value width.
 CFG = GatedDeltaNetConfig(hidden_size=24, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6,
                           chunk_size=16)
+# Kimi Delta Attention's shape: one head count and width for q, k and v (Kimi Linear's linear_num_heads,
+# linear_head_dim), the low-rank gates of that width.
+KDA_CFG = DeltaLayerConfig(hidden_size=24, num_key_heads=4, num_value_heads=4, key_head_dim=8, value_head_dim=8,
+                           chunk_size=16)
+KINDS: dict[str, tuple[type[ShortConvDeltaRule], DeltaLayerConfig]] = {
+    "gdn": (GatedDeltaNet, CFG), "kda": (KimiDeltaAttention, KDA_CFG)}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = ATOL) -> None:
@@ -87,32 +97,44 @@ def test_layer_matches_transformers(backend: Backend, seq: int) -> None:
     torch.manual_seed(0)
     layer = GatedDeltaNet(replace(CFG, backend=backend), ParallelState(), name="layers.0.mixer", seed=3)
     hf = _hf_layer(layer)
-    x, gy = torch.randn(2, seq, CFG.hidden_size), torch.randn(2, seq, CFG.hidden_size)
+    match_peer(layer, hf, lambda: _hf_grads(hf, CFG), seq)
+
+
+def match_peer(layer: ShortConvDeltaRule, hf: torch.nn.Module, peer_grads: Callable[[], dict[str, torch.Tensor]],
+               seq: int, grad_rtol: float = 0.0) -> None:
+    """`layer` and transformers' `hf` (same weights) on the same input: forward, input gradient and every weight
+    gradient (`peer_grads()`: hf's under megalite's names), each weight gradient to ATOL + grad_rtol x its size."""
+    hidden = layer.cfg.hidden_size
+    x, gy = torch.randn(2, seq, hidden), torch.randn(2, seq, hidden)
     y, gx = _run(layer, x, gy)
     y_hf, gx_hf = _run(hf, x, gy)
     _close(y, y_hf, "forward")
     _close(gx, gx_hf, "input gradient")
-    for name, g in _hf_grads(hf, CFG).items():
+    grads = peer_grads()
+    assert set(grads) == {n for n, _ in layer.named_parameters()}
+    for name, g in grads.items():
         mine = dict(layer.named_parameters())[name].grad
         assert mine is not None, name
-        _close(mine, g, f"{name} gradient")
+        _close(mine, g, f"{name} gradient", atol=ATOL + grad_rtol * g.abs().max().item())
 
 
 def _packed(seq_lens: list[int]) -> torch.Tensor:
     return torch.cat([torch.full((n,), i) for i, n in enumerate(seq_lens)])[None]
 
 
-def test_packed_documents_equal_each_document_alone() -> None:
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_packed_documents_equal_each_document_alone(kind: str) -> None:
     """A packed row with document ids: output, input gradient and every weight gradient equal each document run
     alone (the conv window and the state restart at every EOD). Documents of 5, 19 and 12 tokens: one ends inside
     a chunk, one spans a chunk boundary, one is shorter than the conv window would be from a chunk start."""
+    cls, cfg = KINDS[kind]
     torch.manual_seed(1)
     lens = [5, 19, 3, 12]
     ids = _packed(lens)
-    x, gy = torch.randn(1, sum(lens), CFG.hidden_size), torch.randn(1, sum(lens), CFG.hidden_size)
-    packed = GatedDeltaNet(CFG, ParallelState(), name="m", seed=3)
+    x, gy = torch.randn(1, sum(lens), cfg.hidden_size), torch.randn(1, sum(lens), cfg.hidden_size)
+    packed = cls(cfg, ParallelState(), name="m", seed=3)
     y, gx = _run(packed, x, gy, docs=DocumentIds(ids, ids))
-    alone = GatedDeltaNet(CFG, ParallelState(), name="m", seed=3)
+    alone = cls(cfg, ParallelState(), name="m", seed=3)
     start = 0
     for n in lens:
         y_d, gx_d = _run(alone, x[:, start:start + n], gy[:, start:start + n])
@@ -122,23 +144,25 @@ def test_packed_documents_equal_each_document_alone() -> None:
     for (name, p), q in zip(packed.named_parameters(), alone.parameters()):
         assert p.grad is not None and q.grad is not None
         _close(p.grad, q.grad, f"{name} gradient (packed vs the sum over documents alone)")
-    leaky, _ = _run(GatedDeltaNet(CFG, ParallelState(), name="m", seed=3), x, gy)
+    leaky, _ = _run(cls(cfg, ParallelState(), name="m", seed=3), x, gy)
     assert (leaky - y).abs().max() > 1e-3  # without the ids the documents do mix: the test can fail
 
 
-def test_generation_steps_equal_the_full_forward() -> None:
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_generation_steps_equal_the_full_forward(kind: str) -> None:
     """Prefill a prompt, then one token at a time from the cache (constant size): the outputs of the full forward."""
+    cls, cfg = KINDS[kind]
     torch.manual_seed(2)
-    layer = GatedDeltaNet(CFG, ParallelState(), name="m", seed=3)
-    x = torch.randn(2, 23, CFG.hidden_size)
+    layer = cls(cfg, ParallelState(), name="m", seed=3)
+    x = torch.randn(2, 23, cfg.hidden_size)
     with torch.no_grad():
         full = layer(x)
         y, cache = layer.prefill(x[:, :17])
         outs = [y]
         for t in range(17, 23):
             y, cache = layer.step(x[:, t:t + 1], cache)
-            assert cache.conv.shape == (2, CFG.conv_kernel - 1, 2 * CFG.key_dim + CFG.value_dim)
-            assert cache.state.shape == (2, CFG.num_value_heads, CFG.key_head_dim, CFG.value_head_dim)
+            assert cache.conv.shape == (2, cfg.conv_kernel - 1, 2 * cfg.key_dim + cfg.value_dim)
+            assert cache.state.shape == (2, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim)
             outs.append(y)
     _close(torch.cat(outs, dim=1), full, "prefill + steps vs the full forward")
 
@@ -152,8 +176,11 @@ def test_bad_shapes_are_refused() -> None:
         CFG.check(4)
 
 
-def _gdn(st: ParallelState, name: str, seed: int) -> torch.nn.Module:
-    return GatedDeltaNet(CFG, st, name=name, seed=seed)
+def _build_delta(kind: str, st: ParallelState, name: str, seed: int) -> torch.nn.Module:
+    """The delta-rule layer `kind` ("gdn" or "kda"); partial(_build_delta, kind) is `check_tp`'s builder (a
+    top-level function: it travels to the pool's ranks by pickle)."""
+    cls, cfg = KINDS[kind]
+    return cls(cfg, st, name=name, seed=seed)
 
 
 def check_tp(rank: int, sp: bool, build: Callable[[ParallelState, str, int], torch.nn.Module], hidden: int) -> None:
@@ -189,8 +216,9 @@ def check_tp(rank: int, sp: bool, build: Callable[[ParallelState, str, int], tor
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_tp2_matches_one_process(dist_world, sp: bool) -> None:
-    dist_world(2).run(check_tp, sp, _gdn, CFG.hidden_size)
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_tp2_matches_one_process(dist_world, sp: bool, kind: str) -> None:
+    dist_world(2).run(check_tp, sp, partial(_build_delta, kind), KINDS[kind][1].hidden_size)
 
 
 def _check_cp(rank: int, tp: int, cp: int, sp: bool) -> None:

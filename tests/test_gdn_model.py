@@ -1,4 +1,5 @@
-"""Gated DeltaNet as the layer pattern's `linear_attention` mixer (megalite/model/linear_mixer.py): a tiny Qwen3.5-like
+"""Gated DeltaNet as the layer pattern's `linear_attention` mixer (megalite/model/linear_mixer.py), and Kimi Delta
+Attention as its `kimi_delta_attention` one: a tiny Qwen3.5-like
 hybrid (tests/layer_pattern_utils.py `hybrid_cfg`: 3 linear layers then 1 full-attention layer, sequence 40, not a
 multiple of the chunk) trained at tp2 + sp, pp2 (unequal stages), ZeRO 1-3, ep2 (its MoE variant), full recompute,
 FP8 (against the single-process FP8 run) and cp in each cp mode (the linear layers by state passing, with and without
@@ -7,7 +8,8 @@ parameter after 3 AdamW steps: tests/layer_pattern_ranks.py's check and toleranc
 equal to each document alone, KV-cached generation with the recurrent state equal to the full forward, the config
 checks, the cost the pipeline balances by, Muon leaving the conv kernel to AdamW, and pretrain.py training one.
 The layouts, packing and generation tests run a tiny Nemotron-H-like model too (`nemotron_cfg`: Mamba2, MLP and
-attention as one-part layers, megalite/model/pattern.py), its pp2 with stages of 2 and 3 layers.
+attention as one-part layers, megalite/model/pattern.py), its pp2 with stages of 2 and 3 layers; the layouts a tiny
+Kimi-Linear-like hybrid (`kimi_cfg`: Kimi Delta Attention layers).
 
 Tolerances: tests/test_document_mask.py's (the packed and separate runs sum the same terms in another order, fp32)
 and tests/test_layer_pattern.py's for generation (the argmax exactly, the logits to fp32 round-off: the step runs
@@ -53,6 +55,7 @@ LAYOUTS: list[tuple[str, dict]] = [
     # fp8.min_dim 4 puts in_proj in FP8 too (its gate parts are H = 4 wide); the reference runs the same recipe
     ("hybrid", dict(tp=2, sp=True, fp8="tensorwise", fp8_min_dim=4)),
     ("nemotron", dict(tp=2, sp=True)), ("nemotron", dict(pp=2, pp_layers=[2, 3])), ("nemotron", dict(zero=3)),
+    ("kimi", dict(tp=2, sp=True)), ("kimi", dict(pp=2, pp_layers=[1, 3])), ("kimi", dict(zero=3)),
 ]
 
 

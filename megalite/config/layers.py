@@ -10,8 +10,8 @@ from typing import Any
 from megalite.config.cli import coerce, field_types
 from megalite.config.schema import Config, ModelArgs, ModelConfig
 from megalite.errors import ConfigError
-from megalite.model.pattern import (LINEAR, MAMBA, VARIANT_DEFAULTS, is_uniform, layer_costs, linear_dims,
-                                    pattern_problems,
+from megalite.model.pattern import (KIMI_DELTA, LINEAR, MAMBA, VARIANT_DEFAULTS, is_uniform, layer_costs,
+                                    linear_dims, pattern_problems,
                                     variant_layout_problems)
 
 
@@ -27,10 +27,12 @@ def layer_problems(cfg: Config) -> list[str]:
     out += variant_layout_problems(m, cfg.parallel.tp, cfg.mla.enabled, cfg.mtp.num_layers)
     if LINEAR in m.layer_types and cfg.parallel.cp > 1:
         out += _linear_cp_problems(cfg)
-    if MAMBA in m.layer_types and cfg.parallel.cp > 1:
-        # Mamba2's layer has no cp path yet: state passing (megalite/recurrent/state_passing.py) takes the delta
-        # rule's erase only.
-        out.append(f"parallel.cp={cfg.parallel.cp} with mamba layers is not supported yet: set parallel.cp=1")
+    no_cp = [k for k in (KIMI_DELTA, MAMBA) if k in m.layer_types]
+    if no_cp and cfg.parallel.cp > 1:
+        # Gated DeltaNet's state passing is tested in a model (above); KDA's per-channel decay and Mamba2's write
+        # without the erase are not yet (megalite/recurrent/state_passing.py).
+        out.append(f"parallel.cp={cfg.parallel.cp} with {' and '.join(no_cp)} layers is not supported yet: set "
+                   "parallel.cp=1")
     if cfg.moe.router_bias and not cfg.moe.experts:
         out.append("moe.router_bias needs a mixture-of-experts model (moe.experts > 0)")
     if cfg.moe.shared_gate and not (cfg.moe.experts and cfg.moe.shared_experts):

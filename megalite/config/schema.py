@@ -57,13 +57,15 @@ class ModelConfig:
     head_dim: int = _f(0, "attention head width; 0 = hidden_size / num_heads (Qwen3 sets it apart); llama arch only")
     # The layer pattern and the attention / MLP variants (megalite/model/pattern.py, docs/attention.md).
     layer_types: list[str] = _lf("each layer's mixer in Hugging Face's vocabulary: full_attention | "
-                                 "sliding_attention | linear_attention (Gated DeltaNet), each with its MLP; or Nemotron-H's one-part layers: "
-                                 "mamba (Mamba2) | attention (full, no MLP) | mlp (no mixer); fewer entries than layers = a period repeated (Gemma 3: 5 x "
+                                 "sliding_attention | linear_attention (Gated DeltaNet) | kimi_delta_attention (Kimi Linear's KDA), "
+                                 "each with its MLP; or Nemotron-H's one-part layers: mamba (Mamba2) | attention (full, no MLP) | "
+                                 "mlp (no mixer); fewer entries than layers = a period repeated (Gemma 3: 5 x "
                                  "sliding_attention then full_attention); empty = full_attention everywhere")
     sliding_window: int = _f(0, "W of sliding_attention layers: query i sees keys i - W < j <= i (W keys, its own "
                                 "included: transformers' sliding_window)")
     # Gated DeltaNet, the linear_attention layers' mixer (megalite/recurrent, docs/linear-attention.md), with
-    # transformers' Qwen3-Next / Qwen3.5 names; 0 = derived from the attention's shape.
+    # transformers' Qwen3-Next / Qwen3.5 names; 0 = derived from the attention's shape. kimi_delta_attention layers
+    # read the same fields (Kimi Linear's linear_num_heads: key heads = value heads; linear_head_dim: both widths).
     linear_num_key_heads: int = _f(0, "linear_attention: key (and query) heads; 0 = num_heads")
     linear_num_value_heads: int = _f(0, "linear_attention: value heads, a multiple of the key heads; 0 = key heads")
     linear_key_head_dim: int = _f(0, "linear_attention: key (and query) head width; 0 = the attention's head_dim")

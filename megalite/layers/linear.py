@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from megalite.layers.init import full_normal
-from megalite.layers.linear_fn import TORCH_GEMMS, Fold, Gemms, part_blocks
+from megalite.layers.linear_fn import TORCH_GEMMS, Fold, Gemms, linear, part_blocks
 from megalite.parallel import comm
 from megalite.parallel.param_spec import REPLICATED, ROW, ParamSpec, column
 from megalite.parallel.state import ParallelState
@@ -116,6 +116,25 @@ class RowParallelLinear(_WeightGradFold, _SwappableGemms, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = exit_tp_region(self.gemms.linear(x, self.weight, fold=self.wgrad_fold), self.state)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class ReplicatedLinear(_WeightGradFold, nn.Module):
+    """y = x W^T with W whole on every TP rank, applied to an input already made whole (`enter_tp_region`) and
+    feeding only this rank's heads (MLA's down-projections, Kimi Delta Attention's low-rank gates): each rank
+    back-propagates its heads' share, so its gradient is a partial sum over TP (`sp_partial`, all-reduced by
+    the gradient sync)."""
+
+    def __init__(self, in_features: int, out_features: int, state: ParallelState, *, name: str, seed: int,
+                 std: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(full_normal((out_features, in_features), std, seed, f"{name}.0"))
+        self.partial = state.tp > 1
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec(REPLICATED, sp_partial=self.partial)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, fold=self.wgrad_fold)
 
 
 def enter_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:

@@ -46,9 +46,7 @@ from megalite.context.attend import Local, Masking, context_attention
 from megalite.context.options import ContextOptions
 from megalite.context.blockwise import Backend
 from megalite.context.documents import DocumentIds, document_causal_mask
-from megalite.layers.init import full_normal
-from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
-from megalite.layers.linear_fn import Fold, linear
+from megalite.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, enter_tp_region
 from megalite.mla.config import MLAConfig
 from megalite.parallel.param_spec import REPLICATED, ParamSpec
 from megalite.parallel.state import ParallelState
@@ -101,27 +99,6 @@ class MLAContext:
     softmax_factor: float
     torch_ops: MLAOps
     masked: MaskedAttention
-
-
-class ReplicatedLinear(nn.Module):
-    """y = x W^T with W whole on every TP rank, its gradient a partial sum over TP (see the module doc)."""
-
-    def __init__(self, in_features: int, out_features: int, state: ParallelState, *, name: str, seed: int,
-                 std: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(full_normal((out_features, in_features), std, seed, f"{name}.0"))
-        self.partial = state.tp > 1
-        self.wgrad_fold: Fold | None = None
-
-    def set_wgrad_fold(self, fold: Fold | None) -> None:
-        """The gradient sync's `FoldsWeightGrad`: dW goes into its buffer."""
-        self.wgrad_fold = fold
-
-    def param_specs(self) -> dict[str, ParamSpec]:
-        return {"weight": ParamSpec(REPLICATED, sp_partial=self.partial)}
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, fold=self.wgrad_fold)
 
 
 class LatentNorm(nn.Module):

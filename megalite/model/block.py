@@ -31,7 +31,8 @@ from megalite.model.attend import attend
 from megalite.model.ops import Ops, apply_rope
 from megalite.model.linear_mixer import LinearMixer
 from megalite.model.mamba_mixer import Mamba2Mixer
-from megalite.model.pattern import LINEAR, MAMBA, LayerSpec, gate_width, has_attention_bias, has_mlp_bias, layer_spec, mlp_kind, softmax_scale
+from megalite.model.pattern import (LINEAR_MIXERS, MAMBA, LayerSpec, gate_width, has_attention_bias, has_mlp_bias,
+                                    layer_spec, mlp_kind, softmax_scale)
 from megalite.model.spec import ModelSpec, head_dim
 from megalite.moe.layer import MoEContext, MoELayer
 from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
@@ -236,8 +237,8 @@ class Block(nn.Module):
         self.attn: nn.Module | None  # the mixer, whatever its kind (one name: checkpoints and hooks find it the same way)
         if not spec.has_mixer:
             self.attn = None
-        elif spec.mixer == LINEAR:  # Gated DeltaNet (megalite/recurrent)
-            self.attn = LinearMixer(cfg, state, ops, f"{name}.attn", seed)
+        elif spec.mixer in LINEAR_MIXERS:  # Gated DeltaNet or Kimi Delta Attention (megalite/recurrent)
+            self.attn = LinearMixer(cfg, state, ops, f"{name}.attn", seed, spec.mixer)
         elif spec.mixer == MAMBA:  # Mamba2 (megalite/recurrent/mamba2.py)
             self.attn = Mamba2Mixer(cfg, state, f"{name}.attn", seed)
         elif mla is None:

@@ -25,12 +25,21 @@ from dataclasses import dataclass
 from typing import Any
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
-MIXERS: tuple[str, ...] = (FULL, SLIDING, LINEAR)  # transformers' `layer_types` names this implementation computes
+# Kimi Delta Attention (Kimi Linear): transformers calls these layers "linear_attention" too (its config's
+# linear_attn_config.kda_layers); megalite names the kind, since Qwen3.5's linear_attention is Gated DeltaNet.
+KIMI_DELTA = "kimi_delta_attention"
+LINEAR_MIXERS = (LINEAR, KIMI_DELTA)  # the delta-rule mixers (megalite/recurrent): no KV cache, no RoPE
+MIXERS: tuple[str, ...] = (FULL, SLIDING, LINEAR, KIMI_DELTA)  # the `layer_types` names this implementation computes
 # Nemotron-H's one-part layers (above): two mixers without an MLP, an MLP without a mixer
 MAMBA, ATTENTION, MLP_ONLY = "mamba", "attention", "mlp"
 MIXER_ONLY = (MAMBA, ATTENTION)
 MIXERS += (MAMBA, ATTENTION, MLP_ONLY)
 MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu", "relu2")
+
+
+def has_linear(m: Any) -> bool:
+    """Some layer of model config `m` is a delta-rule (linear) mixer."""
+    return any(t in LINEAR_MIXERS for t in m.layer_types)
 OUTPUT_GATES = ("none", "head", "element")
 
 
@@ -241,7 +250,7 @@ def _linear_problems(m: Any, head_dim: int) -> list[str]:
     if not out and d.key_heads and d.value_heads % d.key_heads:
         out.append(f"model.linear_num_value_heads={d.value_heads} must be a multiple of linear_num_key_heads="
                    f"{d.key_heads} (each key head is read by value_heads / key_heads value heads)")
-    if LINEAR in m.layer_types and m.arch != "llama":
+    if has_linear(m) and m.arch != "llama":
         out.append("model.layer_types: linear_attention layers need model.arch=llama")
     return out
 
@@ -271,7 +280,7 @@ def variant_layout_problems(m: Any, tp: int, mla: bool, mtp_layers: int) -> list
                    "is split with its heads)")
     variant = (list(m.layer_types) != [] or m.attn_sinks or m.attn_output_gate != "none" or m.attn_softcap
                or m.query_pre_attn_scalar or m.rope_fraction != 1.0 or m.nope_layers or m.attn_bias)
-    if LINEAR in m.layer_types and m.num_heads and m.hidden_size:
+    if has_linear(m) and m.num_heads and m.hidden_size:
         d = linear_dims(m, m.head_dim or m.hidden_size // m.num_heads)
         if d.key_heads % max(tp, 1) or d.value_heads % max(tp, 1):
             out.append(f"linear_attention layers need linear_num_key_heads={d.key_heads} and linear_num_value_heads="
@@ -308,6 +317,10 @@ def layer_costs(m: Any) -> list[float]:
     conv = 2 * d.key_dim + d.value_dim
     # Gated DeltaNet: in_proj (q, k, v, z, b, a), out_proj, the depthwise conv; the recurrence's chunked form
     linear = h * (conv + d.value_dim + 2 * d.value_heads) + d.value_dim * h + conv * d.conv_kernel
+    # Kimi Delta Attention: in_proj (q, k, v, b), the low-rank gates (rank K: f_a, f_b to H K, g_a, g_b to H V),
+    # out_proj, the conv (the per-channel decay's extra cost in the recurrence is not counted)
+    kimi = (h * (conv + d.value_heads) + 2 * h * d.key_head_dim + d.key_head_dim * (d.value_heads * d.key_head_dim
+            + d.value_dim) + d.value_dim * h + conv * d.conv_kernel)
     rule = chunked_flops(RecurrentDims(d.value_heads, d.key_head_dim, d.value_head_dim, conv, d.conv_kernel), 1, s,
                          LINEAR_CHUNK) / s
     # Mamba2: in_proj (z, x, B, C, dt), out_proj, the conv (+ bias); SSD's chunked form (no erase: no solve)
@@ -326,8 +339,8 @@ def layer_costs(m: Any) -> list[float]:
             mlp = width * h * m.ffn_hidden_size
         if not spec.has_mlp:
             mlp = 0
-        if spec.mixer == LINEAR:
-            out.append(2.0 * (linear + mlp) + rule)
+        if spec.mixer in LINEAR_MIXERS:
+            out.append(2.0 * ((kimi if spec.mixer == KIMI_DELTA else linear) + mlp) + rule)
             continue
         if spec.mixer in (MAMBA, MLP_ONLY):
             out.append(2.0 * (mamba + mlp) + ssd if spec.mixer == MAMBA else 2.0 * mlp)

@@ -9,7 +9,7 @@ window, like the recurrent state, restarts at every EOD. In generation its state
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,9 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm(x) * weight * silu(gate) over the last dim (each head's values), in fp32, back in x's dtype."""
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float,
+                   activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """RMSNorm(x) * weight * activation(gate) over the last dim (each head's values), in fp32, back in x's dtype
+    (Qwen3.5's Gated DeltaNet: silu; Kimi Delta Attention: sigmoid)."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+    return (weight * normed.to(x.dtype) * activation(gate.float())).to(x.dtype)

@@ -2,7 +2,7 @@
 
     recurrent  one token at a time (recurrence.py): the definition, O(T) sequential steps
     chunked    the WY / UT chunked form in torch (chunked.py): the default off-GPU, and every gate
-    triton     the chunk kernels (kernels/gated_delta.py), forward and backward: Gated DeltaNet's gate
+    triton     the chunk kernels (kernels/gated_delta.py), forward and backward: all three gates
 """
 
 from __future__ import annotations
@@ -33,12 +33,9 @@ def gated_delta(x: RuleInputs, *, doc_ids: Optional[Tensor], scale: float, initi
     if backend != "triton":
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     x.check(doc_ids)
-    if x.g.dim() != 3 or not erase:
-        raise ValueError("the Triton chunk kernel runs Gated DeltaNet's gate (scalar decay, erase) only: use "
-                         "backend='chunked' for per-channel decay or erase=False")
     h = x.v.shape[2]
     state = zero_state(x.v, x.k.shape[-1]).float() if initial_state is None else initial_state
     docs = torch.zeros(x.v.shape[:2], dtype=torch.long, device=x.v.device) if doc_ids is None else doc_ids
     o, final = kernels.ChunkGatedDelta.apply(expand_groups(x.q, h), expand_groups(x.k, h), x.v, x.g, x.beta, state,
-                                             docs, scale, chunk_size)
+                                             docs, scale, chunk_size, erase)
     return o, final

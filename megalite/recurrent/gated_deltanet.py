@@ -9,178 +9,49 @@ Per token x [h] (transformers' Qwen3_5GatedDeltaNet, parameter for parameter):
     o = gated_delta(q, k, v, g, beta)  scale 1/sqrt(K); value head j reads key head j // (H/Hk)
     y = out_proj(RMSNorm(o) * norm_weight * silu(z))     the norm per value head, over V
 
-Under tensor parallelism the heads are split (Megatron-LM section 3, as the attention's): in_proj is
-column-parallel with each of its six parts split separately, so rank r holds key heads [r Hk/tp, ...) and the
-value heads [r H/tp, ...) that read them (H/Hk consecutive value heads per key head); the conv's channels, A_log
-and dt_bias are split with their heads; out_proj is row-parallel (one all-reduce, or reduce-scatter under SP,
-at the exit). Replicated: norm_weight ([V], shared by every head): each rank back-propagates only its heads'
-share, so its gradient is a partial sum over TP (`sp_partial`, all-reduced there, like Qwen3's q/k norms).
-Under SP the column layer's all-gather gives every rank the whole sequence, which the conv and the recurrence
-need anyway. Under context parallelism (megalite's zigzag split: two slices per rank) the conv's window reaches
-into the previous slice (its last W-1 inputs, all-gathered) and the recurrence passes states
-(state_passing.py). Every weight is drawn whole from (seed, name) and then sliced: every layout starts equal.
+Everything after the projections (the conv, the rule, the norm, tensor and context parallelism, generation) is
+delta_layer.py's, shared with Kimi Delta Attention. Under tensor parallelism in_proj is column-parallel with
+each of its six parts split separately; A_log and dt_bias are split with their heads.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megalite.context.documents import DocumentIds
-from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.param_spec import REPLICATED, ParamSpec, children_specs, column
+from megalite.layers.linear import ColumnParallelLinear
+from megalite.parallel.param_spec import ParamSpec, column
 from megalite.parallel.state import ParallelState
-from megalite.recurrent.chunked import CHUNK
-from megalite.recurrent.conv import causal_conv, gated_rms_norm, l2_normalize
-from megalite.recurrent.engine import Backend, gated_delta
-from megalite.recurrent.layer_init import conv_init, decay_init, shard_parts
-from megalite.recurrent.recurrence import RuleInputs
-from megalite.recurrent.state_passing import gather_slices, joined, owned_slices, state_passing_gated_delta
+from megalite.recurrent.delta_layer import DeltaLayerConfig, Projected, RecurrentCache, ShortConvDeltaRule
+from megalite.recurrent.layer_init import decay_init, shard_parts
 
 Tensor = torch.Tensor
+# The layer's shape: the fields every delta-rule layer shares (delta_layer.py).
+GatedDeltaNetConfig = DeltaLayerConfig
+__all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "RecurrentCache"]
 
 
-@dataclass(frozen=True)
-class GatedDeltaNetConfig:
-    """The layer's shape (transformers' linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
-    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps) and how it runs."""
+class GatedDeltaNet(ShortConvDeltaRule):
+    """forward(x [b, s, h], docs) -> [b, s, h]; `prefill` / `step` (delta_layer.py). Parameter names: in_proj (q,
+    k, v, z, b, a fused), conv_weight [C, W], A_log, dt_bias, norm_weight, out_proj."""
 
-    hidden_size: int
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int = 4
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    num_layers: int = 1          # the residual-branch output's init std is init_std / sqrt(2 num_layers)
-    backend: Backend = "chunked"
-    chunk_size: int = CHUNK
+    out_activation = staticmethod(F.silu)         # RMSNorm(o) * w * silu(z)
 
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
-
-    def check(self, tp: int) -> None:
-        """One line naming what cannot be built."""
-        if self.num_value_heads % self.num_key_heads:
-            raise ValueError(f"num_value_heads={self.num_value_heads} must be a multiple of "
-                             f"num_key_heads={self.num_key_heads}")
-        if self.num_key_heads % tp:
-            raise ValueError(f"num_key_heads={self.num_key_heads} must be divisible by tp={tp} (each rank keeps "
-                             "whole key heads with the value heads that read them)")
-
-
-@dataclass(frozen=True)
-class RecurrentCache:
-    """A linear layer's generation state, constant in size per token: the last W-1 conv inputs [B, W-1, C_local]
-    and the recurrent state [B, H_local, K, V]."""
-
-    conv: Tensor
-    state: Tensor
-
-
-class GatedDeltaNet(nn.Module):
-    """forward(x [b, s, h], docs) -> [b, s, h] (s this rank's tokens under SP); `prefill` and `step` carry a
-    `RecurrentCache` for generation. Parameter names: in_proj (q, k, v, z, b, a fused), conv_weight [C, W],
-    A_log, dt_bias, norm_weight, out_proj."""
-
-    def __init__(self, cfg: GatedDeltaNetConfig, state: ParallelState, *, name: str, seed: int) -> None:
-        super().__init__()
-        cfg.check(state.tp)
-        tp, rank = state.tp, state.tp_rank
-        self.cfg, self.state = cfg, state
-        self.local_k_heads, self.local_v_heads = cfg.num_key_heads // tp, cfg.num_value_heads // tp
+    def __init__(self, cfg: DeltaLayerConfig, state: ParallelState, *, name: str, seed: int) -> None:
+        super().__init__(cfg, state, name=name, seed=seed)
         kd, vd, nv = cfg.key_dim, cfg.value_dim, cfg.num_value_heads
-        self.conv_parts = [kd, kd, vd]
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, [kd, kd, vd, vd, nv, nv], state, name=f"{name}.in_proj",
                                             seed=seed, std=cfg.init_std)
-        # Mamba2's decay init and nn.Conv1d's conv init (megalite/recurrent/layer_init.py)
-        self.conv_weight = nn.Parameter(shard_parts(conv_init((kd * 2 + vd, cfg.conv_kernel), cfg.conv_kernel, seed,
-                                                              f"{name}.conv_weight"), self.conv_parts, tp, rank))
         a_log, dt_bias = decay_init(nv, seed, name)
-        self.A_log = nn.Parameter(shard_parts(a_log, [nv], tp, rank))
-        self.dt_bias = nn.Parameter(shard_parts(dt_bias, [nv], tp, rank))
-        self.norm_weight = nn.Parameter(torch.ones(cfg.value_head_dim))
-        self.out_proj = RowParallelLinear(vd, cfg.hidden_size, state, name=f"{name}.out_proj", seed=seed,
-                                          std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.A_log = nn.Parameter(shard_parts(a_log, [nv], state.tp, state.tp_rank))
+        self.dt_bias = nn.Parameter(shard_parts(dt_bias, [nv], state.tp, state.tp_rank))
 
     def param_specs(self) -> dict[str, ParamSpec]:
         heads = ParamSpec(column([self.cfg.num_value_heads]))
-        return children_specs(self) | {
-            "conv_weight": ParamSpec(column(self.conv_parts), matrix=False), "A_log": heads, "dt_bias": heads,
-            "norm_weight": ParamSpec(REPLICATED, sp_partial=self.state.tp > 1)}
+        return super().param_specs() | {"A_log": heads, "dt_bias": heads}
 
-    def forward(self, x: Tensor, docs: Optional[DocumentIds] = None) -> Tensor:
-        doc_ids = None if docs is None else docs.full
-        if self.state.cp > 1:
-            return self._mix_cp(x, doc_ids)
-        return self._mix(x, doc_ids, None, self.cfg.backend)[0]
-
-    def prefill(self, x: Tensor) -> tuple[Tensor, RecurrentCache]:
-        """The forward of a prompt (one document per row) and the cache the next token starts from."""
-        return self._mix(x, None, None, self.cfg.backend)
-
-    def step(self, x: Tensor, cache: RecurrentCache) -> tuple[Tensor, RecurrentCache]:
-        """The next token(s) x [b, t, h] from `cache`: constant work and memory per token."""
-        return self._mix(x, None, cache, "recurrent")
-
-    def _rule_inputs(self, mixed: Tensor, a: Tensor, b: Tensor) -> RuleInputs:
-        """The recurrence's inputs from the conv's output [b, S, C_local] and the gate projections."""
-        cfg, (bsz, seq) = self.cfg, mixed.shape[:2]
-        q, k, v = F.silu(mixed).split([p // self.state.tp for p in self.conv_parts], dim=-1)
-        q = l2_normalize(q.reshape(bsz, seq, self.local_k_heads, cfg.key_head_dim))
-        k = l2_normalize(k.reshape(bsz, seq, self.local_k_heads, cfg.key_head_dim))
-        v = v.reshape(bsz, seq, self.local_v_heads, cfg.value_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return RuleInputs(q, k, v, g, b.sigmoid())
-
-    def _output(self, o: Tensor, z: Tensor) -> Tensor:
-        bsz, seq = o.shape[:2]
-        o = gated_rms_norm(o, z.reshape(bsz, seq, self.local_v_heads, self.cfg.value_head_dim), self.norm_weight,
-                           self.cfg.norm_eps)
-        return self.out_proj(o.reshape(bsz, seq, -1))
-
-    def _mix(self, x: Tensor, doc_ids: Optional[Tensor], cache: Optional[RecurrentCache], backend: Backend
-             ) -> tuple[Tensor, RecurrentCache]:
+    def _project(self, x: Tensor) -> Projected:
         q, k, v, z, b, a = self.in_proj(x)                          # each [b, S, part / tp], S the whole sequence
-        mixed, conv_state = causal_conv(torch.cat([q, k, v], dim=-1), self.conv_weight, doc_ids,
-                                        None if cache is None else cache.conv)
-        o, state = gated_delta(self._rule_inputs(mixed, a, b), doc_ids=doc_ids, scale=self.cfg.key_head_dim ** -0.5,
-                               initial_state=None if cache is None else cache.state, backend=backend,
-                               chunk_size=self.cfg.chunk_size)
-        return self._output(o, z), RecurrentCache(conv_state, state)
-
-    def _mix_cp(self, x: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
-        """Under context parallelism: x holds this rank's two zigzag slices (megalite/context/zigzag.py). The conv
-        takes each slice's last W-1 inputs from the slice before it (an all-gather of every slice's tail) and the
-        recurrence its state by state passing (state_passing.py); `doc_ids` are the whole sequences'."""
-        st, width = self.state, self.cfg.conv_kernel
-        q, k, v, z, b, a = self.in_proj(x)
-        raw = torch.cat([q, k, v], dim=-1)
-        slices = owned_slices(st.cp, st.cp_rank, zigzag=True)
-        length = raw.shape[1] // len(slices)
-        if length < width - 1:
-            raise ValueError(f"cp slices of {length} tokens are shorter than the conv's window of {width - 1}")
-        tails = torch.stack([raw[:, (i + 1) * length - (width - 1):(i + 1) * length] for i in range(len(slices))])
-        halos = gather_slices(tails, st, zigzag=True)               # [2 cp, b, W-1, C_local], global slice order
-        pieces = []
-        for i, j in enumerate(slices):
-            ids = None if doc_ids is None else doc_ids[:, j * length:(j + 1) * length]
-            past_ids = None if doc_ids is None or j == 0 else doc_ids[:, j * length - (width - 1):j * length]
-            pieces.append(causal_conv(raw[:, i * length:(i + 1) * length], self.conv_weight, ids,
-                                      None if j == 0 else halos[j - 1], past_ids)[0])
-        mixed = joined(torch.cat(pieces, dim=1), halos)
-        o = state_passing_gated_delta(self._rule_inputs(mixed, a, b), doc_ids=doc_ids,
-                                      scale=self.cfg.key_head_dim ** -0.5, state=st, zigzag=True,
-                                      backend=self.cfg.backend, chunk_size=self.cfg.chunk_size)
-        return self._output(o, z)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return Projected(torch.cat([q, k, v], dim=-1), g, b.sigmoid(), z)
