@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megalite.recurrent.costs import RecurrentDims, chunked_flops, matmul_weights
+
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 MIXERS = (FULL, SLIDING, LINEAR)  # transformers' `layer_types` names this implementation computes
 MLP_KINDS = ("auto", "swiglu", "geglu", "clamped_swiglu", "gelu")
@@ -51,6 +53,11 @@ class LinearDims:
     @property
     def value_dim(self) -> int:
         return self.value_heads * self.value_head_dim
+
+    def recurrent(self) -> RecurrentDims:
+        """The recurrence's and the layer's shape as its cost formulas take it (megalite/recurrent/costs.py)."""
+        return RecurrentDims(self.value_heads, self.key_head_dim, self.value_head_dim,
+                             2 * self.key_dim + self.value_dim, self.conv_kernel, self.key_heads)
 
 
 def linear_dims(m: Any, head_dim: int) -> LinearDims:
@@ -228,18 +235,15 @@ def layer_costs(m: Any) -> list[float]:
 2 x its weights + the chunked recurrence's forward FLOPs per token (`recurrent.costs.chunked_flops`). What the pipeline
     partition balances (`balanced_counts`) when layers differ."""
     from megalite.attention.costs import visible_pairs
-    from megalite.recurrent.costs import RecurrentDims, chunked_flops
 
     h, nh, nkv, s = m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len
     hd = m.head_dim or h // nh
     attn = h * (nh * hd + 2 * nkv * hd) + nh * hd * h + h * gate_width(nh, hd, m.attn_output_gate)
     width = 3 if gated_mlp(m.arch, m.mlp) else 2
-    d = linear_dims(m, hd)
-    conv = 2 * d.key_dim + d.value_dim
+    d = linear_dims(m, hd).recurrent()
     # Gated DeltaNet: in_proj (q, k, v, z, b, a), out_proj, the depthwise conv; the recurrence's chunked form
-    linear = h * (conv + d.value_dim + 2 * d.value_heads) + d.value_dim * h + conv * d.conv_kernel
-    rule = chunked_flops(RecurrentDims(d.value_heads, d.key_head_dim, d.value_head_dim, conv, d.conv_kernel), 1, s,
-                         LINEAR_CHUNK) / s
+    linear = matmul_weights(d, h)
+    rule = chunked_flops(d, 1, s, LINEAR_CHUNK) / s
     moe = m.moe.resolved(m.ffn_hidden_size)
     out = []
     for i, spec in enumerate(layer_specs(m)):
