@@ -6,6 +6,10 @@ flat while attention's grows with the length is the crossover the hybrid models 
     python bench/gdn_forms.py                       # GPU: bf16 inputs, 16 value heads of 128, lengths 1k-32k
     python bench/gdn_forms.py --smoke               # CPU, fp32, tiny: the script runs (no figures to quote)
     python bench/gdn_forms.py --out bench/results   # publish (default runs/bench)
+    python bench/gdn_forms.py --cpu --machine "2-core shared CPU" --out bench/results   # CPU figures: ratios only
+
+On a CPU (`--cpu`, or no GPU) it runs fp32 at `--heads` x `--dim` over `--lengths`; a shared machine's absolute
+times mean little, the ratios of forms measured side by side in one run do (`ratios` in the JSON).
 
 The medians of a few repeats, wall time after a synchronize; a form is skipped past the length it is practical
 at (the recurrent reference is O(T) Python steps). Not run on a GPU yet: bench/results has no figures from it.
@@ -75,17 +79,30 @@ def measure(lengths: list[int], heads: int, dim: int, dtype: torch.dtype, device
             row["recurrent_ms"] = 1e3 * _time(_linear("recurrent", x, chunk), repeats, device)
         row["attention_ms"] = 1e3 * _time(_attention(x), repeats, device)
         rows.append(row)
+    for row in rows:  # side by side in one run: what a loaded machine still measures fairly
+        row["chunked_over_attention"] = row["chunked_ms"] / row["attention_ms"]
+        if "recurrent_ms" in row:
+            row["recurrent_over_chunked"] = row["recurrent_ms"] / row["chunked_ms"]
+        if "triton_ms" in row:
+            row["triton_over_attention"] = row["triton_ms"] / row["attention_ms"]
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
             "heads": heads, "dim": dim, "chunk": chunk, "rows": rows}
 
 
 def to_markdown(res: dict[str, Any]) -> str:
     cols = ["recurrent_ms", "chunked_ms", "triton_ms", "attention_ms"]
+    ratios = ["recurrent_over_chunked", "chunked_over_attention", "triton_over_attention"]
+    where = ", ".join(f"{k} {res[k]}" for k in ("machine", "date") if res.get(k))
     lines = [f"Gated delta rule vs causal attention, forward + backward, {res['heads']} heads of {res['dim']}, "
-             f"{res['dtype']}, {res['device']} (chunk {res['chunk']})", "",
-             "| tokens | " + " | ".join(c[:-3] + " ms" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+             f"{res['dtype']}, {res['device']} (chunk {res['chunk']})" + (f"; {where}" if where else ""), ""]
+    if res.get("command"):
+        lines += [f"`{res['command']}`", ""]
+    lines += ["| tokens | " + " | ".join(c[:-3] + " ms" for c in cols) + " | "
+              + " | ".join(r.replace("_over_", " / ") for r in ratios) + " |",
+              "|---" * (len(cols) + len(ratios) + 1) + "|"]
     for r in res["rows"]:
-        lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
+        lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " | "
+                     + " | ".join(f"{r[c]:.3g}" if c in r else "-" for c in ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -94,15 +111,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in fp32: check the script runs")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="where the .json and .md go")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
+    p.add_argument("--lengths", type=int, nargs="+", help="CPU: sequence lengths (default 256 512 1024 2048)")
+    p.add_argument("--heads", type=int, default=2, help="CPU: value (and attention) heads")
+    p.add_argument("--dim", type=int, default=16, help="CPU: head width (K = V = the attention's head_dim)")
+    p.add_argument("--chunk", type=int, default=16, help="CPU: the chunked form's chunk (the model's: 64)")
+    p.add_argument("--recurrent-max", type=int, default=512, help="CPU: the longest sequence the reference runs")
+    p.add_argument("--machine", help="recorded with the figures (e.g. '2-core shared CPU')")
     a = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.smoke
+    cuda = torch.cuda.is_available() and not a.smoke and not a.cpu
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         res = measure([1024, 2048, 4096, 8192, 16384, 32768], 16, 128, torch.bfloat16, device, a.repeats, 64, 2048)
     else:
-        lengths = [32, 64] if a.smoke else [256, 512, 1024, 2048]
-        res = measure(lengths, 2, 16, torch.float32, device, 1 if a.smoke else a.repeats, 16, 512)
-    write_results(a.out, "gdn_forms" + ("_smoke" if a.smoke else ""), res, to_markdown)
+        lengths = [32, 64] if a.smoke else a.lengths or [256, 512, 1024, 2048]
+        res = measure(lengths, a.heads, a.dim, torch.float32, device, 1 if a.smoke else a.repeats, a.chunk,
+                      a.recurrent_max)
+    res.update(machine=a.machine, date=time.strftime("%Y-%m-%d", time.gmtime()),
+               command="python bench/gdn_forms.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    write_results(a.out, "gdn_forms" + ("_smoke" if a.smoke else "" if cuda else "_cpu"), res, to_markdown)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark for a single H200 (under 9 minutes 15 s: 3 min of sections + 90 + 50 + 60 + 40 + 45 + 90 s, so a 15-minute device lease
+# One prepared GPU benchmark for a single H200 (under 10 minutes 15 s: 3 min of sections + 90 + 50 + 60 + 40 + 60 + 45 + 90 s, so a 15-minute device lease
 # that also pays the machine's start can run it once and rerun some sections). What it measures:
 #   1. MFU, tokens/s and peak memory of the llama-1b preset (bf16, seq 2048, megalite's real
 #      train_step) with model.kernels=torch, model.kernels=triton and torch.compile;
@@ -14,12 +14,13 @@
 #      shape's FP8 speedup (sets fp8.min_dim from measurements). At most 60 more seconds.
 #   7. MoE expert GEMMs (bench/moe_gpu.py): torch._grouped_mm vs a loop of matmuls at the MoE presets' expert
 #      shapes (qwen3-30b-a3b, mixtral-8x7b), bf16 forward + backward, tokens/s. At most 40 more seconds.
+#   9. (run before 8) the gated delta rule's forms vs causal attention (bench/gdn_forms.py). At most 60 more seconds.
 #   8. model.compile vs eager through pretrain.py (bench/compile_compare.py --gpu: 4 x 1024, seq 1024, bf16,
 #      one paired repeat). At most 45 more seconds.
-#   9. a sliding-window layer's cost vs full attention (bench/attention_window.py: S 1k-128k, W 128 and 1024; the
+#  10. a sliding-window layer's cost vs full attention (bench/attention_window.py: S 1k-128k, W 128 and 1024; the
 #      flash kernel's forward + backward ms beside the exact pair, tile and ring-block counts; the interpreter's
 #      tile counts in a child process). At most 90 more seconds; OUT=bench/results publishes attention_window.md.
-# Sections 1-3 share 3 min, so the whole script ends within 9 minutes 15 s.
+# Sections 1-3 share 3 min, so the whole script ends within 10 minutes 15 s.
 # Results: one gpu_bench.json + gpu_bench.md (+ overlap_compare_cuda.{json,md}) in $OUT (the device runner's output folder) or
 # runs/bench/, plus env.txt (nvidia-smi, versions) and gpu_bench.log.
 #
@@ -86,6 +87,11 @@ ${BG[@]+"${BG[@]}"} section fp8_gpu 60 bench/fp8_gpu.py ${FP8_ARGS[@]+"${FP8_ARG
 MOE_ARGS=(--budget-s 25)
 [ "$SMOKE" = 1 ] && MOE_ARGS=(--smoke)
 ${BG[@]+"${BG[@]}"} section moe_gpu 40 bench/moe_gpu.py "${MOE_ARGS[@]}"
+# 9. The gated delta rule's forms (bench/gdn_forms.py: recurrent reference, chunked torch, the Triton chunk kernel)
+# against causal SDPA of the same width, 1K-32K tokens, bf16. At most 60 more seconds.
+GDN_ARGS=(--repeats 3)
+[ "$SMOKE" = 1 ] && GDN_ARGS=(--smoke)
+${BG[@]+"${BG[@]}"} section gdn_forms 60 bench/gdn_forms.py "${GDN_ARGS[@]}"
 wait  # the smoke's background sections
 
 # 8. model.compile (each block through inductor) vs eager, bounded; its failure is logged, not fatal.
@@ -93,7 +99,7 @@ wait  # the smoke's background sections
 if [ "$SMOKE" = 0 ]; then
   timeout 45 python bench/compile_compare.py --gpu --steps 6 --out "$OUT_DIR" > "$OUT_DIR/compile_compare.log" 2>&1 \
     || echo "compile_compare: failed or timed out, see compile_compare.log"
-  # 9. Windowed vs full attention, timed (not in --smoke: tests/test_bench_attention_window.py runs its --smoke).
+  # 10. Windowed vs full attention, timed (not in --smoke: tests/test_bench_attention_window.py runs its --smoke).
   section attention_window 90 bench/attention_window.py
 fi
 exit "$status"

@@ -90,6 +90,14 @@ PRESETS: Mapping[str, Mapping[str, object]] = _frozen({
     "tiny-gemma3": dict(arch="llama", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                         ffn_hidden_size=384, seq_len=128, **{**_GEMMA3, "sliding_window": 32,
                                                              "query_pre_attn_scalar": 32.0}),
+    # Qwen3.5's text model at transformers' Qwen3_5TextConfig defaults (for the estimator and planner; docs/
+    # linear-attention.md): three Gated DeltaNet layers (16 key heads, 32 value heads of 128, conv 4) beside each
+    # gated full-attention layer (16 heads of 256, 4 kv heads, q/k norm, RoPE on a quarter of each head).
+    "qwen3.5": dict(arch="llama", num_layers=32, hidden_size=4096, num_heads=16, num_kv_heads=4, head_dim=256,
+                    ffn_hidden_size=12288, seq_len=4096, vocab_size=248320, rope_theta=1e7, norm_eps=1e-6,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=16,
+                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                    attn_output_gate="element", qk_norm=True, rope_fraction=0.25),
 })
 
 

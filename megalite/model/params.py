@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.mla.costs import MLAShape, attention_params
-from megalite.model.pattern import gate_width, gated_mlp, has_attention_bias, has_mlp_bias
+from megalite.model.pattern import (LINEAR, gate_width, gated_mlp, has_attention_bias, has_mlp_bias, layer_specs,
+                                    linear_dims)
+from megalite.recurrent.costs import layer_params
 from megalite.moe.settings import moe_layers, moe_settings
 
 
@@ -62,7 +64,7 @@ def count_model_params(m: Any, mla: MLAShape | None = None) -> int:
     (`m.moe`); `mla`: the attention is multi-head latent attention of these widths."""
     dense = count_params(ParamShape(m.arch, m.num_layers, m.hidden_size, m.num_heads, max(1, m.num_kv_heads),
                                     m.ffn_hidden_size, max(m.vocab_size, 1), m.seq_len, bool(m.tie_embeddings),
-                                    m.head_dim or None, mla)) + m.num_layers * variant_params(m)
+                                    m.head_dim or None, mla)) + m.num_layers * variant_params(m) + linear_params_delta(m)
     s = moe_settings(m)
     if s is None:
         return dense
@@ -83,14 +85,32 @@ def variant_params(m: Any) -> int:
     GeLU): q/k norm, q/k/v/o biases on llama (model.attn_bias), the output gate's projection (and its bias), the sinks, the
     sandwich norms, and the dense MLP of another kind (model.mlp) or with biases (model.mlp_bias). 0 for the
     default fields (megalite/model/pattern.py)."""
+    h, gpt2 = m.hidden_size, m.arch == "gpt2"
+    extra = attention_variant_params(m) + ((4 if gpt2 else 2) * h if m.sandwich_norm else 0)
+    f = m.ffn_hidden_size
+    before = 2 * h * f + f + h if gpt2 else 3 * h * f
+    return extra + _mlp_params(h, f, gated_mlp(m.arch, m.mlp), has_mlp_bias(m)) - before
+
+
+def attention_variant_params(m: Any) -> int:
+    """The attention's own parameters beyond `count_params`'s q/k/v/o: llama's q/k/v/o biases, the output gate's
+    projection (and its bias), the sinks, the q/k norms."""
     h, nh, gpt2 = m.hidden_size, m.num_heads, m.arch == "gpt2"
     hd = m.head_dim or h // max(nh, 1)
     extra = (nh * hd + 2 * max(1, m.num_kv_heads) * hd + h) if (m.attn_bias and not gpt2) else 0
     gate = gate_width(nh, hd, m.attn_output_gate)
     extra += h * gate + (gate if has_attention_bias(m) else 0)
     extra += nh if m.attn_sinks else 0
-    extra += 2 * hd if m.qk_norm else 0  # q_norm and k_norm, one [head_dim] weight each
-    extra += (4 if gpt2 else 2) * h if m.sandwich_norm else 0
-    f = m.ffn_hidden_size
-    before = 2 * h * f + f + h if gpt2 else 3 * h * f
-    return extra + _mlp_params(h, f, gated_mlp(m.arch, m.mlp), has_mlp_bias(m)) - before
+    return extra + (2 * hd if m.qk_norm else 0)  # q_norm and k_norm, one [head_dim] weight each
+
+
+def linear_params_delta(m: Any) -> int:
+    """What the linear_attention layers (Gated DeltaNet) change: each has the layer's parameters
+    (`recurrent.costs.layer_params`) where the others have the attention's (q/k/v/o and its variants)."""
+    linear = sum(spec.mixer == LINEAR for spec in layer_specs(m))
+    if not linear:
+        return 0
+    h, nh = m.hidden_size, m.num_heads
+    hd = m.head_dim or h // max(nh, 1)
+    attn = h * (nh * hd + 2 * max(1, m.num_kv_heads) * hd) + nh * hd * h + attention_variant_params(m)
+    return linear * (layer_params(linear_dims(m, hd).recurrent(), h) - attn)

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megalite.recurrent.costs import RecurrentDims, chunked_flops, matmul_weights, ssd_chunked_flops
+
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 # Kimi Delta Attention (Kimi Linear): transformers calls these layers "linear_attention" too (its config's
 # linear_attn_config.kda_layers); megalite names the kind, since Qwen3.5's linear_attention is Gated DeltaNet.
@@ -75,6 +77,11 @@ class LinearDims:
     @property
     def value_dim(self) -> int:
         return self.value_heads * self.value_head_dim
+
+    def recurrent(self) -> RecurrentDims:
+        """The recurrence's and the layer's shape as its cost formulas take it (megalite/recurrent/costs.py)."""
+        return RecurrentDims(self.value_heads, self.key_head_dim, self.value_head_dim,
+                             2 * self.key_dim + self.value_dim, self.conv_kernel, self.key_heads)
 
 
 @dataclass(frozen=True)
@@ -307,22 +314,20 @@ def layer_costs(m: Any) -> list[float]:
     mamba or attention layer no MLP, an mlp layer no mixer). What the pipeline partition balances
     (`balanced_counts`) when layers differ."""
     from megalite.attention.costs import visible_pairs
-    from megalite.recurrent.costs import RecurrentDims, chunked_flops, ssd_chunked_flops
 
     h, nh, nkv, s = m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len
     hd = m.head_dim or h // nh
     attn = h * (nh * hd + 2 * nkv * hd) + nh * hd * h + h * gate_width(nh, hd, m.attn_output_gate)
     width = 3 if gated_mlp(m.arch, m.mlp) else 2
-    d = linear_dims(m, hd)
-    conv = 2 * d.key_dim + d.value_dim
+    d = linear_dims(m, hd).recurrent()
     # Gated DeltaNet: in_proj (q, k, v, z, b, a), out_proj, the depthwise conv; the recurrence's chunked form
-    linear = h * (conv + d.value_dim + 2 * d.value_heads) + d.value_dim * h + conv * d.conv_kernel
+    linear = matmul_weights(d, h)
+    rule = chunked_flops(d, 1, s, LINEAR_CHUNK) / s
     # Kimi Delta Attention: in_proj (q, k, v, b), the low-rank gates (rank K: f_a, f_b to H K, g_a, g_b to H V),
     # out_proj, the conv (the per-channel decay's extra cost in the recurrence is not counted)
-    kimi = (h * (conv + d.value_heads) + 2 * h * d.key_head_dim + d.key_head_dim * (d.value_heads * d.key_head_dim
-            + d.value_dim) + d.value_dim * h + conv * d.conv_kernel)
-    rule = chunked_flops(RecurrentDims(d.value_heads, d.key_head_dim, d.value_head_dim, conv, d.conv_kernel), 1, s,
-                         LINEAR_CHUNK) / s
+    ld, conv = linear_dims(m, hd), d.conv_channels
+    kimi = (h * (conv + ld.value_heads) + 2 * h * ld.key_head_dim + ld.key_head_dim * (ld.value_heads * ld.key_head_dim
+            + ld.value_dim) + ld.value_dim * h + conv * ld.conv_kernel)
     # Mamba2: in_proj (z, x, B, C, dt), out_proj, the conv (+ bias); SSD's chunked form (no erase: no solve)
     md = mamba_dims(m, hd)
     inner = md.heads * md.head_dim

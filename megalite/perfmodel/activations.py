@@ -7,7 +7,10 @@ from __future__ import annotations
 from megalite.mla import costs as mla_costs
 from megalite.mtp.costs import mtp_activation_bytes
 from megalite.perfmodel.context import cp_held_kv_bytes
+from megalite.model.pattern import LINEAR_CHUNK
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+from megalite.perfmodel.mixers import recurrent_dims, stage_layers
+from megalite.recurrent.costs import chunks
 from megalite.perfmodel.schedules import microbatches_in_flight
 
 
@@ -52,6 +55,17 @@ def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_
     b, h, a = layout.micro_batch_size, dims.hidden_size, dims.num_heads
     s = layout.local_seq_len(dims.seq_len)
 
+    d = recurrent_dims(dims)
+
+    def per_linear_layer(recompute: str) -> float:
+        """A linear layer: the paper's sbh terms without the s^2 scores (its projections' inputs and outputs are of
+        the same order), plus the fp32 state entering each chunk, N·H·K·V·4 per sequence (/t: heads split)."""
+        assert d is not None
+        mine = d.split(layout.tp)
+        states = 0.0 if recompute == "full" else float(b * chunks(s, LINEAR_CHUNK) * mine.heads * d.key_dim
+                                                       * d.value_dim * 4)
+        return prec.activation / 2.0 * activation_bytes_per_layer(s, b, h, 0, layout.tp, layout.sp, recompute) + states
+
     def per_layer(recompute: str) -> float:
         held = 0.0 if recompute == "full" else cp_held_kv_bytes(dims, layout, prec.activation)  # allgather's K/V
         if dims.mla is not None:  # multi-head latent attention's own count (megalite/mla/costs.py)
@@ -61,9 +75,12 @@ def stage_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_
         return held + scale * activation_bytes_per_layer(s, b, h, a, layout.tp, layout.sp, recompute,
                                                          kv_len=dims.seq_len)
 
-    acts = per_layer(layout.recompute) * dims.num_layers / layout.pp * microbatches_in_flight(layout, pp_rank, m)
-    if layout.recompute == "full":
-        acts += per_layer("none")
+    layers = stage_layers(dims, layout.pp, pp_rank, layout.vpp, layout.schedule == "zbv")
+    linear = sum(i in dims.linear_layers for i in layers)
+    kinds = [(len(layers) - linear, per_layer)] + ([(linear, per_linear_layer)] if linear else [])
+    acts = sum(n * f(layout.recompute) for n, f in kinds) * microbatches_in_flight(layout, pp_rank, m)
+    if layout.recompute == "full":  # the block being recomputed: the largest kind the stage holds
+        acts += max(f("none") for n, f in kinds if n)
     if pp_rank == layout.pp - 1:
         acts += float(b) * s * dims.padded_vocab(layout.tp) / layout.tp * 4
         if dims.mtp_layers:  # the multi-token prediction modules (megalite/mtp/costs.py), never recomputed

@@ -10,7 +10,7 @@ from typing import Any
 
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
-from megalite.model.pattern import layer_specs
+from megalite.model.pattern import LINEAR, layer_specs, linear_dims
 from megalite.model.spec import ModelSpec
 from megalite.moe.config import MoEConfig
 from megalite.perfmodel.estimate import PRESETS
@@ -50,13 +50,22 @@ def spec_dims(m: ModelSpec) -> ModelDims:
                      ffn_hidden_size=m.ffn_hidden_size or None, tie_embeddings=m.tie_embeddings,
                      make_vocab_divisible_by=m.make_vocab_divisible_by or 1, head_dim=m.head_dim or None,
                      mla=MLADims.of(m.mla), mtp_layers=m.mtp.num_layers,
-                     moe=moe_dims(m.num_layers, m.ffn_hidden_size, m.moe), windows=layer_windows(m))
+                     moe=moe_dims(m.num_layers, m.ffn_hidden_size, m.moe), **pattern_fields(m))
 
 
 def layer_windows(m: object) -> tuple[int | None, ...] | None:
     """Each layer's sliding window (megalite/model/pattern.py) when some layer has one, else None (all full)."""
     windows = tuple(spec.window for spec in layer_specs(m))
     return windows if any(w is not None for w in windows) else None
+
+
+def pattern_fields(m: object) -> dict:
+    """ModelDims' layer-pattern fields of model config `m` (megalite/model/pattern.py): each layer's sliding window
+    (`layer_windows`), the linear_attention layers and their shape."""
+    linear = tuple(i for i, spec in enumerate(layer_specs(m)) if spec.mixer == LINEAR)
+    heads, hidden = getattr(m, "num_heads"), getattr(m, "hidden_size")
+    shape = linear_dims(m, getattr(m, "head_dim") or hidden // heads) if linear else None
+    return {"windows": layer_windows(m), "linear_layers": linear, "linear": shape}
 
 
 def _resolved_dims(kwargs: dict) -> ModelDims:
@@ -77,7 +86,7 @@ def presets() -> dict[str, dict]:
     for name, values in CONFIG_PRESETS.items():
         model = {**asdict(ModelConfig()), **section_values(values)}
         table[name] = _model_dims_kwargs(model, DataConfig().demo_vocab_size)
-        table[name]["windows"] = layer_windows(SimpleNamespace(**model))  # gpt-oss, Gemma 3: their windowed layers
+        table[name].update(pattern_fields(SimpleNamespace(**model)))  # gpt-oss, Gemma 3, Qwen3.5: their layer pattern
         if mla := section_values(values, "mla"):  # deepseek-v3: its attention and MTP modules, as a --config's
             table[name]["mla"] = MLADims.of(MLAConfig(**mla))
         table[name]["mtp_layers"] = section_values(values, "mtp").get("num_layers")
@@ -118,6 +127,7 @@ def from_config(config_argv: list[str]) -> tuple[dict, dict, str | None, dict]:
     dims["mla"] = MLADims.of(cfg.mla)  # multi-head latent attention's widths (None when off)
     dims["mtp_layers"] = cfg.mtp.num_layers or None
     dims["moe"] = moe_dims(model.num_layers, _resolved_dims(dims).ffn, cfg.moe)
+    dims.update(pattern_fields(model))  # the layer pattern: sliding windows, linear_attention layers
     lay = {k: getattr(par, k) or None for k in ("tp", "pp", "dp", "vpp", "schedule", "sp", "cp", "cp_mode", "cp_a2a")}
     lay.update(zero=par.zero, document_mask=data.document_mask, micro_batch_size=train.micro_batch_size or None,
                global_batch_size=train.global_batch_size or None, recompute=model.recompute)

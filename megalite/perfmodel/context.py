@@ -20,6 +20,7 @@ from megalite.context.costs import (a2a_attention_bytes, cp_attention_bytes, doc
 from megalite.context.options import ContextOptions
 from megalite.errors import ConfigError
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+from megalite.perfmodel.mixers import linear_cp_bytes, stage_layers
 
 
 def a2a_degree(layout: Layout) -> int:
@@ -72,13 +73,27 @@ def ring_passes(layout: Layout) -> tuple[int, int]:
     return (2 if layout.recompute == "full" else 1), 1
 
 
-def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int) -> float:
-    """Bytes one rank sends over its cp ring in one optimizer step: per layer of its stage and micro-batch,
-    the forward (twice under full recompute) and the backward ring."""
+def stage_mixers(dims: ModelDims, layout: Layout, pp_rank: int | None) -> tuple[float, float]:
+    """(attention layers, linear layers) of pipeline rank `pp_rank`'s stage (None: the mean stage's)."""
+    if pp_rank is None:
+        linear = len(dims.linear_layers) / layout.pp
+        return dims.num_layers / layout.pp - linear, linear
+    layers = stage_layers(dims, layout.pp, pp_rank, layout.vpp, layout.schedule == "zbv")
+    linear = sum(i in dims.linear_layers for i in layers)
+    return float(len(layers) - linear), float(linear)
+
+
+def cp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, m: int, pp_rank: int | None = None) -> float:
+    """Bytes one rank sends over cp in one optimizer step: per attention layer of its stage and micro-batch, the
+    forward (twice under full recompute) and the backward ring; per linear layer the state-passing exchange
+    (`mixers.linear_cp_bytes`: forward and the backward's as much, whatever the sequence length)."""
     fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
     n_fwd, n_bwd = ring_passes(layout)
     ids = document_ids_bytes(layout.micro_batch_size, dims.seq_len, layout.cp) * layout.vpp if layout.document_mask else 0
-    return float(m) * (dims.num_layers / layout.pp * (n_fwd * fwd + n_bwd * bwd) + ids)
+    attention, linear = stage_mixers(dims, layout, pp_rank)
+    passing = (n_fwd + n_bwd) * linear_cp_bytes(dims, 1, layout.micro_batch_size, layout.tp, layout.cp,
+                                                prec.activation)
+    return float(m) * (attention * (n_fwd * fwd + n_bwd * bwd) + linear * passing + ids)
 
 
 def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: int, flops_per_s: float,
@@ -86,12 +101,23 @@ def ring_exposed_seconds(dims: ModelDims, layout: Layout, prec: Precision, m: in
     """Seconds per step the ring's transfers add to the critical path: per ring step, max(0, transfer -
     compute of the block), summed over the cp-1 transferring steps, the passes, the layers of the stage
     and the micro-batches. `flops_per_s` is the achieved rate (efficiency x peak). `inner_bytes_per_s`: the
-    speed of hybrid's all-to-all (inside a node when tp x cp_a2a ranks fit one; default `bytes_per_s`)."""
+    speed of hybrid's all-to-all (inside a node when tp x cp_a2a ranks fit one; default `bytes_per_s`).
+    The linear layers' state passing is a collective on the critical path: all of it is exposed."""
     if layout.cp == 1:
         return 0.0
+    n_fwd, n_bwd = ring_passes(layout)
+    attention, linear = stage_mixers(dims, layout, None)
+    passing = float(m) * linear * (n_fwd + n_bwd) * linear_cp_bytes(dims, 1, layout.micro_batch_size, layout.tp,
+                                                                     layout.cp, prec.activation) / bytes_per_s
+    return passing + _attention_exposed(dims, layout, prec, float(m) * attention, flops_per_s, bytes_per_s,
+                                        inner_bytes_per_s)
+
+
+def _attention_exposed(dims: ModelDims, layout: Layout, prec: Precision, calls: float, flops_per_s: float,
+                       bytes_per_s: float, inner_bytes_per_s: float | None) -> float:
+    """`ring_exposed_seconds`' attention part over `calls` attention calls (layers x micro-batches)."""
     fwd, bwd = ring_bytes_per_call(dims, layout, prec.activation)
     n_fwd, n_bwd = ring_passes(layout)
-    calls = float(m) * dims.num_layers / layout.pp
     if layout.cp_mode in ("allgather", "a2a"):  # collectives on the critical path, nothing hides them
         return calls * (n_fwd * fwd + n_bwd * bwd) / bytes_per_s
     a = layout.cp_a2a if layout.cp_mode == "hybrid" else 1

@@ -25,7 +25,8 @@ from megalite.mtp.costs import mtp_flops_per_token, mtp_params
 from megalite.perfmodel.inputs import PRESETS, Hardware, Layout, ModelDims, Precision  # noqa: F401  (re-exported)
 from megalite.perfmodel.activations import activation_bytes_per_layer, stage_activation_bytes  # noqa: F401
 from megalite.perfmodel.context import check_cp_mode, cp_comm_bytes, ring_exposed_seconds
-from megalite.perfmodel.flops import attention_keys, flops_per_token, hfu_ratio, pipeline_imbalance
+from megalite.perfmodel.flops import attention_term, flops_per_token, hfu_ratio
+from megalite.perfmodel.mixers import pipeline_imbalance, stage_layers
 from megalite.perfmodel.fp8 import fp8_estimate
 from megalite.perfmodel.stage_params import (StageParams, block_params, dims_params, layer_params,  # noqa: F401
                                              stage_params)  # (re-exported: their old home)
@@ -140,13 +141,13 @@ def tp_comm_bytes(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int
     # the MLP's output reduction (its all-reduce, or SP's reduce-scatter: half an all-reduce's bytes).
     rerun = (1.5 if layout.sp else 1.0) if layout.recompute == "full" else 0.0
     per_layer = (4 + rerun) * all_reduce_bytes(x, t)
-    total = m * dims.num_layers // layout.pp * per_layer
+    total = m * len(stage_layers(dims, layout.pp, pp_rank, layout.vpp, layout.schedule == "zbv")) * per_layer
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     total += m * (first + last) * all_reduce_bytes(x, t)
     total += m * last * all_reduce_bytes(3 * bs * 4, t)
     partial: float = 0.0
     if layout.sp:
-        partial = stage_params(dims, t, layout.pp, pp_rank).tp_replicated_partial
+        partial = stage_params(dims, t, layout.pp, pp_rank, vpp=layout.vpp).tp_replicated_partial
     elif dims.mla is not None:  # MLA's replicated q_a / kv_a (and norms) have partial gradients at any tp
         whole = mla_costs.attention_weights(dims.hidden_size, dims.num_heads, dims.mla)[1]
         partial = dims.num_layers // layout.pp * (whole + dims.mla.q_lora_rank + dims.mla.kv_lora_rank)
@@ -272,7 +273,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     comm: dict[str, float] = {}
     for r in range(p) if dims is not None else [0]:
         psi = (total / (layout.tp * p) if params is not None or dims is None
-               else float(stage_params(dims, layout.tp, p, r).total))
+               else float(stage_params(dims, layout.tp, p, r, vpp=v).total))
         mem = zero_memory(psi, layout.replicas, layout.zero, prec)  # dp·cp ranks hold these parameters
         groups = {"dp": dp_comm_bytes(psi, layout.replicas, layout.zero, prec, m)}
         if dims is not None:
@@ -280,7 +281,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
             groups.update(tp=tp_comm_bytes(dims, layout, prec, r, m),
                           pp=pp_comm_bytes(dims, layout, prec, r, m),
                           embedding=embedding_comm_bytes(dims, layout, prec, r),
-                          cp=cp_comm_bytes(dims, layout, prec, m))
+                          cp=cp_comm_bytes(dims, layout, prec, m, r))
         for g, nbytes in groups.items():
             comm[g] = max(comm.get(g, 0.0), nbytes)
         if worst is None or mem.total > worst[0].total:
@@ -307,10 +308,10 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     model_per_token, hardware_per_token = model_per_token + mtp_flops, hardware_per_token + mtp_flops
     est.model_flops_per_step = tokens * model_per_token
     est.hardware_flops_per_step = tokens * hardware_per_token  # what recompute repeats included
-    # The causal-halved count (`mfu_causal`): each layer's attention term at the pairs it computes (`attention_keys`).
-    halved = attention_keys(dims.seq_len, dims.num_layers, dims.windows or ()) \
-        - attention_keys(dims.seq_len, dims.num_layers, dims.windows or (), causal=True)
-    est.model_flops_causal_per_step = est.model_flops_per_step - tokens * 12.0 * dims.num_heads * dims.hd * halved
+    # The causal-halved count (`mfu_causal`): each attention layer's term at the pairs it computes (`attention_keys`);
+    # a linear layer's recurrence is counted as the chunked form computes it in both.
+    halved = attention_term(dims) - attention_term(dims, causal=True)
+    est.model_flops_causal_per_step = est.model_flops_per_step - tokens * 12.0 * halved
     est.hfu_ratio, est.hfu_convention = hfu_ratio(dims, layout.recompute, hfu_convention), hfu_convention
     fp8_fraction = 0.0
     if fp8 is not None:
@@ -325,7 +326,7 @@ def estimate(dims: ModelDims | None, layout: Layout, prec: Precision = Precision
     fp8_speedup = (fp8_peak_flops / peak_flops) if fp8 is not None and fp8_peak_flops else 1.0
     ideal = est.hardware_flops_per_step * (1.0 - fp8_fraction + fp8_fraction / fp8_speedup) / layout.world \
         / (peak_flops * efficiency)
-    # Layers of unequal cost (sliding windows): the slowest stage sets the pace (flops.pipeline_imbalance).
+    # Layers of unequal cost (sliding windows, linear layers): the slowest stage sets the pace (mixers.pipeline_imbalance).
     est.compute_seconds = ideal * pipeline_imbalance(dims, layout.pp * layout.vpp) / (1.0 - est.bubble)
     if est.comm_seconds or not any(comm.values()):
         other = sum(sec for g, sec in est.comm_seconds.items() if g not in ("dp", "cp"))

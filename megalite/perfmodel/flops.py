@@ -31,6 +31,8 @@ from megalite.attention.costs import dense_pairs, visible_pairs
 from megalite.errors import ConfigError
 from megalite.mla import costs as mla_costs
 from megalite.perfmodel.inputs import ModelDims
+from megalite.perfmodel.mixers import attention_windows, linear_core_flops, mixer_weights
+from megalite.perfmodel.mixers import pipeline_imbalance  # noqa: F401  (re-exported: its old home)
 
 PEAK_ENV_VAR = "MEGALITE_PEAK_TFLOPS"
 """Set to a number of TFLOP/s to override the table (new GPUs, clocks capped, or a sanity check)."""
@@ -128,10 +130,19 @@ def matmul_params(dims: ModelDims) -> tuple[int, int]:
 
     Biases, norms and the embedding / position lookups are not matmuls: Megatron's FLOPs equation
     leaves them out, and so do the hardware FLOPs here."""
-    h, q, kv = dims.hidden_size, dims.num_heads * dims.hd, dims.kv_heads * dims.hd
+    h = dims.hidden_size
     mlp = (3 if dims.arch == "llama" else 2) * h * dims.ffn
-    attn = h * (q + 2 * kv) + q * h if dims.mla is None else sum(mla_costs.attention_weights(h, dims.num_heads, dims.mla))
-    return dims.num_layers * (attn + mlp), dims.vocab_size * h
+    if dims.mla is not None:
+        return dims.num_layers * (sum(mla_costs.attention_weights(h, dims.num_heads, dims.mla)) + mlp), dims.vocab_size * h
+    # each layer's mixer: attention's q/k/v/o, or a linear layer's projections and conv (`mixers.mixer_weights`)
+    return sum(mixer_weights(dims, i) for i in range(dims.num_layers)) + dims.num_layers * mlp, dims.vocab_size * h
+
+
+def attention_term(dims: ModelDims, causal: bool = False) -> float:
+    """L·H·Q·s generalised: heads x head dimension x the keys each query sees, summed over the attention layers
+    (`attention_keys` over their windows; a linear layer has none: its recurrence is `mixers.linear_core_flops`)."""
+    layers = dims.num_layers - len(dims.linear_layers)
+    return dims.num_heads * dims.hd * attention_keys(dims.seq_len, layers, attention_windows(dims), causal)
 
 
 def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple[float, float]:
@@ -149,43 +160,30 @@ def flops_per_token(dims: ModelDims, num_params: float, recompute: str) -> tuple
     `megatron_flops_per_iteration` / (B·s) with or without full recompute.
     """
     layers, head = matmul_params(dims)
-    windows = dims.windows or ()  # sliding-window layers: their window's keys only (executed: the kernels skip tiles)
-    attn = dims.num_heads * dims.hd * attention_keys(dims.seq_len, dims.num_layers, windows)
-    model = model_flops_per_token(int(num_params), dims.num_layers, dims.num_heads * dims.hd, dims.seq_len,
-                                  windows=windows)
+    # sliding-window layers: their window's keys only (executed: the kernels skip tiles); linear layers: no keys,
+    # their chunked recurrence instead (forward `rule`, x 3 for training as every matmul)
+    attn = attention_term(dims)
+    rule = linear_core_flops(dims)
+    model = model_flops_per_token(int(num_params), dims.num_layers - len(dims.linear_layers),
+                                  dims.num_heads * dims.hd, dims.seq_len, windows=attention_windows(dims)) + 3.0 * rule
     if dims.mla is not None:  # MLA: QK^T at d = nope + rope, AV at v_head_dim; executed at the padded width
         width = mla_costs.attention_width(dims.num_heads, dims.mla)
         model = model_flops_per_token(int(num_params), dims.num_layers, width, dims.seq_len)
         attn = dims.num_layers * mla_costs.core_flops_per_token(dims.seq_len, dims.num_heads, dims.mla)[1] / 4.0
         # (executed_flops counts the core as 12 x attn: 4·s·H·D forward, twice that backward)
-    return model, executed_flops(layers, head, attn, recompute)
+    return model, executed_flops(layers, head, attn, recompute, rule)
 
 
-def pipeline_imbalance(dims: ModelDims, stages: int) -> float:
-    """The costliest pipeline stage over the mean one (1.0: balanced) for a model whose layers differ in attention
-    cost (`dims.windows`), its layers split by cost as a run splits them (`pipeline.partition.balanced_counts`);
-    the step waits for the slowest stage. Per-layer cost: its matmul weights (all layers alike) and the keys its
-    queries see (`attention_keys`, causal-halved: what the kernels compute)."""
-    if not dims.windows or stages <= 1 or stages > dims.num_layers:
-        return 1.0
-    from megalite.pipeline.partition import balanced_counts
-
-    layers, _ = matmul_params(dims)
-    per_layer = 2.0 * layers / dims.num_layers
-    costs = [per_layer + 4.0 * dims.num_heads * dims.hd * attention_keys(dims.seq_len, 1, (w,), causal=True)
-             for w in dims.windows]
-    counts, start, worst = balanced_counts(costs, stages), 0, 0.0
-    for c in counts:
-        worst, start = max(worst, sum(costs[start:start + c])), start + c
-    return worst * stages / sum(costs)
-
-
-def executed_flops(layer_weights: float, head_weights: float, attn: float, recompute: str) -> float:
-    """`flops_per_token`'s hardware count from the layers' and the head's matmul weights per token and the
-    attention term attn = L·H·Q·s (megalite.perfmodel.fp8_moe passes a mixture of experts' active weights)."""
-    hardware = 6.0 * (layer_weights + head_weights) + 12.0 * attn
+def executed_flops(layer_weights: float, head_weights: float, attn: float, recompute: str,
+                   linear_core: float = 0.0) -> float:
+    """`flops_per_token`'s hardware count from the layers' and the head's matmul weights per token, the
+    attention term attn = L·H·Q·s and the linear layers' recurrence, forward (`mixers.linear_core_flops`; its
+    backward twice that, as a matmul's) (megalite.perfmodel.fp8_moe passes a mixture of experts' active weights).
+    Full recompute re-runs every layer's forward; selective recompute the attention core only (a linear layer
+    checkpoints nothing)."""
+    hardware = 6.0 * (layer_weights + head_weights) + 12.0 * attn + 3.0 * linear_core
     if recompute == "full":
-        hardware += 2.0 * layer_weights + 4.0 * attn
+        hardware += 2.0 * layer_weights + 4.0 * attn + linear_core
     elif recompute == "selective":
         hardware += 4.0 * attn
     return hardware

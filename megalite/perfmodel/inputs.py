@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from megalite.errors import ConfigError
 from megalite.mla.costs import MLADims
+from megalite.model.pattern import LinearDims
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class ModelDims:
     mtp_layers: int = 0  # multi-token prediction depth D (docs/mtp.md): D more blocks and logits on the last stage
     moe: MoEDims | None = None  # None: a dense model
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (model.layer_types); None: all full
+    linear_layers: tuple[int, ...] = ()  # the linear_attention (Gated DeltaNet) layers' global indices
+    linear: LinearDims | None = None  # their shape (the model.linear_* fields resolved); set with linear_layers
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gpt2"):
@@ -68,6 +71,10 @@ class ModelDims:
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
                               f"{self.num_heads}; pick sizes with hidden_size = num_heads x head_dim")
+        if self.linear_layers and (self.linear is None or not all(0 <= i < self.num_layers for i in self.linear_layers)
+                                   or any(self.windows[i] is not None for i in self.linear_layers if self.windows)):
+            raise ConfigError(f"linear_layers={self.linear_layers} must be full-width layer indices in "
+                              f"[0, {self.num_layers}) given with their shape (linear=LinearDims(...))")
         if self.num_heads % self.kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                               f"{self.kv_heads}; each kv head must serve a whole group of query heads")

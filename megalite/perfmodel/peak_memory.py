@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from megalite.errors import ConfigError
 from megalite.perfmodel.estimate import Memory, stage_params, zero_memory
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+from megalite.perfmodel.mixers import stage_layers
 from megalite.perfmodel.muon import muon_step_bytes
 from megalite.perfmodel.saved_bytes import layer_activation_bytes, moe_layer_extra_bytes, uses_torch_checkpoint
 from megalite.perfmodel.schedules import microbatches_in_flight
@@ -174,8 +175,9 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
     tokens = layout.micro_batch_size * layout.local_seq_len(dims.seq_len)
     h = dims.hidden_size
     hs = h / t if layout.sp else h
-    layers = dims.num_layers // p
-    sp_rank = stage_params(dims, t, p, pp_rank, layout.ep)
+    here = stage_layers(dims, p, pp_rank, layout.vpp, layout.schedule == "zbv")
+    layers, linear = len(here), sum(i in dims.linear_layers for i in here)
+    sp_rank = stage_params(dims, t, p, pp_rank, layout.ep, layout.vpp)
     psi = float(sp_rank.total)
     opt_prec = prec if opts.optimizer_state_bytes is None else replace(prec, optimizer=int(opts.optimizer_state_bytes))
     n = layout.replicas
@@ -195,11 +197,14 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
              "the optimizer's per-parameter state (AdamW: two fp32 moments)"),
     )
     per_layer = layer_activation_bytes(dims, layout, prec, opts.fp8)
+    per_linear = layer_activation_bytes(dims, layout, prec, opts.fp8, linear=True)
     in_flight = microbatches_in_flight(layout, pp_rank, m)
-    moe_here = 0 if dims.moe is None else sum(pp_rank * layers <= i < (pp_rank + 1) * layers for i in dims.moe.layers)
-    acts = ((per_layer * layers + moe_layer_extra_bytes(dims, layout, prec) * moe_here) * in_flight
-            + (2 * tokens * h * e * in_flight if last else 0.0))
-    how = (f"{per_layer / MiB:.1f} MiB/layer x {layers} layers x {in_flight:g} micro-batches in flight"
+    moe_here = 0 if dims.moe is None else sum(i in dims.moe.layers for i in here)
+    acts = ((per_layer * (layers - linear) + per_linear * linear + moe_layer_extra_bytes(dims, layout, prec) * moe_here)
+            * in_flight + (2 * tokens * h * e * in_flight if last else 0.0))
+    how = (f"{per_layer / MiB:.1f} MiB/layer x {layers - linear} layers"
+           + (f" + {per_linear / MiB:.1f} MiB/linear layer x {linear}" if linear else "")
+           + f" x {in_flight:g} micro-batches in flight"
            + (" + final norm in/out 2·b·s·h" if last else ""))
     activations = Term("activations", acts, how,
                        f"saved for the backward ({layout.schedule} holds {in_flight:g} on stage {pp_rank})"
@@ -237,7 +242,8 @@ def stage_peak(dims: ModelDims, layout: Layout, prec: Precision, pp_rank: int,
                  "fixed buffers the gathers reuse (megalite/dp/zero3.py): the block computing, the ones prefetched "
                  "and the outer unit (embedding, head, final norm), whole; held from the first step on")
     unrecomputed = replace(layout, recompute="none")
-    one_layer = layer_activation_bytes(dims, unrecomputed, prec, opts.fp8) + (
+    one_layer = max(layer_activation_bytes(dims, unrecomputed, prec, opts.fp8, linear=kind) for kind in
+                    {i in dims.linear_layers for i in here}) + (
         moe_layer_extra_bytes(dims, unrecomputed, prec) if moe_here else 0.0)  # the largest block's
     layer_grads = Term("layer gradients", one_layer,
                        "one layer's saved bytes again", "each saved tensor's gradient while its layer runs backward")

@@ -8,6 +8,7 @@ from megalite.fp8.costs import is_block_recipe
 from megalite.mla import costs as mla_costs
 from megalite.perfmodel.estimate import GB, Estimate, Layout, ModelDims, Precision
 from megalite.perfmodel.flops import attention_keys
+from megalite.perfmodel.mixers import linear_cache_bytes
 from megalite.perfmodel.peak_memory import PeakMemory, run_peak
 
 
@@ -91,6 +92,8 @@ def render(est: Estimate, kw: dict) -> str:
         out.append(mla_cache_line(dims, prec.activation))
     if dims is not None and dims.windows:
         out += window_lines(dims, prec.activation)
+    if dims is not None and dims.linear_layers:
+        out.append(linear_line(dims, prec.activation))
     for w in est.warnings:
         out.append(f"WARNING: {w}")
     return "\n".join(out)
@@ -110,6 +113,19 @@ def window_lines(dims: ModelDims, bytes_per_element: int) -> list[str]:
             f"compute (sum_i min(i + 1, W) / s); the attention term is {share:.1%} of all-full attention's",
             f"KV cache for generation at {s} tokens: {cache / GB:.4g} GB per sequence (a windowed layer keeps "
             f"min(s, W) positions), against {full / GB:.4g} GB with every layer full"]
+
+
+def linear_line(dims: ModelDims, bytes_per_element: int) -> str:
+    """What the linear_attention layers change: their FLOPs and their generation cache (megalite/perfmodel/mixers.py)."""
+    s, n, full_layers = dims.seq_len, len(dims.linear_layers), dims.num_layers - len(dims.linear_layers)
+    windows = [w for i, w in enumerate(dims.windows or (None,) * dims.num_layers) if i not in dims.linear_layers]
+    kv = sum(kv_cache_bytes(1, s, dims.kv_heads, dims.hd, bytes_per_element, w) for w in windows)
+    every = kv_cache_bytes(1, s, dims.kv_heads, dims.hd, bytes_per_element) * dims.num_layers
+    cache = linear_cache_bytes(dims, 1, bytes_per_element)
+    return (f"linear_attention layers: {n} of {dims.num_layers} (Gated DeltaNet), priced by their chunked recurrence "
+            f"(no s^2 term); generation cache at {s} tokens: {cache / GB:.4g} GB of recurrent state (any length) + "
+            f"{kv / GB:.4g} GB KV cache of the {full_layers} attention layers per sequence, against {every / GB:.4g} GB "
+            "with every layer full attention")
 
 
 def mla_cache_line(dims: ModelDims, bytes_per_element: int) -> str:

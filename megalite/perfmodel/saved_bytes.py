@@ -4,24 +4,29 @@ held equal to the bytes autograd really saves by tests/test_memory_terms.py. Pla
 
 from __future__ import annotations
 
+from megalite.model.pattern import LINEAR_CHUNK
 from megalite.perfmodel.inputs import Layout, ModelDims, Precision
+from megalite.perfmodel.mixers import recurrent_dims
+from megalite.recurrent.costs import saved_bytes as gdn_saved_bytes
 
 
-def fp8_saved_delta(dims: ModelDims, layout: Layout, prec: Precision, fp8: tuple[str, int] | None) -> float:
+def fp8_saved_delta(dims: ModelDims, layout: Layout, prec: Precision, fp8: tuple[str, int] | None,
+                    attention: bool = True) -> float:
     """Bytes per token an FP8 layer saves beyond (negative: below) the run dtype's (`megalite.fp8.linear`): under
     `tensorwise` each FP8 linear (min(in, every logical output part) >= min_dim) keeps its 1-byte quantised input
     instead of the input itself. The qkv, up and down linears' inputs were kept for them alone (e -> 1 byte); the
     attention's output stays saved by the attention, so the out linear's 1-byte copy is extra. `rowwise` saves the
-    input as it is (no change)."""
+    input as it is (no change). `attention` False: the MLP's linears only
+    (a linear_attention layer: its projections' FP8 copies are not counted)."""
     if fp8 is None or fp8[0] != "tensorwise":
         return 0.0
     min_dim, e, t = fp8[1], prec.activation, layout.tp
     h, f = dims.hidden_size, dims.ffn
     q, kv = dims.num_heads * dims.hd, dims.kv_heads * dims.hd
     delta = 0.0
-    if min(h, q, kv) >= min_dim:
+    if attention and min(h, q, kv) >= min_dim:
         delta += h * (1 - e)  # qkv's (gathered) input
-    if min(q, h) >= min_dim:
+    if attention and min(q, h) >= min_dim:
         delta += q / t  # out's own copy
     if min(h, f) >= min_dim:
         delta += h * (1 - e)  # up's (gathered) input
@@ -31,7 +36,7 @@ def fp8_saved_delta(dims: ModelDims, layout: Layout, prec: Precision, fp8: tuple
 
 
 def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
-                           fp8: tuple[str, int] | None = None) -> float:
+                           fp8: tuple[str, int] | None = None, linear: bool = False) -> float:
     """Bytes one transformer layer saves for its backward per micro-batch, as megalite's block saves them, per token
     (t = tp; hs = h/t under SP, else h: the sequence-sharded tensors; column linears save their gathered input, h):
 
@@ -43,7 +48,9 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
     RMSNorms: a 1/rms each; two LayerNorms: a mean and a 1/std each), and (llama) RoPE's cos and sin expanded to
     [S/cp, d] once per layer, whatever the batch and tp (megalite/model/ops.py's `apply_rope`).
     Full recompute keeps the layer input only (hs). `tests/test_memory_terms.py` holds this equal to the bytes
-    autograd saves."""
+    autograd saves. `linear`: a linear_attention layer, whose Gated DeltaNet saves `recurrent.costs.saved_bytes`
+    (the Triton kernel path; this rank's heads, the whole sequence: the column linear gathers it) in place of the
+    attention's tensors, RoPE's tables and log-sum-exp."""
     t, e = layout.tp, prec.activation
     h, d, a, kv = dims.hidden_size, dims.hd, dims.num_heads, dims.kv_heads
     s_local = layout.local_seq_len(dims.seq_len)
@@ -53,8 +60,12 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, prec: Precision,
         return tokens * hs * e
     llama = dims.arch == "llama"
     mlp = (4 if llama else 2) * dims.ffn / t
-    per_token = 2 * hs + 2 * h + (2 * a + 2 * kv) * d / t + mlp
     norm_stats = (2 if llama else 4) * (tokens / t if layout.sp else tokens)
+    rd = recurrent_dims(dims)
+    if linear and rd is not None:
+        return (tokens * ((2 * hs + h + mlp) * e + fp8_saved_delta(dims, layout, prec, fp8, attention=False))
+                + norm_stats * 4 + gdn_saved_bytes(rd.split(t), layout.micro_batch_size, s_local, h, e, LINEAR_CHUNK))
+    per_token = 2 * hs + 2 * h + (2 * a + 2 * kv) * d / t + mlp
     rope = 2 * s_local * d if llama else 0
     # Selective recompute checkpoints the attention core where it is SDPA (cp = 1 or a2a): its log-sum-exp is not kept.
     lse = 0.0 if uses_torch_checkpoint(layout) else a / t * 4

@@ -11,11 +11,31 @@ from megalite.mla import costs as mla_costs
 from megalite.model.params import ParamShape, count_params
 from megalite.mtp.costs import mtp_params, stage_copy_params
 from megalite.perfmodel.inputs import ModelDims
+from megalite.perfmodel.mixers import recurrent_dims, stage_layers
+from megalite.recurrent.costs import layer_params as linear_layer_params
 
 
 def dims_params(dims: ModelDims) -> int:
-    """Every parameter of the model, its multi-token prediction modules included."""
-    return _count(dims, dims.num_layers) + mtp_params(dims.mtp_layers, dims.hidden_size, block_params(dims))
+    """Every parameter of the model, its multi-token prediction modules included; a linear_attention layer has the
+    Gated DeltaNet's parameters where the others have the attention's."""
+    linear = _linear_split(dims, 1)
+    delta = len(dims.linear_layers) * (sum(linear) - _attention_params(dims)) if linear else 0
+    return _count(dims, dims.num_layers) + delta + mtp_params(dims.mtp_layers, dims.hidden_size, block_params(dims))
+
+
+def _attention_params(dims: ModelDims) -> int:
+    """The q/k/v/o weights `count_params` gives each layer (llama: no biases; linear layers are llama only)."""
+    q, kv = dims.num_heads * dims.hd, dims.kv_heads * dims.hd
+    return dims.hidden_size * (q + 2 * kv) + q * dims.hidden_size
+
+
+def _linear_split(dims: ModelDims, tp: int) -> tuple[int, int] | None:
+    """(tp-split, replicated) parameters of one linear_attention layer's mixer on one rank: its heads' projections,
+    conv channels, A_log and dt_bias split; the gated norm's weight [V] whole on every rank. None: no such layer."""
+    d = recurrent_dims(dims)
+    if d is None:
+        return None
+    return linear_layer_params(d.split(tp), dims.hidden_size) - d.value_dim, d.value_dim
 
 
 def _count(dims: ModelDims, layers: int) -> int:
@@ -54,6 +74,8 @@ def layer_params(dims: ModelDims, tp: int, index: int, ep: int = 1) -> tuple[int
 
     split = (h * (q + 2 * kv) + q * h + ((q + 2 * kv) if gpt2 else 0)) // t
     replicated = 5 * h if gpt2 else 2 * h  # two norms (gpt2: weight + bias each, + the attention's out bias)
+    if (linear := _linear_split(dims, tp)) is not None and index in dims.linear_layers:
+        split, replicated = linear[0], replicated + linear[1]  # Gated DeltaNet in place of the attention
     if dims.mla is not None:  # q_b / q, kv_b, out split by heads; q_a, kv_a and the latents' norms replicated
         attn, whole = mla_costs.attention_weights(h, dims.num_heads, dims.mla)
         split = attn // t
@@ -69,8 +91,9 @@ def layer_params(dims: ModelDims, tp: int, index: int, ep: int = 1) -> tuple[int
     return split + m_split, replicated + m_rep + moe.experts * h, experts
 
 
-def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int, ep: int = 1) -> StageParams:
-    """Exact parameters on one rank: layers split evenly over pp, weights split over tp,
+def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int, ep: int = 1, vpp: int = 1) -> StageParams:
+    """Exact parameters on one rank: layers split evenly over pp (by cost when they differ, `mixers.stage_layers`;
+    a rank's `vpp` chunks), weights split over tp,
     norms (and gpt2's row-parallel biases and positions) replicated, the vocabulary padded to a
     multiple of tp x make_vocab_divisible_by; a MoE model's routed experts split over ep (`layer_params`).
     With a tied head and pp > 1 the last stage holds its own copy of the embedding shard (synchronised over
@@ -79,9 +102,11 @@ def stage_params(dims: ModelDims, tp: int, pp: int, pp_rank: int, ep: int = 1) -
     if dims.num_heads % t or dims.kv_heads % t or f % t:
         raise ConfigError(f"tp={t} must divide num_heads ({dims.num_heads}), num_kv_heads "
                           f"({dims.kv_heads}) and ffn_hidden_size ({f}); pick a smaller parallel.tp")
+    if dims.linear is not None and dims.linear_layers and (dims.linear.key_heads % t or dims.linear.value_heads % t):
+        raise ConfigError(f"tp={t} must divide the linear layers' key heads ({dims.linear.key_heads}) and value heads "
+                          f"({dims.linear.value_heads}); pick a smaller parallel.tp")
     gpt2 = dims.arch == "gpt2"
-    per_stage = dims.num_layers // pp
-    blocks = [layer_params(dims, t, i, ep) for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)]
+    blocks = [layer_params(dims, t, i, ep) for i in stage_layers(dims, pp, pp_rank, vpp)]
     first, last = pp_rank == 0, pp_rank == pp - 1
     emb = dims.padded_vocab(t) // t * h
     rows = (emb if first else 0) + (emb if last and (not dims.tied or pp > 1) else 0)

@@ -14,6 +14,10 @@ the last one zero-padded, as the chunked form runs it):
 Generation keeps, per sequence and layer, the state [H, K, V] and the conv window [W - 1, channels]: constant in
 the number of tokens, where a full-attention layer's KV cache grows with it.
 
+The layer around the recurrence (megalite/recurrent/gated_deltanet.py) adds its weights: in_proj [h, C + H V + 2 H]
+(q, k, v for the conv's C = 2 Hk K + H V channels, then z, b and a), out_proj [H V, h], the depthwise conv [C, W]
+(one multiply-add per weight and token, like a matmul's), and A_log, dt_bias [H], norm_weight [V] (elementwise).
+
 Context parallelism by state passing (megalite/recurrent/state_passing.py): each cp rank sends the affine map of
 each of its slices, S_out = M S_in + B, as one [H, K, K + V] tensor per sequence (fp32); an all-gather over cp
 brings the other ranks' (forward) and a reduce-scatter of the same size carries their gradients back:
@@ -40,6 +44,17 @@ class RecurrentDims:
     value_dim: int
     conv_channels: int
     conv_kernel: int = 4
+    key_heads: int = 0  # query/key heads Hk (0: = heads); the conv's channels are 2 Hk K + H V
+
+    @property
+    def k_heads(self) -> int:
+        return self.key_heads or self.heads
+
+    def split(self, tp: int) -> "RecurrentDims":
+        """One tensor-parallel rank's share: whole heads (key heads with the value heads that read them), the conv's
+        channels with them (megalite/recurrent/gated_deltanet.py)."""
+        return RecurrentDims(self.heads // tp, self.key_dim, self.value_dim, self.conv_channels // tp,
+                             self.conv_kernel, self.k_heads // tp)
 
 
 def chunks(seq: int, chunk: int) -> int:
@@ -101,3 +116,36 @@ def cp_state_passing_bytes(d: RecurrentDims, batch: int, cp: int, act_bytes: int
     forward = (cp_exchange_bytes(d, batch, cp, slices_per_rank)
                + cp_conv_halo_bytes(d, batch, cp, act_bytes, slices_per_rank))
     return CpBytes(forward, forward)
+
+
+def matmul_weights(d: RecurrentDims, hidden: int) -> int:
+    """The layer's weights used once per token in a multiply-add (2 FLOPs forward each): in_proj, out_proj and the
+    depthwise conv's kernel."""
+    hv = d.heads * d.value_dim
+    return hidden * (d.conv_channels + hv + 2 * d.heads) + hv * hidden + d.conv_channels * d.conv_kernel
+
+
+def layer_params(d: RecurrentDims, hidden: int) -> int:
+    """Every parameter of the layer: `matmul_weights` and A_log, dt_bias [H] and the gated norm's weight [V]."""
+    return matmul_weights(d, hidden) + 2 * d.heads + d.value_dim
+
+
+def saved_bytes(d: RecurrentDims, batch: int, seq: int, hidden: int, act_bytes: int, chunk: int) -> int:
+    """Bytes the layer saves for its backward on the Triton kernel path (one micro-batch of `batch` sequences of
+    `seq` tokens; `d` one rank's share, `d.split(tp)`; e = act_bytes), per token:
+
+        in_proj's input h e; the conv's W masked shifted inputs W (C e + 1) (their document masks, bool), its output
+        and SiLU's C e each; q/k's l2 norms 2 Hk e; the decay's softplus input, output and g H 4 (fp32) and
+        beta H e; the kernel's q, k (repeated to the value heads) 2 H K e, v H V e, the document ids 8 (int64);
+        the gated RMSNorm's fp32 input, SiLU(z) and z upcast, 3 H V 4, its 1/rms H 4, the normed value, the gated
+        product and out_proj's input, 3 H V e;
+
+    per sequence: the state entering each chunk N H K V 4 (fp32, N = ceil(seq / chunk)) and the conv's past
+    document mask W - 1 (bool); per micro-batch: exp(A_log) and its negation, 2 H 4. Linear in seq (no seq^2
+    term). Equal to autograd's saved tensors in fp32 (tests/test_gdn_estimate.py); the torch chunked form saves
+    more (its [C, C] blocks per chunk and head)."""
+    e, h, hv, w, c = act_bytes, d.heads, d.heads * d.value_dim, d.conv_kernel, d.conv_channels
+    per_token = (hidden * e + w * (c * e + 1) + 2 * c * e + 2 * d.k_heads * e + 3 * h * FP32 + h * e
+                 + 2 * h * d.key_dim * e + hv * e + 8 + 3 * hv * FP32 + h * FP32 + 3 * hv * e)
+    per_sequence = chunks(seq, chunk) * h * d.key_dim * d.value_dim * FP32 + (w - 1)
+    return batch * (seq * per_token + per_sequence) + 2 * h * FP32

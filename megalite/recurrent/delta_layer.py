@@ -37,7 +37,7 @@ from megalite.parallel.state import ParallelState
 from megalite.recurrent.chunked import CHUNK
 from megalite.recurrent.conv import causal_conv, gated_rms_norm, l2_normalize
 from megalite.recurrent.engine import Backend, gated_delta
-from megalite.recurrent.layer_init import conv_init
+from megalite.recurrent.layer_init import conv_init, shard_parts
 from megalite.recurrent.recurrence import RuleInputs
 from megalite.recurrent.state_passing import gather_slices, joined, owned_slices, state_passing_gated_delta
 
