@@ -46,20 +46,26 @@ def _worker(rank: int, world: int, init_file: str, tasks: Any, results: Any) -> 
 
 
 def _drop_groups() -> None:
-    """Destroy the process groups the last task made (every ParallelState makes its tp/dp/pp/cp/ep groups).
+    """Destroy the process groups the last task made and nothing keeps (most tests build a fresh ParallelState).
 
     A gloo group owns three threads (two run loops and a TCP event loop) that live as long as the group. A rank of
     the pool outlives hundreds of tests, so without this it ended a session with ~600 threads, whose event loops
     kept waking up: the 2-core machine spent a growing share of its time on them and the suite slowed as it went.
-    The world group stays; the groups are collective-free to drop (local bookkeeping), and the collection joins
-    their threads once nothing refers to them."""
+    Kept: the world group and the layouts tests cache on purpose (`_GROUPS` of tests/parallel_utils.py and
+    tests/moe_utils.py, reused by later tasks). Dropping a group is local bookkeeping (no collective); the collection
+    joins its threads once nothing refers to it."""
     import gc
+    import sys
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    kept = {id(c10d.GroupMember.WORLD)}
+    for module in ("tests.parallel_utils", "tests.moe_utils"):
+        for state in getattr(sys.modules.get(module), "_GROUPS", {}).values():
+            kept.update(id(pg) for pg in state.groups.values())
     for pg in list(c10d._world.pg_map):
-        if pg is not c10d.GroupMember.WORLD:
+        if id(pg) not in kept:
             dist.destroy_process_group(pg)
     gc.collect()
 

@@ -77,7 +77,8 @@ def test_no_args_applies_tiny_preset() -> None:
 def test_presets_values() -> None:
     assert set(PRESETS) == {"tiny", "gpt2-tiny", "gpt2-small", "gpt2-medium", "llama-160m", "llama-1b", "llama-7b",
                             "tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "tiny-deepseek",  # MoE: docs/moe.md
-                            "gpt-oss-20b", "tiny-gpt-oss", "gemma3-1b", "tiny-gemma3"}  # docs/attention.md
+                            "gpt-oss-20b", "tiny-gpt-oss", "gemma3-1b", "tiny-gemma3",  # docs/attention.md
+                            "qwen3.5"}  # docs/linear-attention.md
     m = parse_args(["--model.preset", "llama-1b"]).model
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (16, 2048, 32, 8, 8192)
     assert (m.vocab_size, m.rope_theta, m.tie_embeddings, m.seq_len) == (128256, 500000.0, True, 2048)
