@@ -81,8 +81,8 @@ def test_linear_layer_saved_bytes_equal_autograd(monkeypatch: pytest.MonkeyPatch
     process: every saved tensor's storage once, the model's parameters left out (tests/test_memory_terms.py's count)."""
     from megalite.model import linear_mixer
 
-    config = linear_mixer.gated_deltanet_config
-    monkeypatch.setattr(linear_mixer, "gated_deltanet_config", lambda c, o: replace(config(c, o), backend="triton"))
+    config = linear_mixer.delta_layer_config
+    monkeypatch.setattr(linear_mixer, "delta_layer_config", lambda c, o: replace(config(c, o), backend="triton"))
     cfg = hybrid_cfg(seq_len=64)
     model = GPT(cfg, ParallelState(), seed=0)
     owned = {t.untyped_storage().data_ptr() for t in model.parameters()}
